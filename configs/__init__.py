@@ -1,0 +1,1 @@
+"""Building-block config groups; a package so they ship inside the wheel."""

@@ -1,0 +1,1 @@
+"""Complete presets loaded with +recipe=NAME, and example Trainer subclasses."""

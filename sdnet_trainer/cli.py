@@ -1,0 +1,101 @@
+"""Command line: ``torchrun -m sdnet_trainer +recipe=NAME key=value ...``.
+
+Hydra composes the config on every rank; ``run`` then validates it before any process group
+exists, starts the group, runs the Trainer, and destroys the group on every path. User scripts
+with their own Trainer subclass call ``launch(MyTrainer)`` for the same behaviour.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import sys
+from pathlib import Path
+
+import hydra
+from hydra.core.hydra_config import HydraConfig
+from hydra.utils import get_class
+from omegaconf import DictConfig
+from omegaconf.errors import MissingMandatoryValue
+
+from sdnet_trainer.config import CONFIG_MODULE, to_config, validate
+from sdnet_trainer.distributed import distributed_session, launched_world_size
+from sdnet_trainer.distributed.ops import all_gather_objects
+from sdnet_trainer.errors import ConfigError
+from sdnet_trainer.observability import setup_logging
+from sdnet_trainer.trainer import Trainer
+
+logger = logging.getLogger("sdnet_trainer")
+
+EXIT_CONFIG_ERROR = 2
+
+
+def run(cfg: DictConfig, trainer_cls: type[Trainer] | None = None) -> dict[str, float]:
+    """Validate ``cfg``, then train with ``trainer_cls`` (default: ``cfg.trainer._target_``).
+
+    A ConfigError anywhere (validation, a missing data folder, an unknown model) ends the process
+    with exit code 2 and the message alone, after the process group is torn down.
+    """
+    output_dir = Path(HydraConfig.get().runtime.output_dir)
+    rank = int(os.environ.get("RANK", "0"))
+    level = str(cfg.logging.level) if "logging" in cfg else "INFO"
+    setup_logging(output_dir, rank=rank, level=level if level.upper() in logging._nameToLevel else "INFO")
+    try:
+        try:
+            config = to_config(cfg)
+        except MissingMandatoryValue as err:
+            raise ConfigError(f"{err.full_key} must be set (it has no default in this config)") from None
+        validate(config, world_size=launched_world_size())
+        cls = trainer_cls or _trainer_class(config.trainer._target_)
+        with distributed_session(config.dist) as env:
+            _check_same_output_dir(output_dir)
+            trainer = cls(config, output_dir=output_dir, env=env)
+            try:
+                return trainer.fit()
+            finally:
+                trainer.close()
+    except ConfigError as err:
+        # Validation is identical on every rank: rank 0 speaks for all. Errors that arise later
+        # (e.g. a data folder missing on one node) are printed by each rank that hits them.
+        logger.error("config error: %s", err) if rank == 0 else logger.warning("config error: %s", err)
+        sys.exit(EXIT_CONFIG_ERROR)
+
+
+def _trainer_class(target: str) -> type[Trainer]:
+    try:
+        cls = get_class(target)
+    except Exception as err:  # hydra wraps import failures in several exception types
+        raise ConfigError(f"trainer._target_={target!r} cannot be imported: {err}") from None
+    if not (isinstance(cls, type) and issubclass(cls, Trainer)):
+        raise ConfigError(f"trainer._target_={target!r} is not a subclass of sdnet_trainer.Trainer")
+    return cls
+
+
+def _check_same_output_dir(output_dir: Path) -> None:
+    dirs = all_gather_objects(str(output_dir))
+    if len(set(dirs)) > 1:
+        raise ConfigError(f"ranks resolved different run directories ({sorted(set(dirs))}); on several "
+                          f"nodes pass the same run.id (or SDNET_RUN_ID) to every node")
+
+
+@hydra.main(version_base=None, config_path=f"pkg://{CONFIG_MODULE}", config_name="config")
+def _main(cfg: DictConfig) -> dict[str, float]:
+    return run(cfg)
+
+
+def main() -> None:
+    _main()
+
+
+def launch(trainer_cls: type[Trainer]) -> None:
+    """Run the CLI with ``trainer_cls``: the entry point of a user script.
+
+        if __name__ == "__main__":
+            sdnet_trainer.launch(MyTrainer)   # torchrun --nproc_per_node=2 my_train.py +recipe=...
+    """
+
+    @hydra.main(version_base=None, config_path=f"pkg://{CONFIG_MODULE}", config_name="config")
+    def _task(cfg: DictConfig) -> dict[str, float]:
+        return run(cfg, trainer_cls=trainer_cls)
+
+    _task()

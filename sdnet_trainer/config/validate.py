@@ -1,0 +1,130 @@
+"""Whole-config validation: every rule that involves more than one key or the world size.
+
+Runs before any process group exists, on every rank, so a bad launch stops everywhere with the
+same message. Each message names the keys and the numbers involved.
+"""
+
+from __future__ import annotations
+
+import difflib
+import importlib
+import logging
+
+import torch
+
+from sdnet_trainer.config.schema import Config
+from sdnet_trainer.errors import ConfigError
+
+logger = logging.getLogger(__name__)
+
+PRECISIONS = ("fp32", "bf16", "fp16")
+SCHEDULES = ("constant", "cosine", "step", "multistep")
+STRATEGIES = ("ddp",)
+BACKENDS = ("auto", "nccl", "gloo")
+DEVICES = ("auto", "cpu", "cuda")
+PROGRESS = ("auto", "on", "off")
+LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR")
+
+
+def _choice(key: str, value: str, choices: tuple[str, ...]) -> None:
+    if value not in choices:
+        close = difflib.get_close_matches(value, choices, n=1)
+        hint = f" (did you mean {close[0]!r}?)" if close else ""
+        raise ConfigError(f"{key}={value!r} is not one of {', '.join(choices)}{hint}")
+
+
+def _positive(key: str, value: float | None, *, allow_none: bool = False, allow_zero: bool = False) -> None:
+    if value is None:
+        if not allow_none:
+            raise ConfigError(f"{key} must be set")
+        return
+    if value < 0 or (value == 0 and not allow_zero):
+        raise ConfigError(f"{key}={value} must be {'>= 0' if allow_zero else '> 0'}")
+
+
+def micro_batch_size(cfg: Config, world_size: int) -> int:
+    """Per-rank samples per forward pass; the batch split rule lives here alone."""
+    loop = cfg.loop
+    split = world_size * loop.grad_accum_steps
+    if loop.global_batch_size % split:
+        raise ConfigError(
+            f"loop.global_batch_size={loop.global_batch_size} is not divisible by world size "
+            f"({world_size}) x loop.grad_accum_steps ({loop.grad_accum_steps}) = {split}; "
+            f"choose a global batch that is a multiple of {split}")
+    return loop.global_batch_size // split
+
+
+def resolve_optimizer_class(name: str) -> type[torch.optim.Optimizer]:
+    """``optim.name``: a class of torch.optim (``AdamW``) or a dotted path (``my_pkg.Lion``)."""
+    module_name, _, cls_name = name.rpartition(".")
+    try:
+        module = importlib.import_module(module_name or "torch.optim")
+        cls = getattr(module, cls_name)
+    except (ImportError, AttributeError):
+        known = [n for n in dir(torch.optim) if isinstance(getattr(torch.optim, n), type)
+                 and issubclass(getattr(torch.optim, n), torch.optim.Optimizer)]
+        close = difflib.get_close_matches(cls_name, known, n=1)
+        hint = f" (did you mean {close[0]!r}?)" if close else ""
+        raise ConfigError(f"optim.name={name!r} is neither a torch.optim class nor an importable "
+                          f"dotted path{hint}") from None
+    if not (isinstance(cls, type) and issubclass(cls, torch.optim.Optimizer)):
+        raise ConfigError(f"optim.name={name!r} is not a torch.optim.Optimizer subclass")
+    return cls
+
+
+def validate(cfg: Config, *, world_size: int) -> None:
+    """Raise ConfigError on the first rule the config breaks."""
+    loop, data, optim, sched = cfg.loop, cfg.data, cfg.optim, cfg.sched
+
+    _positive("loop.global_batch_size", loop.global_batch_size)
+    _positive("loop.grad_accum_steps", loop.grad_accum_steps)
+    micro_batch_size(cfg, world_size)
+    if (loop.max_steps is None) == (loop.max_epochs is None):
+        raise ConfigError(f"set exactly one of loop.max_steps ({loop.max_steps}) and "
+                          f"loop.max_epochs ({loop.max_epochs}); the other must be null")
+    _positive("loop.max_steps", loop.max_steps, allow_none=True)
+    _positive("loop.max_epochs", loop.max_epochs, allow_none=True)
+    _positive("loop.eval_every_n_steps", loop.eval_every_n_steps, allow_none=True)
+    _positive("loop.eval_batch_size", loop.eval_batch_size, allow_none=True)
+    _positive("logging.log_every_n_steps", cfg.logging.log_every_n_steps)
+
+    if cfg.model.num_classes != data.num_classes:
+        raise ConfigError(f"model.num_classes={cfg.model.num_classes} differs from "
+                          f"data.num_classes={data.num_classes}")
+    _positive("data.image_size", data.image_size)
+    _positive("data.num_workers", data.num_workers, allow_zero=True)
+
+    resolve_optimizer_class(optim.name)
+    _positive("optim.lr", optim.lr, allow_zero=True)
+    if optim.clip_grad_norm is not None and optim.clip_grad_value is not None:
+        raise ConfigError(f"optim.clip_grad_norm={optim.clip_grad_norm} and optim.clip_grad_value="
+                          f"{optim.clip_grad_value} are both set; clip by norm or by value, not both")
+    _positive("optim.clip_grad_norm", optim.clip_grad_norm, allow_none=True)
+    _positive("optim.clip_grad_value", optim.clip_grad_value, allow_none=True)
+    if not 0.0 <= cfg.loss.label_smoothing < 1.0:
+        raise ConfigError(f"loss.label_smoothing={cfg.loss.label_smoothing} must be in [0, 1)")
+
+    _choice("sched.name", sched.name, SCHEDULES)
+    _positive("sched.warmup_steps", sched.warmup_steps, allow_zero=True)
+    if not 0.0 <= sched.warmup_start_factor <= 1.0:
+        raise ConfigError(f"sched.warmup_start_factor={sched.warmup_start_factor} must be in [0, 1]")
+    if not 0.0 <= sched.min_lr_ratio <= 1.0:
+        raise ConfigError(f"sched.min_lr_ratio={sched.min_lr_ratio} must be in [0, 1]")
+    if sched.name == "step":
+        _positive("sched.step_size", sched.step_size)
+    if sched.name == "multistep" and list(sched.milestones) != sorted(set(sched.milestones)):
+        raise ConfigError(f"sched.milestones={list(sched.milestones)} must be strictly increasing")
+
+    _choice("precision.dtype", cfg.precision.dtype, PRECISIONS)
+    _choice("parallel.strategy", cfg.parallel.strategy, STRATEGIES)
+    _positive("parallel.ddp.bucket_cap_mb", cfg.parallel.ddp.bucket_cap_mb)
+    _choice("dist.backend", cfg.dist.backend, BACKENDS)
+    _choice("dist.device", cfg.dist.device, DEVICES)
+    _positive("dist.timeout_s", cfg.dist.timeout_s)
+    if cfg.dist.backend == "nccl" and cfg.dist.device == "cpu":
+        raise ConfigError("dist.backend=nccl needs dist.device=cuda (or auto on a GPU machine); "
+                          "use dist.backend=gloo for CPU training")
+    if cfg.dist.device == "cuda" and not torch.cuda.is_available():
+        raise ConfigError("dist.device=cuda but torch.cuda.is_available() is False on this machine")
+    _choice("logging.progress_bar", cfg.logging.progress_bar, PROGRESS)
+    _choice("logging.level", cfg.logging.level.upper(), LOG_LEVELS)

@@ -1,0 +1,79 @@
+"""The one place that turns ``data.*`` loader settings into a ``torch.utils.data.DataLoader``.
+
+Training passes a batch sampler (see :class:`~sdnet_trainer.data.sampler.GlobalBatchSampler`);
+evaluation passes a per-sample sampler plus a batch size. Options torch would reject or warn about
+in a given setting (pinning without CUDA, worker options without workers) are dropped here, so
+one config works on a laptop and on a GPU node alike.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+import torch
+from torch.utils.data import DataLoader, Dataset, Sampler
+
+from sdnet_trainer.config.schema import DataConfig
+from sdnet_trainer.errors import ConfigError
+
+logger = logging.getLogger(__name__)
+
+
+def _check_cfg(cfg: DataConfig) -> None:
+    if cfg.num_workers < 0:
+        raise ConfigError(f"data.num_workers={cfg.num_workers} must be >= 0")
+    if cfg.num_workers > 0 and cfg.prefetch_factor < 1:
+        raise ConfigError(f"data.prefetch_factor={cfg.prefetch_factor} must be >= 1")
+
+
+def _batching_kwargs(
+    *, batch_sampler: Sampler | None, sampler: Sampler | None, batch_size: int | None
+) -> dict[str, Any]:
+    """Exactly one way of batching: a batch sampler, or a sampler plus a batch size."""
+    if batch_sampler is not None:
+        if sampler is not None or batch_size is not None:
+            raise ValueError("pass either batch_sampler, or sampler and batch_size, not both")
+        return {"batch_sampler": batch_sampler}
+    if sampler is None or batch_size is None:
+        raise ValueError("pass either batch_sampler, or both sampler and batch_size")
+    if batch_size < 1:
+        raise ValueError(f"batch_size must be >= 1, got {batch_size}")
+    # The per-sample path serves evaluation, where every sample must count: keep the short tail.
+    return {"sampler": sampler, "batch_size": batch_size, "drop_last": False}
+
+
+def _worker_kwargs(cfg: DataConfig, *, device_type: str) -> dict[str, Any]:
+    kwargs: dict[str, Any] = {
+        "num_workers": cfg.num_workers,
+        # Pinned host memory only speeds up host-to-CUDA copies; elsewhere torch warns and it
+        # just costs page-locked RAM.
+        "pin_memory": bool(cfg.pin_memory) and device_type == "cuda",
+    }
+    # torch raises ValueError for these two when num_workers == 0.
+    if cfg.num_workers > 0:
+        kwargs["persistent_workers"] = bool(cfg.persistent_workers)
+        kwargs["prefetch_factor"] = cfg.prefetch_factor
+    return kwargs
+
+
+def build_loader(
+    dataset: Dataset,
+    *,
+    cfg: DataConfig,
+    device_type: str,
+    batch_sampler: Sampler | None = None,
+    sampler: Sampler | None = None,
+    batch_size: int | None = None,
+    generator: torch.Generator | None = None,
+) -> DataLoader:
+    """A DataLoader over ``dataset`` following the ``data.*`` loader policy.
+
+    ``device_type`` is the training device's type ("cuda", "cpu", ...); ``generator`` seeds the
+    workers' base seed (and so random augmentations) reproducibly.
+    """
+    _check_cfg(cfg)
+    kwargs = _batching_kwargs(batch_sampler=batch_sampler, sampler=sampler, batch_size=batch_size)
+    kwargs.update(_worker_kwargs(cfg, device_type=device_type))
+    logger.debug("DataLoader settings: %s", {k: v for k, v in kwargs.items() if "sampler" not in k})
+    return DataLoader(dataset, generator=generator, **kwargs)

@@ -1,0 +1,82 @@
+"""Where this process runs: rank, world size, device and backend, and the process group's lifetime.
+
+A launch under torchrun (RANK/WORLD_SIZE/LOCAL_RANK in the environment) gets a process group;
+``python -m sdnet_trainer`` runs as a single process without one. The device check for CUDA lives
+here alone: every other module asks ``DistEnv.device``.
+"""
+
+from __future__ import annotations
+
+import gc
+import logging
+import os
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+from sdnet_trainer.config.schema import DistConfig
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class DistEnv:
+    rank: int = 0
+    world_size: int = 1
+    local_rank: int = 0
+    device: torch.device = torch.device("cpu")
+    backend: str | None = None  # None: no process group (a single plain process)
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+    @property
+    def distributed(self) -> bool:
+        return self.backend is not None
+
+
+def launched_world_size() -> int:
+    """The world size torchrun announced, known before any process group exists."""
+    return int(os.environ.get("WORLD_SIZE", "1"))
+
+
+def resolve_device(cfg: DistConfig, local_rank: int) -> torch.device:
+    use_cuda = cfg.device == "cuda" or (cfg.device == "auto" and torch.cuda.is_available())
+    return torch.device("cuda", local_rank) if use_cuda else torch.device("cpu")
+
+
+def resolve_backend(cfg: DistConfig, device: torch.device) -> str:
+    if cfg.backend != "auto":
+        return cfg.backend
+    return "nccl" if device.type == "cuda" else "gloo"
+
+
+@contextmanager
+def distributed_session(cfg: DistConfig) -> Iterator[DistEnv]:
+    """Start the process group (when launched by torchrun) and always destroy it on the way out."""
+    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    device = resolve_device(cfg, local_rank)
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    if "RANK" not in os.environ:
+        yield DistEnv(device=device)
+        return
+
+    backend = resolve_backend(cfg, device)
+    dist.init_process_group(backend=backend, timeout=timedelta(seconds=cfg.timeout_s),
+                            device_id=device if device.type == "cuda" else None)
+    env = DistEnv(rank=dist.get_rank(), world_size=dist.get_world_size(), local_rank=local_rank,
+                  device=device, backend=backend)
+    logger.debug("process group up: rank %d/%d on %s (%s)", env.rank, env.world_size, device, backend)
+    try:
+        yield env
+    finally:
+        # A DistributedDataParallel still alive when its group is destroyed can abort the process
+        # at exit ("terminate called without an active exception"); collect dropped wrappers first.
+        gc.collect()
+        dist.destroy_process_group()

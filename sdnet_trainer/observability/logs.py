@@ -1,0 +1,31 @@
+"""Python logging for a run: rank 0 talks, the other ranks only warn.
+
+Rank 0 logs to the console and to ``train.log`` in the run directory; every other rank logs
+warnings and errors to the console, prefixed with its rank, so a failure on rank 3 is still seen.
+"""
+
+from __future__ import annotations
+
+import logging
+import sys
+from pathlib import Path
+
+_FORMAT = "[%(asctime)s][%(name)s][%(levelname)s] %(message)s"
+LOG_FILE = "train.log"
+
+
+def setup_logging(output_dir: str | Path | None, *, rank: int, level: str = "INFO") -> None:
+    root = logging.getLogger()
+    for handler in list(root.handlers):
+        root.removeHandler(handler)
+        handler.close()
+    fmt = _FORMAT if rank == 0 else f"[rank{rank}]{_FORMAT}"
+    console = logging.StreamHandler(sys.stderr)
+    console.setFormatter(logging.Formatter(fmt))
+    root.addHandler(console)
+    if rank == 0 and output_dir is not None:
+        Path(output_dir).mkdir(parents=True, exist_ok=True)
+        file = logging.FileHandler(Path(output_dir) / LOG_FILE)
+        file.setFormatter(logging.Formatter(_FORMAT))
+        root.addHandler(file)
+    root.setLevel(level.upper() if rank == 0 else logging.WARNING)

@@ -1,0 +1,56 @@
+"""Step timing (wall time, data wait) and peak memory."""
+
+from __future__ import annotations
+
+import resource
+import sys
+
+import torch
+
+
+class StepMeter:
+    """Training time and samples of this rank, per log window and for the whole run.
+
+    Only time inside training steps counts (batch fetching included), so evaluation, logging and
+    checkpointing between steps do not dilute the throughput figures.
+    """
+
+    def __init__(self) -> None:
+        self.total_seconds = 0.0
+        self.total_samples = 0
+        self.total_steps = 0
+        self._reset_window()
+
+    def _reset_window(self) -> None:
+        self._seconds = 0.0
+        self._data_wait = 0.0
+        self._steps = 0
+        self._samples = 0
+
+    def add_data_wait(self, seconds: float) -> None:
+        self._data_wait += seconds
+
+    def step_done(self, *, samples: int, seconds: float) -> None:
+        self._steps += 1
+        self._samples += samples
+        self._seconds += seconds
+        self.total_steps += 1
+        self.total_samples += samples
+        self.total_seconds += seconds
+
+    def flush(self) -> dict[str, float]:
+        """Mean step time, mean data wait per step and samples/s of the window; starts a new one."""
+        steps = max(self._steps, 1)
+        out = {"step_s": self._seconds / steps, "data_wait_s": self._data_wait / steps,
+               "samples_per_s": self._samples / self._seconds if self._seconds > 0 else 0.0}
+        self._reset_window()
+        return out
+
+
+def peak_memory_mb(device: torch.device) -> float:
+    """Peak allocated CUDA memory, or this process's peak resident set size on the CPU."""
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated(device) / 2**20
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    # ru_maxrss is in kilobytes on Linux, bytes on macOS.
+    return peak / 2**20 if sys.platform == "darwin" else peak / 2**10

@@ -1,0 +1,76 @@
+"""Optimizer and per-step learning-rate schedule from config."""
+
+from __future__ import annotations
+
+import inspect
+import math
+from collections.abc import Callable
+
+import torch
+from torch import nn
+from torch.optim.lr_scheduler import LambdaLR
+
+from sdnet_trainer.config.schema import OptimConfig, SchedConfig
+from sdnet_trainer.config.validate import resolve_optimizer_class
+from sdnet_trainer.errors import ConfigError
+
+# Typed optional fields of OptimConfig, forwarded only when set.
+_OPTIONAL_ARGS = ("momentum", "nesterov", "betas", "eps")
+
+
+def param_groups(model: nn.Module, cfg: OptimConfig) -> list[dict]:
+    """One group, or two when biases and normalization weights are kept out of weight decay."""
+    params = [p for p in model.parameters() if p.requires_grad]
+    if not cfg.no_decay_norm_and_bias or cfg.weight_decay == 0:
+        return [{"params": params}]
+    # 1-D tensors are biases and norm scales/shifts in every torchvision model.
+    decay = [p for p in params if p.ndim > 1]
+    no_decay = [p for p in params if p.ndim <= 1]
+    return [{"params": decay}, {"params": no_decay, "weight_decay": 0.0}]
+
+
+def build_optimizer(model: nn.Module, cfg: OptimConfig) -> torch.optim.Optimizer:
+    cls = resolve_optimizer_class(cfg.name)
+    kwargs = {"lr": cfg.lr, "weight_decay": cfg.weight_decay}
+    for name in _OPTIONAL_ARGS:
+        value = getattr(cfg, name)
+        if value is not None:
+            kwargs[name] = tuple(value) if name == "betas" else value
+    kwargs.update(cfg.kwargs)
+    accepted = inspect.signature(cls).parameters
+    if not any(p.kind is inspect.Parameter.VAR_KEYWORD for p in accepted.values()):
+        unknown = sorted(k for k in kwargs if k not in accepted)
+        if unknown:
+            keys = ", ".join(f"optim.{k}" if k in _OPTIONAL_ARGS else f"optim.kwargs.{k}" for k in unknown)
+            raise ConfigError(f"optim.name={cfg.name!r} does not take {keys}")
+    return cls(param_groups(model, cfg), **kwargs)
+
+
+def lr_multiplier(cfg: SchedConfig, total_steps: int) -> Callable[[int], float]:
+    """The factor applied to the base lr before optimizer step ``step`` (0-based).
+
+    Linear warmup from ``warmup_start_factor`` to 1 over ``warmup_steps``, then the named decay
+    over the remaining steps (step and multistep count absolute steps, like torch's StepLR and
+    MultiStepLR). A pure function of the step, so resuming needs only the step.
+    """
+    warmup = cfg.warmup_steps
+    decay_steps = max(total_steps - warmup, 1)
+
+    def factor(step: int) -> float:
+        if step < warmup:
+            return cfg.warmup_start_factor + (1.0 - cfg.warmup_start_factor) * step / warmup
+        t = step - warmup
+        if cfg.name == "cosine":
+            progress = min(t / decay_steps, 1.0)
+            return cfg.min_lr_ratio + (1.0 - cfg.min_lr_ratio) * 0.5 * (1.0 + math.cos(math.pi * progress))
+        if cfg.name == "step":
+            return cfg.gamma ** (step // cfg.step_size)
+        if cfg.name == "multistep":
+            return cfg.gamma ** sum(step >= m for m in cfg.milestones)
+        return 1.0
+
+    return factor
+
+
+def build_scheduler(optimizer: torch.optim.Optimizer, cfg: SchedConfig, *, total_steps: int) -> LambdaLR:
+    return LambdaLR(optimizer, lr_multiplier(cfg, total_steps))
