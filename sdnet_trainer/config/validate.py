@@ -13,6 +13,7 @@ import logging
 import torch
 
 from sdnet_trainer.config.schema import Config
+from sdnet_trainer.distributed.env import resolve_device
 from sdnet_trainer.errors import ConfigError
 
 logger = logging.getLogger(__name__)
@@ -126,5 +127,8 @@ def validate(cfg: Config, *, world_size: int) -> None:
                           "use dist.backend=gloo for CPU training")
     if cfg.dist.device == "cuda" and not torch.cuda.is_available():
         raise ConfigError("dist.device=cuda but torch.cuda.is_available() is False on this machine")
+    if cfg.parallel.sync_batchnorm and resolve_device(cfg.dist, local_rank=0).type != "cuda":
+        raise ConfigError("parallel.sync_batchnorm=true needs CUDA devices (torch's SyncBatchNorm runs "
+                          "only on GPUs); on the CPU keep it false")
     _choice("logging.progress_bar", cfg.logging.progress_bar, PROGRESS)
     _choice("logging.level", cfg.logging.level.upper(), LOG_LEVELS)
