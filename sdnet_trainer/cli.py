@@ -18,7 +18,7 @@ from hydra.utils import get_class
 from omegaconf import DictConfig
 from omegaconf.errors import MissingMandatoryValue
 
-from sdnet_trainer.config import CONFIG_MODULE, to_config, validate
+from sdnet_trainer.config import CONFIG_MODULE, Config, to_config, validate
 from sdnet_trainer.distributed import distributed_session, launched_world_size
 from sdnet_trainer.distributed.ops import all_gather_objects
 from sdnet_trainer.errors import ConfigError
@@ -41,11 +41,7 @@ def run(cfg: DictConfig, trainer_cls: type[Trainer] | None = None) -> dict[str, 
     level = str(cfg.logging.level) if "logging" in cfg else "INFO"
     setup_logging(output_dir, rank=rank, level=level if level.upper() in logging._nameToLevel else "INFO")
     try:
-        try:
-            config = to_config(cfg)
-        except MissingMandatoryValue as err:
-            raise ConfigError(f"{err.full_key} must be set (it has no default in this config)") from None
-        validate(config, world_size=launched_world_size())
+        config = _validated(cfg)
         cls = trainer_cls or _trainer_class(config.trainer._target_)
         with distributed_session(config.dist) as env:
             _check_same_output_dir(output_dir)
@@ -55,10 +51,19 @@ def run(cfg: DictConfig, trainer_cls: type[Trainer] | None = None) -> dict[str, 
             finally:
                 trainer.close()
     except ConfigError as err:
-        # Validation is identical on every rank: rank 0 speaks for all. Errors that arise later
-        # (e.g. a data folder missing on one node) are printed by each rank that hits them.
-        logger.error("config error: %s", err) if rank == 0 else logger.warning("config error: %s", err)
+        # Every rank that fails says why: torchrun stops the others as soon as one exits, so a
+        # message left to rank 0 alone could be cut off. Ranks above 0 prefix their rank.
+        logger.error("config error: %s", err)
         sys.exit(EXIT_CONFIG_ERROR)
+
+
+def _validated(cfg: DictConfig) -> Config:
+    try:
+        config = to_config(cfg)
+    except MissingMandatoryValue as err:
+        raise ConfigError(f"{err.full_key} must be set (it has no default in this config)") from None
+    validate(config, world_size=launched_world_size())
+    return config
 
 
 def _trainer_class(target: str) -> type[Trainer]:

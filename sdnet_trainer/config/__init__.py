@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+import difflib
 from collections.abc import Sequence
 
 from omegaconf import DictConfig, OmegaConf
@@ -12,6 +14,7 @@ from sdnet_trainer.config.schema import (Config, DataConfig, DDPConfig, DistConf
                                          ParallelConfig, PrecisionConfig, RunConfig, SchedConfig)
 from sdnet_trainer.config.store import CONFIG_MODULE, recipe_names, register_configs
 from sdnet_trainer.config.validate import micro_batch_size, validate
+from sdnet_trainer.errors import ConfigError
 
 register_resolvers()
 register_configs()
@@ -19,7 +22,26 @@ register_configs()
 
 def to_config(cfg: DictConfig) -> Config:
     """The composed DictConfig as the typed ``Config`` dataclass (interpolations resolved)."""
+    _reject_unknown_keys(cfg, prefix="")
     return OmegaConf.to_object(cfg)
+
+
+def _reject_unknown_keys(node: DictConfig, *, prefix: str) -> None:
+    """Hydra's ``+key=value`` lifts the schema's struct flag, and ``to_object`` would then drop the
+    stray key silently; a key the schema does not know is an error wherever it came from."""
+    schema = OmegaConf.get_type(node)
+    if not dataclasses.is_dataclass(schema):
+        return  # a free-form dict such as optim.kwargs
+    fields = {f.name for f in dataclasses.fields(schema)}
+    for key in node.keys():
+        name = f"{prefix}{key}"
+        if key not in fields:
+            close = difflib.get_close_matches(str(key), sorted(fields), n=1)
+            hint = f"; did you mean {prefix}{close[0]}?" if close else ""
+            raise ConfigError(f"unknown config key {name} ({schema.__name__} has no field {key!r}){hint}")
+        child = node._get_node(key)
+        if isinstance(child, DictConfig) and not child._is_missing() and not child._is_none():
+            _reject_unknown_keys(child, prefix=f"{name}.")
 
 
 def compose(overrides: Sequence[str] = ()) -> Config:

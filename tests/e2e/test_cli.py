@@ -1,0 +1,94 @@
+"""The real command line: python -m sdnet_trainer and torchrun -m sdnet_trainer."""
+
+from __future__ import annotations
+
+import pytest
+from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+from tests.support import REPO, TINY, last_metric, read_jsonl, run_cli
+
+
+def _only_run_dir(root):
+    dirs = [p for p in root.iterdir() if p.is_dir()]
+    assert len(dirs) == 1, f"expected one run directory (all ranks agree), found {dirs}"
+    return dirs[0]
+
+
+def test_quickstart_under_torchrun_trains_and_logs(tmp_path):
+    launch = run_cli(["+recipe=quickstart", "loop.max_steps=100", "loop.eval_every_n_steps=50"],
+                     cwd=tmp_path, nproc=2)
+    assert launch.returncode == 0, launch.output
+    run_dir = _only_run_dir(tmp_path / "outputs" / "quickstart")  # the predictable default path
+
+    rows = read_jsonl(run_dir / "metrics.jsonl")
+    losses = [r["train/loss"] for r in rows if "train/loss" in r]
+    assert len(losses) == 4 and losses[-1] < losses[0] - 0.2, losses
+    assert last_metric(rows, "val/top1") > 20.0  # chance is 10%
+
+    events = EventAccumulator(str(run_dir / "tensorboard"))
+    events.Reload()
+    tags = set(events.Tags()["scalars"])
+    expected = {"train/loss", "train/lr", "train/grad_norm", "perf/samples_per_s", "perf/samples_per_s_rank0",
+                "perf/samples_per_s_rank1", "perf/step_s", "perf/data_wait_s", "perf/peak_memory_mb",
+                "val/loss", "val/top1", "val/top5", "summary/samples_per_s"}
+    assert expected <= tags, expected - tags
+    assert [e.step for e in events.Scalars("train/loss")] == [25, 50, 75, 100]
+    assert events.Scalars("train/loss")[-1].value == pytest.approx(losses[-1])
+
+    log = (run_dir / "train.log").read_text()
+    assert "done: 100 steps" in log and "world size 2" in log
+    assert (run_dir / ".hydra" / "config.yaml").exists()
+    assert "done: 100 steps" in launch.output
+
+
+def test_single_process_cli_from_any_directory(tmp_path):
+    run_dir = tmp_path / "elsewhere" / "run"
+    launch = run_cli(TINY + ["loop.max_steps=4", f"hydra.run.dir={run_dir}"], cwd=tmp_path)
+    assert launch.returncode == 0, launch.output
+    assert "world size 1" in (run_dir / "train.log").read_text()
+    assert not (tmp_path / "outputs").exists()
+
+
+@pytest.mark.parametrize("route", ["script", "config"])
+def test_trainer_subclass_trains_through_the_cli(tmp_path, route):
+    overrides = ["+recipe=custom_spirals", "loop.max_steps=200", f"hydra.run.dir={tmp_path / 'run'}"]
+    script = REPO / "recipes" / "custom_model.py" if route == "script" else None
+    launch = run_cli(overrides, cwd=tmp_path, nproc=2, script=script)
+    assert launch.returncode == 0, launch.output
+    rows = read_jsonl(tmp_path / "run" / "metrics.jsonl")
+    assert last_metric(rows, "val/top1") > 80.0  # three classes: chance is 33%
+
+
+@pytest.mark.parametrize("args, needle", [
+    (["optim.lrr=0.1"], "optim.lrr"),
+    (["+optim.lrr=0.1"], "unknown config key optim.lrr"),
+    (["loop.max_steps=many"], "loop.max_steps"),
+    (["data=imagefolder", "data.root=/no/such/folder", "model.num_classes=1000"], "data.root"),
+    (["trainer._target_=no.such.Trainer"], "trainer._target_"),
+])
+def test_bad_input_fails_with_the_key_named(tmp_path, args, needle):
+    launch = run_cli(args + [f"hydra.run.dir={tmp_path / 'run'}"], cwd=tmp_path)
+    assert launch.returncode != 0
+    assert needle in launch.output
+    assert "Traceback" not in launch.output
+
+
+def test_bad_batch_split_stops_every_rank_before_the_process_group(tmp_path):
+    launch = run_cli(TINY + ["loop.global_batch_size=33", f"hydra.run.dir={tmp_path / 'run'}"],
+                     cwd=tmp_path, nproc=2)
+    assert launch.returncode != 0
+    message = "config error: loop.global_batch_size=33 is not divisible by world size (2)"
+    assert message in launch.output
+    # The first rank to stop exits with our code (torchrun then stops the other): a clean stop.
+    assert "exitcode  : 2" in launch.output
+    assert "sdnet_trainer/" not in launch.output  # no traceback through our code
+
+
+def test_help_and_cfg_job(tmp_path):
+    help_text = run_cli(["--help"], cwd=tmp_path)
+    assert help_text.returncode == 0
+    assert "recipe: custom_spirals, quickstart, resnet152, resnet18_cifar10" in help_text.output
+    assert "precision: bf16, fp16, fp32" in help_text.output
+    cfg = run_cli(["+recipe=resnet152", "optim.lr=0.2", "--cfg", "job"], cwd=tmp_path)
+    assert cfg.returncode == 0 and "name: resnet152" in cfg.output and "lr: 0.2" in cfg.output
+    assert not (tmp_path / "outputs").exists()  # --cfg only prints

@@ -1,0 +1,134 @@
+"""Composition, typed schemas and whole-config validation."""
+
+from __future__ import annotations
+
+import pytest
+from hydra.errors import ConfigCompositionException
+from omegaconf.errors import ValidationError
+
+from sdnet_trainer.config import compose, micro_batch_size, recipe_names, validate
+from sdnet_trainer.config.resolvers import rank0_only, run_id
+from sdnet_trainer.errors import ConfigError
+
+RECIPES = ["custom_spirals", "quickstart", "resnet152", "resnet18_cifar10"]
+
+
+def _error_text(excinfo) -> str:
+    """Hydra wraps the OmegaConf error; the key's name is in the chain."""
+    err, parts = excinfo.value, []
+    while err is not None:
+        parts.append(str(err))
+        err = err.__cause__
+    return "\n".join(parts)
+
+
+def test_every_recipe_is_registered():
+    assert sorted(recipe_names()) == RECIPES
+
+
+@pytest.mark.parametrize("recipe", RECIPES)
+@pytest.mark.parametrize("world_size", [1, 2])
+def test_every_recipe_composes_and_validates(recipe, world_size):
+    cfg = compose([f"+recipe={recipe}"])
+    validate(cfg, world_size=world_size)
+    assert cfg.run.name == recipe
+
+
+def test_resnet152_recipe_is_what_it_says():
+    cfg = compose(["+recipe=resnet152"])
+    assert (cfg.model.name, cfg.model.num_classes, cfg.data.image_size) == ("resnet152", 1000, 224)
+    assert (cfg.optim.name, cfg.optim.nesterov, cfg.loss.label_smoothing) == ("SGD", True, 0.1)
+    assert (cfg.sched.name, cfg.precision.dtype, cfg.optim.clip_grad_norm) == ("cosine", "bf16", 1.0)
+    assert cfg.sched.warmup_steps > 0 and cfg.parallel.strategy == "ddp"
+
+
+def test_resnet18_cifar10_recipe_is_what_it_says():
+    cfg = compose(["+recipe=resnet18_cifar10", "data.root=/data/cifar"])
+    assert (cfg.model.name, cfg.model.cifar_stem, cfg.data.name, cfg.optim.name) == (
+        "resnet18", True, "cifar10", "SGD")
+
+
+def test_command_line_overrides_win_over_the_recipe():
+    cfg = compose(["+recipe=quickstart", "optim.lr=0.123", "precision=bf16", "loop.max_steps=7"])
+    assert (cfg.optim.lr, cfg.precision.dtype, cfg.loop.max_steps) == (0.123, "bf16", 7)
+
+
+def test_misspelled_key_fails_at_compose_naming_the_key():
+    with pytest.raises(ConfigCompositionException) as excinfo:
+        compose(["+recipe=quickstart", "optim.lrr=0.1"])
+    assert "optim.lrr" in _error_text(excinfo)
+    assert "Key 'lrr' not in 'OptimConfig'" in _error_text(excinfo)
+    # Appending (which lifts Hydra's struct flag) does not get past the schema either.
+    with pytest.raises(ConfigError, match=r"unknown config key optim.lrr .*did you mean optim.lr\?"):
+        compose(["+optim.lrr=0.1"])
+    compose(["+optim.kwargs.foreach=true"])  # free-form dicts take new keys
+
+
+def test_wrong_type_fails_at_compose_naming_the_key():
+    with pytest.raises(ConfigCompositionException) as excinfo:
+        compose(["loop.max_steps=many"])
+    assert "loop.max_steps" in _error_text(excinfo)
+    assert isinstance(excinfo.value.__cause__, ValidationError)
+
+
+def test_unknown_group_option_lists_the_choices():
+    with pytest.raises(ConfigCompositionException) as excinfo:
+        compose(["precision=bf61"])
+    text = _error_text(excinfo)
+    assert "precision" in text and "bf16" in text
+
+
+@pytest.mark.parametrize("world_size, accum, expected", [(1, 1, 64), (2, 1, 32), (2, 2, 16), (4, 4, 4)])
+def test_micro_batch_split(world_size, accum, expected):
+    cfg = compose([f"loop.grad_accum_steps={accum}"])
+    assert micro_batch_size(cfg, world_size) == expected
+
+
+def test_batch_not_divisible_names_the_keys_and_numbers():
+    cfg = compose(["loop.global_batch_size=100", "loop.grad_accum_steps=3"])
+    with pytest.raises(ConfigError) as excinfo:
+        validate(cfg, world_size=2)
+    message = str(excinfo.value)
+    assert "loop.global_batch_size=100" in message and "loop.grad_accum_steps (3)" in message
+    assert "(2)" in message and "= 6" in message
+
+
+@pytest.mark.parametrize("overrides, key", [
+    (["loop.max_epochs=2"], "loop.max_steps"),  # both set
+    (["optim.clip_grad_norm=1", "optim.clip_grad_value=1"], "optim.clip_grad_value"),
+    (["model.num_classes=5"], "data.num_classes=10"),
+    (["optim.name=Adamm"], "did you mean 'Adam'"),
+    (["optim.name=torch.nn.Linear"], "not a torch.optim.Optimizer"),
+    (["precision.dtype=bf61"], "precision.dtype='bf61'"),
+    (["sched.name=cosin"], "did you mean 'cosine'"),
+    (["sched.name=multistep", "sched.milestones=[5,3]"], "sched.milestones"),
+    (["loss.label_smoothing=1.5"], "loss.label_smoothing"),
+    (["dist.backend=nccl", "dist.device=cpu"], "dist.backend=nccl"),
+    (["parallel.sync_batchnorm=true", "dist.device=cpu"], "parallel.sync_batchnorm"),
+    (["loop.max_steps=0"], "loop.max_steps=0"),
+    (["logging.progress_bar=maybe"], "logging.progress_bar"),
+])
+def test_invalid_combinations_name_the_key(overrides, key):
+    cfg = compose(overrides)
+    with pytest.raises(ConfigError, match=None) as excinfo:
+        validate(cfg, world_size=1)
+    assert key in str(excinfo.value)
+
+
+def test_run_id_is_shared_by_ranks(monkeypatch):
+    monkeypatch.setenv("SDNET_RUN_ID", "job-42")
+    assert run_id() == "job-42"
+    monkeypatch.delenv("SDNET_RUN_ID")
+    monkeypatch.setenv("TORCHELASTIC_RUN_ID", "rdzv-7")
+    monkeypatch.setenv("GROUP_WORLD_SIZE", "2")
+    assert run_id() == "rdzv-7"  # several nodes: only the rendezvous id is common to all
+    monkeypatch.setenv("GROUP_WORLD_SIZE", "1")
+    # One node: the launcher's (parent's) start time, the same for every local rank.
+    assert run_id() == run_id() and run_id() != "rdzv-7"
+
+
+def test_rank0_only(monkeypatch):
+    monkeypatch.setenv("RANK", "0")
+    assert rank0_only(".hydra") == ".hydra"
+    monkeypatch.setenv("RANK", "3")
+    assert rank0_only(".hydra") is None

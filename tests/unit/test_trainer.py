@@ -1,0 +1,138 @@
+"""The Trainer in one process (no process group): loop math, precision, clipping, evaluation."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from sdnet_trainer import Trainer, compose
+from sdnet_trainer.data import build_datasets
+from tests.support import TINY, read_jsonl
+
+
+def _train(tmp_path, overrides, cls=Trainer):
+    trainer = cls(compose(TINY + overrides), output_dir=tmp_path)
+    metrics = trainer.fit()
+    return trainer, metrics
+
+
+def _params(trainer) -> dict[str, torch.Tensor]:
+    return {k: v.detach().clone() for k, v in trainer.model.state_dict().items()}
+
+
+def test_accumulation_equals_one_big_batch(tmp_path):
+    common = ["loop.max_steps=4", "loop.global_batch_size=32", "loop.eval_at_end=false"]
+    big, _ = _train(tmp_path / "a", common + ["loop.grad_accum_steps=1"])
+    accum, _ = _train(tmp_path / "b", common + ["loop.grad_accum_steps=2"])
+    assert accum.micro_batch_size == 16 and big.micro_batch_size == 32
+    for name, value in _params(big).items():
+        torch.testing.assert_close(_params(accum)[name], value, rtol=1e-4, atol=1e-6)
+
+
+class _InfAtStep(Trainer):
+    """Returns an infinite loss on step 2 and keeps a copy of the parameters before every step."""
+
+    def train_step(self):
+        self.before = [p.detach().clone() for p in self.model.parameters()]
+        self.scale_before = self.precision.scaler.get_scale()
+        out = super().train_step()
+        if self.step == 2:
+            self.at_inf = {"before": self.before, "after": [p.detach().clone() for p in self.model.parameters()],
+                           "scale_before": self.scale_before, "scale_after": self.precision.scaler.get_scale()}
+        return out
+
+    def compute_loss(self, batch):
+        loss = super().compute_loss(batch)
+        return loss * math.inf if self.step == 2 else loss
+
+
+def test_fp16_grad_scaler_skips_the_step_on_inf_gradients(tmp_path):
+    trainer, _ = _train(tmp_path, ["precision=fp16", "loop.max_steps=4", "loop.eval_at_end=false",
+                                   "optim.momentum=0.0", "optim.weight_decay=0.0"], cls=_InfAtStep)
+    seen = trainer.at_inf
+    for before, after in zip(seen["before"], seen["after"]):
+        assert torch.equal(before, after)  # the overflowing step changed nothing
+    assert seen["scale_after"] == seen["scale_before"] / 2
+    assert trainer.skipped_steps == 1
+    # The steps around it did train.
+    assert not all(torch.equal(a, b) for a, b in zip(trainer.before, _params_list(trainer)))
+
+
+def _params_list(trainer):
+    return [p.detach() for p in trainer.model.parameters()]
+
+
+class _RecordDtype(Trainer):
+    def compute_loss(self, batch):
+        inputs, targets = batch
+        logits = self.model(inputs)
+        self.logits_dtype = logits.dtype
+        return self.criterion(logits, targets)
+
+
+def test_bf16_autocast_runs_on_cpu(tmp_path):
+    trainer, metrics = _train(tmp_path, ["precision=bf16", "loop.max_steps=3"], cls=_RecordDtype)
+    assert trainer.logits_dtype == torch.bfloat16
+    assert math.isfinite(metrics["train/loss"]) and math.isfinite(metrics["val/loss"])
+    assert next(trainer.model.parameters()).dtype == torch.float32  # master weights stay fp32
+
+
+@pytest.mark.parametrize("precision", ["fp32", "fp16"])
+def test_clip_by_norm_bounds_the_update(tmp_path, precision):
+    # Plain SGD: the update is lr * clipped gradient, so its norm is lr * max_norm exactly. Under
+    # fp16 this only holds if gradients are unscaled before clipping.
+    lr, max_norm = 0.5, 1e-3
+    overrides = [f"precision={precision}", "loop.max_steps=1", "loop.eval_at_end=false", f"optim.lr={lr}",
+                 "optim.momentum=0.0", "optim.weight_decay=0.0", f"optim.clip_grad_norm={max_norm}"]
+    trainer = Trainer(compose(TINY + overrides), output_dir=tmp_path)
+    trainer.setup()
+    before = [p.detach().clone() for p in trainer.model.parameters()]
+    trainer._batches = trainer._train_batches()
+    out = trainer.train_step()
+    delta = torch.cat([(p.detach() - b).flatten() for p, b in zip(trainer.model.parameters(), before)])
+    assert out["grad_norm"] > 10 * max_norm  # clipping was active
+    assert delta.norm().item() == pytest.approx(lr * max_norm, rel=1e-3)
+
+
+def test_clip_by_value(tmp_path):
+    lr, value = 1.0, 1e-4
+    overrides = ["loop.max_steps=1", "loop.eval_at_end=false", f"optim.lr={lr}", "optim.momentum=0.0",
+                 "optim.weight_decay=0.0", f"optim.clip_grad_value={value}"]
+    trainer = Trainer(compose(TINY + overrides), output_dir=tmp_path)
+    trainer.setup()
+    before = [p.detach().clone() for p in trainer.model.parameters()]
+    trainer._batches = trainer._train_batches()
+    trainer.train_step()
+    delta = torch.cat([(p.detach() - b).flatten() for p, b in zip(trainer.model.parameters(), before)])
+    assert delta.abs().max().item() == pytest.approx(lr * value, rel=1e-3)
+
+
+def test_evaluate_matches_a_direct_computation(tmp_path):
+    trainer, metrics = _train(tmp_path, ["loop.max_steps=5"])
+    _, val_set = build_datasets(trainer.cfg.data)
+    inputs = torch.stack([val_set[i][0] for i in range(len(val_set))])
+    targets = torch.tensor([val_set[i][1] for i in range(len(val_set))])
+    with torch.no_grad():
+        logits = trainer.model.eval()(inputs)
+    assert metrics["val/loss"] == pytest.approx(F.cross_entropy(logits, targets).item(), rel=1e-5)
+    top1 = (logits.argmax(1) == targets).float().mean().item() * 100
+    top5 = (logits.topk(5, 1).indices == targets[:, None]).any(1).float().mean().item() * 100
+    assert (metrics["val/top1"], metrics["val/top5"]) == (pytest.approx(top1), pytest.approx(top5))
+
+
+def test_max_epochs_and_what_gets_logged(tmp_path):
+    trainer, metrics = _train(tmp_path, ["loop.max_steps=null", "loop.max_epochs=2", "loop.global_batch_size=64",
+                                         "sched=cosine", "sched.warmup_steps=2", "loop.eval_at_epoch_end=true"])
+    assert trainer.steps_per_epoch == 256 // 64 and trainer.step == trainer.total_steps == 8
+    rows = read_jsonl(tmp_path / "metrics.jsonl")
+    train_rows = [r for r in rows if "train/loss" in r]
+    assert [r["step"] for r in train_rows] == [2, 4, 6, 8]  # logging.log_every_n_steps=2
+    # lr logged after step s is the schedule's value for step s: warmup, then cosine to 0.
+    assert [r["train/lr"] for r in train_rows] == pytest.approx(
+        [0.05, 0.05 * 0.5 * (1 + math.cos(math.pi * 2 / 6)), 0.05 * 0.5 * (1 + math.cos(math.pi * 4 / 6)), 0.0])
+    assert all(r["train/grad_norm"] > 0 for r in train_rows)
+    assert [r["step"] for r in rows if "val/loss" in r] == [4, 8]  # end of epoch 1, and the end
+    assert metrics["summary/steps"] == 8
