@@ -136,3 +136,40 @@ def test_max_epochs_and_what_gets_logged(tmp_path):
     assert all(r["train/grad_norm"] > 0 for r in train_rows)
     assert [r["step"] for r in rows if "val/loss" in r] == [4, 8]  # end of epoch 1, and the end
     assert metrics["summary/steps"] == 8
+
+
+def test_deterministic_mode_repeats_bitwise(tmp_path):
+    overrides = ["loop.max_steps=3", "loop.deterministic=true", "loop.eval_at_end=false"]
+    try:
+        first, _ = _train(tmp_path / "a", overrides)
+        second, _ = _train(tmp_path / "b", overrides)
+    finally:
+        torch.use_deterministic_algorithms(False)
+    for name, value in _params(first).items():
+        assert torch.equal(_params(second)[name], value)
+
+
+def test_imagefolder_data_through_the_trainer(tmp_path):
+    from PIL import Image
+
+    for split, per_class in (("train", 8), ("val", 3)):
+        for label, color in enumerate([(255, 0, 0), (0, 0, 255)]):
+            folder = tmp_path / "data" / split / f"class{label}"
+            folder.mkdir(parents=True)
+            for i in range(per_class):
+                Image.new("RGB", (20, 20), color).save(folder / f"{i}.png")
+    _, metrics = _train(tmp_path / "run", ["data=imagefolder", f"data.root={tmp_path / 'data'}",
+                                           "data.num_classes=2", "model.num_classes=2", "data.image_size=16",
+                                           "data.num_workers=0", "loop.global_batch_size=4", "loop.max_steps=3"])
+    assert 0.0 <= metrics["val/top1"] <= 100.0 and math.isfinite(metrics["val/loss"])
+
+
+def test_progress_bar_only_on_rank0_and_a_terminal(monkeypatch):
+    from sdnet_trainer.observability.progress import progress_enabled
+
+    monkeypatch.setattr("sys.stderr.isatty", lambda: False)
+    assert not progress_enabled("auto", is_main=True)  # logs and CI stay clean
+    assert progress_enabled("on", is_main=True)
+    assert not progress_enabled("on", is_main=False)
+    monkeypatch.setattr("sys.stderr.isatty", lambda: True)
+    assert progress_enabled("auto", is_main=True) and not progress_enabled("off", is_main=True)

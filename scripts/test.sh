@@ -1,0 +1,14 @@
+#!/usr/bin/env bash
+# Install the project with its test extras into ./.venv (created if missing) and run the tests.
+#   bash scripts/test.sh            # the whole suite: unit, distributed (gloo), end-to-end CLI
+#   bash scripts/test.sh -k ddp     # extra arguments go to pytest
+set -euo pipefail
+cd "$(dirname "$0")/.."
+PYTHON=${PYTHON:-python3}
+if [ ! -x .venv/bin/python ]; then
+    "$PYTHON" -m venv .venv
+fi
+.venv/bin/python -m pip install --quiet -e '.[test]'
+# One thread per process: the distributed tests run 2 processes on small machines.
+export OMP_NUM_THREADS=1
+exec .venv/bin/python -m pytest -q "$@"

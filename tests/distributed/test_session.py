@@ -1,0 +1,40 @@
+"""The process group's lifetime: created from torchrun's environment, destroyed on every path."""
+
+from __future__ import annotations
+
+import socket
+
+import pytest
+import torch.distributed as dist
+
+from sdnet_trainer.config import DistConfig
+from sdnet_trainer.distributed import distributed_session
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture
+def one_rank_env(monkeypatch):
+    monkeypatch.setenv("RANK", "0")
+    monkeypatch.setenv("LOCAL_RANK", "0")
+    monkeypatch.setenv("WORLD_SIZE", "1")
+    monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
+    monkeypatch.setenv("MASTER_PORT", str(_free_port()))
+
+
+def test_group_is_destroyed_when_training_raises(one_rank_env):
+    with pytest.raises(RuntimeError, match="boom"):
+        with distributed_session(DistConfig(device="cpu", timeout_s=60)) as env:
+            assert dist.is_initialized() and env.backend == "gloo" and env.world_size == 1
+            raise RuntimeError("boom")
+    assert not dist.is_initialized()
+
+
+def test_without_torchrun_there_is_no_group(monkeypatch):
+    monkeypatch.delenv("RANK", raising=False)
+    with distributed_session(DistConfig()) as env:
+        assert not env.distributed and env.world_size == 1 and not dist.is_initialized()
