@@ -2,9 +2,10 @@
 
 This is the loop a user would write without the Trainer: gloo process group, ``DDP(model)``,
 ``DistributedSampler`` + ``DataLoader``, and forward / cross-entropy / backward / step / zero_grad.
-It builds the same model (ResNet-18 with the CIFAR stem) and the same synthetic data as
-``+recipe=quickstart model=resnet18_cifar data=synthetic``, and times every step the way the
-Trainer does: wall time from just before fetching the batch to just after ``zero_grad``.
+It builds the same model (ResNet-18 with the CIFAR stem) and the same synthetic data as the
+Trainer with ``model=resnet18_cifar data=synthetic`` (the data defaults), and times every step
+the way the Trainer does: wall time from just before fetching the batch to just after
+``zero_grad``.
 
 Per-step times are reported per window of ``--log-every`` steps (a window also ends at the last
 step), as the window's mean step time per rank and the max over ranks, like the Trainer's

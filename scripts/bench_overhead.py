@@ -1,15 +1,17 @@
 """Per-step overhead of the Trainer against the hand-written DDP loop it replaces.
 
 What it measures
-    The median training-step time of ``sdnet_trainer`` (the CLI, ``+recipe=quickstart``) divided
-    by the median step time of ``scripts/_handwritten_ddp.py``, a plain DDP loop a user would write
-    by hand. Target: <= 1.02, i.e. the Trainer adds at most 2% per step.
+    The median training-step time of ``sdnet_trainer`` (the CLI, ``torchrun -m sdnet_trainer``)
+    divided by the median step time of ``scripts/_handwritten_ddp.py``, a plain DDP loop a user
+    would write by hand. Target: <= 1.02, i.e. the Trainer adds at most 2% per step.
 
 How
     Both sides train the same model (torchvision ResNet-18 with the CIFAR stem, seeded with
     ``torch.manual_seed(0)``) on the same synthetic data (``SyntheticImages``, 2048 train samples,
     32x32) with the same per-rank batch (32), the same SGD (lr 0.05, momentum 0.9, weight decay
-    5e-4, constant lr), fp32, no accumulation, no clipping, no evaluation. The Trainer keeps its
+    5e-4, constant lr), fp32, no accumulation, no clipping, no evaluation. The Trainer runs from
+    the root config (no recipe: recipes are presets that change) with every key of that workload
+    pinned on its command line and checked in its resolved config afterwards. It keeps its
     logging defaults (a log point every 10 steps, TensorBoard and metrics.jsonl on): that is
     part of what is being measured.
 
@@ -36,6 +38,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import resource
 import shutil
 import signal
 import statistics
@@ -48,6 +51,9 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parent.parent
 HAND_SCRIPT = REPO / "scripts" / "_handwritten_ddp.py"
 TARGET = 1.02
+# Other processes using more than this many cores on average during a launch make its step times
+# unreliable (2 training processes on 2 cores leave nothing spare): warn about it.
+BUSY_WARN_CORES = 0.2
 
 # One definition of the workload, handed to both sides explicitly so they cannot drift apart.
 PER_RANK_BATCH = 32
@@ -57,14 +63,16 @@ LOG_EVERY = 10  # the Trainer's default logging.log_every_n_steps; also the wind
 
 
 def parse_args() -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--steps", type=int, default=40, help="training steps per run (default 40)")
     p.add_argument("--rounds", type=int, default=3, help="runs of each side, alternating (default 3)")
     p.add_argument("--nproc", type=int, default=2, help="processes per run (default 2)")
     p.add_argument("--warmup-windows", type=int, default=1,
                    help=f"windows of {LOG_EVERY} steps dropped at the start of every run (default 1)")
     p.add_argument("--out", type=Path, default=None, help="output directory (default: a new temp dir)")
-    p.add_argument("--timeout", type=float, default=600.0, help="seconds per launch before it is killed")
+    p.add_argument("--timeout", type=float, default=600.0,
+                   help="seconds per launch before it is killed (default 600)")
     args = p.parse_args()
     if args.steps <= args.warmup_windows * LOG_EVERY:
         p.error(f"--steps={args.steps} leaves no window after {args.warmup_windows} warm-up window(s)")
@@ -78,21 +86,64 @@ def torchrun(nproc: int) -> list[str]:
     return launcher + ["--standalone", f"--nproc_per_node={nproc}"]
 
 
-def trainer_command(args: argparse.Namespace, run_dir: Path) -> list[str]:
-    return torchrun(args.nproc) + [
-        "-m", "sdnet_trainer", "+recipe=quickstart",
-        # The workload, spelled out so it matches _handwritten_ddp.py whatever the recipe says.
-        "model=resnet18_cifar", "data=synthetic", "data.train_size=2048", "data.synthetic_seed=1234",
-        "precision=fp32", "optim=sgd", f"optim.lr={LR}", f"optim.momentum={MOMENTUM}",
-        f"optim.weight_decay={WEIGHT_DECAY}", "optim.clip_grad_norm=null", "optim.clip_grad_value=null",
-        "sched=constant",  # the hand-written loop has no schedule; the lr stays the same on both sides
-        f"loop.seed={SEED}", f"loop.max_steps={args.steps}", "loop.grad_accum_steps=1",
-        f"loop.global_batch_size={PER_RANK_BATCH * args.nproc}",
+# The Trainer side: no recipe (recipes are presets that change; the root config's defaults
+# plus these keys pin everything), each key checked again in the run's resolved config.
+# Config groups first (they replace whole sections), then the keys that must match the
+# hand-written loop.
+TRAINER_GROUPS = ["model=resnet18_cifar", "data=synthetic", "optim=sgd", "sched=constant",
+                  "precision=fp32", "parallel=ddp"]
+
+
+def trainer_keys(args: argparse.Namespace) -> dict[str, object]:
+    return {
+        # ResNet-18, 3x3 stride-1 stem, no max-pool; weights from torch.manual_seed(loop.seed).
+        "model.name": "resnet18", "model.cifar_stem": True, "model.num_classes": 10,
+        "model.weights": None, "loop.seed": SEED,
+        # SyntheticImages(2048, image_size=32, channels=3, num_classes=10, seed=1234, signal=1,
+        # noise=1): the data=synthetic defaults, as _handwritten_ddp.py builds them.
+        "data.name": "synthetic", "data.train_size": 2048, "data.image_size": 32, "data.channels": 3,
+        "data.num_classes": 10, "data.synthetic_seed": 1234, "data.signal": 1.0, "data.noise": 1.0,
+        "data.shuffle": True, "data.drop_last": True, "data.num_workers": 0,
+        # Plain SGD at a constant lr (the hand-written loop has no schedule), fp32, plain CE loss.
+        "optim.name": "SGD", "optim.lr": LR, "optim.momentum": MOMENTUM,
+        "optim.weight_decay": WEIGHT_DECAY, "optim.nesterov": None,
+        "optim.no_decay_norm_and_bias": False, "optim.clip_grad_norm": None,
+        "optim.clip_grad_value": None, "sched.name": "constant", "sched.warmup_steps": 0,
+        "precision.dtype": "fp32", "loss.label_smoothing": 0.0, "parallel.sync_batchnorm": False,
+        "loop.max_steps": args.steps, "loop.grad_accum_steps": 1,
+        "loop.global_batch_size": PER_RANK_BATCH * args.nproc, "loop.deterministic": False,
         # No evaluation anywhere in (or after) the timed steps.
-        "loop.eval_at_end=false", "loop.eval_at_epoch_end=false", "loop.eval_every_n_steps=null",
-        # Logging stays at its defaults (log_every_n_steps=10, tensorboard=true): only where it goes.
-        f"hydra.run.dir={run_dir}",
-    ]
+        "loop.eval_at_end": False, "loop.eval_at_epoch_end": False, "loop.eval_every_n_steps": None,
+        # Logging as by default (pinned so the windows match the hand-written side): a log point
+        # every 10 steps, metrics.jsonl (which we read) and TensorBoard on.
+        "logging.log_every_n_steps": LOG_EVERY, "logging.jsonl": True, "logging.tensorboard": True,
+    }
+
+
+def _override_value(value: object) -> str:
+    if value is None:
+        return "null"
+    if isinstance(value, bool):
+        return str(value).lower()
+    return str(value)
+
+
+def trainer_command(args: argparse.Namespace, run_dir: Path) -> list[str]:
+    keys = [f"{k}={_override_value(v)}" for k, v in trainer_keys(args).items()]
+    return (torchrun(args.nproc) + ["-m", "sdnet_trainer"] + TRAINER_GROUPS + keys
+            + [f"hydra.run.dir={run_dir}"])
+
+
+def check_trainer_config(args: argparse.Namespace, run_dir: Path) -> None:
+    """The resolved config the Trainer ran with must hold every pinned key (others edit the
+    configs; a changed default must not silently change the workload)."""
+    from omegaconf import OmegaConf  # the Trainer's own dependency
+
+    cfg = OmegaConf.load(run_dir / ".hydra" / "config.yaml")
+    wrong = {k: OmegaConf.select(cfg, k) for k, v in trainer_keys(args).items()
+             if OmegaConf.select(cfg, k) != v}
+    if wrong:
+        raise LaunchError(f"the Trainer ran with a different workload than pinned: {wrong}")
 
 
 def hand_command(args: argparse.Namespace, out_json: Path) -> list[str]:
@@ -103,13 +154,33 @@ def hand_command(args: argparse.Namespace, out_json: Path) -> list[str]:
     ]
 
 
-def launch(cmd: list[str], log_path: Path, timeout: float) -> float:
-    """Run one torchrun launch to completion; its output goes to ``log_path``. Returns seconds.
+def machine_cpu_seconds() -> float | None:
+    """CPU seconds every process on the machine has used so far (Linux /proc/stat), or None."""
+    try:
+        ticks = [int(v) for v in Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:]]
+    except (OSError, ValueError):
+        return None
+    # user nice system [idle iowait] irq softirq steal: everything but idle time.
+    return (sum(ticks[:3]) + sum(ticks[5:8])) / os.sysconf("SC_CLK_TCK")
 
-    torchrun starts its own worker processes, so the launch gets its own process group and a
-    timeout kills that whole group, not just torchrun.
+
+def own_cpu_seconds() -> float:
+    """CPU seconds of this driver plus its finished launches (torchrun and its workers)."""
+    own = resource.getrusage(resource.RUSAGE_SELF)
+    children = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return own.ru_utime + own.ru_stime + children.ru_utime + children.ru_stime
+
+
+def launch(cmd: list[str], log_path: Path, timeout: float) -> tuple[float, float | None]:
+    """Run one torchrun launch to completion; its output goes to ``log_path``.
+
+    Returns (seconds, other_cores): the launch's wall time and how many cores other processes on
+    the machine used meanwhile, on average (None where /proc/stat is unavailable). torchrun starts
+    its own worker processes, so the launch gets its own process group and a timeout kills that
+    whole group, not just torchrun.
     """
     env = dict(os.environ, OMP_NUM_THREADS="1")  # 2 processes on 2 cores: one thread each
+    machine_before, own_before = machine_cpu_seconds(), own_cpu_seconds()
     started = time.perf_counter()
     with open(log_path, "w") as log:
         proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT,
@@ -120,10 +191,17 @@ def launch(cmd: list[str], log_path: Path, timeout: float) -> float:
             os.killpg(proc.pid, signal.SIGKILL)
             proc.wait()
             raise LaunchError(f"timed out after {timeout:.0f} s: {' '.join(cmd)}\n(see {log_path})")
+    seconds = time.perf_counter() - started
     if rc != 0:
         tail = log_path.read_text(errors="replace").splitlines()[-25:]
         raise LaunchError(f"exit code {rc}: {' '.join(cmd)}\n" + "\n".join(tail))
-    return time.perf_counter() - started
+    machine_after = machine_cpu_seconds()
+    other = None
+    if machine_before is not None and machine_after is not None:
+        # Everything the machine computed minus what this launch (and the driver) computed.
+        foreign = (machine_after - machine_before) - (own_cpu_seconds() - own_before)
+        other = max(foreign, 0.0) / seconds
+    return seconds, other
 
 
 class LaunchError(RuntimeError):
@@ -132,47 +210,62 @@ class LaunchError(RuntimeError):
 
 def trainer_windows(run_dir: Path) -> list[float]:
     """``perf/step_s`` of every log point in the run's metrics.jsonl, in step order."""
-    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines() if line]
-    return [row["perf/step_s"] for row in sorted(rows, key=lambda r: r["step"]) if "perf/step_s" in row]
+    lines = (run_dir / "metrics.jsonl").read_text().splitlines()
+    rows = sorted((json.loads(line) for line in lines if line), key=lambda row: row["step"])
+    # Only the training log points carry perf/step_s (not the end-of-run summary row).
+    return [row["perf/step_s"] for row in rows if "perf/step_s" in row]
 
 
 def hand_windows(out_json: Path) -> list[float]:
     return json.loads(out_json.read_text())["window_step_s"]
 
 
+def run_once(side: str, rnd: int, args: argparse.Namespace, out: Path
+             ) -> tuple[list[float], float, float | None]:
+    """One launch of ``side``: (window step times, launch seconds, cores used by others)."""
+    if side == "trainer":
+        run_dir = out / f"trainer_r{rnd}"
+        shutil.rmtree(run_dir, ignore_errors=True)  # metrics.jsonl is opened for append
+        seconds, other = launch(trainer_command(args, run_dir), out / f"trainer_r{rnd}.log",
+                                args.timeout)
+        check_trainer_config(args, run_dir)
+        windows = trainer_windows(run_dir)
+    else:
+        out_json = out / f"hand_r{rnd}.json"
+        out_json.unlink(missing_ok=True)
+        seconds, other = launch(hand_command(args, out_json), out / f"hand_r{rnd}.log", args.timeout)
+        windows = hand_windows(out_json)
+    expected = -(-args.steps // LOG_EVERY)  # a window every LOG_EVERY steps, plus a partial last
+    if len(windows) != expected:
+        raise LaunchError(f"{side} round {rnd}: {len(windows)} windows, expected {expected}")
+    return windows, seconds, other
+
+
 def main() -> int:
     args = parse_args()
-    out = args.out or Path(tempfile.mkdtemp(prefix="bench_overhead_"))
-    out = out.resolve()
+    out = (args.out or Path(tempfile.mkdtemp(prefix="bench_overhead_"))).resolve()
     out.mkdir(parents=True, exist_ok=True)
-    expected_windows = -(-args.steps // LOG_EVERY)
     print(f"bench_overhead: {args.rounds} rounds x (trainer, hand-written), {args.steps} steps each, "
           f"{args.nproc} processes, per-rank batch {PER_RANK_BATCH}; "
           f"dropping {args.warmup_windows} warm-up window(s) of {LOG_EVERY} steps; output in {out}",
           flush=True)
 
     kept: dict[str, list[float]] = {"trainer": [], "hand-written": []}
+    other_load: list[float] = []
     started = time.perf_counter()
     try:
         for rnd in range(args.rounds):
             # Alternate the sides so that whatever else the machine does is shared fairly.
             for side in ("trainer", "hand-written"):
-                if side == "trainer":
-                    run_dir = out / f"trainer_r{rnd}"
-                    shutil.rmtree(run_dir, ignore_errors=True)  # metrics.jsonl is opened for append
-                    seconds = launch(trainer_command(args, run_dir), out / f"trainer_r{rnd}.log", args.timeout)
-                    windows = trainer_windows(run_dir)
-                else:
-                    out_json = out / f"hand_r{rnd}.json"
-                    out_json.unlink(missing_ok=True)
-                    seconds = launch(hand_command(args, out_json), out / f"hand_r{rnd}.log", args.timeout)
-                    windows = hand_windows(out_json)
-                if len(windows) != expected_windows:
-                    raise LaunchError(f"{side} round {rnd}: {len(windows)} windows, expected {expected_windows}")
+                windows, seconds, other = run_once(side, rnd, args, out)
                 kept[side] += windows[args.warmup_windows:]
                 shown = " ".join(f"{w:.3f}" for w in windows)
-                print(f"  round {rnd + 1}/{args.rounds} {side:<12} {seconds:6.1f} s  window step s: {shown}",
-                      flush=True)
+                load = ""
+                if other is not None:
+                    other_load.append(other)
+                    load = f"  (other processes: {other:.2f} cores)"
+                print(f"  round {rnd + 1}/{args.rounds} {side:<12} {seconds:6.1f} s  window step s: "
+                      f"{shown}{load}", flush=True)
     except LaunchError as err:
         print(f"bench_overhead: launch failed: {err}", file=sys.stderr)
         return 1
@@ -186,6 +279,12 @@ def main() -> int:
     print()
     print(f"overhead ratio (trainer / hand-written, median step time): {ratio:.3f}")
     print(f"target <= {TARGET}: {'PASS' if ratio <= TARGET else 'FAIL'}")
+    # The fastest windows are the least disturbed by anything else running: a cross-check.
+    print(f"(ratio of the fastest windows: {min(kept['trainer']) / min(kept['hand-written']):.3f})")
+    if other_load and max(other_load) > BUSY_WARN_CORES:
+        print(f"warning: other processes used up to {max(other_load):.2f} cores during the launches; "
+              f"step times then include their contention and the ratio is noisy. Rerun on an "
+              f"otherwise idle machine, or with more --rounds.")
     print(f"({time.perf_counter() - started:.0f} s in all; logs and metrics in {out})")
     return 0
 

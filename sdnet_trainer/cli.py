@@ -22,6 +22,7 @@ from sdnet_trainer.config import CONFIG_MODULE, Config, to_config, validate
 from sdnet_trainer.distributed import distributed_session, launched_world_size
 from sdnet_trainer.distributed.ops import all_gather_objects
 from sdnet_trainer.errors import ConfigError
+from sdnet_trainer.health import EXIT_NONFINITE, NonFiniteError
 from sdnet_trainer.observability import setup_logging
 from sdnet_trainer.trainer import Trainer
 
@@ -50,6 +51,9 @@ def run(cfg: DictConfig, trainer_cls: type[Trainer] | None = None) -> dict[str, 
                 return trainer.fit()
             finally:
                 trainer.close()
+    except NonFiniteError as err:
+        logger.error("%s", err)
+        sys.exit(EXIT_NONFINITE)
     except ConfigError as err:
         # Every rank that fails says why: torchrun stops the others as soon as one exits, so a
         # message left to rank 0 alone could be cut off. Ranks above 0 prefix their rank.

@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from sdnet_trainer.distributed import all_gather_floats
-from sdnet_trainer.observability import MetricsWriter, ProgressBar, peak_memory_mb
+from sdnet_trainer.observability import ProgressBar, peak_memory_mb
 from sdnet_trainer.observability.progress import progress_enabled
 
 if TYPE_CHECKING:
@@ -43,8 +43,7 @@ class EvalHook(HookBase):
         if step == trainer.total_steps and loop.eval_at_end:
             return  # after_train evaluates the final model once
         periodic = loop.eval_every_n_steps is not None and step % loop.eval_every_n_steps == 0
-        epoch_end = loop.eval_at_epoch_end and step % trainer.steps_per_epoch == 0
-        if periodic or epoch_end:
+        if periodic or (loop.eval_at_epoch_end and trainer.epoch_ended):
             self._run(trainer)
 
     def after_train(self, trainer: Trainer) -> None:
@@ -54,6 +53,7 @@ class EvalHook(HookBase):
     @staticmethod
     def _run(trainer: Trainer) -> None:
         started = time.perf_counter()
+        trainer.phase.enter("evaluation", step=trainer.step)
         metrics = {f"val/{k}": v for k, v in trainer.evaluate().items()}
         if not metrics:
             return
@@ -61,6 +61,22 @@ class EvalHook(HookBase):
         trainer.writer.write(trainer.step, metrics)
         shown = "  ".join(f"{k} {v:.4g}" for k, v in metrics.items())
         logger.info("eval @ step %d: %s (%.1f s)", trainer.step, shown, time.perf_counter() - started)
+
+
+class CheckpointHook(HookBase):
+    """Save every ``checkpoint.every_n_steps`` and ``every_n_minutes`` (rank 0's clock, agreed by
+    all ranks in the step's all-reduce), on SIGTERM, and at the end of training."""
+
+    def after_step(self, trainer: Trainer) -> None:
+        cfg = trainer.cfg.checkpoint
+        periodic = cfg.every_n_steps is not None and trainer.step % cfg.every_n_steps == 0
+        on_stop = trainer.stop_requested and cfg.save_on_exit
+        if (periodic or trainer.checkpoint_due or on_stop) and trainer.step != trainer.last_checkpoint_step:
+            trainer.save_checkpoint()
+
+    def after_train(self, trainer: Trainer) -> None:
+        if trainer.cfg.checkpoint.save_on_exit and trainer.step != trainer.last_checkpoint_step:
+            trainer.save_checkpoint()
 
 
 class MetricsHook(HookBase):
@@ -100,15 +116,16 @@ class MetricsHook(HookBase):
         metrics = {
             "train/loss": loss.mean().item(),
             "train/lr": trainer.scheduler.get_last_lr()[0],
-            "train/epoch": trainer.step / trainer.steps_per_epoch,
+            "train/epoch": trainer.epoch + trainer.epoch_sample / (trainer.steps_per_epoch
+                                                                   * trainer.layout.global_batch_size),
             "perf/samples_per_s": samples_per_s.sum().item(),
             "perf/step_s": step_s.max().item(),
             "perf/data_wait_s": data_wait_s.max().item(),
             "perf/peak_memory_mb": peak_mb.max().item(),
         }
-        grad_norm = trainer.last_step.get("grad_norm")
-        if grad_norm is not None:
-            metrics["train/grad_norm"] = grad_norm.item()
+        metrics["train/grad_norm"] = trainer.last_step["grad_norm"].item()
+        if trainer.nonfinite_steps:
+            metrics["train/nonfinite_steps"] = float(trainer.nonfinite_steps)
         if trainer.precision.scaling:
             metrics["train/loss_scale"] = trainer.precision.scaler.get_scale()
             metrics["train/skipped_steps"] = float(trainer.skipped_steps)

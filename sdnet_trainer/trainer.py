@@ -13,28 +13,33 @@ distributed code.
 from __future__ import annotations
 
 import logging
-import os
-import random
+import signal
 import time
 from collections.abc import Iterator
-from contextlib import nullcontext
+from contextlib import ExitStack, nullcontext
 from pathlib import Path
 from typing import Any
 
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 from torch.utils.data import Dataset
 
-from sdnet_trainer.config import Config, micro_batch_size
+from sdnet_trainer.config import Config, batch_layout
 from sdnet_trainer.data import GlobalBatchSampler, ShardedEvalSampler, build_datasets, build_loader
+from sdnet_trainer.checkpoint import Checkpoint, CheckpointManager
 from sdnet_trainer.distributed import DistEnv, all_reduce_sum, wrap_data_parallel
 from sdnet_trainer.distributed.ddp import is_ddp, unwrap
+from sdnet_trainer.distributed.ops import all_reduce_max
 from sdnet_trainer.errors import ConfigError
-from sdnet_trainer.hooks import EvalHook, HookBase, MetricsHook
+from sdnet_trainer.health import (Heartbeat, NonFiniteError, PhaseTracker, Watchdog, hang_log_path,
+                                  nonfinite_tensor_names)
+from sdnet_trainer.hooks import CheckpointHook, EvalHook, HookBase, MetricsHook
 from sdnet_trainer.models import build_model
 from sdnet_trainer.observability import MetricsWriter, StepMeter
 from sdnet_trainer.optim import build_optimizer, build_scheduler
+from sdnet_trainer import rng
 from sdnet_trainer.precision import Precision
 
 logger = logging.getLogger(__name__)
@@ -46,10 +51,22 @@ class Trainer:
         self.output_dir = Path(output_dir)
         self.env = env if env is not None else DistEnv()
         self.device = self.env.device
-        self.micro_batch_size = micro_batch_size(cfg, self.env.world_size)
+        self.layout = batch_layout(cfg, self.env.world_size)
+        self.micro_batch_size = self.layout.micro_batch_size
+        # Counters, all saved in checkpoints. A step counts even when it was skipped.
         self.step = 0  # optimizer steps taken
+        self.epoch = 0
+        self.epoch_sample = 0  # position in the current epoch's sample order
+        self.samples_seen = 0
         self.skipped_steps = 0  # fp16 steps the GradScaler skipped on inf/NaN gradients
+        self.nonfinite_steps = 0  # steps skipped by health.nonfinite=skip
+        # Decided by all ranks together at the end of every step (see _agree).
+        self.epoch_ended = False
+        self.checkpoint_due = False
+        self.stop_requested = False
+        self._sigterm = False
         self.last_step: dict[str, Any] = {}
+        self.phase = PhaseTracker()
         self.final_metrics: dict[str, float] = {}
         self.meter = StepMeter()
 
@@ -98,6 +115,7 @@ class Trainer:
         for batch in self.val_loader:
             with self.precision.autocast():
                 sums = self.eval_step(self.to_device(batch))
+            self.beat()
             for key, value in sums.items():
                 totals[key] = totals.get(key, 0) + value.detach().double()
         model.train(was_training)
@@ -108,30 +126,83 @@ class Trainer:
         return {k: (100.0 * v if k.startswith("top") else v) / count for k, v in values.items()}
 
     def build_hooks(self) -> list[HookBase]:
-        """Called in this order after every step; evaluation first, so its metrics reach the
-        summary that MetricsHook prints at the end."""
-        return [EvalHook(), MetricsHook()]
+        """Called in this order after every step: evaluation, then checkpointing, then metrics
+        (so the summary MetricsHook prints at the end includes the final evaluation)."""
+        return [EvalHook(), CheckpointHook(), MetricsHook()]
+
+    # ------------------------------------------------------------------ checkpointed state
+
+    def state_dict(self) -> dict[str, Any]:
+        """Everything a resumed run needs, as a DCP state dict. Model and optimizer go through
+        torch's distributed state-dict helpers (the same code serves DDP and sharded layouts);
+        the RNG entry is per rank, under the rank's own key."""
+        model_state, optim_state = get_state_dict(self.model, self.optimizer)
+        state = {"model": model_state, "optim": optim_state, "scheduler": self.scheduler.state_dict(),
+                 "trainer": {"step": self.step, "epoch": self.epoch, "epoch_sample": self.epoch_sample,
+                             "samples_seen": self.samples_seen, "skipped_steps": self.skipped_steps,
+                             "nonfinite_steps": self.nonfinite_steps},
+                 f"rng/rank{self.env.rank}": rng.capture(self.device)}
+        if self.precision.scaling:
+            state["scaler"] = self.precision.scaler.state_dict()
+        return state
+
+    def load_checkpoint(self, checkpoint: Checkpoint) -> None:
+        state = self.state_dict()
+        rng_key = f"rng/rank{self.env.rank}"
+        same_layout = checkpoint.world_size == self.env.world_size and checkpoint.has_key(rng_key)
+        if not same_layout:
+            del state[rng_key]
+        if "scaler" in state and not checkpoint.has_key("scaler"):
+            del state["scaler"]  # written without fp16: keep the fresh scaler
+        self.checkpointer.load(checkpoint, state)
+        set_state_dict(self.model, self.optimizer, model_state_dict=state["model"],
+                       optim_state_dict=state["optim"])
+        self.scheduler.load_state_dict(state["scheduler"])
+        if "scaler" in state:
+            self.precision.scaler.load_state_dict(state["scaler"])
+        counters = state["trainer"]
+        self.step, self.epoch = counters["step"], counters["epoch"]
+        self.epoch_sample, self.samples_seen = counters["epoch_sample"], counters["samples_seen"]
+        self.skipped_steps, self.nonfinite_steps = counters["skipped_steps"], counters["nonfinite_steps"]
+        if same_layout:
+            rng.restore(state[rng_key], self.device)
+        else:
+            # Old ranks do not map onto new ones: re-derive every stream from (seed, rank, step).
+            rng.reseed(self.cfg.loop.seed, rank=self.env.rank, step=self.step)
+        logger.info("resumed from %s: step %d, epoch %d, sample %d of the epoch (written by %d ranks%s)",
+                    checkpoint.path, self.step, self.epoch, self.epoch_sample, checkpoint.world_size,
+                    "" if same_layout else "; random streams re-derived")
+
+    def save_checkpoint(self) -> None:
+        self.phase.enter("checkpoint save", step=self.step)
+        meta = {"global_batch_size": self.layout.global_batch_size, "world_size": self.env.world_size}
+        self.checkpointer.save(self.step, self.state_dict(), meta=meta)
+        self.last_checkpoint_step = self.step
+        self.last_checkpoint_time = time.monotonic()
 
     # ------------------------------------------------------------------ assembly
 
     def setup(self) -> None:
         loop, data = self.cfg.loop, self.cfg.data
-        seed_everything(loop.seed, deterministic=loop.deterministic)
+        rng.seed_everything(loop.seed, deterministic=loop.deterministic)
         # Same seed on every rank for the model's initial weights (DDP also broadcasts rank 0's).
         model = self.build_model().to(self.device)
         self.model = wrap_data_parallel(model, self.cfg.parallel, self.env)
         self.optimizer = self.build_optimizer(self.model)
         # From here on each rank draws its own random stream (dropout, augmentation).
-        torch.manual_seed(loop.seed + 1_000_003 * self.env.rank)
+        rng.reseed(loop.seed, rank=self.env.rank, step=0)
         self.criterion = nn.CrossEntropyLoss(label_smoothing=self.cfg.loss.label_smoothing)
 
         train_set, val_set = self.build_datasets()
         self.train_sampler = GlobalBatchSampler(
             len(train_set), micro_batch_size=self.micro_batch_size, world_size=self.env.world_size,
-            rank=self.env.rank, grad_accum_steps=loop.grad_accum_steps, shuffle=data.shuffle,
+            rank=self.env.rank, grad_accum_steps=self.layout.grad_accum_steps, shuffle=data.shuffle,
             seed=loop.seed, drop_last=data.drop_last)
+        # The loader's own generator: creating an iterator must not draw from the global stream,
+        # or a resumed run (which creates one mid-epoch) would diverge from an uninterrupted one.
+        self._loader_generator = torch.Generator()
         self.train_loader = build_loader(train_set, cfg=data, device_type=self.device.type,
-                                         batch_sampler=self.train_sampler)
+                                         batch_sampler=self.train_sampler, generator=self._loader_generator)
         self.val_loader = None
         if val_set is not None:
             if len(val_set) < self.env.world_size:
@@ -143,17 +214,27 @@ class Trainer:
                 batch_size=loop.eval_batch_size or self.micro_batch_size)
 
         self.steps_per_epoch = self.train_sampler.steps_per_epoch
+        # For max_epochs this counts steps at the current batch layout (the schedule's length).
         self.total_steps = loop.max_steps or loop.max_epochs * self.steps_per_epoch
         self.scheduler = self.build_scheduler(self.optimizer, total_steps=self.total_steps)
         self.precision = Precision(self.cfg.precision, device_type=self.device.type)
         self.writer = MetricsWriter(self.output_dir, enabled=self.env.is_main,
                                     tensorboard=self.cfg.logging.tensorboard, jsonl=self.cfg.logging.jsonl)
         self.hooks = self.build_hooks()
+        self.checkpointer = CheckpointManager(
+            self.cfg.checkpoint.dir or self.output_dir / "checkpoints", keep_last=self.cfg.checkpoint.keep_last,
+            async_save=self.cfg.checkpoint.async_save, rank=self.env.rank, world_size=self.env.world_size)
+        self.last_checkpoint_step = -1
+        self.last_checkpoint_time = time.monotonic()
+        resume_from = self.checkpointer.resolve_resume(self.cfg.checkpoint.resume)
+        if resume_from is not None:
+            self.load_checkpoint(resume_from)
+            self.last_checkpoint_step = self.step
         logger.info("model %s: %.2fM parameters | world size %d on %s | global batch %d = %d ranks x "
                     "%d accumulation x %d micro-batch | %d steps (%d per epoch)",
                     self.cfg.model.name, sum(p.numel() for p in model.parameters()) / 1e6,
-                    self.env.world_size, self.device, loop.global_batch_size, self.env.world_size,
-                    loop.grad_accum_steps, self.micro_batch_size, self.total_steps, self.steps_per_epoch)
+                    self.env.world_size, self.device, self.layout.global_batch_size, self.env.world_size,
+                    self.layout.grad_accum_steps, self.micro_batch_size, self.total_steps, self.steps_per_epoch)
 
     # ------------------------------------------------------------------ the loop
 
@@ -161,22 +242,62 @@ class Trainer:
         """Train to ``loop.max_steps`` (or ``max_epochs``); returns the final metrics."""
         self.setup()
         self._batches = self._train_batches()
+        health = self.cfg.health
+        heartbeat = Heartbeat(health.heartbeat_s, rank=self.env.rank) if health.heartbeat_s else None
         try:
-            for hook in self.hooks:
-                hook.before_train(self)
-            while self.step < self.total_steps:
-                started = time.perf_counter()
-                self.last_step = self.train_step()
-                self.step += 1
-                self.meter.step_done(samples=self.micro_batch_size * self.cfg.loop.grad_accum_steps,
-                                     seconds=time.perf_counter() - started)
+            with ExitStack() as guards:
+                guards.enter_context(_handle_sigterm(self))
+                if health.hang_timeout_s is not None:
+                    self.watchdog = guards.enter_context(Watchdog(
+                        health.hang_timeout_s, rank=self.env.rank, describe=self.phase.describe,
+                        log_file=hang_log_path(self.output_dir, self.env.rank)))
                 for hook in self.hooks:
-                    hook.after_step(self)
-            for hook in self.hooks:
-                hook.after_train(self)
+                    hook.before_train(self)
+                while not self._finished():
+                    started = time.perf_counter()
+                    self.last_step = self.train_step()
+                    self._advance()
+                    self.last_step_s = time.perf_counter() - started
+                    self.meter.step_done(samples=self.micro_batch_size * self.layout.grad_accum_steps,
+                                         seconds=self.last_step_s)
+                    for hook in self.hooks:
+                        hook.after_step(self)
+                    self.beat()
+                    if heartbeat is not None:
+                        heartbeat.maybe_log(self.step, step_s=self.last_step_s,
+                                            data_wait_s=self.last_step.get("data_wait_s", 0.0))
+                    if self.stop_requested:
+                        logger.warning("SIGTERM: stopped at step %d%s", self.step,
+                                       " after saving a checkpoint" if self.cfg.checkpoint.save_on_exit else "")
+                        raise SystemExit(EXIT_TERMINATED)
+                for hook in self.hooks:
+                    hook.after_train(self)
         finally:
             self.writer.close()
+            self.checkpointer.close()  # waits for an async save in flight
         return self.final_metrics
+
+    def _finished(self) -> bool:
+        loop = self.cfg.loop
+        return self.step >= loop.max_steps if loop.max_steps else self.epoch >= loop.max_epochs
+
+    def _advance(self) -> None:
+        """Count the step that just ran and move the data position; epochs end when no full
+        global batch is left."""
+        batch = self.layout.global_batch_size
+        self.step += 1
+        self.samples_seen += batch
+        self.epoch_sample += batch
+        self.epoch_ended = self.epoch_sample + batch > self.steps_per_epoch * batch
+        if self.epoch_ended:
+            self.epoch += 1
+            self.epoch_sample = 0
+
+    def beat(self) -> None:
+        """Progress for the hang watchdog (also called inside long evaluations)."""
+        watchdog = getattr(self, "watchdog", None)
+        if watchdog is not None:
+            watchdog.beat()
 
     def close(self) -> None:
         """Release the model, optimizer and loaders before the process group goes away; an
@@ -185,72 +306,109 @@ class Trainer:
             setattr(self, name, None)
 
     def train_step(self) -> dict[str, Any]:
-        """One optimizer step over ``loop.grad_accum_steps`` micro-batches."""
-        accum = self.cfg.loop.grad_accum_steps
+        """One optimizer step over ``grad_accum_steps`` micro-batches."""
+        accum = self.layout.grad_accum_steps
         self.model.train()
         loss_sum = torch.zeros((), device=self.device)
+        data_wait = 0.0
         for micro_step in range(accum):
+            started = time.perf_counter()
+            self.phase.enter("data", step=self.step)
             batch = self._next_batch()
+            data_wait += time.perf_counter() - started
             # DDP all-reduces gradients in backward; skip that on all but the last micro-step.
             sync = micro_step == accum - 1 or not is_ddp(self.model)
+            self.phase.enter("forward/backward (DDP gradient all-reduce)" if sync else "forward/backward",
+                             step=self.step)
             with nullcontext() if sync else self.model.no_sync():
                 with self.precision.autocast():
                     loss = self.compute_loss(batch)
                 self.precision.scaler.scale(loss / accum).backward()
             loss_sum += loss.detach().float()
+        loss = loss_sum / accum
 
-        grad_norm = self._clip_gradients()
-        scaler = self.precision.scaler
-        scale_before = scaler.get_scale() if scaler.is_enabled() else None
-        scaler.step(self.optimizer)  # skips optimizer.step when fp16 gradients overflowed
-        scaler.update()
-        if scale_before is not None and scaler.get_scale() < scale_before:
-            self.skipped_steps += 1
-        self.scheduler.step()
+        grad_norm = self._grad_norm()
+        nonfinite = self._agree(loss, grad_norm)
+        if nonfinite:
+            self._on_nonfinite(loss)
+        else:
+            self.phase.enter("optimizer", step=self.step)
+            self._clip(grad_norm)
+            scaler = self.precision.scaler
+            scale_before = scaler.get_scale() if scaler.is_enabled() else None
+            scaler.step(self.optimizer)  # skips optimizer.step when fp16 gradients overflowed
+            scaler.update()
+            if scale_before is not None and scaler.get_scale() < scale_before:
+                self.skipped_steps += 1
+            self.scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)
-        return {"loss": loss_sum / accum, "grad_norm": grad_norm}
+        return {"loss": loss, "grad_norm": grad_norm, "data_wait_s": data_wait, "nonfinite": nonfinite}
 
-    def _clip_gradients(self) -> torch.Tensor | None:
-        """Clip as configured; returns the total gradient norm when it was computed anyway
-        (clipping by norm) or is about to be logged."""
-        optim = self.cfg.optim
-        need_norm = optim.clip_grad_norm is not None or self.is_log_step(self.step + 1)
-        if not need_norm and optim.clip_grad_value is None:
-            return None
-        # Gradients must be in true units before clipping or measuring them.
+    def _grad_norm(self) -> torch.Tensor:
+        """The total gradient norm in true units (unscaled under fp16), every step: it serves the
+        non-finite check, clipping and logging, and costs one pass over the gradients."""
         self.precision.scaler.unscale_(self.optimizer)
+        # Under DDP every rank holds the same all-reduced gradients, so the local norm is global.
+        return torch.nn.utils.get_total_norm([p.grad for p in self.model.parameters() if p.grad is not None])
+
+    def _agree(self, loss: torch.Tensor, grad_norm: torch.Tensor) -> bool:
+        """One small all-reduce per step so every rank takes the same branch: non-finite values
+        seen by any rank, SIGTERM received by any rank, rank 0's clock saying a timed checkpoint
+        is due. Returns whether the step is non-finite."""
+        self.phase.enter("step agreement all-reduce", step=self.step)
+        # Under fp16 an overflowing gradient is routine (the GradScaler skips that step), so only
+        # the loss counts as a health event there.
+        bad = ~torch.isfinite(loss) if self.precision.scaling else ~(torch.isfinite(loss) & torch.isfinite(grad_norm))
+        minutes = self.cfg.checkpoint.every_n_minutes
+        timed = (self.env.is_main and minutes is not None
+                 and time.monotonic() - self.last_checkpoint_time >= 60 * minutes)
+        flags = torch.stack([bad.float(), torch.tensor(float(self._sigterm), device=self.device),
+                             torch.tensor(float(timed), device=self.device)])
+        nonfinite, stop, due = (bool(v) for v in all_reduce_max(flags).tolist())
+        self.stop_requested = stop
+        self.checkpoint_due = due
+        return nonfinite
+
+    def _on_nonfinite(self, loss: torch.Tensor) -> None:
+        names = nonfinite_tensor_names(
+            ((name, p.grad) for name, p in unwrap(self.model).named_parameters()),
+            loss=loss if not torch.isfinite(loss) else None)
+        if self.cfg.health.nonfinite == "abort":
+            raise NonFiniteError(step=self.step + 1, rank=self.env.rank, names=names)
+        # skip: parameters, optimizer state and schedule stay as they were.
+        self.nonfinite_steps += 1
+        if self.precision.scaling:
+            self.precision.scaler.update()  # closes this step's unscale_; lowers the scale
+        logger.warning("non-finite values at step %d (%s): step skipped (%d so far)", self.step + 1,
+                       ", ".join(names) or "on another rank", self.nonfinite_steps)
+
+    def _clip(self, grad_norm: torch.Tensor) -> None:
+        optim = self.cfg.optim
         params = [p for p in self.model.parameters() if p.grad is not None]
         if optim.clip_grad_value is not None:
             torch.nn.utils.clip_grad_value_(params, optim.clip_grad_value)
-        if not need_norm:
-            return None
-        # Under DDP every rank holds the same all-reduced gradients, so the local norm is global.
-        norm = torch.nn.utils.get_total_norm([p.grad for p in params])
         if optim.clip_grad_norm is not None:
-            torch.nn.utils.clip_grads_with_norm_(params, optim.clip_grad_norm, norm)
-        return norm
+            torch.nn.utils.clip_grads_with_norm_(params, optim.clip_grad_norm, grad_norm)
 
     def is_log_step(self, step: int) -> bool:
         return step % self.cfg.logging.log_every_n_steps == 0 or step == self.total_steps
 
-    @property
-    def epoch(self) -> int:
-        return self.step // self.steps_per_epoch
-
     # ------------------------------------------------------------------ data plumbing
 
     def _train_batches(self) -> Iterator[Any]:
-        """Micro-batches forever, epoch after epoch; the sampler is positioned from ``self.step``,
-        so the order depends only on the seed, the epoch and the global sample index."""
+        """Micro-batches forever, epoch after epoch; the sampler is positioned from the epoch and
+        the sample position, so the order depends only on the seed, the epoch and the global
+        sample index (not on the world size or on where a previous run stopped)."""
         while True:
             self.train_sampler.set_epoch(self.epoch)
-            self.train_sampler.set_start_step(self.step % self.steps_per_epoch)
+            self.train_sampler.set_start_sample(self.epoch_sample)
+            self._loader_generator.manual_seed(
+                rng.derive_seed(self.cfg.loop.seed + self.epoch, rank=self.env.rank, step=self.epoch_sample))
             yield from self.train_loader
 
     def _next_batch(self) -> Any:
         started = time.perf_counter()
-        batch = next(self._batches)
-        batch = self.to_device(batch)
+        batch = self.to_device(next(self._batches))
         self.meter.add_data_wait(time.perf_counter() - started)
         return batch
 
@@ -265,19 +423,21 @@ class Trainer:
         return batch
 
 
-def seed_everything(seed: int, *, deterministic: bool) -> None:
-    random.seed(seed)
-    torch.manual_seed(seed)
-    try:
-        import numpy as np
+EXIT_TERMINATED = 128 + signal.SIGTERM  # the shell's convention for "ended by SIGTERM"
 
-        np.random.seed(seed)
-    except ImportError:
-        pass
-    if deterministic:
-        # cuBLAS needs a fixed workspace for deterministic matmuls; must be set before first use.
-        os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
-        torch.use_deterministic_algorithms(True)
-        torch.backends.cudnn.benchmark = False
-    elif torch.cuda.is_available():
-        torch.backends.cudnn.benchmark = True
+
+class _handle_sigterm:
+    """While training, SIGTERM (a scheduler's notice before preemption) only sets a flag; the
+    ranks agree on it at the end of the step, save a checkpoint and exit together."""
+
+    def __init__(self, trainer: Trainer) -> None:
+        self.trainer = trainer
+
+    def __enter__(self) -> None:
+        def handler(signum, frame):
+            self.trainer._sigterm = True
+
+        self.previous = signal.signal(signal.SIGTERM, handler)
+
+    def __exit__(self, *exc) -> None:
+        signal.signal(signal.SIGTERM, self.previous)

@@ -3,14 +3,18 @@
 from __future__ import annotations
 
 import json
+import math
 import os
 import signal
 import subprocess
 import sys
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+from torch import nn
+from torch.utils.data import Dataset
 
 from sdnet_trainer import Trainer
 from sdnet_trainer.distributed import all_reduce_sum
@@ -38,7 +42,7 @@ def cli_env() -> dict[str, str]:
 
 
 def run_cli(args: list[str], *, cwd: Path, nproc: int | None = None, script: Path | None = None,
-            timeout: float = 240) -> Launch:
+            timeout: float = 240, torchrun_args: tuple[str, ...] = (), env: dict[str, str] | None = None) -> Launch:
     """Run ``python -m sdnet_trainer`` (nproc None) or ``torchrun --standalone`` with ``nproc``
     processes; ``script`` replaces ``-m sdnet_trainer``. The whole process tree is killed on
     timeout. torchrun's --standalone picks a free port for its rendezvous."""
@@ -47,8 +51,9 @@ def run_cli(args: list[str], *, cwd: Path, nproc: int | None = None, script: Pat
         cmd = [sys.executable, *target, *args]
     else:
         cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
-               f"--nproc_per_node={nproc}", *target, *args]
-    proc = subprocess.Popen(cmd, cwd=cwd, env=cli_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+               f"--nproc_per_node={nproc}", *torchrun_args, *target, *args]
+    proc = subprocess.Popen(cmd, cwd=cwd, env={**cli_env(), **(env or {})}, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT,
                             text=True, start_new_session=True)
     try:
         output, _ = proc.communicate(timeout=timeout)
@@ -65,6 +70,19 @@ def read_jsonl(path: Path) -> list[dict]:
 
 def last_metric(rows: list[dict], key: str) -> float:
     return [row[key] for row in rows if key in row][-1]
+
+
+class IndexedDataset(Dataset):
+    """Adds each sample's index to the sample, so a test can see which samples a rank trained on."""
+
+    def __init__(self, dataset: Dataset) -> None:
+        self.dataset = dataset
+
+    def __len__(self) -> int:
+        return len(self.dataset)
+
+    def __getitem__(self, index: int):
+        return (*self.dataset[index], index)
 
 
 class RecordingTrainer(Trainer):
@@ -100,3 +118,65 @@ class RecordingTrainer(Trainer):
             torch.save({"params": params, "losses": self.losses, "allreduce_calls": self.allreduce_calls,
                         "metrics": metrics}, self.output_dir / FINAL_STATE)
         return metrics
+
+
+class FaultTrainer(RecordingTrainer):
+    """Faults on request, for the resume tests. Environment variables (``RANK:STEP``):
+
+    - ``SDNET_TEST_KILL``: SIGKILL that rank right after that step, on torchrun's first attempt only;
+    - ``SDNET_TEST_SIGTERM``: deliver SIGTERM to that rank during that step;
+    - ``SDNET_TEST_NAN``: make that rank's loss NaN on that step;
+    - ``SDNET_TEST_SLEEP``: that rank sleeps 600 s inside that step (a hang).
+
+    It also records the dataset indices each rank trained on, to ``seen_rank{R}.pt``, and uses a
+    model with dropout so that random streams matter.
+    """
+
+    def build_model(self):
+        return nn.Sequential(super().build_model(), nn.Dropout(float(os.environ.get("SDNET_TEST_DROPOUT", "0.2"))))
+
+    def build_datasets(self):
+        train, val = super().build_datasets()
+        return IndexedDataset(train), val
+
+    def setup(self) -> None:
+        super().setup()
+        self.seen: list[int] = []
+
+    def compute_loss(self, batch):
+        inputs, targets, indices = batch
+        self.seen += indices.tolist()
+        if _fault("SDNET_TEST_SLEEP", self.env.rank) == self.step + 1:
+            time.sleep(600)
+        if _fault("SDNET_TEST_SIGTERM", self.env.rank) == self.step + 1:
+            os.kill(os.getpid(), signal.SIGTERM)  # arrives during the step, as a preemption notice would
+        loss = super().compute_loss((inputs, targets))
+        if _fault("SDNET_TEST_NAN", self.env.rank) == self.step + 1:
+            loss = loss * math.nan
+        return loss
+
+    def train_step(self):
+        out = super().train_step()
+        if _fault("SDNET_TEST_KILL", self.env.rank) == self.step + 1 and \
+                os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0":
+            os.kill(os.getpid(), signal.SIGKILL)
+        return out
+
+    def fit(self):
+        try:
+            return super().fit()
+        finally:
+            torch.save(self.seen, self.output_dir / f"seen_rank{self.env.rank}_{os.getpid()}_{id(self)}.pt")
+
+
+def _fault(name: str, rank: int) -> int | None:
+    value = os.environ.get(name)
+    if not value:
+        return None
+    fault_rank, step = (int(v) for v in value.split(":"))
+    return step if fault_rank == rank else None
+
+
+def seen_samples(run_dir: Path) -> list[int]:
+    """Every dataset index trained on, over all ranks and all legs of a run."""
+    return [i for path in sorted(run_dir.glob("seen_rank*.pt")) for i in torch.load(path)]

@@ -9,11 +9,12 @@ from collections.abc import Sequence
 from omegaconf import DictConfig, OmegaConf
 
 from sdnet_trainer.config.resolvers import register_resolvers
-from sdnet_trainer.config.schema import (Config, DataConfig, DDPConfig, DistConfig, LoggingConfig,
-                                         LoopConfig, LossConfig, ModelConfig, OptimConfig,
-                                         ParallelConfig, PrecisionConfig, RunConfig, SchedConfig)
+from sdnet_trainer.config.schema import (CheckpointConfig, Config, DataConfig, DDPConfig, DistConfig,
+                                         ElasticConfig, HealthConfig, LoggingConfig, LoopConfig,
+                                         LossConfig, ModelConfig, OptimConfig, ParallelConfig,
+                                         PrecisionConfig, RunConfig, SchedConfig)
 from sdnet_trainer.config.store import CONFIG_MODULE, recipe_names, register_configs
-from sdnet_trainer.config.validate import micro_batch_size, validate
+from sdnet_trainer.config.validate import BatchLayout, batch_layout, validate
 from sdnet_trainer.errors import ConfigError
 
 register_resolvers()
@@ -57,7 +58,7 @@ def compose(overrides: Sequence[str] = ()) -> Config:
 
 
 __all__ = [
-    "Config", "DataConfig", "DDPConfig", "DistConfig", "LoggingConfig", "LoopConfig", "LossConfig",
+    "CheckpointConfig", "ElasticConfig", "HealthConfig", "Config", "DataConfig", "DDPConfig", "DistConfig", "LoggingConfig", "LoopConfig", "LossConfig",
     "ModelConfig", "OptimConfig", "ParallelConfig", "PrecisionConfig", "RunConfig", "SchedConfig",
-    "compose", "micro_batch_size", "recipe_names", "to_config", "validate",
+    "BatchLayout", "batch_layout", "compose", "recipe_names", "to_config", "validate",
 ]

@@ -127,6 +127,9 @@ class LoopConfig:
     # global_batch_size = world_size * grad_accum_steps * per-rank micro-batch.
     global_batch_size: int = 64
     grad_accum_steps: int = 1
+    # Per-rank samples per forward pass. null: derived (global / (world size x accumulation));
+    # set it (with elastic.enabled) to keep it fixed while the world size changes.
+    micro_batch_size: Optional[int] = None
     eval_batch_size: Optional[int] = None  # per rank; defaults to the training micro-batch
     eval_every_n_steps: Optional[int] = None
     eval_at_epoch_end: bool = True
@@ -144,6 +147,42 @@ class LoggingConfig:
     # auto: a progress bar on rank 0 only when stderr is a terminal; on / off force it.
     progress_bar: str = "auto"
     level: str = "INFO"
+
+
+@dataclass
+class CheckpointConfig:
+    # Where checkpoints go; null: <run dir>/checkpoints. Every rank writes its own shard here, so
+    # on several nodes it must be a shared filesystem.
+    dir: Optional[str] = None
+    every_n_steps: Optional[int] = None
+    every_n_minutes: Optional[float] = None
+    # Committed checkpoints kept; older ones are deleted only after a newer one is committed.
+    keep_last: int = 3
+    # DCP async save: the loop blocks only while the state is staged (copied to CPU memory).
+    async_save: bool = False
+    # auto: the newest complete checkpoint in dir, if any; none: start fresh; or a checkpoint path.
+    resume: str = "auto"
+    # Save when training ends normally and when SIGTERM arrives (schedulers send it before preemption).
+    save_on_exit: bool = True
+
+
+@dataclass
+class HealthConfig:
+    # Non-finite loss or gradients: abort (exit naming the step, rank and tensors) or skip the step.
+    nonfinite: str = "abort"
+    # No step completed for this long: every rank dumps its stacks and exits non-zero; null: off.
+    hang_timeout_s: Optional[float] = None
+    # A per-rank log line (step, step time, data wait) every this many seconds; null: off.
+    heartbeat_s: Optional[float] = 60.0
+
+
+@dataclass
+class ElasticConfig:
+    # on: torchrun may restart workers with another world size; the batch policy below applies.
+    enabled: bool = False
+    # keep_global: keep loop.global_batch_size, re-deriving grad accumulation from the world size;
+    # keep_per_rank: keep loop.micro_batch_size x grad_accum_steps per rank, the global batch follows.
+    batch_policy: str = "keep_global"
 
 
 @dataclass
@@ -183,6 +222,9 @@ class Config:
     loss: LossConfig = field(default_factory=LossConfig)
     loop: LoopConfig = field(default_factory=LoopConfig)
     logging: LoggingConfig = field(default_factory=LoggingConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    health: HealthConfig = field(default_factory=HealthConfig)
+    elastic: ElasticConfig = field(default_factory=ElasticConfig)
     dist: DistConfig = field(default_factory=DistConfig)
     run: RunConfig = field(default_factory=RunConfig)
     trainer: TrainerTarget = field(default_factory=TrainerTarget)

@@ -9,6 +9,7 @@ from __future__ import annotations
 import difflib
 import importlib
 import logging
+from dataclasses import dataclass
 
 import torch
 
@@ -25,6 +26,8 @@ BACKENDS = ("auto", "nccl", "gloo")
 DEVICES = ("auto", "cpu", "cuda")
 PROGRESS = ("auto", "on", "off")
 LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR")
+BATCH_POLICIES = ("keep_global", "keep_per_rank")
+NONFINITE = ("abort", "skip")
 
 
 def _choice(key: str, value: str, choices: tuple[str, ...]) -> None:
@@ -43,16 +46,47 @@ def _positive(key: str, value: float | None, *, allow_none: bool = False, allow_
         raise ConfigError(f"{key}={value} must be {'>= 0' if allow_zero else '> 0'}")
 
 
-def micro_batch_size(cfg: Config, world_size: int) -> int:
-    """Per-rank samples per forward pass; the batch split rule lives here alone."""
+@dataclass(frozen=True)
+class BatchLayout:
+    """How one optimizer step's samples split: global = world size x accumulation x micro-batch."""
+
+    global_batch_size: int
+    grad_accum_steps: int
+    micro_batch_size: int
+
+
+def batch_layout(cfg: Config, world_size: int) -> BatchLayout:
+    """The batch split for ``world_size`` ranks; the batch rules live here alone.
+
+    Without ``loop.micro_batch_size`` the micro-batch is derived from the global batch. With it,
+    ``elastic.batch_policy`` says what survives a change of world size: ``keep_global`` re-derives
+    the accumulation, ``keep_per_rank`` keeps accumulation and micro-batch (the global batch follows).
+    """
     loop = cfg.loop
-    split = world_size * loop.grad_accum_steps
-    if loop.global_batch_size % split:
+    micro = loop.micro_batch_size
+    if micro is None:
+        split = world_size * loop.grad_accum_steps
+        if loop.global_batch_size % split:
+            raise ConfigError(
+                f"loop.global_batch_size={loop.global_batch_size} is not divisible by world size "
+                f"({world_size}) x loop.grad_accum_steps ({loop.grad_accum_steps}) = {split}; "
+                f"choose a global batch that is a multiple of {split}")
+        return BatchLayout(loop.global_batch_size, loop.grad_accum_steps, loop.global_batch_size // split)
+    if cfg.elastic.enabled and cfg.elastic.batch_policy == "keep_per_rank":
+        return BatchLayout(world_size * loop.grad_accum_steps * micro, loop.grad_accum_steps, micro)
+    per_step = world_size * micro
+    if loop.global_batch_size % per_step:
         raise ConfigError(
-            f"loop.global_batch_size={loop.global_batch_size} is not divisible by world size "
-            f"({world_size}) x loop.grad_accum_steps ({loop.grad_accum_steps}) = {split}; "
-            f"choose a global batch that is a multiple of {split}")
-    return loop.global_batch_size // split
+            f"loop.global_batch_size={loop.global_batch_size} is not divisible by world size ({world_size}) "
+            f"x loop.micro_batch_size ({micro}) = {per_step}, so no whole number of accumulation steps "
+            f"keeps it; change one of them or use elastic.batch_policy=keep_per_rank")
+    accum = loop.global_batch_size // per_step
+    if not cfg.elastic.enabled and accum != loop.grad_accum_steps:
+        raise ConfigError(
+            f"loop.micro_batch_size={micro} with world size {world_size} needs loop.grad_accum_steps="
+            f"{accum} for loop.global_batch_size={loop.global_batch_size}, not {loop.grad_accum_steps} "
+            f"(with elastic.enabled=true the accumulation is derived)")
+    return BatchLayout(loop.global_batch_size, accum, micro)
 
 
 def resolve_optimizer_class(name: str) -> type[torch.optim.Optimizer]:
@@ -79,7 +113,12 @@ def validate(cfg: Config, *, world_size: int) -> None:
 
     _positive("loop.global_batch_size", loop.global_batch_size)
     _positive("loop.grad_accum_steps", loop.grad_accum_steps)
-    micro_batch_size(cfg, world_size)
+    _positive("loop.micro_batch_size", loop.micro_batch_size, allow_none=True)
+    _choice("elastic.batch_policy", cfg.elastic.batch_policy, BATCH_POLICIES)
+    if cfg.elastic.batch_policy == "keep_per_rank" and cfg.elastic.enabled and loop.micro_batch_size is None:
+        raise ConfigError("elastic.batch_policy=keep_per_rank needs loop.micro_batch_size (the per-rank "
+                          "batch to keep when the world size changes)")
+    batch_layout(cfg, world_size)
     if (loop.max_steps is None) == (loop.max_epochs is None):
         raise ConfigError(f"set exactly one of loop.max_steps ({loop.max_steps}) and "
                           f"loop.max_epochs ({loop.max_epochs}); the other must be null")
@@ -130,5 +169,14 @@ def validate(cfg: Config, *, world_size: int) -> None:
     if cfg.parallel.sync_batchnorm and resolve_device(cfg.dist, local_rank=0).type != "cuda":
         raise ConfigError("parallel.sync_batchnorm=true needs CUDA devices (torch's SyncBatchNorm runs "
                           "only on GPUs); on the CPU keep it false")
+    ckpt = cfg.checkpoint
+    _positive("checkpoint.every_n_steps", ckpt.every_n_steps, allow_none=True)
+    _positive("checkpoint.every_n_minutes", ckpt.every_n_minutes, allow_none=True)
+    _positive("checkpoint.keep_last", ckpt.keep_last)
+    if not ckpt.resume:
+        raise ConfigError("checkpoint.resume must be auto, none or a checkpoint path")
+    _choice("health.nonfinite", cfg.health.nonfinite, NONFINITE)
+    _positive("health.hang_timeout_s", cfg.health.hang_timeout_s, allow_none=True)
+    _positive("health.heartbeat_s", cfg.health.heartbeat_s, allow_none=True)
     _choice("logging.progress_bar", cfg.logging.progress_bar, PROGRESS)
     _choice("logging.level", cfg.logging.level.upper(), LOG_LEVELS)

@@ -75,7 +75,7 @@ class GlobalBatchSampler(Sampler[list[int]]):
         self.global_batch_size = world_size * grad_accum_steps * micro_batch_size
         self._steps_per_epoch = self._count_steps()
         self.epoch = 0
-        self.start_step = 0
+        self.start_sample = 0
 
     def _count_steps(self) -> int:
         size, g = self.dataset_size, self.global_batch_size
@@ -110,7 +110,24 @@ class GlobalBatchSampler(Sampler[list[int]]):
             raise ValueError(
                 f"step_in_epoch must be in [0, {self._steps_per_epoch}], got {step_in_epoch}"
             )
-        self.start_step = step_in_epoch
+        self.set_start_sample(step_in_epoch * self.global_batch_size)
+
+    def set_start_sample(self, position: int) -> None:
+        """Begin the next ``__iter__`` at this position of the current epoch's order.
+
+        Positions count samples, not steps, so a run resumed with another global batch (an elastic
+        restart that keeps the per-rank batch) continues exactly where the epoch stood.
+        """
+        if not 0 <= position <= self._epoch_length():
+            raise ValueError(f"position must be in [0, {self._epoch_length()}], got {position}")
+        self.start_sample = position
+
+    def remaining_steps(self) -> int:
+        """Full global batches left in the current epoch from the start position."""
+        return (self._epoch_length() - self.start_sample) // self.global_batch_size
+
+    def _epoch_length(self) -> int:
+        return self._steps_per_epoch * self.global_batch_size
 
     def epoch_order(self) -> list[int]:
         """All ``steps_per_epoch * global_batch_size`` dataset indices of the current epoch."""
@@ -126,18 +143,19 @@ class GlobalBatchSampler(Sampler[list[int]]):
         return perm[positions].tolist()
 
     def __len__(self) -> int:
-        return (self._steps_per_epoch - self.start_step) * self.grad_accum_steps
+        return self.remaining_steps() * self.grad_accum_steps
 
     def __iter__(self) -> Iterator[list[int]]:
         order = self.epoch_order()
         g, m = self.global_batch_size, self.micro_batch_size
         span = self.world_size * m  # one micro-step over all ranks
-        for step in range(self.start_step, self._steps_per_epoch):
+        start = self.start_sample
+        for step in range(self.remaining_steps()):
             for k in range(self.grad_accum_steps):
-                begin = step * g + k * span + self.rank * m
+                begin = start + step * g + k * span + self.rank * m
                 yield order[begin : begin + m]
-        # A resume offset applies to the interrupted epoch only; the next one starts at step 0.
-        self.start_step = 0
+        # A resume offset applies to the interrupted epoch only; the next one starts at 0.
+        self.start_sample = 0
 
 
 class ShardedEvalSampler(Sampler[int]):

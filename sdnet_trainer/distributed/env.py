@@ -68,7 +68,13 @@ def distributed_session(cfg: DistConfig) -> Iterator[DistEnv]:
         return
 
     backend = resolve_backend(cfg, device)
-    dist.init_process_group(backend=backend, timeout=timedelta(seconds=cfg.timeout_s),
+    timeout = timedelta(seconds=cfg.timeout_s)
+    store, rank, world_size = next(dist.rendezvous("env://", timeout=timeout))
+    # torchrun's agent keeps one store across worker restarts; without a per-attempt prefix a
+    # restarted rank can read a dead rank's address left by the previous attempt and fail to connect.
+    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+    dist.init_process_group(backend=backend, store=dist.PrefixStore(f"sdnet/attempt_{attempt}", store),
+                            rank=rank, world_size=world_size, timeout=timeout,
                             device_id=device if device.type == "cuda" else None)
     env = DistEnv(rank=dist.get_rank(), world_size=dist.get_world_size(), local_rank=local_rank,
                   device=device, backend=backend)

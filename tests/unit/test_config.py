@@ -6,7 +6,7 @@ import pytest
 from hydra.errors import ConfigCompositionException
 from omegaconf.errors import ValidationError
 
-from sdnet_trainer.config import compose, micro_batch_size, recipe_names, validate
+from sdnet_trainer.config import batch_layout, compose, recipe_names, validate
 from sdnet_trainer.config.resolvers import rank0_only, run_id
 from sdnet_trainer.errors import ConfigError
 
@@ -81,7 +81,7 @@ def test_unknown_group_option_lists_the_choices():
 @pytest.mark.parametrize("world_size, accum, expected", [(1, 1, 64), (2, 1, 32), (2, 2, 16), (4, 4, 4)])
 def test_micro_batch_split(world_size, accum, expected):
     cfg = compose([f"loop.grad_accum_steps={accum}"])
-    assert micro_batch_size(cfg, world_size) == expected
+    assert batch_layout(cfg, world_size).micro_batch_size == expected
 
 
 def test_batch_not_divisible_names_the_keys_and_numbers():

@@ -382,3 +382,22 @@ def test_build_loader_eval_keeps_tail_and_validates_arguments():
         build_loader(ds, cfg=cfg, device_type="cpu", batch_size=2)
     with pytest.raises(ConfigError, match="data.num_workers"):
         build_loader(ds, cfg=DataConfig(num_workers=-1), device_type="cpu", batch_sampler=batch_sampler)
+
+
+def test_global_sampler_resumes_by_sample_position_with_another_global_batch():
+    # 3 steps at world size 2 (G=16), then the rest of the epoch at world size 1 (G=8): every
+    # sample of the epoch is visited exactly once, in the uninterrupted order.
+    n = 64
+    before = [GlobalBatchSampler(n, micro_batch_size=8, world_size=2, rank=r, seed=3) for r in range(2)]
+    seen = []
+    iters = [iter(s) for s in before]
+    for _ in range(3):
+        for it in iters:
+            seen += next(it)
+    after = GlobalBatchSampler(n, micro_batch_size=8, world_size=1, rank=0, seed=3)
+    after.set_start_sample(3 * 16)
+    assert after.remaining_steps() == (64 - 48) // 8 and len(after) == 2
+    for batch in after:
+        seen += batch
+    assert seen == after.epoch_order() and sorted(seen) == list(range(n))
+    assert after.start_sample == 0  # the next epoch starts from its beginning

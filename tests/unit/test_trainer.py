@@ -33,7 +33,8 @@ def test_accumulation_equals_one_big_batch(tmp_path):
 
 
 class _InfAtStep(Trainer):
-    """Returns an infinite loss on step 2 and keeps a copy of the parameters before every step."""
+    """Makes one gradient infinite on step 2 (as an fp16 overflow in backward would; the loss
+    stays finite) and keeps a copy of the parameters before every step."""
 
     def train_step(self):
         self.before = [p.detach().clone() for p in self.model.parameters()]
@@ -46,7 +47,9 @@ class _InfAtStep(Trainer):
 
     def compute_loss(self, batch):
         loss = super().compute_loss(batch)
-        return loss * math.inf if self.step == 2 else loss
+        if self.step == 2:
+            loss.register_hook(lambda grad: grad * math.inf)
+        return loss
 
 
 def test_fp16_grad_scaler_skips_the_step_on_inf_gradients(tmp_path):
@@ -173,3 +176,19 @@ def test_progress_bar_only_on_rank0_and_a_terminal(monkeypatch):
     assert not progress_enabled("on", is_main=False)
     monkeypatch.setattr("sys.stderr.isatty", lambda: True)
     assert progress_enabled("auto", is_main=True) and not progress_enabled("off", is_main=True)
+
+
+def test_rng_capture_and_restore_continue_every_stream():
+    import random
+
+    from sdnet_trainer import rng
+
+    rng.reseed(7, rank=1, step=3)
+    random.gauss(0, 1)  # leaves a cached value in Python's generator
+    saved = rng.capture(torch.device("cpu"))
+    expected = (torch.rand(4), random.random(), random.gauss(0, 1))
+    rng.reseed(99, rank=0, step=0)
+    rng.restore(saved, torch.device("cpu"))
+    assert torch.equal(torch.rand(4), expected[0])
+    assert (random.random(), random.gauss(0, 1)) == expected[1:]
+    assert rng.derive_seed(7, rank=0, step=1) != rng.derive_seed(7, rank=1, step=0)

@@ -1,0 +1,186 @@
+"""Worker for tests/distributed/test_checkpoint.py, launched with torchrun (gloo, CPU).
+
+    python -m torch.distributed.run --standalone --nproc_per_node=2 _checkpoint_worker.py DIR
+
+1. DIR/roundtrip: every rank saves a replicated model + optimizer state and its own rng/rank{r},
+   sync to sync/ (step 1) and async to async/ (step 2); then every rank loads both back and
+   compares. Each rank also writes expected_rank{r}.pt for the test's single-process checks.
+2. DIR/kill: step 1 is committed; during the save of step 2 rank 1 SIGKILLs itself once rank 0
+   has started writing its shard. The launch therefore fails: the test reads what is on disk.
+
+One launch for both, as starting processes is the slow part.
+
+The state builders are imported by the test for its single-process checks.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import sys
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.checkpoint import FileSystemWriter
+from torch.distributed.checkpoint.state_dict import get_state_dict
+
+from sdnet_trainer.checkpoint import CheckpointManager
+from sdnet_trainer.errors import ConfigError
+
+# Big enough that saving the replicated tensors twice would show in the checkpoint's size.
+WIDTH = 256
+
+
+def model_and_optimizer(*, seed: int = 0) -> tuple[nn.Module, torch.optim.Optimizer]:
+    torch.manual_seed(seed)
+    model = nn.Linear(WIDTH, WIDTH)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    return model, optimizer
+
+
+def trained_state(rank: int) -> dict[str, Any]:
+    """The state a DDP Trainer would save on ``rank``: model and optimizer (identical on every
+    rank), this rank's RNG state, counters."""
+    model, optimizer = model_and_optimizer()
+    model(torch.ones(4, WIDTH)).square().mean().backward()
+    optimizer.step()
+    model_sd, optim_sd = get_state_dict(model, optimizer)
+    return {"model": model_sd, "optim": optim_sd,
+            f"rng/rank{rank}": torch.Generator().manual_seed(100 + rank).get_state(),
+            "counters": {"step": 7, "epoch": 1, "samples": 7 * 64}}
+
+
+def empty_state(rank: int) -> dict[str, Any]:
+    """Same structure as ``trained_state``, other values: what a fresh process loads into."""
+    model, optimizer = model_and_optimizer(seed=1)
+    model_sd, optim_sd = get_state_dict(model, optimizer)
+    return {"model": model_sd, "optim": optim_sd, f"rng/rank{rank}": torch.zeros(5056, dtype=torch.uint8),
+            "counters": {"step": 0, "epoch": 0, "samples": 0}}
+
+
+def tensors(state: dict[str, Any], prefix: str = "") -> dict[str, torch.Tensor]:
+    """Flat {dotted key: tensor clone} of the tensors in a nested state dict."""
+    flat = {}
+    for key, value in state.items():
+        if isinstance(value, dict):
+            flat.update(tensors(value, f"{prefix}{key}."))
+        elif isinstance(value, torch.Tensor):
+            flat[f"{prefix}{key}"] = value.detach().clone()
+    return flat
+
+
+def tensors_in_place(state: dict[str, Any]) -> list[torch.Tensor]:
+    found = []
+    for value in state.values():
+        if isinstance(value, dict):
+            found += tensors_in_place(value)
+        elif isinstance(value, torch.Tensor):
+            found.append(value)
+    return found
+
+
+def assert_same(loaded: dict[str, Any], expected: dict[str, Any]) -> None:
+    got, want = tensors(loaded), tensors(expected)
+    assert got.keys() == want.keys(), (sorted(got), sorted(want))
+    for key, value in want.items():
+        assert torch.equal(got[key], value), key
+    assert loaded["counters"] == expected["counters"]
+    assert loaded["optim"]["param_groups"] == expected["optim"]["param_groups"]
+
+
+# ---------------------------------------------------------------------- test-only hooks
+
+_writes_may_start = threading.Event()
+_writes_may_start.set()
+_original_write_data = FileSystemWriter.write_data
+
+
+def _gated_write_data(self, plan, planner):
+    # Holds DCP's writer until the main thread says so: an async save then cannot finish before
+    # the test mutates the live tensors, so only staging can explain an unchanged checkpoint.
+    assert _writes_may_start.wait(timeout=60)
+    return _original_write_data(self, plan, planner)
+
+
+def _dying_write_data(self, plan, planner):
+    # Rank 1 dies mid-save: once rank 0 has started writing its shard into the staging folder.
+    deadline = time.monotonic() + 30
+    while not (Path(self.path) / "__0_0.distcp").exists() and time.monotonic() < deadline:
+        time.sleep(0.01)
+    os.kill(os.getpid(), signal.SIGKILL)
+
+
+# ---------------------------------------------------------------------- modes
+
+
+def roundtrip(directory: Path, rank: int, world_size: int) -> None:
+    directory.mkdir(exist_ok=True)
+    sync = CheckpointManager(directory / "sync", keep_last=3, async_save=False, rank=rank,
+                             world_size=world_size)
+    asyn = CheckpointManager(directory / "async", keep_last=3, async_save=True, rank=rank,
+                             world_size=world_size)
+    state = trained_state(rank)
+    torch.save(tensors(state), directory / f"expected_rank{rank}.pt")
+    sync.save(1, state, meta={"kind": "sync"})
+
+    FileSystemWriter.write_data = _gated_write_data
+    _writes_may_start.clear()
+    asyn.save(2, state, meta={"kind": "async"})
+    assert not (directory / "async" / "step_00000002").exists(), "async save blocked until written"
+    for value in tensors_in_place(state):
+        value.add_(1000)  # the training loop keeps going while the save is written
+    _writes_may_start.set()
+    asyn.wait()
+    FileSystemWriter.write_data = _original_write_data
+
+    reference = trained_state(rank)
+    for manager in (sync, asyn):
+        checkpoint = manager.latest()
+        assert checkpoint is not None and checkpoint.world_size == world_size, checkpoint
+        assert all(checkpoint.has_key(f"rng/rank{r}") for r in range(world_size))
+        loaded = empty_state(rank)
+        manager.load(checkpoint, loaded)
+        assert_same(loaded, reference)
+        print(f"rank {rank}: {checkpoint.meta['kind']} checkpoint step {checkpoint.step} loaded", flush=True)
+    # Rank 0 resolves checkpoint.resume and every rank follows, errors included.
+    assert sync.resolve_resume("auto").path == directory / "sync" / "step_00000001"
+    try:
+        sync.resolve_resume(str(directory / "sync" / "step_00000009"))
+    except ConfigError as exc:
+        assert "checkpoint.resume" in str(exc) and "does not exist" in str(exc), exc
+    else:
+        raise AssertionError("a missing resume path was accepted")
+    sync.close()
+    asyn.close()
+
+
+def kill(directory: Path, rank: int, world_size: int) -> None:
+    manager = CheckpointManager(directory, keep_last=3, async_save=False, rank=rank, world_size=world_size)
+    state = {"weight": torch.full((WIDTH, WIDTH), 1.0), f"rng/rank{rank}": torch.full((8,), float(rank))}
+    manager.save(1, state, meta={"value": 1})
+    if rank == 1:
+        FileSystemWriter.write_data = _dying_write_data
+    state["weight"].fill_(2.0)
+    manager.save(2, state, meta={"value": 2})
+    raise AssertionError("the save of step 2 should not have finished")
+
+
+def main() -> None:
+    directory = Path(sys.argv[1])
+    dist.init_process_group("gloo")
+    rank, world_size = dist.get_rank(), dist.get_world_size()
+    try:
+        roundtrip(directory / "roundtrip", rank, world_size)
+        print(f"rank {rank}: roundtrip passed", flush=True)
+        kill(directory / "kill", rank, world_size)
+    finally:
+        dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()

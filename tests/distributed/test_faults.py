@@ -1,0 +1,87 @@
+"""Real faults under torchrun (gloo, 2 processes): a killed rank, preemption and resume on another
+world size, non-finite losses, a hung rank. FaultTrainer (tests/support.py) injects them."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+import torch
+
+from tests.support import FINAL_STATE, TINY, read_jsonl, run_cli, seen_samples
+
+TARGET = "trainer._target_=tests.support.FaultTrainer"
+# 256 samples / global batch 32 = 8 steps per epoch.
+COMMON = TINY + [TARGET, "loop.global_batch_size=32", "loop.eval_at_end=false", "sched=cosine"]
+
+
+def _final(run_dir):
+    return torch.load(run_dir / FINAL_STATE, weights_only=True)
+
+
+def test_killed_rank_restarts_resumes_and_ends_bitwise_equal(tmp_path):
+    args = COMMON + ["loop.max_steps=10", "checkpoint.every_n_steps=2"]
+    clean = run_cli(args + [f"hydra.run.dir={tmp_path / 'clean'}"], cwd=tmp_path, nproc=2)
+    assert clean.returncode == 0, clean.output
+    # Rank 1 is SIGKILLed right after step 5 (checkpoint at step 4); torchrun restarts both ranks,
+    # which resume from step 4 on their own (checkpoint.resume=auto).
+    killed = run_cli(args + [f"hydra.run.dir={tmp_path / 'killed'}"], cwd=tmp_path, nproc=2,
+                     torchrun_args=("--max-restarts=1",), env={"SDNET_TEST_KILL": "1:5"})
+    assert killed.returncode == 0, killed.output
+    assert "resumed from" in killed.output and "step_00000004" in killed.output
+    expected, got = _final(tmp_path / "clean"), _final(tmp_path / "killed")
+    for name, value in expected["params"].items():
+        assert torch.equal(got["params"][name], value), name
+    assert got["losses"] == expected["losses"][4:]  # the restarted attempt ran steps 5..10
+
+
+@pytest.mark.parametrize("first, second", [(2, 1), (1, 2)])
+def test_resume_on_another_world_size_visits_each_sample_once(tmp_path, first, second):
+    args = COMMON + ["loop.max_steps=8", f"hydra.run.dir={tmp_path / 'run'}"]
+    env = {"SDNET_TEST_DROPOUT": "0"}  # re-derived random streams would make dropout differ
+    reference = run_cli(COMMON + ["loop.max_steps=8", f"hydra.run.dir={tmp_path / 'ref'}"], cwd=tmp_path, env=env)
+    assert reference.returncode == 0, reference.output
+    # Preempted during step 3: the ranks agree, save step 3 and exit with 143.
+    stopped = run_cli(args, cwd=tmp_path, nproc=first if first > 1 else None,
+                      env={**env, "SDNET_TEST_SIGTERM": "0:3"})
+    assert stopped.returncode != 0 and "SIGTERM: stopped at step 3" in stopped.output, stopped.output
+    resumed = run_cli(args, cwd=tmp_path, nproc=second if second > 1 else None, env=env)
+    assert resumed.returncode == 0, resumed.output
+    assert f"written by {first} ranks; random streams re-derived" in resumed.output
+
+    seen = seen_samples(tmp_path / "run")
+    assert sorted(seen) == list(range(256))  # the whole epoch, every sample exactly once
+    expected, got = _final(tmp_path / "ref"), _final(tmp_path / "run")
+    assert got["losses"] == pytest.approx(expected["losses"][3:], rel=1e-4)
+    for name, value in expected["params"].items():
+        torch.testing.assert_close(got["params"][name], value, rtol=1e-4, atol=1e-6)
+
+
+def test_nonfinite_on_one_rank_aborts_every_rank_naming_the_step(tmp_path):
+    run = run_cli(COMMON + ["loop.max_steps=6", f"hydra.run.dir={tmp_path / 'run'}"], cwd=tmp_path, nproc=2,
+                  env={"SDNET_TEST_NAN": "1:3"})
+    assert run.returncode != 0
+    assert "non-finite loss or gradients at step 3 on rank 1: loss" in run.output
+    assert "exitcode  : 3" in run.output
+
+
+def test_nonfinite_skip_on_one_rank_skips_on_every_rank(tmp_path):
+    run = run_cli(COMMON + ["loop.max_steps=6", "health.nonfinite=skip", f"hydra.run.dir={tmp_path / 'run'}"],
+                  cwd=tmp_path, nproc=2, env={"SDNET_TEST_NAN": "1:3"})
+    assert run.returncode == 0, run.output
+    rows = read_jsonl(tmp_path / "run" / "metrics.jsonl")
+    assert [r["train/nonfinite_steps"] for r in rows if r["step"] == 6 and "train/loss" in r] == [1.0]
+
+
+def test_hung_rank_ends_every_rank_with_stack_dumps(tmp_path):
+    started = time.monotonic()
+    run = run_cli(COMMON + ["loop.max_steps=6", "health.hang_timeout_s=3", f"hydra.run.dir={tmp_path / 'run'}"],
+                  cwd=tmp_path, nproc=2, env={"SDNET_TEST_SLEEP": "1:3"}, timeout=120)
+    elapsed = time.monotonic() - started
+    assert run.returncode != 0
+    assert elapsed < 60, elapsed  # the process group's own timeout is 30 minutes
+    dumps = {rank: (tmp_path / "run" / f"hang_rank{rank}.log").read_text() for rank in (0, 1)}
+    for rank in (0, 1):  # each names the phase it was stuck in, then dumps every thread's stack
+        assert "made no progress" in dumps[rank] and "of step 2" in dumps[rank]
+        assert "most recent call first" in dumps[rank]
+    assert "in compute_loss" in dumps[1]  # the hung rank sleeps inside its loss

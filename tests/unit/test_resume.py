@@ -1,0 +1,91 @@
+"""Stop and resume in one process: the resumed run is bitwise the uninterrupted one."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from sdnet_trainer import compose
+from tests.support import TINY, FaultTrainer, seen_samples
+
+# 256 samples / global batch 32 = 8 steps per epoch; 14 steps cross an epoch boundary.
+COMMON = TINY + ["loop.max_steps=14", "loop.global_batch_size=32", "loop.eval_at_end=false",
+                 "sched=cosine", "sched.warmup_steps=3"]
+
+
+def _params(trainer) -> dict[str, torch.Tensor]:
+    return {k: v.detach().clone() for k, v in trainer.model.state_dict().items()}
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory):
+    trainer = FaultTrainer(compose(COMMON), output_dir=tmp_path_factory.mktemp("reference"))
+    trainer.fit()
+    return _params(trainer), trainer.losses
+
+
+@pytest.mark.parametrize("async_save", [False, True])
+@pytest.mark.parametrize("stop_at", [3, 8, 11])  # mid-epoch, at the epoch's end, mid-epoch 2
+def test_sigterm_then_resume_is_bitwise_equal(tmp_path, monkeypatch, reference, stop_at, async_save):
+    cfg = compose(COMMON + [f"checkpoint.async_save={async_save}"])
+    monkeypatch.setenv("SDNET_TEST_SIGTERM", f"0:{stop_at}")
+    first = FaultTrainer(cfg, output_dir=tmp_path)
+    with pytest.raises(SystemExit) as stopped:
+        first.fit()
+    assert stopped.value.code == 143 and first.step == stop_at
+    monkeypatch.delenv("SDNET_TEST_SIGTERM")
+
+    second = FaultTrainer(cfg, output_dir=tmp_path)
+    second.fit()
+    assert second.step == 14
+    params, losses = reference
+    assert first.losses + second.losses == losses  # bitwise, step by step
+    for name, value in params.items():
+        assert torch.equal(_params(second)[name], value), name
+    # The data: 8 steps of epoch 0 (every sample once) then 6 steps of epoch 1.
+    assert len(seen_samples(tmp_path)) == 14 * 32
+
+
+def test_nonfinite_skip_leaves_the_step_untouched(tmp_path, monkeypatch):
+    monkeypatch.setenv("SDNET_TEST_NAN", "0:3")
+    monkeypatch.setenv("SDNET_TEST_DROPOUT", "0")
+
+    class Snapshots(FaultTrainer):
+        def train_step(self):
+            before = _params(self)
+            momentum = {k: v["momentum_buffer"].clone() for k, v in enumerate(self.optimizer.state.values())}
+            out = super().train_step()
+            if self.step + 1 == 3:
+                self.at_nan = (before, _params(self), momentum,
+                               {k: v["momentum_buffer"].clone() for k, v in enumerate(self.optimizer.state.values())})
+            return out
+
+    trainer = Snapshots(compose(COMMON + ["health.nonfinite=skip", "loop.max_steps=5"]), output_dir=tmp_path)
+    trainer.fit()
+    before, after, momentum_before, momentum_after = trainer.at_nan
+    assert all(torch.equal(before[k], after[k]) for k in before)
+    assert all(torch.equal(momentum_before[k], momentum_after[k]) for k in momentum_before)
+    assert trainer.nonfinite_steps == 1 and trainer.step == 5
+    assert trainer.scheduler.last_epoch == 4  # the skipped step did not advance the schedule
+
+
+def test_nonfinite_abort_names_the_step(tmp_path, monkeypatch):
+    from sdnet_trainer.health import NonFiniteError
+
+    monkeypatch.setenv("SDNET_TEST_NAN", "0:2")
+    with pytest.raises(NonFiniteError, match=r"at step 2 on rank 0: loss"):
+        FaultTrainer(compose(COMMON), output_dir=tmp_path).fit()
+
+
+def test_explicit_resume_path_and_none(tmp_path, monkeypatch):
+    cfg = compose(COMMON + ["loop.max_steps=4", "checkpoint.every_n_steps=2"])
+    FaultTrainer(cfg, output_dir=tmp_path / "a").fit()
+    step2 = tmp_path / "a" / "checkpoints" / "step_00000002"
+    assert step2.is_dir()
+    resumed = FaultTrainer(compose(COMMON + ["loop.max_steps=4", f"checkpoint.resume={step2}"]),
+                           output_dir=tmp_path / "b")
+    resumed.fit()
+    assert len(resumed.losses) == 2  # steps 3 and 4 only
+    fresh = FaultTrainer(compose(COMMON + ["loop.max_steps=4", "checkpoint.resume=none"]), output_dir=tmp_path / "a")
+    fresh.fit()
+    assert len(fresh.losses) == 4
