@@ -30,6 +30,7 @@ import re
 import shutil
 import time
 import uuid
+import warnings
 from collections.abc import Iterable, Iterator
 from concurrent.futures import Future
 from dataclasses import dataclass, field, is_dataclass
@@ -51,6 +52,11 @@ from sdnet_trainer.distributed.ops import is_distributed
 from sdnet_trainer.errors import ConfigError
 
 logger = logging.getLogger(__name__)
+
+# DCP warns on every single-process save and load that it "assumes" a single process; that is
+# exactly the no_dist case this manager selects on purpose.
+warnings.filterwarnings("ignore", message="torch.distributed is disabled, unavailable or uninitialized",
+                        category=UserWarning)
 
 MANIFEST = "manifest.json"
 FORMAT_VERSION = 1

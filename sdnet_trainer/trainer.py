@@ -313,13 +313,13 @@ class Trainer:
         data_wait = 0.0
         for micro_step in range(accum):
             started = time.perf_counter()
-            self.phase.enter("data", step=self.step)
+            self.phase.enter("data", step=self.step + 1)
             batch = self._next_batch()
             data_wait += time.perf_counter() - started
             # DDP all-reduces gradients in backward; skip that on all but the last micro-step.
             sync = micro_step == accum - 1 or not is_ddp(self.model)
             self.phase.enter("forward/backward (DDP gradient all-reduce)" if sync else "forward/backward",
-                             step=self.step)
+                             step=self.step + 1)
             with nullcontext() if sync else self.model.no_sync():
                 with self.precision.autocast():
                     loss = self.compute_loss(batch)
@@ -332,7 +332,7 @@ class Trainer:
         if nonfinite:
             self._on_nonfinite(loss)
         else:
-            self.phase.enter("optimizer", step=self.step)
+            self.phase.enter("optimizer", step=self.step + 1)
             self._clip(grad_norm)
             scaler = self.precision.scaler
             scale_before = scaler.get_scale() if scaler.is_enabled() else None
@@ -355,7 +355,7 @@ class Trainer:
         """One small all-reduce per step so every rank takes the same branch: non-finite values
         seen by any rank, SIGTERM received by any rank, rank 0's clock saying a timed checkpoint
         is due. Returns whether the step is non-finite."""
-        self.phase.enter("step agreement all-reduce", step=self.step)
+        self.phase.enter("step agreement all-reduce", step=self.step + 1)
         # Under fp16 an overflowing gradient is routine (the GradScaler skips that step), so only
         # the loss counts as a health event there.
         bad = ~torch.isfinite(loss) if self.precision.scaling else ~(torch.isfinite(loss) & torch.isfinite(grad_norm))

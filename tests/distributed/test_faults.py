@@ -82,6 +82,6 @@ def test_hung_rank_ends_every_rank_with_stack_dumps(tmp_path):
     assert elapsed < 60, elapsed  # the process group's own timeout is 30 minutes
     dumps = {rank: (tmp_path / "run" / f"hang_rank{rank}.log").read_text() for rank in (0, 1)}
     for rank in (0, 1):  # each names the phase it was stuck in, then dumps every thread's stack
-        assert "made no progress" in dumps[rank] and "of step 2" in dumps[rank]
+        assert "made no progress" in dumps[rank] and "of step 3" in dumps[rank]
         assert "most recent call first" in dumps[rank]
     assert "in compute_loss" in dumps[1]  # the hung rank sleeps inside its loss

@@ -6,7 +6,7 @@ import pytest
 from hydra.errors import ConfigCompositionException
 from omegaconf.errors import ValidationError
 
-from sdnet_trainer.config import batch_layout, compose, recipe_names, validate
+from sdnet_trainer.config import BatchLayout, batch_layout, compose, recipe_names, validate
 from sdnet_trainer.config.resolvers import rank0_only, run_id
 from sdnet_trainer.errors import ConfigError
 
@@ -84,6 +84,15 @@ def test_micro_batch_split(world_size, accum, expected):
     assert batch_layout(cfg, world_size).micro_batch_size == expected
 
 
+def test_elastic_batch_policies():
+    keep_global = compose(["elastic=on", "loop.micro_batch_size=8", "loop.global_batch_size=64"])
+    assert [batch_layout(keep_global, w) for w in (1, 2, 4)] == [
+        BatchLayout(64, 8, 8), BatchLayout(64, 4, 8), BatchLayout(64, 2, 8)]  # accumulation follows
+    keep_rank = compose(["elastic=on", "elastic.batch_policy=keep_per_rank", "loop.micro_batch_size=8",
+                         "loop.grad_accum_steps=2"])
+    assert [batch_layout(keep_rank, w) for w in (1, 3)] == [BatchLayout(16, 2, 8), BatchLayout(48, 2, 8)]
+
+
 def test_batch_not_divisible_names_the_keys_and_numbers():
     cfg = compose(["loop.global_batch_size=100", "loop.grad_accum_steps=3"])
     with pytest.raises(ConfigError) as excinfo:
@@ -107,6 +116,12 @@ def test_batch_not_divisible_names_the_keys_and_numbers():
     (["parallel.sync_batchnorm=true", "dist.device=cpu"], "parallel.sync_batchnorm"),
     (["loop.max_steps=0"], "loop.max_steps=0"),
     (["logging.progress_bar=maybe"], "logging.progress_bar"),
+    (["health.nonfinite=ignore"], "health.nonfinite='ignore'"),
+    (["checkpoint.keep_last=0"], "checkpoint.keep_last=0"),
+    (["elastic.batch_policy=keep_all"], "elastic.batch_policy"),
+    (["elastic=on", "elastic.batch_policy=keep_per_rank"], "needs loop.micro_batch_size"),
+    (["loop.micro_batch_size=16", "loop.grad_accum_steps=1"], "needs loop.grad_accum_steps=4"),
+    (["elastic=on", "loop.micro_batch_size=24"], "x loop.micro_batch_size (24)"),
 ])
 def test_invalid_combinations_name_the_key(overrides, key):
     cfg = compose(overrides)
