@@ -16,7 +16,7 @@ import hydra
 from hydra.core.hydra_config import HydraConfig
 from hydra.utils import get_class
 from omegaconf import DictConfig
-from omegaconf.errors import MissingMandatoryValue
+from omegaconf.errors import MissingMandatoryValue, OmegaConfBaseException
 
 from sdnet_trainer.config import CONFIG_MODULE, Config, to_config, validate
 from sdnet_trainer.distributed import distributed_session, launched_world_size
@@ -66,6 +66,8 @@ def _validated(cfg: DictConfig) -> Config:
         config = to_config(cfg)
     except MissingMandatoryValue as err:
         raise ConfigError(f"{err.full_key} must be set (it has no default in this config)") from None
+    except OmegaConfBaseException as err:  # a bad interpolation or a value the schema rejects
+        raise ConfigError(str(err).splitlines()[0] + f" (key {getattr(err, 'full_key', '?')})") from None
     validate(config, world_size=launched_world_size())
     return config
 

@@ -8,6 +8,7 @@ state (``trainer.step``, ``trainer.last_step``) and never change the training ma
 from __future__ import annotations
 
 import logging
+import math
 import time
 from typing import TYPE_CHECKING
 
@@ -97,9 +98,10 @@ class MetricsHook(HookBase):
                                                          is_main=trainer.env.is_main))
 
     def after_step(self, trainer: Trainer) -> None:
-        loss = trainer.last_step["loss"]
-        self._loss_sum = loss if self._loss_sum is None else self._loss_sum + loss
-        self._loss_steps += 1
+        if not trainer.last_step["nonfinite"]:  # a skipped step's NaN would poison the window
+            loss = trainer.last_step["loss"]
+            self._loss_sum = loss if self._loss_sum is None else self._loss_sum + loss
+            self._loss_steps += 1
         if trainer.is_log_step(trainer.step):
             self._log(trainer)
         else:
@@ -107,7 +109,7 @@ class MetricsHook(HookBase):
 
     def _log(self, trainer: Trainer) -> None:
         window = trainer.meter.flush()
-        local_loss = (self._loss_sum / self._loss_steps).item()
+        local_loss = (self._loss_sum / self._loss_steps).item() if self._loss_steps else math.nan
         self._loss_sum, self._loss_steps = None, 0
         ranks = all_gather_floats(
             [local_loss, window["samples_per_s"], window["step_s"], window["data_wait_s"],

@@ -54,7 +54,8 @@ def lr_multiplier(cfg: SchedConfig, total_steps: int) -> Callable[[int], float]:
     MultiStepLR). A pure function of the step, so resuming needs only the step.
     """
     warmup = cfg.warmup_steps
-    decay_steps = max(total_steps - warmup, 1)
+    # The last step (total_steps - 1) runs at exactly the final value.
+    decay_steps = max(total_steps - warmup - 1, 1)
 
     def factor(step: int) -> float:
         if step < warmup:

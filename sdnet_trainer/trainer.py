@@ -13,6 +13,7 @@ distributed code.
 from __future__ import annotations
 
 import logging
+import os
 import signal
 import time
 from collections.abc import Iterator
@@ -23,7 +24,8 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 from torch import nn
-from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_state_dict, set_model_state_dict,
+                                                     set_optimizer_state_dict)
 from torch.utils.data import Dataset
 
 from sdnet_trainer.config import Config, batch_layout
@@ -136,7 +138,12 @@ class Trainer:
         """Everything a resumed run needs, as a DCP state dict. Model and optimizer go through
         torch's distributed state-dict helpers (the same code serves DDP and sharded layouts);
         the RNG entry is per rank, under the rank's own key."""
+        untouched = not self.optimizer.state
         model_state, optim_state = get_state_dict(self.model, self.optimizer)
+        if untouched:
+            # get_state_dict materialises optimizer state with a zero-lr step (AdamW would then
+            # count step 1); keep the live optimizer as it was, the copy above is enough to save.
+            self.optimizer.state.clear()
         state = {"model": model_state, "optim": optim_state, "scheduler": self.scheduler.state_dict(),
                  "trainer": {"step": self.step, "epoch": self.epoch, "epoch_sample": self.epoch_sample,
                              "samples_seen": self.samples_seen, "skipped_steps": self.skipped_steps,
@@ -154,15 +161,26 @@ class Trainer:
             del state[rng_key]
         if "scaler" in state and not checkpoint.has_key("scaler"):
             del state["scaler"]  # written without fp16: keep the fresh scaler
+        # Parameters that never had a gradient (unused branches) have no optimizer state in the
+        # checkpoint; the fresh state materialised for them here is dropped rather than looked up.
+        optim_state = state["optim"]["state"]
+        for name in [n for n in optim_state if not checkpoint.has_key(f"optim.state.{n}")]:
+            del optim_state[name]
         self.checkpointer.load(checkpoint, state)
-        set_state_dict(self.model, self.optimizer, model_state_dict=state["model"],
-                       optim_state_dict=state["optim"])
+        set_model_state_dict(self.model, state["model"])
+        # Not strict: parameters without a gradient so far rightly have no optimizer state.
+        set_optimizer_state_dict(self.model, self.optimizer, state["optim"],
+                                 options=StateDictOptions(strict=False))
         self.scheduler.load_state_dict(state["scheduler"])
         if "scaler" in state:
             self.precision.scaler.load_state_dict(state["scaler"])
         counters = state["trainer"]
         self.step, self.epoch = counters["step"], counters["epoch"]
         self.epoch_sample, self.samples_seen = counters["epoch_sample"], counters["samples_seen"]
+        if self._epoch_exhausted():
+            # A larger global batch than the writer's (elastic keep_per_rank, or a changed config)
+            # may leave no full batch in the interrupted epoch: continue with the next one.
+            self.epoch, self.epoch_sample = self.epoch + 1, 0
         self.skipped_steps, self.nonfinite_steps = counters["skipped_steps"], counters["nonfinite_steps"]
         if same_layout:
             rng.restore(state[rng_key], self.device)
@@ -266,7 +284,7 @@ class Trainer:
                     if heartbeat is not None:
                         heartbeat.maybe_log(self.step, step_s=self.last_step_s,
                                             data_wait_s=self.last_step.get("data_wait_s", 0.0))
-                    if self.stop_requested:
+                    if self.stop_requested and not self._finished():
                         logger.warning("SIGTERM: stopped at step %d%s", self.step,
                                        " after saving a checkpoint" if self.cfg.checkpoint.save_on_exit else "")
                         raise SystemExit(EXIT_TERMINATED)
@@ -288,10 +306,15 @@ class Trainer:
         self.step += 1
         self.samples_seen += batch
         self.epoch_sample += batch
-        self.epoch_ended = self.epoch_sample + batch > self.steps_per_epoch * batch
+        self.epoch_ended = self._epoch_exhausted()
         if self.epoch_ended:
             self.epoch += 1
             self.epoch_sample = 0
+
+    def _epoch_exhausted(self) -> bool:
+        """No full global batch is left in the current epoch from ``epoch_sample`` on."""
+        batch = self.layout.global_batch_size
+        return self.epoch_sample + batch > self.steps_per_epoch * batch
 
     def beat(self) -> None:
         """Progress for the hang watchdog (also called inside long evaluations)."""
@@ -362,8 +385,9 @@ class Trainer:
         minutes = self.cfg.checkpoint.every_n_minutes
         timed = (self.env.is_main and minutes is not None
                  and time.monotonic() - self.last_checkpoint_time >= 60 * minutes)
-        flags = torch.stack([bad.float(), torch.tensor(float(self._sigterm), device=self.device),
-                             torch.tensor(float(timed), device=self.device)])
+        host_flags = torch.tensor([float(self._sigterm), float(timed)]).to(self.device, non_blocking=True)
+        flags = torch.cat([bad.float().reshape(1), host_flags])
+        # The one host synchronisation per step: every rank must know the verdict before stepping.
         nonfinite, stop, due = (bool(v) for v in all_reduce_max(flags).tolist())
         self.stop_requested = stop
         self.checkpoint_due = due
@@ -375,10 +399,12 @@ class Trainer:
             loss=loss if not torch.isfinite(loss) else None)
         if self.cfg.health.nonfinite == "abort":
             raise NonFiniteError(step=self.step + 1, rank=self.env.rank, names=names)
-        # skip: parameters, optimizer state and schedule stay as they were.
+        # skip: parameters and optimizer state stay as they were; the schedule moves on with the
+        # step count, as it does when the fp16 GradScaler skips a step.
         self.nonfinite_steps += 1
         if self.precision.scaling:
             self.precision.scaler.update()  # closes this step's unscale_; lowers the scale
+        self.scheduler.step()
         logger.warning("non-finite values at step %d (%s): step skipped (%d so far)", self.step + 1,
                        ", ".join(names) or "on another rank", self.nonfinite_steps)
 
@@ -435,6 +461,11 @@ class _handle_sigterm:
 
     def __enter__(self) -> None:
         def handler(signum, frame):
+            if self.trainer._sigterm:
+                # A second SIGTERM: the first was not acted upon (a rank stuck before the step's
+                # agreement), so terminate now, the default way.
+                signal.signal(signal.SIGTERM, signal.SIG_DFL)
+                os.kill(os.getpid(), signal.SIGTERM)
             self.trainer._sigterm = True
 
         self.previous = signal.signal(signal.SIGTERM, handler)

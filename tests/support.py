@@ -139,8 +139,8 @@ class FaultTrainer(RecordingTrainer):
         train, val = super().build_datasets()
         return IndexedDataset(train), val
 
-    def setup(self) -> None:
-        super().setup()
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
         self.seen: list[int] = []
 
     def compute_loss(self, batch):

@@ -65,6 +65,7 @@ def test_trainer_subclass_trains_through_the_cli(tmp_path, route):
     (["loop.max_steps=many"], "loop.max_steps"),
     (["data=imagefolder", "data.root=/no/such/folder", "model.num_classes=1000"], "data.root"),
     (["trainer._target_=no.such.Trainer"], "trainer._target_"),
+    (["loop.seed=${nope}"], "loop.seed"),
 ])
 def test_bad_input_fails_with_the_key_named(tmp_path, args, needle):
     launch = run_cli(args + [f"hydra.run.dir={tmp_path / 'run'}"], cwd=tmp_path)

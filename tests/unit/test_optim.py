@@ -54,12 +54,12 @@ def test_no_decay_for_norm_and_bias():
 
 def test_warmup_then_cosine():
     f = lr_multiplier(SchedConfig(name="cosine", warmup_steps=10, warmup_start_factor=0.1,
-                                  min_lr_ratio=0.01), total_steps=110)
+                                  min_lr_ratio=0.01), total_steps=111)
     assert f(0) == pytest.approx(0.1)
     assert f(5) == pytest.approx(0.55)
     assert f(10) == pytest.approx(1.0)
     assert f(60) == pytest.approx(0.01 + 0.99 * 0.5)  # half-way through the decay
-    assert f(110) == pytest.approx(0.01)
+    assert f(110) == pytest.approx(0.01)  # the last step runs at the final value
     values = [f(s) for s in range(10, 111)]
     assert all(a >= b for a, b in zip(values, values[1:]))
 
@@ -81,5 +81,6 @@ def test_scheduler_drives_the_optimizer_lr():
         seen.append(opt.param_groups[0]["lr"])
         opt.step()
         sched.step()
-    expected = [0.0, 0.1] + [0.2 * 0.5 * (1 + math.cos(math.pi * t / 4)) for t in range(4)]
+    expected = [0.0, 0.1] + [0.2 * 0.5 * (1 + math.cos(math.pi * t / 3)) for t in range(4)]
+    assert expected[-1] == pytest.approx(0.0)
     assert seen == pytest.approx(expected)

@@ -66,7 +66,7 @@ def test_nonfinite_skip_leaves_the_step_untouched(tmp_path, monkeypatch):
     assert all(torch.equal(before[k], after[k]) for k in before)
     assert all(torch.equal(momentum_before[k], momentum_after[k]) for k in momentum_before)
     assert trainer.nonfinite_steps == 1 and trainer.step == 5
-    assert trainer.scheduler.last_epoch == 4  # the skipped step did not advance the schedule
+    assert trainer.scheduler.last_epoch == 5  # the schedule follows the step count, skips included
 
 
 def test_nonfinite_abort_names_the_step(tmp_path, monkeypatch):
@@ -89,3 +89,41 @@ def test_explicit_resume_path_and_none(tmp_path, monkeypatch):
     fresh = FaultTrainer(compose(COMMON + ["loop.max_steps=4", "checkpoint.resume=none"]), output_dir=tmp_path / "a")
     fresh.fit()
     assert len(fresh.losses) == 4
+
+
+def test_resume_with_parameters_that_never_had_gradients(tmp_path):
+    class WithUnusedBranch(FaultTrainer):
+        def build_model(self):
+            class Net(torch.nn.Module):
+                def __init__(self, inner):
+                    super().__init__()
+                    self.inner = inner
+                    self.unused = torch.nn.Linear(3, 3)  # never in forward: no gradient, no state
+
+                def forward(self, x):
+                    return self.inner(x)
+
+            return Net(super().build_model())
+
+    cfg = compose(COMMON + ["loop.max_steps=4", "checkpoint.every_n_steps=2"])
+    WithUnusedBranch(cfg, output_dir=tmp_path / "a").fit()
+    resumed = WithUnusedBranch(compose(COMMON + ["loop.max_steps=4", "checkpoint.resume="
+                                                 f"{tmp_path / 'a' / 'checkpoints' / 'step_00000002'}"]),
+                               output_dir=tmp_path / "b")
+    resumed.fit()
+    assert resumed.step == 4 and len(resumed.losses) == 2
+
+
+def test_resume_with_a_larger_global_batch_moves_to_the_next_epoch(tmp_path):
+    # 7 steps of 32 leave 32 samples in the epoch: no full batch of 64, so the resumed run starts
+    # epoch 1 rather than waiting for a batch that never comes.
+    FaultTrainer(compose(COMMON + ["loop.max_steps=7"]), output_dir=tmp_path).fit()
+    resumed = FaultTrainer(compose(COMMON + ["loop.max_steps=9", "loop.global_batch_size=64"]),
+                           output_dir=tmp_path)
+    resumed.setup()
+    assert (resumed.step, resumed.epoch, resumed.epoch_sample) == (7, 1, 0)
+    resumed.close()
+    resumed = FaultTrainer(compose(COMMON + ["loop.max_steps=9", "loop.global_batch_size=64"]),
+                           output_dir=tmp_path)
+    resumed.fit()
+    assert resumed.step == 9 and len(resumed.seen) == 2 * 64

@@ -135,7 +135,7 @@ def test_max_epochs_and_what_gets_logged(tmp_path):
     assert [r["step"] for r in train_rows] == [2, 4, 6, 8]  # logging.log_every_n_steps=2
     # lr logged after step s is the schedule's value for step s: warmup, then cosine to 0.
     assert [r["train/lr"] for r in train_rows] == pytest.approx(
-        [0.05, 0.05 * 0.5 * (1 + math.cos(math.pi * 2 / 6)), 0.05 * 0.5 * (1 + math.cos(math.pi * 4 / 6)), 0.0])
+        [0.05, 0.05 * 0.5 * (1 + math.cos(math.pi * 2 / 5)), 0.05 * 0.5 * (1 + math.cos(math.pi * 4 / 5)), 0.0])
     assert all(r["train/grad_norm"] > 0 for r in train_rows)
     assert [r["step"] for r in rows if "val/loss" in r] == [4, 8]  # end of epoch 1, and the end
     assert metrics["summary/steps"] == 8
