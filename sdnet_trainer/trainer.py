@@ -30,6 +30,7 @@ from torch.utils.data import Dataset
 
 from sdnet_trainer.config import Config, batch_layout
 from sdnet_trainer.data import GlobalBatchSampler, ShardedEvalSampler, build_datasets, build_loader
+from sdnet_trainer.data.seeding import EpochTaggedBatches, SampleSeeded
 from sdnet_trainer.checkpoint import Checkpoint, CheckpointManager
 from sdnet_trainer.distributed import DistEnv, all_reduce_sum, wrap_data_parallel
 from sdnet_trainer.distributed.ddp import is_ddp, unwrap
@@ -218,9 +219,12 @@ class Trainer:
             seed=loop.seed, drop_last=data.drop_last)
         # The loader's own generator: creating an iterator must not draw from the global stream,
         # or a resumed run (which creates one mid-epoch) would diverge from an uninterrupted one.
+        # Augmentations are seeded per sample (SampleSeeded), so workers do not matter either.
         self._loader_generator = torch.Generator()
-        self.train_loader = build_loader(train_set, cfg=data, device_type=self.device.type,
-                                         batch_sampler=self.train_sampler, generator=self._loader_generator)
+        self.train_loader = build_loader(SampleSeeded(train_set, seed=loop.seed), cfg=data,
+                                         device_type=self.device.type,
+                                         batch_sampler=EpochTaggedBatches(self.train_sampler),
+                                         generator=self._loader_generator)
         self.val_loader = None
         if val_set is not None:
             if len(val_set) < self.env.world_size:
@@ -428,8 +432,6 @@ class Trainer:
         while True:
             self.train_sampler.set_epoch(self.epoch)
             self.train_sampler.set_start_sample(self.epoch_sample)
-            self._loader_generator.manual_seed(
-                rng.derive_seed(self.cfg.loop.seed + self.epoch, rank=self.env.rank, step=self.epoch_sample))
             yield from self.train_loader
 
     def _next_batch(self) -> Any:

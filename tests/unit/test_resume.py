@@ -127,3 +127,40 @@ def test_resume_with_a_larger_global_batch_moves_to_the_next_epoch(tmp_path):
                            output_dir=tmp_path)
     resumed.fit()
     assert resumed.step == 9 and len(resumed.seen) == 2 * 64
+
+
+class _Jitter(torch.utils.data.Dataset):
+    """A random augmentation from both torch's and Python's generators."""
+
+    def __init__(self, dataset):
+        self.dataset = dataset
+
+    def __len__(self):
+        return len(self.dataset)
+
+    def __getitem__(self, index):
+        import random
+
+        image, *rest = self.dataset[index]
+        return (image + 0.5 * torch.randn_like(image) + random.random(), *rest)
+
+
+class _AugmentingTrainer(FaultTrainer):
+    def build_datasets(self):
+        train, val = super().build_datasets()
+        return _Jitter(train), val
+
+
+def test_resume_is_bitwise_with_loader_workers_and_random_augmentation(tmp_path, monkeypatch):
+    cfg = compose(COMMON + ["loop.max_steps=6", "data.num_workers=2"])
+    reference = _AugmentingTrainer(cfg, output_dir=tmp_path / "ref")
+    reference.fit()
+    monkeypatch.setenv("SDNET_TEST_SIGTERM", "0:3")
+    with pytest.raises(SystemExit):
+        _AugmentingTrainer(cfg, output_dir=tmp_path / "run").fit()
+    monkeypatch.delenv("SDNET_TEST_SIGTERM")
+    resumed = _AugmentingTrainer(cfg, output_dir=tmp_path / "run")
+    resumed.fit()
+    assert resumed.losses == reference.losses[3:]
+    for name, value in _params(reference).items():
+        assert torch.equal(_params(resumed)[name], value), name
