@@ -23,11 +23,29 @@ How
     The two sides run alternately (trainer, hand-written, trainer, ...) ``--rounds`` times each,
     each run a fresh ``torchrun --standalone`` launch with ``OMP_NUM_THREADS=1``, so slow drift of
     the machine (other jobs, thermal) hits both sides alike. The ratio is taken between the
-    medians of all remaining windows of each side.
+    medians of all remaining windows of each side. Each launch also reports how many cores
+    other processes used meanwhile: on a shared machine that contention, not the Trainer,
+    dominates the spread, and the script warns when it was significant.
+
+What the Trainer does beyond the hand-written loop (all of it is part of the measurement)
+    At the time of writing, per step: ``model.train()``, a constant LambdaLR ``scheduler.step()``,
+    the disabled GradScaler and autocast wrappers, the total gradient norm (health check,
+    clipping, ``train/grad_norm``) and one small all-reduce on which all ranks agree whether to
+    step. Its hooks (the log point's all-gather, TensorBoard and jsonl writes, the heartbeat line)
+    run outside its step timer, like the hand-written script's single gather at the end.
+    Checkpoints are off (no periodic save, no resume, no save at exit: not per-step work).
+
+    Both sides run DDP with ``gradient_as_bucket_view=False`` (torch's default, and the
+    Trainer's parallel.ddp default because of this benchmark): with True on the CPU the gradients
+    live in persistent buckets, glibc malloc's dynamic mmap threshold stays low, and the large
+    activation tensors are mmapped, page-faulted and unmapped again every step (5-12% slower
+    here). ``--trainer-override parallel.ddp.gradient_as_bucket_view=true`` shows that cost.
 
 Run (from the repository root; about 5 minutes on 2 CPU cores with the defaults)
-    /work/venv/bin/python scripts/bench_overhead.py
-    /work/venv/bin/python scripts/bench_overhead.py --steps 80 --rounds 5 --out /tmp/bench
+    python scripts/bench_overhead.py
+    python scripts/bench_overhead.py --steps 80 --rounds 5 --out /tmp/bench
+    python scripts/bench_overhead.py \
+        --trainer-override parallel.ddp.gradient_as_bucket_view=true
 
 Exit status: 0 whether the target is met or not (this is a measurement); 1 if a launch fails or
 times out. Every launch's output is kept under ``--out`` (trainer_r*/, hand_r*.json, *.log).
@@ -71,9 +89,15 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--warmup-windows", type=int, default=1,
                    help=f"windows of {LOG_EVERY} steps dropped at the start of every run (default 1)")
     p.add_argument("--out", type=Path, default=None, help="output directory (default: a new temp dir)")
+    p.add_argument("--trainer-override", action="append", default=[], metavar="KEY=VALUE",
+                   help="extra Hydra override for the Trainer side (repeatable; not a pinned key), "
+                        "e.g. parallel.ddp.gradient_as_bucket_view=true")
     p.add_argument("--timeout", type=float, default=600.0,
                    help="seconds per launch before it is killed (default 600)")
     args = p.parse_args()
+    for override in args.trainer_override:
+        if override.split("=", 1)[0].lstrip("+~") in trainer_keys(args):
+            p.error(f"--trainer-override {override}: that key is pinned to match the hand-written loop")
     if args.steps <= args.warmup_windows * LOG_EVERY:
         p.error(f"--steps={args.steps} leaves no window after {args.warmup_windows} warm-up window(s)")
     return args
@@ -117,6 +141,10 @@ def trainer_keys(args: argparse.Namespace) -> dict[str, object]:
         # Logging as by default (pinned so the windows match the hand-written side): a log point
         # every 10 steps, metrics.jsonl (which we read) and TensorBoard on.
         "logging.log_every_n_steps": LOG_EVERY, "logging.jsonl": True, "logging.tensorboard": True,
+        # No checkpoint: none saved during the timed steps, none resumed from an earlier run in
+        # the same --out, and none at exit (after the last step: disk and minutes, no step time).
+        "checkpoint.every_n_steps": None, "checkpoint.every_n_minutes": None,
+        "checkpoint.resume": "none", "checkpoint.save_on_exit": False,
     }
 
 
@@ -131,7 +159,7 @@ def _override_value(value: object) -> str:
 def trainer_command(args: argparse.Namespace, run_dir: Path) -> list[str]:
     keys = [f"{k}={_override_value(v)}" for k, v in trainer_keys(args).items()]
     return (torchrun(args.nproc) + ["-m", "sdnet_trainer"] + TRAINER_GROUPS + keys
-            + [f"hydra.run.dir={run_dir}"])
+            + args.trainer_override + [f"hydra.run.dir={run_dir}"])
 
 
 def check_trainer_config(args: argparse.Namespace, run_dir: Path) -> None:
@@ -249,6 +277,8 @@ def main() -> int:
           f"{args.nproc} processes, per-rank batch {PER_RANK_BATCH}; "
           f"dropping {args.warmup_windows} warm-up window(s) of {LOG_EVERY} steps; output in {out}",
           flush=True)
+    if args.trainer_override:
+        print(f"trainer overrides: {' '.join(args.trainer_override)}", flush=True)
 
     kept: dict[str, list[float]] = {"trainer": [], "hand-written": []}
     other_load: list[float] = []

@@ -30,6 +30,7 @@ from torch.utils.data import Dataset
 
 from sdnet_trainer.config import Config, batch_layout
 from sdnet_trainer.data import GlobalBatchSampler, ShardedEvalSampler, build_datasets, build_loader
+from sdnet_trainer.data.loader import shutdown_loader
 from sdnet_trainer.data.seeding import EpochTaggedBatches, SampleSeeded
 from sdnet_trainer.checkpoint import Checkpoint, CheckpointManager
 from sdnet_trainer.distributed import DistEnv, all_reduce_sum, wrap_data_parallel
@@ -295,6 +296,9 @@ class Trainer:
                 for hook in self.hooks:
                     hook.after_train(self)
         finally:
+            self._batches.close()  # ends the loader iteration in flight
+            shutdown_loader(self.train_loader)
+            shutdown_loader(self.val_loader)
             self.writer.close()
             self.checkpointer.close()  # waits for an async save in flight
         return self.final_metrics

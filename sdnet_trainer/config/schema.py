@@ -90,7 +90,9 @@ class SchedConfig:
 class DDPConfig:
     bucket_cap_mb: float = 25.0
     static_graph: bool = False
-    gradient_as_bucket_view: bool = True
+    # False (torch's default): measured faster on CPU (scripts/bench_overhead.py); True saves a
+    # gradient-sized copy of memory on GPUs.
+    gradient_as_bucket_view: bool = False
     find_unused_parameters: bool = False
     broadcast_buffers: bool = True
 

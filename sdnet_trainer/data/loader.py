@@ -77,3 +77,18 @@ def build_loader(
     kwargs.update(_worker_kwargs(cfg, device_type=device_type))
     logger.debug("DataLoader settings: %s", {k: v for k, v in kwargs.items() if "sampler" not in k})
     return DataLoader(dataset, generator=generator, **kwargs)
+
+
+def shutdown_loader(loader: DataLoader | None) -> None:
+    """Stop ``loader``'s worker processes now.
+
+    Persistent workers otherwise live until the garbage collector finalises the loader's iterator,
+    at an arbitrary later point (even inside unrelated code), where joining them can block.
+    """
+    if loader is None:
+        return
+    iterator = getattr(loader, "_iterator", None)
+    shutdown = getattr(iterator, "_shutdown_workers", None)
+    if shutdown is not None:
+        shutdown()
+    loader._iterator = None
