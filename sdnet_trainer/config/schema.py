@@ -194,6 +194,9 @@ class DistConfig:
     # auto | cpu | cuda
     device: str = "auto"
     timeout_s: float = 1800.0
+    # CPU training: pin glibc malloc's mmap/trim thresholds so large activation buffers stay in
+    # the heap instead of being mapped and page-faulted again every step.
+    pin_cpu_malloc: bool = True
 
 
 @dataclass

@@ -19,6 +19,7 @@ import torch
 import torch.distributed as dist
 
 from sdnet_trainer.config.schema import DistConfig
+from sdnet_trainer.distributed.malloc import pin_malloc_thresholds
 
 logger = logging.getLogger(__name__)
 
@@ -63,6 +64,8 @@ def distributed_session(cfg: DistConfig) -> Iterator[DistEnv]:
     device = resolve_device(cfg, local_rank)
     if device.type == "cuda":
         torch.cuda.set_device(device)
+    elif cfg.pin_cpu_malloc:
+        pin_malloc_thresholds()
     if "RANK" not in os.environ:
         yield DistEnv(device=device)
         return

@@ -38,3 +38,10 @@ def test_without_torchrun_there_is_no_group(monkeypatch):
     monkeypatch.delenv("RANK", raising=False)
     with distributed_session(DistConfig()) as env:
         assert not env.distributed and env.world_size == 1 and not dist.is_initialized()
+
+
+@pytest.mark.skipif(not __import__("sys").platform.startswith("linux"), reason="glibc only")
+def test_cpu_malloc_thresholds_can_be_pinned():
+    from sdnet_trainer.distributed.malloc import pin_malloc_thresholds
+
+    assert pin_malloc_thresholds() is True
