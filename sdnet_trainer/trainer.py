@@ -7,7 +7,9 @@ accumulation, clipping, logging, evaluation) is done here, so a subclass never w
 distributed code.
 
     setup:  seed -> model -> DDP -> optimizer -> data -> schedule -> precision -> hooks
-    fit:    for each step: train_step (micro-steps, clip, optimizer, schedule) -> hooks
+            -> checkpoint manager -> resume (checkpoint.resume)
+    fit:    for each step: train_step (micro-steps, agree, clip, optimizer, schedule) -> hooks
+            (evaluate, checkpoint, metrics) -> watchdog beat
 """
 
 from __future__ import annotations
@@ -28,11 +30,12 @@ from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_state
                                                      set_optimizer_state_dict)
 from torch.utils.data import Dataset
 
+from sdnet_trainer import rng
+from sdnet_trainer.checkpoint import Checkpoint, CheckpointManager
 from sdnet_trainer.config import Config, batch_layout
 from sdnet_trainer.data import GlobalBatchSampler, ShardedEvalSampler, build_datasets, build_loader
 from sdnet_trainer.data.loader import shutdown_loader
 from sdnet_trainer.data.seeding import EpochTaggedBatches, SampleSeeded
-from sdnet_trainer.checkpoint import Checkpoint, CheckpointManager
 from sdnet_trainer.distributed import DistEnv, all_reduce_sum, wrap_data_parallel
 from sdnet_trainer.distributed.ddp import is_ddp, unwrap
 from sdnet_trainer.distributed.ops import all_reduce_max
@@ -43,7 +46,6 @@ from sdnet_trainer.hooks import CheckpointHook, EvalHook, HookBase, MetricsHook
 from sdnet_trainer.models import build_model
 from sdnet_trainer.observability import MetricsWriter, StepMeter
 from sdnet_trainer.optim import build_optimizer, build_scheduler
-from sdnet_trainer import rng
 from sdnet_trainer.precision import Precision
 
 logger = logging.getLogger(__name__)
@@ -71,6 +73,7 @@ class Trainer:
         self._sigterm = False
         self.last_step: dict[str, Any] = {}
         self.phase = PhaseTracker()
+        self.watchdog: Watchdog | None = None  # armed by fit when health.hang_timeout_s is set
         self.final_metrics: dict[str, float] = {}
         self.meter = StepMeter()
 
@@ -218,14 +221,14 @@ class Trainer:
             len(train_set), micro_batch_size=self.micro_batch_size, world_size=self.env.world_size,
             rank=self.env.rank, grad_accum_steps=self.layout.grad_accum_steps, shuffle=data.shuffle,
             seed=loop.seed, drop_last=data.drop_last)
-        # The loader's own generator: creating an iterator must not draw from the global stream,
-        # or a resumed run (which creates one mid-epoch) would diverge from an uninterrupted one.
-        # Augmentations are seeded per sample (SampleSeeded), so workers do not matter either.
-        self._loader_generator = torch.Generator()
+        # The loader gets its own generator: creating an iterator must not draw from the global
+        # stream, or a resumed run (which creates one mid-epoch) would diverge from an
+        # uninterrupted one. Augmentations are seeded per sample (SampleSeeded), so which worker
+        # loads a sample does not matter either.
         self.train_loader = build_loader(SampleSeeded(train_set, seed=loop.seed), cfg=data,
                                          device_type=self.device.type,
                                          batch_sampler=EpochTaggedBatches(self.train_sampler),
-                                         generator=self._loader_generator)
+                                         generator=torch.Generator())
         self.val_loader = None
         if val_set is not None:
             if len(val_set) < self.env.world_size:
@@ -326,9 +329,8 @@ class Trainer:
 
     def beat(self) -> None:
         """Progress for the hang watchdog (also called inside long evaluations)."""
-        watchdog = getattr(self, "watchdog", None)
-        if watchdog is not None:
-            watchdog.beat()
+        if self.watchdog is not None:
+            self.watchdog.beat()
 
     def close(self) -> None:
         """Release the model, optimizer and loaders before the process group goes away; an
