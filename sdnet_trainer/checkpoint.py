@@ -33,6 +33,7 @@ import uuid
 import warnings
 from collections.abc import Iterable, Iterator
 from concurrent.futures import Future
+from contextlib import contextmanager
 from dataclasses import dataclass, field, is_dataclass
 from enum import Enum
 from functools import cached_property
@@ -53,10 +54,15 @@ from sdnet_trainer.errors import ConfigError
 
 logger = logging.getLogger(__name__)
 
-# DCP warns on every single-process save and load that it "assumes" a single process; that is
-# exactly the no_dist case this manager selects on purpose.
-warnings.filterwarnings("ignore", message="torch.distributed is disabled, unavailable or uninitialized",
-                        category=UserWarning)
+
+@contextmanager
+def _single_process_quiet() -> Iterator[None]:
+    """DCP warns on every single-process save and load that it "assumes" a single process; that
+    is exactly the no_dist case this manager selects on purpose."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled, unavailable or uninitialized",
+                                category=UserWarning)
+        yield
 
 MANIFEST = "manifest.json"
 FORMAT_VERSION = 1
@@ -146,8 +152,9 @@ class CheckpointManager:
         started = time.monotonic()
         if not self.async_save:
             try:
-                metadata = dcp.save(state_dict, storage_writer=writer, process_group=self._group,
-                                    no_dist=not self._distributed)
+                with _single_process_quiet():
+                    metadata = dcp.save(state_dict, storage_writer=writer, process_group=self._group,
+                                        no_dist=not self._distributed)
             except (Exception, CheckpointException) as exc:
                 raise CheckpointError(f"cannot save step {step} to {staging}: {_describe(exc)}") from exc
             if self.rank == 0:
@@ -156,8 +163,9 @@ class CheckpointManager:
         try:
             # The writer doubles as DCP's stager (BlockingAsyncStager): async_save copies every
             # tensor to new CPU memory before returning, then writes from that copy in a thread.
-            response = dcp.async_save(state_dict, storage_writer=writer, process_group=self._group,
-                                      no_dist=not self._distributed)
+            with _single_process_quiet():
+                response = dcp.async_save(state_dict, storage_writer=writer, process_group=self._group,
+                                          no_dist=not self._distributed)
         except (Exception, CheckpointException) as exc:
             raise CheckpointError(f"cannot stage step {step} for saving: {_describe(exc)}") from exc
         upload = response.upload_completion if isinstance(response, AsyncSaveResponse) else response
@@ -300,9 +308,10 @@ class CheckpointManager:
         try:
             # Missing keys fail inside DCP's planning step, which reports them on every rank: a
             # check here that raised on one rank only would leave the others waiting.
-            dcp.load(request, storage_reader=SafeFileSystemReader(checkpoint.path),
-                     planner=SafeLoadPlanner(), process_group=self._group,
-                     no_dist=not self._distributed)
+            with _single_process_quiet():
+                dcp.load(request, storage_reader=SafeFileSystemReader(checkpoint.path),
+                         planner=SafeLoadPlanner(), process_group=self._group,
+                         no_dist=not self._distributed)
         except (Exception, CheckpointException) as exc:
             raise CheckpointError(f"cannot load checkpoint {checkpoint.path}: {_describe(exc)}") from exc
         # DCP replaces non-tensor top-level values in the dict it was given: copy them back.
