@@ -150,24 +150,20 @@ class CheckpointManager:
             _remove_tree(staging)
         writer = FileSystemWriter(staging, sync_files=True)
         started = time.monotonic()
-        if not self.async_save:
-            try:
-                with _single_process_quiet():
-                    metadata = dcp.save(state_dict, storage_writer=writer, process_group=self._group,
-                                        no_dist=not self._distributed)
-            except (Exception, CheckpointException) as exc:
-                raise CheckpointError(f"cannot save step {step} to {staging}: {_describe(exc)}") from exc
-            if self.rank == 0:
-                self._commit(step, staging, metadata, meta=meta, started=started)
-            return
+        # Async: the writer doubles as DCP's stager (BlockingAsyncStager), so async_save copies
+        # every tensor to new CPU memory before returning, then writes from that copy in a thread.
+        save = dcp.async_save if self.async_save else dcp.save
         try:
-            # The writer doubles as DCP's stager (BlockingAsyncStager): async_save copies every
-            # tensor to new CPU memory before returning, then writes from that copy in a thread.
             with _single_process_quiet():
-                response = dcp.async_save(state_dict, storage_writer=writer, process_group=self._group,
-                                          no_dist=not self._distributed)
+                response = save(state_dict, storage_writer=writer, process_group=self._group,
+                                no_dist=not self._distributed)
         except (Exception, CheckpointException) as exc:
-            raise CheckpointError(f"cannot stage step {step} for saving: {_describe(exc)}") from exc
+            what = f"stage step {step} for saving" if self.async_save else f"save step {step} to {staging}"
+            raise CheckpointError(f"cannot {what}: {_describe(exc)}") from exc
+        if not self.async_save:
+            if self.rank == 0:
+                self._commit(step, staging, response, meta=meta, started=started)
+            return
         upload = response.upload_completion if isinstance(response, AsyncSaveResponse) else response
         logger.debug("checkpoint step %d staged in %.2f s", step, time.monotonic() - started)
         self._pending = self._after_upload(upload, step, staging, meta=meta, started=started)
