@@ -2,10 +2,9 @@
 
 Three independent pieces the Trainer wires into its loop (``cfg.health``):
 
-* Non-finite detection. ``nonfinite_flag`` builds a 0-dim flag on the device without a host
-  sync; ``agree_nonfinite`` all-reduces it (MAX) so every rank takes the same branch on the step
-  where the first NaN/Inf appears; on abort, ``nonfinite_tensor_names`` and ``NonFiniteError``
-  say which step, rank and tensors.
+* Non-finite values. The Trainer detects them from the loss and the total gradient norm it
+  computes anyway, and the ranks agree in the step's one all-reduce (``Trainer._agree``); on
+  abort, ``nonfinite_tensor_names`` and ``NonFiniteError`` say which step, rank and tensors.
 * Hang watchdog. ``Watchdog`` ends the process (``EXIT_HANG``) with every thread's stack in a
   per-rank log file when no progress is reported for ``hang_timeout_s``, so torchrun sees a
   failure instead of waiting for the collective timeout. ``PhaseTracker`` remembers the phase
@@ -21,7 +20,7 @@ Wiring, roughly::
         for step in ...:
             phase.enter("forward+backward (DDP all-reduce)", step=step)
             ...
-            if agree_nonfinite(nonfinite_flag(loss, (p.grad for p in params))):
+            if not torch.isfinite(loss):
                 raise NonFiniteError(step, rank=env.rank, names=nonfinite_tensor_names(
                     ((n, p.grad) for n, p in model.named_parameters()), loss=loss))
             watchdog.beat()
@@ -31,7 +30,6 @@ from __future__ import annotations
 
 import faulthandler
 import logging
-import math
 import os
 import signal
 import threading
@@ -41,9 +39,6 @@ from pathlib import Path
 from typing import IO
 
 import torch
-import torch.distributed as dist
-
-from sdnet_trainer.distributed.ops import is_distributed
 
 logger = logging.getLogger(__name__)
 
@@ -55,32 +50,6 @@ _STDERR_FD = 2
 
 
 # ---------------------------------------------------------------------- non-finite values
-
-
-def nonfinite_flag(loss: torch.Tensor, grads: Iterable[torch.Tensor | None]) -> torch.Tensor:
-    """1.0 if ``loss`` or any gradient holds a NaN/Inf on this rank, else 0.0: a 0-dim float
-    tensor on the loss's device. ``None`` gradients are skipped.
-
-    No host sync: one fused max-abs per tensor (a NaN or Inf anywhere makes it non-finite, and
-    unlike a sum or a 2-norm it cannot overflow on large finite values), then one reduction.
-    """
-    tensors = [loss.detach(), *(g.detach() for g in grads if g is not None and g.numel() > 0)]
-    # The same fused kernel clip_grad_norm_ uses; private, but what torch itself relies on.
-    maxima = torch._foreach_norm(tensors, math.inf)
-    # .to() is a no-op on the loss's device; stack promotes mixed dtypes (fp16/bf16/fp32).
-    stacked = torch.stack([m.to(loss.device) for m in maxima])
-    return (~stacked.isfinite()).any().to(torch.float32)
-
-
-def agree_nonfinite(flag: torch.Tensor) -> bool:
-    """True on every rank if any rank's flag is set. One all-reduce (MAX) and one host sync;
-    without a process group it reads the local flag. ``flag`` itself is left unchanged."""
-    agreed = flag.detach().reshape(()).to(torch.float32, copy=True)
-    if is_distributed():
-        # The loss is per-rank (DDP only all-reduces gradients), so a rank may be alone in
-        # seeing it; every rank must still take the same branch or the next collective hangs.
-        dist.all_reduce(agreed, op=dist.ReduceOp.MAX)
-    return bool(agreed.item())
 
 
 def nonfinite_tensor_names(named_grads: Iterable[tuple[str, torch.Tensor | None]], *,
@@ -107,7 +76,7 @@ def _all_finite(tensor: torch.Tensor) -> bool:
 
 class NonFiniteError(RuntimeError):
     """A NaN/Inf loss or gradient under ``health.nonfinite=abort``; ends the run with
-    ``exit_code`` on every rank (all ranks agree on the step through ``agree_nonfinite``)."""
+    ``exit_code`` on every rank (the ranks agree on the step in the Trainer's per-step all-reduce)."""
 
     exit_code = EXIT_NONFINITE
 

@@ -2,15 +2,12 @@
 
     _health_worker.py OUT_DIR
 
-Two scenarios in one launch (a launch costs seconds of imports): first each rank writes what
-``agree_nonfinite`` returned to OUT_DIR/agree_rank{R}.json, then rank 0 blocks in an all_reduce
-that rank 1 never joins. The process group's timeout is 300 s, so only the watchdog (2 s) can
+Rank 0 blocks in an all_reduce that rank 1 never joins. The process group's timeout is 300 s, so only the watchdog (2 s) can
 end the run.
 """
 
 from __future__ import annotations
 
-import json
 import sys
 import time
 from datetime import timedelta
@@ -19,20 +16,10 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from sdnet_trainer.health import PhaseTracker, Watchdog, agree_nonfinite, hang_log_path, nonfinite_flag
+from sdnet_trainer.health import PhaseTracker, Watchdog, hang_log_path
 
 HANG_TIMEOUT_S = 2.0
 PG_TIMEOUT_S = 300.0
-
-
-def agree(out_dir: Path, rank: int) -> None:
-    grads = [torch.ones(3), None, torch.zeros(2, 2)]
-    # Only rank 1's loss is NaN; the gradients are finite everywhere.
-    nan_loss = torch.tensor(float("nan") if rank == 1 else 0.5)
-    local = nonfinite_flag(nan_loss, grads)
-    result = {"local": local.item(), "nan_on_rank1": agree_nonfinite(local),
-              "clean": agree_nonfinite(nonfinite_flag(torch.tensor(0.5), grads))}
-    (out_dir / f"agree_rank{rank}.json").write_text(json.dumps(result))
 
 
 def straggle_in_forward(seconds: float) -> None:
@@ -63,7 +50,6 @@ def main() -> None:
     out_dir = Path(sys.argv[1])
     dist.init_process_group("gloo", timeout=timedelta(seconds=PG_TIMEOUT_S))
     try:
-        agree(out_dir, dist.get_rank())
         hang(out_dir, dist.get_rank())
     finally:
         dist.destroy_process_group()
