@@ -348,7 +348,7 @@ class Trainer:
             started = time.perf_counter()
             self.phase.enter("data", step=self.step + 1)
             batch = self._next_batch()
-            data_wait += time.perf_counter() - started
+            data_wait += time.perf_counter() - started  # fetch and copy to the device
             # DDP all-reduces gradients in backward; skip that on all but the last micro-step.
             sync = micro_step == accum - 1 or not is_ddp(self.model)
             self.phase.enter("forward/backward (DDP gradient all-reduce)" if sync else "forward/backward",
@@ -375,6 +375,7 @@ class Trainer:
                 self.skipped_steps += 1
             self.scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)
+        self.meter.add_data_wait(data_wait)
         return {"loss": loss, "grad_norm": grad_norm, "data_wait_s": data_wait, "nonfinite": nonfinite}
 
     def _grad_norm(self) -> torch.Tensor:
@@ -441,10 +442,7 @@ class Trainer:
             yield from self.train_loader
 
     def _next_batch(self) -> Any:
-        started = time.perf_counter()
-        batch = self.to_device(next(self._batches))
-        self.meter.add_data_wait(time.perf_counter() - started)
-        return batch
+        return self.to_device(next(self._batches))
 
     def to_device(self, batch: Any) -> Any:
         """Move every tensor in a (nested) batch to the training device."""
