@@ -25,6 +25,7 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
+from omegaconf import OmegaConf
 from torch import nn
 from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_state_dict, set_model_state_dict,
                                                      set_optimizer_state_dict)
@@ -198,7 +199,11 @@ class Trainer:
 
     def save_checkpoint(self) -> None:
         self.phase.enter("checkpoint save", step=self.step)
-        meta = {"global_batch_size": self.layout.global_batch_size, "world_size": self.env.world_size}
+        # The resolved config and Trainer class travel with the weights: export rebuilds the model
+        # from them without the run directory.
+        meta = {"global_batch_size": self.layout.global_batch_size, "world_size": self.env.world_size,
+                "trainer": f"{type(self).__module__}.{type(self).__qualname__}",
+                "config": OmegaConf.to_container(OmegaConf.structured(self.cfg))}
         self.checkpointer.save(self.step, self.state_dict(), meta=meta)
         self.last_checkpoint_step = self.step
         self.last_checkpoint_time = time.monotonic()

@@ -12,6 +12,17 @@ from typing import Any, Dict, List, Optional
 
 
 @dataclass
+class GPTConfig:
+    vocab_size: int = 256
+    seq_len: int = 128  # the context length: the largest sequence the position embedding covers
+    dim: int = 128
+    n_layers: int = 4
+    n_heads: int = 4
+    mlp_ratio: float = 4.0
+    dropout: float = 0.0
+
+
+@dataclass
 class ModelConfig:
     # A name from the model registry: any torchvision classifier (resnet18, resnet152, vit_b_16, ...)
     # or one of the project's own small models (see sdnet_trainer.models).
@@ -24,13 +35,21 @@ class ModelConfig:
     weights: Optional[str] = None
     # Extra keyword arguments for the model constructor.
     kwargs: Dict[str, Any] = field(default_factory=dict)
+    # The GPT-style decoder (model.name=gpt); sizes from tiny to ~1B parameters (configs/model/gpt_*).
+    gpt: GPTConfig = field(default_factory=GPTConfig)
+    # Recompute each block's activations in backward instead of keeping them (per transformer
+    # block, per ResNet residual block): less memory for about one more forward pass.
+    activation_checkpointing: bool = False
+    # CNNs: NHWC memory format for the model and its input images (faster convolutions on GPUs).
+    channels_last: bool = False
 
 
 @dataclass
 class DataConfig:
-    # synthetic | imagefolder | cifar10
+    # synthetic | imagefolder | cifar10 (images) or tokens | text (language models)
     name: str = "synthetic"
-    # imagefolder: a folder with train/ and val/ class sub-folders; cifar10: torchvision's root.
+    # imagefolder: a folder with train/ and val/ class sub-folders; cifar10: torchvision's root;
+    # text: a UTF-8 text file (or a folder of .txt files), read as bytes.
     root: Optional[str] = None
     download: bool = False
     image_size: int = 32
@@ -42,6 +61,10 @@ class DataConfig:
     synthetic_seed: int = 1234
     signal: float = 1.0
     noise: float = 1.0
+    # tokens / text: tokens per sample (inputs; targets are the same shifted by one) and the
+    # vocabulary, normally interpolated from model.gpt.
+    seq_len: int = 128
+    vocab_size: int = 256
     # Epoch tail that does not fill a global batch: drop it (True) or wrap around (False).
     drop_last: bool = True
     shuffle: bool = True
@@ -62,8 +85,11 @@ class OptimConfig:
     nesterov: Optional[bool] = None
     betas: Optional[List[float]] = None
     eps: Optional[float] = None
-    # Anything else the optimizer's constructor takes (e.g. {foreach: true, fused: false}).
+    # Anything else the optimizer's constructor takes (e.g. {betas: ..., capturable: true}).
     kwargs: Dict[str, Any] = field(default_factory=dict)
+    # auto: fused kernels where the optimizer and device have them (CUDA), else torch's default;
+    # or force fused | foreach | for_loop.
+    implementation: str = "auto"
     # Exclude biases and normalization weights from weight decay (the common ResNet/ViT recipe).
     no_decay_norm_and_bias: bool = False
     # Gradient clipping: by global L2 norm, by value, or neither (null).
@@ -98,12 +124,114 @@ class DDPConfig:
 
 
 @dataclass
+class FSDPConfig:
+    # true: parameters are freed after each block's forward and gathered again for backward
+    # (ZeRO-3); false: kept until backward (ZeRO-2: more memory, one all-gather less per step).
+    reshard_after_forward: bool = True
+    # MixedPrecisionPolicy. param_dtype auto follows precision.dtype (bf16 -> bf16 compute
+    # copies of the parameters); gradients are reduced in reduce_dtype.
+    param_dtype: str = "auto"
+    reduce_dtype: str = "fp32"
+    # Keep sharded parameters, gradients and optimizer state in CPU memory (CPUOffloadPolicy).
+    cpu_offload: bool = False
+
+
+@dataclass
+class TensorParallelConfig:
+    # Keep the output projection's logits sharded over the vocabulary and compute the loss on the
+    # shards (torch's loss_parallel).
+    loss_parallel: bool = False
+    # Shard the activations of norms and dropout along the sequence between the TP regions.
+    sequence_parallel: bool = False
+
+
+@dataclass
+class PipelineConfig:
+    # GPipe | 1F1B | Interleaved1F1B | LoopedBFS | InterleavedZeroBubble | ZBVZeroBubble | DualPipeV
+    schedule: str = "1F1B"
+    # Micro-batches each rank's batch is split into per step (the pipeline's m).
+    microbatches: int = 4
+    # Module names where a new stage begins (e.g. [layer2, layer3] for a ResNet, [blocks.2] for
+    # the GPT): parallel.pp x stages_per_rank - 1 of them. Empty: split evenly by block count.
+    split_points: List[str] = field(default_factory=list)
+    # Virtual stages per rank; the interleaved and zero-bubble schedules need 2 or more.
+    stages_per_rank: int = 1
+
+
+@dataclass
 class ParallelConfig:
-    # ddp: torch DistributedDataParallel (a single process runs the bare model).
+    # ddp: DistributedDataParallel; fsdp: FSDP2 fully_shard per block (HSDP when dp_replicate > 1
+    # too); zero1: DDP with ZeroRedundancyOptimizer (optimizer state sharded). A single process
+    # without tp/pp runs the bare model.
     strategy: str = "ddp"
+    # The DeviceMesh: dp_replicate x dp_shard x tp x pp = world size. -1 takes what the others
+    # leave (at most one degree may be -1).
+    dp_replicate: int = -1
+    dp_shard: int = 1
+    tp: int = 1
+    pp: int = 1
     # Convert BatchNorm layers to SyncBatchNorm (statistics over the global batch).
     sync_batchnorm: bool = False
     ddp: DDPConfig = field(default_factory=DDPConfig)
+    fsdp: FSDPConfig = field(default_factory=FSDPConfig)
+    tensor_parallel: TensorParallelConfig = field(default_factory=TensorParallelConfig)
+    pipeline: PipelineConfig = field(default_factory=PipelineConfig)
+
+
+@dataclass
+class PowerSGDConfig:
+    # torch's PowerSGDState: matrix_approximation_rank, start_powerSGD_iter (plain all-reduce
+    # before it), min_compression_rate, use_error_feedback, warm_start; batched: one flat
+    # matrix per bucket (batched_powerSGD_hook).
+    rank: int = 1
+    start_iter: int = 10
+    min_compression_rate: float = 2.0
+    use_error_feedback: bool = True
+    warm_start: bool = True
+    batched: bool = False
+
+
+@dataclass
+class LocalSGDConfig:
+    # Post-local SGD: all-reduce gradients for start_step steps, then step locally and average
+    # the parameters of all replicas every period steps (PeriodicModelAverager).
+    period: int = 4
+    start_step: int = 0
+
+
+@dataclass
+class CommConfig:
+    # DDP gradient communication: none (plain all-reduce) | fp16 | bf16 (compressed all-reduce)
+    # | powersgd | local_sgd. DDP only (parallel.strategy=ddp or zero1).
+    hook: str = "none"
+    powersgd: PowerSGDConfig = field(default_factory=PowerSGDConfig)
+    local_sgd: LocalSGDConfig = field(default_factory=LocalSGDConfig)
+
+
+@dataclass
+class CompileConfig:
+    # torch.compile each block (transformer block, ResNet residual block) before wrapping.
+    enabled: bool = False
+    mode: Optional[str] = None  # default | reduce-overhead | max-autotune
+    fullgraph: bool = False
+    dynamic: Optional[bool] = None
+
+
+@dataclass
+class ProfileConfig:
+    # torch.profiler over steps: skip `wait`, warm up `warmup`, record `active`, `repeat` times;
+    # traces go to <run dir>/profile for TensorBoard, a table of top operators to the log.
+    enabled: bool = False
+    wait: int = 1
+    warmup: int = 1
+    active: int = 3
+    repeat: int = 1
+    record_shapes: bool = False
+    profile_memory: bool = False
+    with_stack: bool = False
+    # CUDA only: torch.cuda.memory snapshot (pickle for pytorch.org/memory_viz) over the active steps.
+    memory_snapshot: bool = False
+    top_k: int = 15
 
 
 @dataclass
@@ -149,6 +277,10 @@ class LoggingConfig:
     # auto: a progress bar on rank 0 only when stderr is a terminal; on / off force it.
     progress_bar: str = "auto"
     level: str = "INFO"
+    # Count model FLOPs per step (torch.utils.flop_counter, once at the start) and log MFU
+    # against peak_tflops (null: looked up for known GPUs; unknown devices log no MFU).
+    flops: bool = True
+    peak_tflops: Optional[float] = None
 
 
 @dataclass
@@ -223,6 +355,9 @@ class Config:
     optim: OptimConfig = field(default_factory=OptimConfig)
     sched: SchedConfig = field(default_factory=SchedConfig)
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    comm: CommConfig = field(default_factory=CommConfig)
+    compile: CompileConfig = field(default_factory=CompileConfig)
+    profile: ProfileConfig = field(default_factory=ProfileConfig)
     precision: PrecisionConfig = field(default_factory=PrecisionConfig)
     loss: LossConfig = field(default_factory=LossConfig)
     loop: LoopConfig = field(default_factory=LoopConfig)
