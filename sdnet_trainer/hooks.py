@@ -111,12 +111,14 @@ class MetricsHook(HookBase):
         window = trainer.meter.flush()
         local_loss = (self._loss_sum / self._loss_steps).item() if self._loss_steps else math.nan
         self._loss_sum, self._loss_steps = None, 0
+        # metric_weight: only ranks whose loss counts (last pipeline stage) enter the mean.
+        weight = trainer.metric_weight
         ranks = all_gather_floats(
-            [local_loss, window["samples_per_s"], window["step_s"], window["data_wait_s"],
-             peak_memory_mb(trainer.env.device)], device=trainer.env.device)
-        loss, samples_per_s, step_s, data_wait_s, peak_mb = ranks.unbind(dim=1)
+            [local_loss * weight if weight else 0.0, weight, window["samples_per_s"], window["step_s"],
+             window["data_wait_s"], peak_memory_mb(trainer.env.device)], device=trainer.env.device)
+        loss, weights, samples_per_s, step_s, data_wait_s, peak_mb = ranks.unbind(dim=1)
         metrics = {
-            "train/loss": loss.mean().item(),
+            "train/loss": (loss.sum() / weights.sum()).item(),
             "train/lr": trainer.scheduler.get_last_lr()[0],
             "train/epoch": trainer.epoch + trainer.epoch_sample / (trainer.steps_per_epoch
                                                                    * trainer.layout.global_batch_size),

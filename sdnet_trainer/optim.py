@@ -7,7 +7,9 @@ import math
 from collections.abc import Callable
 
 import torch
+import torch.distributed as dist
 from torch import nn
+from torch.distributed.optim import ZeroRedundancyOptimizer
 from torch.optim.lr_scheduler import LambdaLR
 
 from sdnet_trainer.config.schema import OptimConfig, SchedConfig
@@ -29,13 +31,20 @@ def param_groups(model: nn.Module, cfg: OptimConfig) -> list[dict]:
     return [{"params": decay}, {"params": no_decay, "weight_decay": 0.0}]
 
 
-def build_optimizer(model: nn.Module, cfg: OptimConfig) -> torch.optim.Optimizer:
+def build_optimizer(model: nn.Module, cfg: OptimConfig, *, device_type: str = "cpu",
+                    zero_group: dist.ProcessGroup | None | bool = False) -> torch.optim.Optimizer:
+    """The optimizer of ``optim.*`` over ``model``'s parameters.
+
+    ``zero_group`` (a process group, or None for all ranks) shards the optimizer state over the
+    data-parallel ranks with ZeroRedundancyOptimizer (ZeRO-1); False builds the plain optimizer.
+    """
     cls = resolve_optimizer_class(cfg.name)
     kwargs = {"lr": cfg.lr, "weight_decay": cfg.weight_decay}
     for name in _OPTIONAL_ARGS:
         value = getattr(cfg, name)
         if value is not None:
             kwargs[name] = tuple(value) if name == "betas" else value
+    kwargs.update(_implementation_kwargs(cls, cfg, device_type))
     kwargs.update(cfg.kwargs)
     accepted = inspect.signature(cls).parameters
     if not any(p.kind is inspect.Parameter.VAR_KEYWORD for p in accepted.values()):
@@ -43,7 +52,23 @@ def build_optimizer(model: nn.Module, cfg: OptimConfig) -> torch.optim.Optimizer
         if unknown:
             keys = ", ".join(f"optim.{k}" if k in _OPTIONAL_ARGS else f"optim.kwargs.{k}" for k in unknown)
             raise ConfigError(f"optim.name={cfg.name!r} does not take {keys}")
+    if zero_group is not False:
+        return ZeroRedundancyOptimizer(param_groups(model, cfg), optimizer_class=cls, process_group=zero_group,
+                                       **kwargs)
     return cls(param_groups(model, cfg), **kwargs)
+
+
+def _implementation_kwargs(cls: type[torch.optim.Optimizer], cfg: OptimConfig, device_type: str) -> dict:
+    """``optim.implementation``: auto picks the fused kernels on CUDA when the optimizer has them
+    (one kernel for all parameters); elsewhere torch's own default (foreach where it can)."""
+    accepted = inspect.signature(cls).parameters
+    impl = cfg.implementation
+    if impl == "auto":
+        return {"fused": True} if device_type == "cuda" and "fused" in accepted else {}
+    flag = {"fused": "fused", "foreach": "foreach", "for_loop": "foreach"}[impl]
+    if flag not in accepted:
+        raise ConfigError(f"optim.implementation={impl}: optim.name={cfg.name!r} has no {flag!r} argument")
+    return {flag: impl != "for_loop"}
 
 
 def lr_multiplier(cfg: SchedConfig, total_steps: int) -> Callable[[int], float]:

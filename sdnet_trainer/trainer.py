@@ -6,10 +6,15 @@ A custom task subclasses ``Trainer`` and overrides a few small methods (``build_
 accumulation, clipping, logging, evaluation) is done here, so a subclass never writes
 distributed code.
 
-    setup:  seed -> model -> DDP -> optimizer -> data -> schedule -> precision -> hooks
+    setup:  seed -> mesh -> model -> parallelize (pipeline split, TP, activation checkpointing,
+            compile, FSDP/DDP) -> optimizer (ZeRO-1) -> data -> schedule -> precision -> hooks
             -> checkpoint manager -> resume (checkpoint.resume)
-    fit:    for each step: train_step (micro-steps, agree, clip, optimizer, schedule) -> hooks
-            (evaluate, checkpoint, metrics) -> watchdog beat
+    fit:    for each step: train_step (micro-steps or the pipeline schedule, agree, clip,
+            optimizer, schedule) -> hooks (evaluate, checkpoint, metrics) -> watchdog beat
+
+Parallel layouts come from ``parallel.*`` (a DeviceMesh of pp x dp_replicate x dp_shard x tp).
+Ranks that share data-parallel coordinates load the same samples; metrics count each sample once
+(on the last pipeline stage, tensor-parallel rank 0).
 """
 
 from __future__ import annotations
@@ -19,7 +24,7 @@ import os
 import signal
 import time
 from collections.abc import Iterator
-from contextlib import ExitStack, nullcontext
+from contextlib import ExitStack, contextmanager, nullcontext
 from pathlib import Path
 from typing import Any
 
@@ -27,8 +32,11 @@ import torch
 import torch.nn.functional as F
 from omegaconf import OmegaConf
 from torch import nn
-from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_state_dict, set_model_state_dict,
-                                                     set_optimizer_state_dict)
+from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict, get_state_dict,
+                                                     set_model_state_dict, set_optimizer_state_dict)
+from torch.distributed.optim import ZeroRedundancyOptimizer
+from torch.distributed.tensor import DTensor
+from torch.distributed.tensor.parallel import loss_parallel
 from torch.utils.data import Dataset
 
 from sdnet_trainer import rng
@@ -37,9 +45,14 @@ from sdnet_trainer.config import Config, batch_layout
 from sdnet_trainer.data import GlobalBatchSampler, ShardedEvalSampler, build_datasets, build_loader
 from sdnet_trainer.data.loader import shutdown_loader
 from sdnet_trainer.data.seeding import EpochTaggedBatches, SampleSeeded
-from sdnet_trainer.distributed import DistEnv, all_reduce_sum, wrap_data_parallel
+from sdnet_trainer.distributed import DistEnv, all_reduce_sum
 from sdnet_trainer.distributed.ddp import is_ddp, unwrap
-from sdnet_trainer.distributed.ops import all_reduce_max
+from sdnet_trainer.distributed.grad_norm import global_grad_norm
+from sdnet_trainer.distributed.mesh import build_mesh, parallel_dims
+from sdnet_trainer.distributed.ops import all_gather_objects, all_reduce_max
+from sdnet_trainer.distributed.parallelize import parallelize, set_gradient_sync
+from sdnet_trainer.distributed.pipeline import Pipeline, build_pipeline
+from sdnet_trainer.distributed.zero import load_zero_param_groups, materialize_zero_state, zero_state_dict
 from sdnet_trainer.errors import ConfigError
 from sdnet_trainer.health import (Heartbeat, NonFiniteError, PhaseTracker, Watchdog, hang_log_path,
                                   nonfinite_tensor_names)
@@ -60,6 +73,10 @@ class Trainer:
         self.device = self.env.device
         self.layout = batch_layout(cfg, self.env.world_size)
         self.micro_batch_size = self.layout.micro_batch_size
+        self.dims = parallel_dims(cfg.parallel, self.env.world_size)
+        self.dp_rank = self.dims.dp_rank(self.env.rank)
+        self.mesh = None  # the DeviceMesh, built in setup once the process group is up
+        self.pipeline: Pipeline | None = None
         # Counters, all saved in checkpoints. A step counts even when it was skipped.
         self.step = 0  # optimizer steps taken
         self.epoch = 0
@@ -89,7 +106,10 @@ class Trainer:
         return build_datasets(self.cfg.data)
 
     def build_optimizer(self, model: nn.Module) -> torch.optim.Optimizer:
-        return build_optimizer(model, self.cfg.optim)
+        """Over the parallelized model (FSDP's sharded parameters); ZeRO-1 under parallel=zero1."""
+        zero = self.cfg.parallel.strategy == "zero1" and self.env.distributed
+        return build_optimizer(model, self.cfg.optim, device_type=self.device.type,
+                               zero_group=None if zero else False)
 
     def build_scheduler(self, optimizer: torch.optim.Optimizer, *, total_steps: int
                         ) -> torch.optim.lr_scheduler.LRScheduler:
@@ -99,13 +119,33 @@ class Trainer:
     def compute_loss(self, batch: Any) -> torch.Tensor:
         """The mean loss of one micro-batch (already on the device, inside autocast)."""
         inputs, targets = batch
-        return self.criterion(self.model(inputs), targets)
+        return self.loss_fn(self.model(inputs), targets)
+
+    def loss_fn(self, outputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        """Cross-entropy over classes, or over the vocabulary at every position of a sequence
+        model's (batch, time, vocab) logits. Also the pipeline's loss on its last stage."""
+        if outputs.dim() == 3:
+            outputs, targets = outputs.flatten(0, 1), targets.flatten(0, 1)
+        return self.criterion(outputs, targets)
 
     def eval_step(self, batch: Any) -> dict[str, torch.Tensor]:
         """Metric *sums* over one eval batch plus ``count``; ``evaluate`` adds them over batches
-        and ranks and divides every other key by the total count."""
+        and ranks and divides every other key by the total count. Under pipeline parallelism
+        the default runs the batch through the stages and only the last stage returns sums."""
         inputs, targets = batch
-        logits = unwrap(self.model)(inputs).float()
+        if self.pipeline is not None:
+            logits = self.pipeline.forward(inputs)
+            return {} if logits is None else self.metric_sums(logits, targets)
+        return self.metric_sums(unwrap(self.model)(inputs), targets)
+
+    @staticmethod
+    def metric_sums(logits: torch.Tensor, targets: torch.Tensor) -> dict[str, torch.Tensor]:
+        """Loss, top-1 and top-5 hits summed over samples (over positions for sequence models)."""
+        if isinstance(logits, DTensor):  # vocabulary-sharded logits (tensor-parallel loss_parallel)
+            logits = logits.full_tensor()
+        logits = logits.float()
+        if logits.dim() == 3:
+            logits, targets = logits.flatten(0, 1), targets.flatten(0, 1)
         top = logits.topk(min(5, logits.shape[1]), dim=1).indices.eq(targets[:, None])
         return {"loss": F.cross_entropy(logits, targets, reduction="sum"),
                 "top1": top[:, 0].sum(), "top5": top.any(dim=1).sum(),
@@ -127,8 +167,12 @@ class Trainer:
             for key, value in sums.items():
                 totals[key] = totals.get(key, 0) + value.detach().double()
         model.train(was_training)
-        keys = sorted(totals)
-        reduced = all_reduce_sum(torch.stack([totals[k] for k in keys])).tolist()
+        # Ranks whose sums do not count (earlier pipeline stages, tensor-parallel copies) may hold
+        # none or duplicates: agree on the keys, then weigh each rank's sums.
+        keys = sorted(set().union(*all_gather_objects(sorted(totals)))) if self.dims.pp > 1 else sorted(totals)
+        local = [totals[k] if k in totals else torch.zeros((), dtype=torch.float64, device=self.device)
+                 for k in keys]
+        reduced = all_reduce_sum(torch.stack(local) * self.metric_weight).tolist()
         values = dict(zip(keys, reduced))
         count = values.pop("count")
         return {k: (100.0 * v if k.startswith("top") else v) / count for k, v in values.items()}
@@ -144,12 +188,16 @@ class Trainer:
         """Everything a resumed run needs, as a DCP state dict. Model and optimizer go through
         torch's distributed state-dict helpers (the same code serves DDP and sharded layouts);
         the RNG entry is per rank, under the rank's own key."""
-        untouched = not self.optimizer.state
-        model_state, optim_state = get_state_dict(self.model, self.optimizer)
-        if untouched:
-            # get_state_dict materialises optimizer state with a zero-lr step (AdamW would then
-            # count step 1); keep the live optimizer as it was, the copy above is enough to save.
-            self.optimizer.state.clear()
+        if isinstance(self.optimizer, ZeroRedundancyOptimizer):
+            model_state = get_model_state_dict(self.model)
+            optim_state = zero_state_dict(unwrap(self.model), self.optimizer)
+        else:
+            untouched = not self.optimizer.state
+            model_state, optim_state = get_state_dict(self.model, self.optimizer)
+            if untouched:
+                # get_state_dict materialises optimizer state with a zero-lr step (AdamW would then
+                # count step 1); keep the live optimizer as it was, the copy above is enough to save.
+                self.optimizer.state.clear()
         state = {"model": model_state, "optim": optim_state, "scheduler": self.scheduler.state_dict(),
                  "trainer": {"step": self.step, "epoch": self.epoch, "epoch_sample": self.epoch_sample,
                              "samples_seen": self.samples_seen, "skipped_steps": self.skipped_steps,
@@ -160,6 +208,9 @@ class Trainer:
         return state
 
     def load_checkpoint(self, checkpoint: Checkpoint) -> None:
+        zero = isinstance(self.optimizer, ZeroRedundancyOptimizer)
+        if zero:
+            materialize_zero_state(self.optimizer)  # the state dict then holds the live tensors to fill
         state = self.state_dict()
         rng_key = f"rng/rank{self.env.rank}"
         same_layout = checkpoint.world_size == self.env.world_size and checkpoint.has_key(rng_key)
@@ -174,9 +225,12 @@ class Trainer:
             del optim_state[name]
         self.checkpointer.load(checkpoint, state)
         set_model_state_dict(self.model, state["model"])
-        # Not strict: parameters without a gradient so far rightly have no optimizer state.
-        set_optimizer_state_dict(self.model, self.optimizer, state["optim"],
-                                 options=StateDictOptions(strict=False))
+        if zero:
+            load_zero_param_groups(self.optimizer, state["optim"]["param_groups"])
+        else:
+            # Not strict: parameters without a gradient so far rightly have no optimizer state.
+            set_optimizer_state_dict(self.model, self.optimizer, state["optim"],
+                                     options=StateDictOptions(strict=False))
         self.scheduler.load_state_dict(state["scheduler"])
         if "scaler" in state:
             self.precision.scaler.load_state_dict(state["scaler"])
@@ -213,9 +267,22 @@ class Trainer:
     def setup(self) -> None:
         loop, data = self.cfg.loop, self.cfg.data
         rng.seed_everything(loop.seed, deterministic=loop.deterministic)
-        # Same seed on every rank for the model's initial weights (DDP also broadcasts rank 0's).
+        if self.env.distributed:
+            self.mesh = build_mesh(self.dims, self.device.type)
+        # Same seed on every rank for the model's initial weights (DDP also broadcasts rank 0's);
+        # pipeline stages and tensor-parallel shards are cut from identical full models.
         model = self.build_model().to(self.device)
-        self.model = wrap_data_parallel(model, self.cfg.parallel, self.env)
+        num_parameters = sum(p.numel() for p in model.parameters())
+        parallel = parallelize(model, self.cfg, self.env, self.mesh, self.dims)
+        self.model = parallel.model
+        if parallel.stages is not None:
+            self.pipeline = build_pipeline(parallel.stages, parallel.stage_ids, parallel.num_stages,
+                                           self.cfg.parallel.pipeline, group=self.mesh["pp"].get_group(),
+                                           device=self.device, loss_fn=self.loss_fn)
+        coords = self.dims.coordinates(self.env.rank)
+        # This rank's metrics count once: last pipeline stage, first tensor-parallel peer.
+        last_stage = self.pipeline is None or self.pipeline.has_last
+        self.metric_weight = 1.0 if last_stage and coords["tp"] == 0 else 0.0
         self.optimizer = self.build_optimizer(self.model)
         # From here on each rank draws its own random stream (dropout, augmentation).
         rng.reseed(loop.seed, rank=self.env.rank, step=0)
@@ -223,8 +290,8 @@ class Trainer:
 
         train_set, val_set = self.build_datasets()
         self.train_sampler = GlobalBatchSampler(
-            len(train_set), micro_batch_size=self.micro_batch_size, world_size=self.env.world_size,
-            rank=self.env.rank, grad_accum_steps=self.layout.grad_accum_steps, shuffle=data.shuffle,
+            len(train_set), micro_batch_size=self.micro_batch_size, world_size=self.dims.dp,
+            rank=self.dp_rank, grad_accum_steps=self.layout.grad_accum_steps, shuffle=data.shuffle,
             seed=loop.seed, drop_last=data.drop_last)
         # The loader gets its own generator: creating an iterator must not draw from the global
         # stream, or a resumed run (which creates one mid-epoch) would diverge from an
@@ -236,12 +303,12 @@ class Trainer:
                                          generator=torch.Generator())
         self.val_loader = None
         if val_set is not None:
-            if len(val_set) < self.env.world_size:
+            if len(val_set) < self.dims.dp:
                 raise ConfigError(f"the validation set has {len(val_set)} samples, fewer than the "
-                                  f"world size {self.env.world_size} (data.val_size)")
+                                  f"{self.dims.dp} data-parallel ranks (data.val_size)")
             self.val_loader = build_loader(
                 val_set, cfg=data, device_type=self.device.type,
-                sampler=ShardedEvalSampler(len(val_set), world_size=self.env.world_size, rank=self.env.rank),
+                sampler=ShardedEvalSampler(len(val_set), world_size=self.dims.dp, rank=self.dp_rank),
                 batch_size=loop.eval_batch_size or self.micro_batch_size)
 
         self.steps_per_epoch = self.train_sampler.steps_per_epoch
@@ -261,11 +328,11 @@ class Trainer:
         if resume_from is not None:
             self.load_checkpoint(resume_from)
             self.last_checkpoint_step = self.step
-        logger.info("model %s: %.2fM parameters | world size %d on %s | global batch %d = %d ranks x "
-                    "%d accumulation x %d micro-batch | %d steps (%d per epoch)",
-                    self.cfg.model.name, sum(p.numel() for p in model.parameters()) / 1e6,
-                    self.env.world_size, self.device, self.layout.global_batch_size, self.env.world_size,
-                    self.layout.grad_accum_steps, self.micro_batch_size, self.total_steps, self.steps_per_epoch)
+        logger.info("model %s: %.2fM parameters | world size %d on %s (%s, %s) | global batch %d = %d "
+                    "data-parallel ranks x %d accumulation x %d micro-batch | %d steps (%d per epoch)",
+                    self.cfg.model.name, num_parameters / 1e6, self.env.world_size, self.device,
+                    self.dims.describe(), self.cfg.parallel.strategy, self.layout.global_batch_size,
+                    self.dims.dp, self.layout.grad_accum_steps, self.micro_batch_size, self.total_steps, self.steps_per_epoch)
 
     # ------------------------------------------------------------------ the loop
 
@@ -289,7 +356,8 @@ class Trainer:
                     self.last_step = self.train_step()
                     self._advance()
                     self.last_step_s = time.perf_counter() - started
-                    self.meter.step_done(samples=self.micro_batch_size * self.layout.grad_accum_steps,
+                    # Ranks that share samples (tensor/pipeline peers) share the count as well.
+                    self.meter.step_done(samples=self.layout.global_batch_size / self.env.world_size,
                                          seconds=self.last_step_s)
                     for hook in self.hooks:
                         hook.after_step(self)
@@ -340,7 +408,7 @@ class Trainer:
     def close(self) -> None:
         """Release the model, optimizer and loaders before the process group goes away; an
         exception's traceback may keep this Trainer alive past that point."""
-        for name in ("model", "optimizer", "scheduler", "train_loader", "val_loader", "_batches"):
+        for name in ("model", "pipeline", "optimizer", "scheduler", "train_loader", "val_loader", "_batches"):
             setattr(self, name, None)
 
     def train_step(self) -> dict[str, Any]:
@@ -354,14 +422,19 @@ class Trainer:
             self.phase.enter("data", step=self.step + 1)
             batch = self._next_batch()
             data_wait += time.perf_counter() - started  # fetch and copy to the device
-            # DDP all-reduces gradients in backward; skip that on all but the last micro-step.
-            sync = micro_step == accum - 1 or not is_ddp(self.model)
-            self.phase.enter("forward/backward (DDP gradient all-reduce)" if sync else "forward/backward",
+            # Data parallelism reduces gradients in backward; skip that on all but the last micro-step.
+            sync = micro_step == accum - 1
+            self.phase.enter("forward/backward (gradient reduction)" if sync else "forward/backward",
                              step=self.step + 1)
-            with nullcontext() if sync else self.model.no_sync():
-                with self.precision.autocast():
-                    loss = self.compute_loss(batch)
-                self.precision.scaler.scale(loss / accum).backward()
+            with self._gradient_sync(sync), self._loss_parallel():
+                if self.pipeline is not None:
+                    loss = self._pipeline_step(batch)
+                else:
+                    with self.precision.autocast():
+                        loss = self.compute_loss(batch)
+                    self.precision.scaler.scale(loss / accum).backward()
+            if isinstance(loss, DTensor):  # loss_parallel: the loss of vocabulary shards, replicated
+                loss = loss.full_tensor()
             loss_sum += loss.detach().float()
         loss = loss_sum / accum
 
@@ -383,12 +456,34 @@ class Trainer:
         self.meter.add_data_wait(data_wait)
         return {"loss": loss, "grad_norm": grad_norm, "data_wait_s": data_wait, "nonfinite": nonfinite}
 
+    def _pipeline_step(self, batch: Any) -> torch.Tensor:
+        """One schedule step over the pipeline's micro-batches: the mean loss on the last stage's
+        rank, zero elsewhere (metric_weight keeps it out of the logged mean)."""
+        inputs, targets = batch
+        with self.precision.autocast():
+            losses = self.pipeline.train_step(inputs, targets)
+        return torch.stack(losses).mean() if losses else torch.zeros((), device=self.device)
+
+    def _gradient_sync(self, enabled: bool):
+        """DDP's no_sync, or FSDP's requires_gradient_sync, on accumulation micro-steps."""
+        if enabled:
+            return nullcontext()
+        if is_ddp(self.model):
+            return self.model.no_sync()
+        return _without_gradient_sync(self.model)
+
+    def _loss_parallel(self):
+        """Tensor parallel with vocabulary-sharded logits: the loss and its backward run on shards."""
+        return loss_parallel() if self.cfg.parallel.tensor_parallel.loss_parallel else nullcontext()
+
     def _grad_norm(self) -> torch.Tensor:
         """The total gradient norm in true units (unscaled under fp16), every step: it serves the
-        non-finite check, clipping and logging, and costs one pass over the gradients."""
+        non-finite check, clipping and logging, and costs one pass over the gradients. It is the
+        global norm under every layout (sharded and pipelined gradients included)."""
         self.precision.scaler.unscale_(self.optimizer)
-        # Under DDP every rank holds the same all-reduced gradients, so the local norm is global.
-        return torch.nn.utils.get_total_norm([p.grad for p in self.model.parameters() if p.grad is not None])
+        grads = [p.grad for p in self.model.parameters() if p.grad is not None]
+        pp_group = self.mesh["pp"].get_group() if self.dims.pp > 1 else None
+        return global_grad_norm(grads, pp_group=pp_group, device=self.device)
 
     def _agree(self, loss: torch.Tensor, grad_norm: torch.Tensor) -> bool:
         """One small all-reduce per step so every rank takes the same branch: non-finite values
@@ -461,6 +556,15 @@ class Trainer:
 
 
 EXIT_TERMINATED = 128 + signal.SIGTERM  # the shell's convention for "ended by SIGTERM"
+
+
+@contextmanager
+def _without_gradient_sync(model: nn.Module) -> Iterator[None]:
+    set_gradient_sync([model], False)
+    try:
+        yield
+    finally:
+        set_gradient_sync([model], True)
 
 
 class _handle_sigterm:

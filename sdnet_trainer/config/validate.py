@@ -15,13 +15,18 @@ import torch
 
 from sdnet_trainer.config.schema import Config
 from sdnet_trainer.distributed.env import resolve_device
+from sdnet_trainer.distributed.mesh import ParallelDims, parallel_dims
 from sdnet_trainer.errors import ConfigError
 
 logger = logging.getLogger(__name__)
 
 PRECISIONS = ("fp32", "bf16", "fp16")
 SCHEDULES = ("constant", "cosine", "step", "multistep")
-STRATEGIES = ("ddp",)
+STRATEGIES = ("ddp", "fsdp", "zero1")
+FSDP_DTYPES = ("auto", "fp32", "bf16", "fp16")
+COMPILE_MODES = (None, "default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs")
+OPTIM_IMPLEMENTATIONS = ("auto", "fused", "foreach", "for_loop")
+LM_DATASETS = ("tokens", "text")
 BACKENDS = ("auto", "nccl", "gloo")
 DEVICES = ("auto", "cpu", "cuda")
 PROGRESS = ("auto", "on", "off")
@@ -64,12 +69,15 @@ def batch_layout(cfg: Config, world_size: int) -> BatchLayout:
     """
     loop = cfg.loop
     micro = loop.micro_batch_size
+    dims = parallel_dims(cfg.parallel, world_size)
+    ranks = _dp_phrase(dims, world_size)
+    world_size = dims.dp  # tensor-parallel peers and pipeline stages share their samples
     if micro is None:
         split = world_size * loop.grad_accum_steps
         if loop.global_batch_size % split:
             raise ConfigError(
-                f"loop.global_batch_size={loop.global_batch_size} is not divisible by world size "
-                f"({world_size}) x loop.grad_accum_steps ({loop.grad_accum_steps}) = {split}; "
+                f"loop.global_batch_size={loop.global_batch_size} is not divisible by {ranks} "
+                f"x loop.grad_accum_steps ({loop.grad_accum_steps}) = {split}; "
                 f"choose a global batch that is a multiple of {split}")
         return BatchLayout(loop.global_batch_size, loop.grad_accum_steps, loop.global_batch_size // split)
     if cfg.elastic.enabled and cfg.elastic.batch_policy == "keep_per_rank":
@@ -77,16 +85,23 @@ def batch_layout(cfg: Config, world_size: int) -> BatchLayout:
     per_step = world_size * micro
     if loop.global_batch_size % per_step:
         raise ConfigError(
-            f"loop.global_batch_size={loop.global_batch_size} is not divisible by world size ({world_size}) "
+            f"loop.global_batch_size={loop.global_batch_size} is not divisible by {ranks} "
             f"x loop.micro_batch_size ({micro}) = {per_step}, so no whole number of accumulation steps "
             f"keeps it; change one of them or use elastic.batch_policy=keep_per_rank")
     accum = loop.global_batch_size // per_step
     if not cfg.elastic.enabled and accum != loop.grad_accum_steps:
         raise ConfigError(
-            f"loop.micro_batch_size={micro} with world size {world_size} needs loop.grad_accum_steps="
+            f"loop.micro_batch_size={micro} with {ranks} needs loop.grad_accum_steps="
             f"{accum} for loop.global_batch_size={loop.global_batch_size}, not {loop.grad_accum_steps} "
             f"(with elastic.enabled=true the accumulation is derived)")
     return BatchLayout(loop.global_batch_size, accum, micro)
+
+
+def _dp_phrase(dims: ParallelDims, world_size: int) -> str:
+    if dims.dp == world_size:
+        return f"world size ({world_size})"
+    return (f"data-parallel size ({dims.dp} = world size {world_size} / (parallel.tp {dims.tp} x "
+            f"parallel.pp {dims.pp}))")
 
 
 def resolve_optimizer_class(name: str) -> type[torch.optim.Optimizer]:
@@ -128,7 +143,9 @@ def validate(cfg: Config, *, world_size: int) -> None:
     _positive("loop.eval_batch_size", loop.eval_batch_size, allow_none=True)
     _positive("logging.log_every_n_steps", cfg.logging.log_every_n_steps)
 
-    if cfg.model.num_classes != data.num_classes:
+    if data.name in LM_DATASETS:
+        _validate_language_model(cfg)
+    elif cfg.model.num_classes != data.num_classes:
         raise ConfigError(f"model.num_classes={cfg.model.num_classes} differs from "
                           f"data.num_classes={data.num_classes}")
     _positive("data.image_size", data.image_size)
@@ -155,9 +172,12 @@ def validate(cfg: Config, *, world_size: int) -> None:
     if sched.name == "multistep" and list(sched.milestones) != sorted(set(sched.milestones)):
         raise ConfigError(f"sched.milestones={list(sched.milestones)} must be strictly increasing")
 
+    _choice("optim.implementation", optim.implementation, OPTIM_IMPLEMENTATIONS)
     _choice("precision.dtype", cfg.precision.dtype, PRECISIONS)
-    _choice("parallel.strategy", cfg.parallel.strategy, STRATEGIES)
-    _positive("parallel.ddp.bucket_cap_mb", cfg.parallel.ddp.bucket_cap_mb)
+    _validate_parallel(cfg, world_size)
+    if cfg.compile.mode not in COMPILE_MODES:
+        raise ConfigError(f"compile.mode={cfg.compile.mode!r} is not one of "
+                          f"{', '.join(str(m) for m in COMPILE_MODES)}")
     _choice("dist.backend", cfg.dist.backend, BACKENDS)
     _choice("dist.device", cfg.dist.device, DEVICES)
     _positive("dist.timeout_s", cfg.dist.timeout_s)
@@ -180,3 +200,72 @@ def validate(cfg: Config, *, world_size: int) -> None:
     _positive("health.heartbeat_s", cfg.health.heartbeat_s, allow_none=True)
     _choice("logging.progress_bar", cfg.logging.progress_bar, PROGRESS)
     _choice("logging.level", cfg.logging.level.upper(), LOG_LEVELS)
+
+
+def _validate_language_model(cfg: Config) -> None:
+    data, gpt = cfg.data, cfg.model.gpt
+    if cfg.model.name == "gpt":
+        if data.vocab_size != gpt.vocab_size:
+            raise ConfigError(f"data.vocab_size={data.vocab_size} differs from model.gpt.vocab_size={gpt.vocab_size}")
+        if data.seq_len > gpt.seq_len:
+            raise ConfigError(f"data.seq_len={data.seq_len} is longer than the model's context "
+                              f"model.gpt.seq_len={gpt.seq_len}")
+    _positive("data.seq_len", data.seq_len)
+
+
+def _validate_parallel(cfg: Config, world_size: int) -> None:
+    """Degrees against the world size, and the combinations torch does not support."""
+    parallel = cfg.parallel
+    strategy = parallel.strategy
+    _choice("parallel.strategy", strategy, STRATEGIES)
+    _positive("parallel.ddp.bucket_cap_mb", parallel.ddp.bucket_cap_mb)
+    dims = parallel_dims(parallel, world_size)
+    if strategy in ("ddp", "zero1") and dims.dp_shard > 1:
+        raise ConfigError(f"parallel.strategy={strategy} replicates the model, so parallel.dp_shard={dims.dp_shard} "
+                          f"has no meaning; use parallel=fsdp to shard over {dims.dp_shard} ranks")
+    if strategy == "zero1" and (dims.tp > 1 or dims.pp > 1):
+        raise ConfigError(f"parallel.strategy=zero1 runs with plain data parallelism only (parallel.tp={dims.tp}, "
+                          f"parallel.pp={dims.pp}); use parallel=fsdp for sharding with tensor or pipeline parallelism")
+    if strategy == "ddp" and dims.tp > 1 and dims.dp_replicate > 1:
+        raise ConfigError(f"parallel.tp={dims.tp} with parallel.dp_replicate={dims.dp_replicate} under "
+                          f"parallel.strategy=ddp: DDP does not take tensor-parallel (DTensor) parameters; use "
+                          f"parallel=fsdp (FSDP x TP on a 2-D mesh)")
+    layered = strategy != "ddp" or dims.tp > 1 or dims.pp > 1
+    if layered and cfg.precision.dtype == "fp16":
+        raise ConfigError(f"precision.dtype=fp16 with parallel.strategy={strategy}, parallel.tp={dims.tp}, "
+                          f"parallel.pp={dims.pp}: the fp16 GradScaler is supported with plain DDP only; "
+                          f"use precision=bf16")
+    if parallel.sync_batchnorm and (strategy != "ddp" or dims.pp > 1):
+        raise ConfigError(f"parallel.sync_batchnorm=true needs parallel.strategy=ddp without pipeline stages")
+    _choice("parallel.fsdp.param_dtype", parallel.fsdp.param_dtype, FSDP_DTYPES)
+    _choice("parallel.fsdp.reduce_dtype", parallel.fsdp.reduce_dtype, FSDP_DTYPES[1:])
+    tp_cfg = parallel.tensor_parallel
+    if dims.tp == 1 and (tp_cfg.loss_parallel or tp_cfg.sequence_parallel):
+        raise ConfigError("parallel.tensor_parallel.loss_parallel / sequence_parallel need parallel.tp > 1")
+    if dims.tp > 1 and cfg.model.name == "gpt":
+        gpt = cfg.model.gpt
+        # The model checks these too, but only once every rank has started.
+        if gpt.n_heads % dims.tp:
+            raise ConfigError(f"model.gpt.n_heads={gpt.n_heads} must be divisible by parallel.tp={dims.tp}: "
+                              f"tensor parallelism gives each rank whole attention heads")
+        if gpt.dropout > 0 and not tp_cfg.sequence_parallel:
+            raise ConfigError(f"model.gpt.dropout={gpt.dropout} with parallel.tp={dims.tp} needs "
+                              f"parallel.tensor_parallel.sequence_parallel=true (or model.gpt.dropout=0)")
+    if dims.pp > 1:
+        _validate_pipeline(cfg, dims, world_size)
+
+
+def _validate_pipeline(cfg: Config, dims: ParallelDims, world_size: int) -> None:
+    from sdnet_trainer.distributed.pipeline import check_schedule  # torch.distributed.pipelining is heavy
+
+    pipe = cfg.parallel.pipeline
+    check_schedule(pipe, dims.pp)
+    if cfg.loop.grad_accum_steps != 1:
+        raise ConfigError(f"loop.grad_accum_steps={cfg.loop.grad_accum_steps} with parallel.pp={dims.pp}: the "
+                          f"pipeline accumulates over its micro-batches; set loop.grad_accum_steps=1 and "
+                          f"parallel.pipeline.microbatches instead")
+    micro = batch_layout(cfg, world_size).micro_batch_size
+    if micro % pipe.microbatches:
+        raise ConfigError(f"the batch per data-parallel rank ({micro} = loop.global_batch_size "
+                          f"{cfg.loop.global_batch_size} / {dims.dp} data-parallel ranks) is not divisible by "
+                          f"parallel.pipeline.microbatches={pipe.microbatches}")

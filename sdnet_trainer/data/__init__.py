@@ -16,6 +16,7 @@ from sdnet_trainer.data.folders import build_cifar10, build_imagefolder
 from sdnet_trainer.data.loader import build_loader
 from sdnet_trainer.data.sampler import GlobalBatchSampler, ShardedEvalSampler
 from sdnet_trainer.data.synthetic import SyntheticImages, build_synthetic
+from sdnet_trainer.data.tokens import MarkovTokens, TextBytes, build_text, build_tokens
 from sdnet_trainer.errors import ConfigError
 
 logger = logging.getLogger(__name__)
@@ -24,6 +25,9 @@ _BUILDERS: dict[str, Callable[[DataConfig], tuple[Dataset, Dataset]]] = {
     "synthetic": build_synthetic,
     "imagefolder": build_imagefolder,
     "cifar10": build_cifar10,
+    # Language models: (inputs, targets) token sequences.
+    "tokens": build_tokens,
+    "text": build_text,
 }
 
 
@@ -39,8 +43,10 @@ def build_datasets(cfg: DataConfig) -> tuple[Dataset, Dataset]:
 
 __all__ = [
     "GlobalBatchSampler",
+    "MarkovTokens",
     "ShardedEvalSampler",
     "SyntheticImages",
+    "TextBytes",
     "build_datasets",
     "build_loader",
 ]

@@ -5,6 +5,8 @@ from __future__ import annotations
 import inspect
 import logging
 
+import torch.distributed as dist
+
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
@@ -14,10 +16,12 @@ from sdnet_trainer.distributed.env import DistEnv
 logger = logging.getLogger(__name__)
 
 
-def wrap_data_parallel(model: nn.Module, cfg: ParallelConfig, env: DistEnv) -> nn.Module:
+def wrap_data_parallel(model: nn.Module, cfg: ParallelConfig, env: DistEnv, *,
+                       process_group: dist.ProcessGroup | None = None) -> nn.Module:
     """Return ``model`` wrapped for ``env``; a single process without a group gets it unchanged.
 
-    The model must already be on ``env.device``.
+    The model must already be on ``env.device``. ``process_group``: the data-parallel ranks when
+    they are not the whole world (pipeline stages, tensor-parallel peers); None for all ranks.
     """
     if not env.distributed:
         return model
@@ -27,6 +31,7 @@ def wrap_data_parallel(model: nn.Module, cfg: ParallelConfig, env: DistEnv) -> n
     ddp = cfg.ddp
     return DistributedDataParallel(
         model,
+        process_group=process_group,
         device_ids=[env.device.index] if env.device.type == "cuda" else None,
         bucket_cap_mb=ddp.bucket_cap_mb,
         static_graph=ddp.static_graph,

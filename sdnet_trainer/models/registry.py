@@ -1,16 +1,23 @@
-"""Build a model from ``ModelConfig``: a name, a class count, and a few adaptations."""
+"""Build a model from ``ModelConfig``: a name, a class count, and a few adaptations.
+
+Classifiers take ``model.num_classes``; the GPT language model takes its sizes from ``model.gpt``
+instead (its vocabulary is its class count), so it has a path of its own.
+"""
 
 from __future__ import annotations
 
+import dataclasses
 import difflib
 import logging
 from collections.abc import Callable
+from typing import Any
 
 import torchvision
 from torch import nn
 
 from sdnet_trainer.config.schema import ModelConfig
 from sdnet_trainer.errors import ConfigError
+from sdnet_trainer.models.gpt import GPT
 from sdnet_trainer.models.simple_cnn import SimpleCNN
 
 logger = logging.getLogger(__name__)
@@ -18,13 +25,18 @@ logger = logging.getLogger(__name__)
 # The project's own models: name -> constructor(num_classes=..., **kwargs).
 OWN_MODELS: dict[str, Callable[..., nn.Module]] = {"simple_cnn": SimpleCNN}
 
+# The language model, configured by model.gpt rather than model.num_classes.
+GPT_NAME = "gpt"
+
 
 def available_models() -> list[str]:
-    return sorted(OWN_MODELS) + torchvision.models.list_models(module=torchvision.models)
+    return sorted([*OWN_MODELS, GPT_NAME]) + torchvision.models.list_models(module=torchvision.models)
 
 
 def build_model(cfg: ModelConfig) -> nn.Module:
-    if cfg.name in OWN_MODELS:
+    if cfg.name == GPT_NAME:
+        model = _gpt_model(cfg)
+    elif cfg.name in OWN_MODELS:
         if cfg.weights is not None:
             raise ConfigError(f"model.weights={cfg.weights!r}: model.name={cfg.name!r} has no pretrained weights")
         model = OWN_MODELS[cfg.name](num_classes=cfg.num_classes, **cfg.kwargs)
@@ -33,6 +45,24 @@ def build_model(cfg: ModelConfig) -> nn.Module:
     if cfg.cifar_stem:
         _use_cifar_stem(model, cfg.name)
     return model
+
+
+def _gpt_model(cfg: ModelConfig) -> GPT:
+    """``GPT(**model.gpt)``, with ``model.kwargs`` overriding single sizes."""
+    if cfg.weights is not None:
+        raise ConfigError(f"model.weights={cfg.weights!r}: model.name={cfg.name!r} has no pretrained weights")
+    sizes = _as_dict(cfg.gpt)
+    # The schema rejects unknown keys in model.gpt, but model.kwargs is a free-form dict.
+    unknown = sorted(set(cfg.kwargs) - set(sizes))
+    if unknown:
+        raise ConfigError(f"model.kwargs has {unknown}, which model.name={cfg.name!r} does not take; "
+                          f"it takes the keys of model.gpt: {', '.join(sizes)}")
+    return GPT(**{**sizes, **cfg.kwargs})
+
+
+def _as_dict(section: Any) -> dict[str, Any]:
+    # The schema's dataclass normally; a DictConfig or dict when a caller builds the config by hand.
+    return dataclasses.asdict(section) if dataclasses.is_dataclass(section) else dict(section)
 
 
 def _torchvision_model(cfg: ModelConfig) -> nn.Module:

@@ -1,0 +1,90 @@
+"""The parallel layout: degrees from ``parallel.*`` and the one DeviceMesh every component slices.
+
+The world is a 4-D grid ``pp x dp_replicate x dp_shard x tp`` (outermost to innermost, so tensor
+parallel peers are neighbouring ranks, on the same node, and pipeline stages are furthest apart).
+Every dimension exists even at size 1, so code asks for ``mesh["tp"]`` without special cases.
+
+Data parallelism spans ``dp_replicate x dp_shard``: ranks with the same coordinates there see the
+same samples, whatever their tensor or pipeline coordinates.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+
+from sdnet_trainer.config.schema import ParallelConfig
+from sdnet_trainer.errors import ConfigError
+
+MESH_DIMS = ("pp", "dp_replicate", "dp_shard", "tp")
+
+
+@dataclass(frozen=True)
+class ParallelDims:
+    pp: int = 1
+    dp_replicate: int = 1
+    dp_shard: int = 1
+    tp: int = 1
+
+    @property
+    def dp(self) -> int:
+        """Data-parallel width: how many different batches one step sees."""
+        return self.dp_replicate * self.dp_shard
+
+    @property
+    def sizes(self) -> tuple[int, ...]:
+        return tuple(getattr(self, name) for name in MESH_DIMS)
+
+    def coordinates(self, rank: int) -> dict[str, int]:
+        """``rank``'s position in the grid (row-major over MESH_DIMS, as init_device_mesh lays it)."""
+        coords = {}
+        for name, size in reversed(list(zip(MESH_DIMS, self.sizes))):
+            rank, coords[name] = divmod(rank, size)
+        return coords
+
+    def dp_rank(self, rank: int) -> int:
+        c = self.coordinates(rank)
+        return c["dp_replicate"] * self.dp_shard + c["dp_shard"]
+
+    def describe(self) -> str:
+        return " x ".join(f"{name} {size}" for name, size in zip(MESH_DIMS, self.sizes))
+
+
+def parallel_dims(cfg: ParallelConfig, world_size: int) -> ParallelDims:
+    """Resolve ``-1`` and check that the degrees multiply to the world size."""
+    degrees = {name: getattr(cfg, name) for name in MESH_DIMS}
+    for name, value in degrees.items():
+        if value == 0 or value < -1:
+            raise ConfigError(f"parallel.{name}={value} must be a positive degree or -1 (the rest of the world)")
+    free = [name for name, value in degrees.items() if value == -1]
+    if len(free) > 1:
+        raise ConfigError(f"parallel.{free[0]} and parallel.{free[1]} are both -1; at most one degree "
+                          f"may take the rest of the world")
+    known = math.prod(v for v in degrees.values() if v != -1)
+    fixed = " x ".join(f"parallel.{n} ({v})" for n, v in degrees.items() if v != -1)
+    if free:
+        if world_size % known:
+            raise ConfigError(f"world size {world_size} is not divisible by {fixed} = {known}, so "
+                              f"parallel.{free[0]}=-1 has no whole value")
+        degrees[free[0]] = world_size // known
+    elif known != world_size:
+        raise ConfigError(f"{fixed} = {known} ranks, but the world size is {world_size}; the degrees "
+                          f"must multiply to the world size (or set one of them to -1)")
+    return ParallelDims(**degrees)
+
+
+def build_mesh(dims: ParallelDims, device_type: str) -> DeviceMesh:
+    """The named 4-D mesh over all ranks (call once, after the process group is up)."""
+    return init_device_mesh(device_type, dims.sizes, mesh_dim_names=MESH_DIMS)
+
+
+def dp_mesh(mesh: DeviceMesh, dims: ParallelDims) -> DeviceMesh:
+    """The data-parallel sub-mesh for sharding: 2-D (replicate, shard) for HSDP, else 1-D."""
+    if dims.dp_replicate > 1 and dims.dp_shard > 1:
+        return mesh["dp_replicate", "dp_shard"]
+    return mesh["dp_shard"] if dims.dp_shard > 1 else mesh["dp_replicate"]
+
+
+__all__ = ["MESH_DIMS", "ParallelDims", "build_mesh", "dp_mesh", "parallel_dims"]

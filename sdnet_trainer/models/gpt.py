@@ -1,0 +1,295 @@
+"""A GPT-style decoder-only language model, laid out for every parallelism the trainer offers.
+
+The structure is deliberately flat: ``embed -> blocks[0..n) -> norm -> head``, each a child
+module that takes and returns one tensor. That one shape serves three consumers:
+
+- pipeline parallelism cuts the model at unit boundaries (:meth:`GPT.pipeline_units`), which is
+  also why the head is *not* weight-tied to the token embedding: they may live on different stages;
+- FSDP, activation checkpointing and ``torch.compile`` wrap one transformer block at a time
+  (:meth:`GPT.parallel_blocks`);
+- tensor parallelism (:meth:`GPT.apply_tensor_parallel`) shards the linear layers Megatron-style.
+  Attention derives the number of heads from the *local* projection width, so the same forward
+  runs unchanged whether a rank holds all heads or only its share of them.
+"""
+
+from __future__ import annotations
+
+import math
+from functools import partial
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_module
+from torch.distributed.tensor.parallel import (
+    ColwiseParallel,
+    ParallelStyle,
+    PrepareModuleInput,
+    PrepareModuleOutput,
+    RowwiseParallel,
+    SequenceParallel,
+    parallelize_module,
+)
+
+from sdnet_trainer.errors import ConfigError
+
+# GPT-2's initialisation: small enough that a deep stack starts near the identity function.
+_INIT_STD = 0.02
+
+
+class Embedding(nn.Module):
+    """Token embedding plus a learned position embedding, then dropout: (B, T) -> (B, T, dim)."""
+
+    def __init__(self, vocab_size: int, seq_len: int, dim: int, dropout: float) -> None:
+        super().__init__()
+        self.tok = nn.Embedding(vocab_size, dim)
+        self.pos = nn.Embedding(seq_len, dim)
+        self.drop = nn.Dropout(dropout)
+        self.seq_len = seq_len
+        # Set by tensor parallelism with sequence parallel: the sequence is split into this many
+        # equal shards, so T must divide evenly.
+        self.sequence_shards = 1
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        length = tokens.shape[1]
+        if length > self.seq_len:
+            raise ConfigError(f"a batch of {length} tokens per sequence is longer than the model's "
+                              f"context model.gpt.seq_len={self.seq_len}; set data.seq_len <= {self.seq_len}")
+        if length % self.sequence_shards:
+            raise ConfigError(f"sequence parallel splits each sequence over parallel.tp={self.sequence_shards} "
+                              f"ranks; {length} tokens per sequence do not divide evenly (data.seq_len must be "
+                              f"a multiple of parallel.tp)")
+        positions = torch.arange(length, device=tokens.device)
+        return self.drop(self.tok(tokens) + self.pos(positions))
+
+
+class Attention(nn.Module):
+    """Causal multi-head self-attention with separate q/k/v/o projections (shardable by columns)."""
+
+    def __init__(self, dim: int, n_heads: int, dropout: float) -> None:
+        super().__init__()
+        self.head_dim = dim // n_heads
+        self.wq = nn.Linear(dim, dim, bias=False)
+        self.wk = nn.Linear(dim, dim, bias=False)
+        self.wv = nn.Linear(dim, dim, bias=False)
+        self.wo = nn.Linear(dim, dim, bias=False)
+        self.dropout = dropout
+        self.drop = nn.Dropout(dropout)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        batch, length = x.shape[:2]
+
+        def heads(t: torch.Tensor) -> torch.Tensor:
+            # -1, not n_heads: under tensor parallelism this rank's projection holds only its heads.
+            return t.view(batch, length, -1, self.head_dim).transpose(1, 2)
+
+        q, k, v = heads(self.wq(x)), heads(self.wk(x)), heads(self.wv(x))
+        out = F.scaled_dot_product_attention(q, k, v, is_causal=True,
+                                             dropout_p=self.dropout if self.training else 0.0)
+        out = out.transpose(1, 2).reshape(batch, length, -1)
+        return self.drop(self.wo(out))
+
+
+class MLP(nn.Module):
+    def __init__(self, dim: int, hidden: int, dropout: float) -> None:
+        super().__init__()
+        self.w1 = nn.Linear(dim, hidden, bias=False)
+        self.w2 = nn.Linear(hidden, dim, bias=False)
+        self.drop = nn.Dropout(dropout)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.drop(self.w2(F.gelu(self.w1(x))))
+
+
+class Block(nn.Module):
+    """Pre-norm transformer block: ``x + attn(norm1(x))``, then ``x + mlp(norm2(x))``."""
+
+    def __init__(self, dim: int, n_heads: int, hidden: int, dropout: float) -> None:
+        super().__init__()
+        self.norm1 = nn.LayerNorm(dim)
+        self.attn = Attention(dim, n_heads, dropout)
+        self.norm2 = nn.LayerNorm(dim)
+        self.mlp = MLP(dim, hidden, dropout)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = x + self.attn(self.norm1(x))
+        return x + self.mlp(self.norm2(x))
+
+
+class GPT(nn.Module):
+    """Decoder-only transformer: int64 tokens (B, T) with T <= seq_len -> logits (B, T, vocab_size)."""
+
+    def __init__(self, vocab_size: int, seq_len: int, dim: int, n_layers: int, n_heads: int,
+                 mlp_ratio: float = 4.0, dropout: float = 0.0) -> None:
+        super().__init__()
+        _check_sizes(vocab_size=vocab_size, seq_len=seq_len, dim=dim, n_layers=n_layers, n_heads=n_heads,
+                     mlp_ratio=mlp_ratio, dropout=dropout)
+        self.vocab_size = vocab_size
+        self.seq_len = seq_len
+        self.dim = dim
+        self.n_layers = n_layers
+        self.n_heads = n_heads
+        self.dropout = dropout
+        self.mlp_ratio = mlp_ratio
+        self.hidden = int(mlp_ratio * dim)
+        self.embed = Embedding(vocab_size, seq_len, dim, dropout)
+        self.blocks = nn.ModuleList(Block(dim, n_heads, self.hidden, dropout) for _ in range(n_layers))
+        self.norm = nn.LayerNorm(dim)
+        self.head = nn.Linear(dim, vocab_size, bias=False)
+        self.init_weights()
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        x = self.embed(tokens)
+        for block in self.blocks:
+            x = block(x)
+        return self.head(self.norm(x))
+
+    @torch.no_grad()
+    def init_weights(self) -> None:
+        """Normal(0, 0.02) weights, LayerNorm at identity; the two projections that write into the
+        residual stream (``wo``, ``w2``) scaled by 1/sqrt(2 n_layers), so the stream's variance
+        does not grow with depth (GPT-2). Call again after materialising a meta-device model."""
+        residual_std = _INIT_STD / math.sqrt(2 * self.n_layers)
+        for name, module in self.named_modules():
+            if isinstance(module, (nn.Linear, nn.Embedding)):
+                std = residual_std if name.endswith((".wo", ".w2")) else _INIT_STD
+                nn.init.normal_(module.weight, mean=0.0, std=std)
+                if getattr(module, "bias", None) is not None:
+                    nn.init.zeros_(module.bias)
+            elif isinstance(module, nn.LayerNorm):
+                nn.init.ones_(module.weight)
+                nn.init.zeros_(module.bias)
+
+    def pipeline_units(self) -> list[str]:
+        """Child module names whose sequential application (``x = unit(x)``) equals ``forward``."""
+        return ["embed", *(f"blocks.{i}" for i in range(len(self.blocks))), "norm", "head"]
+
+    def parallel_blocks(self) -> list[nn.Module]:
+        """The repeated units to wrap one by one (FSDP, activation checkpointing, compile)."""
+        return list(self.blocks)
+
+    def apply_tensor_parallel(self, tp_mesh: DeviceMesh, *, loss_parallel: bool, sequence_parallel: bool) -> None:
+        """Shard the model over ``tp_mesh`` (a 1-D DeviceMesh) in place, Megatron-style.
+
+        Every rank gets the full (B, T) token tensor. Per block, q/k/v and ``w1`` are split by
+        output columns and ``wo``/``w2`` by input rows, so each block needs one all-reduce in
+        forward for attention and one for the MLP (a reduce-scatter plus an all-gather with
+        ``sequence_parallel``, which also splits norms, dropout and the residual stream along the
+        sequence). The output is the full logits tensor on every rank, or with ``loss_parallel``
+        a DTensor sharded over the vocabulary (``Shard(-1)``), for a cross-entropy computed under
+        ``torch.distributed.tensor.parallel.loss_parallel()``. Every parameter becomes a DTensor
+        on ``tp_mesh``, so optimizers and gradient clipping see one kind of tensor.
+
+        Units a pipeline split has pruned (set to None) are skipped, so a pipeline stage can be
+        sharded after the split.
+        """
+        tp = tp_mesh.size()
+        if self.n_heads % tp:
+            raise ConfigError(f"model.gpt.n_heads={self.n_heads} must be divisible by parallel.tp={tp}: "
+                              f"tensor parallelism gives each rank whole attention heads")
+        if self.hidden % tp:
+            # Row-parallel w2 takes equal slices of the hidden channels (the vocabulary may be uneven).
+            raise ConfigError(f"model.gpt.mlp_ratio={self.mlp_ratio} x model.gpt.dim={self.dim} = {self.hidden} "
+                              f"MLP channels must be divisible by parallel.tp={tp}")
+        if sequence_parallel and self.seq_len % tp:
+            raise ConfigError(f"model.gpt.seq_len={self.seq_len} must be divisible by parallel.tp={tp} "
+                              f"with parallel.tensor_parallel.sequence_parallel=true")
+        if self.dropout > 0 and not sequence_parallel:
+            # Without sequence parallel the residual stream is replicated, and each rank would
+            # drop different elements of its copy (ranks draw their own random streams): the
+            # copies drift apart. With it, every rank drops only in its own sequence slice.
+            raise ConfigError(f"model.gpt.dropout={self.dropout} with parallel.tp={tp} needs "
+                              f"parallel.tensor_parallel.sequence_parallel=true (or model.gpt.dropout=0)")
+        _apply_tp(self, tp_mesh, loss_parallel=loss_parallel, sequence_parallel=sequence_parallel)
+        if sequence_parallel and self.embed is not None:
+            self.embed.sequence_shards = tp
+
+
+def _check_sizes(**sizes: Any) -> None:
+    for key in ("vocab_size", "seq_len", "dim", "n_layers", "n_heads"):
+        if sizes[key] < 1:
+            raise ConfigError(f"model.gpt.{key}={sizes[key]} must be >= 1")
+    if sizes["dim"] % sizes["n_heads"]:
+        raise ConfigError(f"model.gpt.dim={sizes['dim']} must be divisible by model.gpt.n_heads="
+                          f"{sizes['n_heads']}: each head gets dim / n_heads channels")
+    if int(sizes["mlp_ratio"] * sizes["dim"]) < 1:
+        raise ConfigError(f"model.gpt.mlp_ratio={sizes['mlp_ratio']} gives an empty MLP at "
+                          f"model.gpt.dim={sizes['dim']}")
+    if not 0.0 <= sizes["dropout"] < 1.0:
+        raise ConfigError(f"model.gpt.dropout={sizes['dropout']} must be in [0, 1)")
+
+
+# ---------------------------------------------------------------------------- tensor parallelism
+
+
+class _Replicated(ParallelStyle):
+    """Parameters replicated as DTensors; plain tensor inputs are taken as replicated.
+
+    torch's TP styles have none for "the same on every rank": without it the norms (without
+    sequence parallel) and the position embedding would keep plain-tensor parameters beside
+    DTensor ones, which foreach optimizers and gradient clipping refuse to mix.
+    """
+
+    def __init__(self, *, use_local_output: bool = True) -> None:
+        super().__init__()
+        self.use_local_output = use_local_output
+
+    @staticmethod
+    def _prepare_input(module: nn.Module, inputs: tuple, mesh: DeviceMesh) -> tuple:
+        return tuple(DTensor.from_local(t, mesh, (Replicate(),), run_check=False)
+                     if isinstance(t, torch.Tensor) and not isinstance(t, DTensor) else t for t in inputs)
+
+    @staticmethod
+    def _prepare_output(use_local_output: bool, module: nn.Module, output: Any, mesh: DeviceMesh) -> Any:
+        return output.to_local() if use_local_output and isinstance(output, DTensor) else output
+
+    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+        # No partition function: distribute_module replicates every parameter, broadcasting from
+        # rank 0 so the copies agree even where the ranks initialised differently.
+        return distribute_module(module, device_mesh, None, self._prepare_input,
+                                 partial(self._prepare_output, self.use_local_output))
+
+
+def _apply_tp(model: GPT, mesh: DeviceMesh, *, loss_parallel: bool, sequence_parallel: bool) -> None:
+    # The layout of the residual stream between TP regions: the whole sequence on every rank, or
+    # each rank's slice of it. It is passed around as plain local tensors, as torchtitan does.
+    stream = Shard(1) if sequence_parallel else Replicate()
+
+    def norm_style() -> ParallelStyle:
+        return SequenceParallel() if sequence_parallel else _Replicated()
+
+    top_plan = {
+        # Vocabulary rows split over ranks; the partial sums are reduced straight into `stream`
+        # (an all-reduce, or a reduce-scatter under sequence parallel).
+        "embed.tok": RowwiseParallel(input_layouts=Replicate(), output_layouts=stream, use_local_output=False),
+        # Small (seq_len x dim): replicated, added to the token embedding as a DTensor.
+        "embed.pos": _Replicated(use_local_output=False),
+        "embed": PrepareModuleOutput(output_layouts=stream, desired_output_layouts=stream, use_local_output=True),
+        "norm": norm_style(),
+        "head": ColwiseParallel(input_layouts=stream,
+                                output_layouts=Shard(-1) if loss_parallel else Replicate(),
+                                use_local_output=not loss_parallel),
+    }
+    present = {name for name, _ in model.named_children()}
+    plan = {key: style for key, style in top_plan.items() if key.split(".")[0] in present}
+    if plan:
+        parallelize_module(model, mesh, plan)
+    for block in model.blocks if model.blocks is not None else ():
+        if block is None:
+            continue
+        parallelize_module(block, mesh, {
+            "norm1": norm_style(),
+            # One gather of the block input for q, k and v together (and in backward one
+            # reduction of their three input gradients) instead of one per projection.
+            "attn": PrepareModuleInput(input_layouts=(stream,), desired_input_layouts=(Replicate(),)),
+            "attn.wq": ColwiseParallel(),
+            "attn.wk": ColwiseParallel(),
+            "attn.wv": ColwiseParallel(),
+            "attn.wo": RowwiseParallel(output_layouts=stream),
+            "norm2": norm_style(),
+            "mlp": PrepareModuleInput(input_layouts=(stream,), desired_input_layouts=(Replicate(),)),
+            "mlp.w1": ColwiseParallel(),
+            "mlp.w2": RowwiseParallel(output_layouts=stream),
+        })

@@ -1,0 +1,67 @@
+"""What the parallel layouts need to know about a model family.
+
+- **Blocks** (:func:`parallel_blocks`): the repeated units that FSDP shards one at a time, and that
+  activation checkpointing and ``torch.compile`` wrap: transformer blocks, ResNet residual blocks.
+- **Pipeline units** (:func:`pipeline_units`): module names in execution order whose sequential
+  application equals the model's forward; a pipeline stage is a contiguous run of them, so split
+  points are given by module name (``layer3``, ``blocks.4``).
+- **Tensor-parallel plan**: a model that supports it has ``apply_tensor_parallel(tp_mesh, ...)``.
+
+A model states these itself with ``parallel_blocks()`` / ``pipeline_units()`` methods (the GPT
+does); torchvision ResNets and the project's SimpleCNN are described here.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from torch import nn
+from torchvision.models.resnet import BasicBlock, Bottleneck, ResNet
+
+from sdnet_trainer.errors import ConfigError
+from sdnet_trainer.models.simple_cnn import SimpleCNN
+
+
+@dataclass(frozen=True)
+class Unit:
+    """One step of a model's forward as a pipeline sees it: ``x = model.get_submodule(name)(x)``,
+    after ``x.flatten(1)`` when ``flatten`` (the pooled features entering a classifier head)."""
+
+    name: str
+    flatten: bool = False
+
+
+def parallel_blocks(model: nn.Module) -> list[nn.Module]:
+    """The repeated blocks of ``model`` (empty when it has none worth wrapping one by one)."""
+    if hasattr(model, "parallel_blocks"):
+        return list(model.parallel_blocks())
+    return [m for m in model.modules() if isinstance(m, (BasicBlock, Bottleneck))]
+
+
+def pipeline_units(model: nn.Module, model_name: str) -> list[Unit]:
+    if hasattr(model, "pipeline_units"):
+        return [u if isinstance(u, Unit) else Unit(u) for u in model.pipeline_units()]
+    if isinstance(model, ResNet):
+        stem = [Unit(n) for n in ("conv1", "bn1", "relu", "maxpool")]
+        blocks = [Unit(f"layer{i}.{j}") for i in range(1, 5) for j in range(len(getattr(model, f"layer{i}")))]
+        return stem + blocks + [Unit("avgpool"), Unit("fc", flatten=True)]
+    if isinstance(model, SimpleCNN):
+        features = [Unit(f"features.{i}") for i in range(len(model.features))]
+        return features + [Unit("pool"), Unit("fc", flatten=True)]
+    if isinstance(model, nn.Sequential):
+        return [Unit(name) for name, _ in model.named_children()]
+    raise ConfigError(f"model.name={model_name!r} has no pipeline split: give the model a pipeline_units() "
+                      f"method (module names whose sequential application equals its forward)")
+
+
+def block_unit_indices(model: nn.Module, units: list[Unit]) -> list[int]:
+    """Positions in ``units`` of the model's blocks (the default, even split counts these)."""
+    blocks = {id(b) for b in parallel_blocks(model)}
+    return [i for i, u in enumerate(units) if id(model.get_submodule(u.name)) in blocks]
+
+
+def supports_tensor_parallel(model: nn.Module) -> bool:
+    return hasattr(model, "apply_tensor_parallel")
+
+
+__all__ = ["Unit", "block_unit_indices", "parallel_blocks", "pipeline_units", "supports_tensor_parallel"]

@@ -1,0 +1,71 @@
+"""Runs several parallel layouts in one process group, through the real Trainer.
+
+    torchrun --standalone --nproc_per_node=N tests/distributed/_layout_worker.py OUT CASES_JSON
+    python tests/distributed/_layout_worker.py OUT CASES_JSON          (the single-process reference)
+
+CASES_JSON maps a case name to its config overrides. Each case trains with ``LayoutRecorder`` and
+rank 0 saves ``OUT/<name>.pt``: the global loss and gradient norm of every step, the full final
+parameters (gathered from shards, tensor-parallel pieces and pipeline stages), the final eval
+metrics and every rank's training-state bytes. One launch serves many layouts: starting a process
+group costs more than training these tiny models.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import torch
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+from sdnet_trainer import Trainer
+from sdnet_trainer.config import compose, validate
+from sdnet_trainer.config.schema import DistConfig
+from sdnet_trainer.distributed import all_reduce_sum, distributed_session
+from sdnet_trainer.distributed.ops import all_gather_objects
+from sdnet_trainer.observability.memory import training_state_bytes
+
+
+class LayoutRecorder(Trainer):
+    def setup(self) -> None:
+        super().setup()
+        self.losses: list[float] = []
+        self.grad_norms: list[float] = []
+
+    def train_step(self):
+        out = super().train_step()
+        pair = torch.stack([out["loss"].detach().float() * self.metric_weight,
+                            torch.tensor(self.metric_weight, device=self.device)])
+        loss, weight = all_reduce_sum(pair).tolist()
+        self.losses.append(loss / weight)
+        self.grad_norms.append(float(out["grad_norm"]))
+        return out
+
+    def record(self, metrics: dict[str, float]) -> dict:
+        state = get_model_state_dict(self.model, options=StateDictOptions(full_state_dict=True))
+        local = {k: v.detach().float().cpu() for k, v in state.items()}
+        params = {}
+        for part in all_gather_objects(local):  # pipeline stages hold different names
+            params.update(part)
+        return {"losses": self.losses, "grad_norms": self.grad_norms, "metrics": metrics, "params": params,
+                "state_bytes": all_gather_objects(training_state_bytes(self.model, self.optimizer))}
+
+
+def main(out: Path, cases: dict[str, list[str]]) -> None:
+    out.mkdir(parents=True, exist_ok=True)
+    with distributed_session(DistConfig()) as env:
+        for name, overrides in cases.items():
+            cfg = compose(overrides)
+            validate(cfg, world_size=env.world_size)
+            trainer = LayoutRecorder(cfg, output_dir=out / name, env=env)
+            try:
+                record = trainer.record(trainer.fit())
+            finally:
+                trainer.close()
+            if env.is_main:
+                torch.save(record, out / f"{name}.pt")
+
+
+if __name__ == "__main__":
+    main(Path(sys.argv[1]), json.loads(Path(sys.argv[2]).read_text()))
