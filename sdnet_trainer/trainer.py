@@ -547,6 +547,8 @@ class Trainer:
     def to_device(self, batch: Any) -> Any:
         """Move every tensor in a (nested) batch to the training device."""
         if isinstance(batch, torch.Tensor):
+            if self.cfg.model.channels_last and batch.dim() == 4 and batch.is_floating_point():
+                return batch.to(self.device, memory_format=torch.channels_last, non_blocking=True)
             return batch.to(self.device, non_blocking=True)
         if isinstance(batch, (list, tuple)):
             return type(batch)(self.to_device(b) for b in batch)

@@ -213,6 +213,9 @@ class CompileConfig:
     # torch.compile each block (transformer block, ResNet residual block) before wrapping.
     enabled: bool = False
     mode: Optional[str] = None  # default | reduce-overhead | max-autotune
+    # inductor generates fused kernels; aot_eager traces without code generation (no compiler
+    # needed, for checking a model compiles).
+    backend: str = "inductor"
     fullgraph: bool = False
     dynamic: Optional[bool] = None
 

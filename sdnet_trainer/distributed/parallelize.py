@@ -71,7 +71,8 @@ def parallelize(model: nn.Module, cfg: Config, env: DistEnv, mesh: DeviceMesh | 
         for block in blocks:
             checkpoint_activations(block)
     if cfg.compile.enabled:
-        kwargs = {"mode": cfg.compile.mode, "fullgraph": cfg.compile.fullgraph, "dynamic": cfg.compile.dynamic}
+        kwargs = {"backend": cfg.compile.backend, "mode": cfg.compile.mode, "fullgraph": cfg.compile.fullgraph,
+                  "dynamic": cfg.compile.dynamic}
         for block in blocks or [model]:
             block.compile(**kwargs)
     if parallel.strategy == "fsdp" and dims.dp > 1:
@@ -95,7 +96,7 @@ def _fully_shard(parts: list[nn.Module], blocks: list[nn.Module], cfg: Config, m
     """FSDP2: each block is its own all-gather/reduce-scatter unit, then each part's root gathers
     the rest (stem, embeddings, head). A 2-D data mesh (dp_replicate x dp_shard) makes it HSDP."""
     fsdp = cfg.parallel.fsdp
-    param_dtype = cfg.precision.dtype if fsdp.param_dtype == "auto" else fsdp.param_dtype
+    param_dtype = _param_dtype(parts, cfg)
     policy = MixedPrecisionPolicy(param_dtype=None if param_dtype == "fp32" else _DTYPES[param_dtype],
                                   reduce_dtype=_DTYPES[fsdp.reduce_dtype])
     offload = CPUOffloadPolicy() if fsdp.cpu_offload else OffloadPolicy()
@@ -107,6 +108,21 @@ def _fully_shard(parts: list[nn.Module], blocks: list[nn.Module], cfg: Config, m
                 fully_shard(block, reshard_after_forward=fsdp.reshard_after_forward, **kwargs)
         # The root's parameters are needed again right at the start of backward: keep them.
         fully_shard(part, reshard_after_forward=False, **kwargs)
+
+
+def _param_dtype(parts: list[nn.Module], cfg: Config) -> str:
+    """FSDP's compute dtype for parameters. BatchNorm keeps fp32 running statistics that its
+    kernels refuse to mix with bf16 weights, so ``auto`` stays fp32 for such models (autocast
+    still computes convolutions in precision.dtype)."""
+    requested = cfg.parallel.fsdp.param_dtype
+    has_batchnorm = any(isinstance(m, nn.modules.batchnorm._BatchNorm) for part in parts for m in part.modules())
+    if requested == "auto":
+        return "fp32" if has_batchnorm else cfg.precision.dtype
+    if requested != "fp32" and has_batchnorm:
+        raise ConfigError(f"parallel.fsdp.param_dtype={requested}: model.name={cfg.model.name!r} has BatchNorm "
+                          f"layers, whose fp32 running statistics do not mix with {requested} weights; use "
+                          f"parallel.fsdp.param_dtype=auto or fp32 (autocast still computes in precision.dtype)")
+    return requested
 
 
 def set_gradient_sync(modules: list[nn.Module], enabled: bool) -> None:

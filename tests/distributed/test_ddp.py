@@ -57,3 +57,10 @@ def test_ddp_buckets_follow_bucket_cap_mb(tmp_path, reference):
     _assert_same_training(run, reference)
     # DDP rebuilds its buckets in gradient-ready order after the first step.
     assert min(run["allreduce_calls"][1:]) > 1
+
+
+def test_compiled_model_under_ddp_matches_eager(tmp_path, reference):
+    # aot_eager: dynamo and AOTAutograd without C++ code generation, so the test needs no compiler
+    # and stays fast; DDP then wraps the compiled module.
+    run = _run(tmp_path, "ddp2_compiled", ["compile=on", "compile.backend=aot_eager"], nproc=2)
+    assert run["losses"] == pytest.approx(reference["losses"], rel=1e-4, abs=1e-6)
