@@ -16,6 +16,7 @@ import torch
 
 from sdnet_trainer.distributed import all_gather_floats
 from sdnet_trainer.observability import ProgressBar, peak_memory_mb
+from sdnet_trainer.observability.flops import mfu
 from sdnet_trainer.observability.progress import progress_enabled
 
 if TYPE_CHECKING:
@@ -80,6 +81,22 @@ class CheckpointHook(HookBase):
             trainer.save_checkpoint()
 
 
+def _throughput_metrics(trainer: Trainer, samples_per_s: float) -> dict[str, float]:
+    """Tokens/s for language models, model TFLOPs/s and MFU when FLOPs were counted, and the
+    bytes one rank hands to the gradient collectives per step under the active comm hook."""
+    out = {}
+    if trainer.tokens_per_sample:
+        out["perf/tokens_per_s"] = samples_per_s * trainer.tokens_per_sample
+    if trainer.flops_per_sample:
+        flops_per_s = samples_per_s * trainer.flops_per_sample
+        out["perf/tflops_per_s"] = flops_per_s / 1e12
+        if trainer.peak_tflops:
+            out["perf/mfu"] = mfu(flops_per_s, trainer.peak_tflops, trainer.env.world_size)
+    if trainer.comm is not None:
+        out["comm/bytes_per_step"] = trainer.comm.bytes_per_step(trainer.step)
+    return out
+
+
 class MetricsHook(HookBase):
     """Training metrics every ``logging.log_every_n_steps`` (and at the last step), the progress
     bar, and the one-line summary at the end.
@@ -115,8 +132,9 @@ class MetricsHook(HookBase):
         weight = trainer.metric_weight
         ranks = all_gather_floats(
             [local_loss * weight if weight else 0.0, weight, window["samples_per_s"], window["step_s"],
-             window["data_wait_s"], peak_memory_mb(trainer.env.device)], device=trainer.env.device)
-        loss, weights, samples_per_s, step_s, data_wait_s, peak_mb = ranks.unbind(dim=1)
+             window["data_wait_s"], window["fwd_bwd_s"], window["optimizer_s"], peak_memory_mb(trainer.env.device)],
+            device=trainer.env.device)
+        loss, weights, samples_per_s, step_s, data_wait_s, fwd_bwd_s, optimizer_s, peak_mb = ranks.unbind(dim=1)
         metrics = {
             "train/loss": (loss.sum() / weights.sum()).item(),
             "train/lr": trainer.scheduler.get_last_lr()[0],
@@ -125,9 +143,12 @@ class MetricsHook(HookBase):
             "perf/samples_per_s": samples_per_s.sum().item(),
             "perf/step_s": step_s.max().item(),
             "perf/data_wait_s": data_wait_s.max().item(),
+            "perf/fwd_bwd_s": fwd_bwd_s.max().item(),
+            "perf/optimizer_s": optimizer_s.max().item(),
             "perf/peak_memory_mb": peak_mb.max().item(),
         }
         metrics["train/grad_norm"] = trainer.last_step["grad_norm"].item()
+        metrics.update(_throughput_metrics(trainer, metrics["perf/samples_per_s"]))
         if trainer.nonfinite_steps:
             metrics["train/nonfinite_steps"] = float(trainer.nonfinite_steps)
         if trainer.precision.scaling:

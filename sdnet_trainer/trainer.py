@@ -37,15 +37,17 @@ from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model
 from torch.distributed.optim import ZeroRedundancyOptimizer
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.parallel import loss_parallel
-from torch.utils.data import Dataset
+from torch.utils.data import Dataset, default_collate
 
 from sdnet_trainer import rng
 from sdnet_trainer.checkpoint import Checkpoint, CheckpointManager
 from sdnet_trainer.config import Config, batch_layout
+from sdnet_trainer.config.validate import LM_DATASETS
 from sdnet_trainer.data import GlobalBatchSampler, ShardedEvalSampler, build_datasets, build_loader
 from sdnet_trainer.data.loader import shutdown_loader
 from sdnet_trainer.data.seeding import EpochTaggedBatches, SampleSeeded
 from sdnet_trainer.distributed import DistEnv, all_reduce_sum
+from sdnet_trainer.distributed.comm import GradientComm
 from sdnet_trainer.distributed.ddp import is_ddp, unwrap
 from sdnet_trainer.distributed.grad_norm import global_grad_norm
 from sdnet_trainer.distributed.mesh import build_mesh, parallel_dims
@@ -59,6 +61,8 @@ from sdnet_trainer.health import (Heartbeat, NonFiniteError, PhaseTracker, Watch
 from sdnet_trainer.hooks import CheckpointHook, EvalHook, HookBase, MetricsHook
 from sdnet_trainer.models import build_model
 from sdnet_trainer.observability import MetricsWriter, StepMeter
+from sdnet_trainer.observability.flops import peak_tflops, train_flops_per_sample
+from sdnet_trainer.observability.profiler import StepProfiler
 from sdnet_trainer.optim import build_optimizer, build_scheduler
 from sdnet_trainer.precision import Precision
 
@@ -77,6 +81,9 @@ class Trainer:
         self.dp_rank = self.dims.dp_rank(self.env.rank)
         self.mesh = None  # the DeviceMesh, built in setup once the process group is up
         self.pipeline: Pipeline | None = None
+        self.comm: GradientComm | None = None  # DDP's gradient communication (comm.*)
+        self.flops_per_sample: float | None = None  # model FLOPs of forward + backward
+        self.peak_tflops: float | None = None  # per device, for MFU
         # Counters, all saved in checkpoints. A step counts even when it was skipped.
         self.step = 0  # optimizer steps taken
         self.epoch = 0
@@ -203,6 +210,9 @@ class Trainer:
                              "samples_seen": self.samples_seen, "skipped_steps": self.skipped_steps,
                              "nonfinite_steps": self.nonfinite_steps},
                  f"rng/rank{self.env.rank}": rng.capture(self.device)}
+        if self.comm is not None and (comm_state := self.comm.state_dict()):
+            # Per rank like the RNG: PowerSGD's error feedback differs between ranks.
+            state[f"comm/rank{self.env.rank}"] = comm_state
         if self.precision.scaling:
             state["scaler"] = self.precision.scaler.state_dict()
         return state
@@ -214,8 +224,11 @@ class Trainer:
         state = self.state_dict()
         rng_key = f"rng/rank{self.env.rank}"
         same_layout = checkpoint.world_size == self.env.world_size and checkpoint.has_key(rng_key)
+        comm_key = f"comm/rank{self.env.rank}"
         if not same_layout:
             del state[rng_key]
+        if comm_key in state and not (same_layout and checkpoint.has_key(comm_key)):
+            del state[comm_key]  # another world size, or written without this comm hook: start afresh
         if "scaler" in state and not checkpoint.has_key("scaler"):
             del state["scaler"]  # written without fp16: keep the fresh scaler
         # Parameters that never had a gradient (unused branches) have no optimizer state in the
@@ -242,6 +255,8 @@ class Trainer:
             # may leave no full batch in the interrupted epoch: continue with the next one.
             self.epoch, self.epoch_sample = self.epoch + 1, 0
         self.skipped_steps, self.nonfinite_steps = counters["skipped_steps"], counters["nonfinite_steps"]
+        if comm_key in state:
+            self.comm.load_state_dict(state[comm_key])
         if same_layout:
             rng.restore(state[rng_key], self.device)
         else:
@@ -284,6 +299,8 @@ class Trainer:
         last_stage = self.pipeline is None or self.pipeline.has_last
         self.metric_weight = 1.0 if last_stage and coords["tp"] == 0 else 0.0
         self.optimizer = self.build_optimizer(self.model)
+        if is_ddp(self.model):
+            self.comm = GradientComm(self.model, self.cfg.comm, process_group=self.model.process_group)
         # From here on each rank draws its own random stream (dropout, augmentation).
         rng.reseed(loop.seed, rank=self.env.rank, step=0)
         self.criterion = nn.CrossEntropyLoss(label_smoothing=self.cfg.loss.label_smoothing)
@@ -312,6 +329,9 @@ class Trainer:
                 batch_size=loop.eval_batch_size or self.micro_batch_size)
 
         self.steps_per_epoch = self.train_sampler.steps_per_epoch
+        self.tokens_per_sample = data.seq_len if data.name in LM_DATASETS else None
+        if self.cfg.logging.flops:
+            self._count_flops(train_set)
         # For max_epochs this counts steps at the current batch layout (the schedule's length).
         self.total_steps = loop.max_steps or loop.max_epochs * self.steps_per_epoch
         self.scheduler = self.build_scheduler(self.optimizer, total_steps=self.total_steps)
@@ -334,6 +354,21 @@ class Trainer:
                     self.dims.describe(), self.cfg.parallel.strategy, self.layout.global_batch_size,
                     self.dims.dp, self.layout.grad_accum_steps, self.micro_batch_size, self.total_steps, self.steps_per_epoch)
 
+    def _count_flops(self, train_set: Dataset) -> None:
+        """Forward + backward FLOPs per sample, counted once on a meta-device copy of the model
+        (no memory, no collectives), and the device peak that turns them into MFU."""
+        example = default_collate([train_set[i] for i in range(min(2, len(train_set)))])
+        try:
+            self.flops_per_sample = train_flops_per_sample(
+                self.build_model, example, lambda model, batch: self.loss_fn(model(batch[0]), batch[1]))
+        except Exception as err:  # a custom model or batch the counter cannot run: no FLOPs metrics
+            logger.warning("model FLOPs not counted (%s: %s); set logging.flops=false to skip", type(err).__name__, err)
+            return
+        dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(self.cfg.precision.dtype, torch.float32)
+        self.peak_tflops = peak_tflops(self.device, dtype, self.cfg.logging.peak_tflops)
+        logger.info("model FLOPs: %.3g per sample (forward + backward)%s", self.flops_per_sample,
+                    f"; device peak {self.peak_tflops:g} TFLOPs" if self.peak_tflops else "")
+
     # ------------------------------------------------------------------ the loop
 
     def fit(self) -> dict[str, float]:
@@ -345,6 +380,8 @@ class Trainer:
         try:
             with ExitStack() as guards:
                 guards.enter_context(_handle_sigterm(self))
+                profiler = guards.enter_context(StepProfiler(self.cfg.profile, output_dir=self.output_dir,
+                                                             rank=self.env.rank, device=self.device))
                 if health.hang_timeout_s is not None:
                     self.watchdog = guards.enter_context(Watchdog(
                         health.hang_timeout_s, rank=self.env.rank, describe=self.phase.describe,
@@ -359,6 +396,7 @@ class Trainer:
                     # Ranks that share samples (tensor/pipeline peers) share the count as well.
                     self.meter.step_done(samples=self.layout.global_batch_size / self.env.world_size,
                                          seconds=self.last_step_s)
+                    profiler.step()
                     for hook in self.hooks:
                         hook.after_step(self)
                     self.beat()
@@ -414,6 +452,7 @@ class Trainer:
     def train_step(self) -> dict[str, Any]:
         """One optimizer step over ``grad_accum_steps`` micro-batches."""
         accum = self.layout.grad_accum_steps
+        step_started = time.perf_counter()
         self.model.train()
         loss_sum = torch.zeros((), device=self.device)
         data_wait = 0.0
@@ -437,6 +476,7 @@ class Trainer:
                 loss = loss.full_tensor()
             loss_sum += loss.detach().float()
         loss = loss_sum / accum
+        backward_done = time.perf_counter()
 
         grad_norm = self._grad_norm()
         nonfinite = self._agree(loss, grad_norm)
@@ -451,9 +491,15 @@ class Trainer:
             scaler.update()
             if scale_before is not None and scaler.get_scale() < scale_before:
                 self.skipped_steps += 1
+                if self.comm is not None:
+                    self.comm.discard_error_feedback()  # PowerSGD's memory holds this step's inf
+            if self.comm is not None:
+                self.comm.after_optimizer_step(self.model.parameters())  # local SGD: average replicas
             self.scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)
         self.meter.add_data_wait(data_wait)
+        self.meter.add_phases(compute=backward_done - step_started - data_wait,
+                              optimizer=time.perf_counter() - backward_done)
         return {"loss": loss, "grad_norm": grad_norm, "data_wait_s": data_wait, "nonfinite": nonfinite}
 
     def _pipeline_step(self, batch: Any) -> torch.Tensor:
@@ -513,6 +559,8 @@ class Trainer:
         # skip: parameters and optimizer state stay as they were; the schedule moves on with the
         # step count, as it does when the fp16 GradScaler skips a step.
         self.nonfinite_steps += 1
+        if self.comm is not None:
+            self.comm.discard_error_feedback()
         if self.precision.scaling:
             self.precision.scaler.update()  # closes this step's unscale_; lowers the scale
         self.scheduler.step()

@@ -175,6 +175,7 @@ def validate(cfg: Config, *, world_size: int) -> None:
     _choice("optim.implementation", optim.implementation, OPTIM_IMPLEMENTATIONS)
     _choice("precision.dtype", cfg.precision.dtype, PRECISIONS)
     _validate_parallel(cfg, world_size)
+    validate_comm(cfg, world_size)
     if cfg.compile.mode not in COMPILE_MODES:
         raise ConfigError(f"compile.mode={cfg.compile.mode!r} is not one of "
                           f"{', '.join(str(m) for m in COMPILE_MODES)}")
@@ -253,6 +254,12 @@ def _validate_parallel(cfg: Config, world_size: int) -> None:
                               f"parallel.tensor_parallel.sequence_parallel=true (or model.gpt.dropout=0)")
     if dims.pp > 1:
         _validate_pipeline(cfg, dims, world_size)
+
+
+def validate_comm(cfg: Config, world_size: int) -> None:
+    from sdnet_trainer.distributed.comm import validate_comm as check  # imports torch's DDP hooks
+
+    check(cfg, world_size)
 
 
 def _validate_pipeline(cfg: Config, dims: ParallelDims, world_size: int) -> None:

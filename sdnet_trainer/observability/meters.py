@@ -24,11 +24,20 @@ class StepMeter:
     def _reset_window(self) -> None:
         self._seconds = 0.0
         self._data_wait = 0.0
+        self._compute = 0.0
+        self._optimizer = 0.0
         self._steps = 0
         self._samples = 0
 
     def add_data_wait(self, seconds: float) -> None:
         self._data_wait += seconds
+
+    def add_phases(self, *, compute: float, optimizer: float) -> None:
+        """Host time in forward+backward and in the optimizer part of a step (agreement,
+        clipping, optimizer and schedule). On CUDA the step's one host synchronisation (the
+        agreement all-reduce) falls in the optimizer part, so queued GPU work lands there."""
+        self._compute += compute
+        self._optimizer += optimizer
 
     def step_done(self, *, samples: int, seconds: float) -> None:
         self._steps += 1
@@ -42,6 +51,7 @@ class StepMeter:
         """Mean step time, mean data wait per step and samples/s of the window; starts a new one."""
         steps = max(self._steps, 1)
         out = {"step_s": self._seconds / steps, "data_wait_s": self._data_wait / steps,
+               "fwd_bwd_s": self._compute / steps, "optimizer_s": self._optimizer / steps,
                "samples_per_s": self._samples / self._seconds if self._seconds > 0 else 0.0}
         self._reset_window()
         return out

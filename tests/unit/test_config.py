@@ -10,7 +10,10 @@ from sdnet_trainer.config import BatchLayout, batch_layout, compose, recipe_name
 from sdnet_trainer.config.resolvers import rank0_only, run_id
 from sdnet_trainer.errors import ConfigError
 
-RECIPES = ["custom_spirals", "quickstart", "resnet152", "resnet18_cifar10"]
+RECIPES = ["custom_spirals", "gpt_fsdp", "gpt_pipeline", "gpt_tp_fsdp", "quickstart", "resnet152", "resnet152_fsdp",
+           "resnet152_pipeline", "resnet18_cifar10"]
+# Recipes with pipeline stages or tensor-parallel groups need that many ranks at least.
+MODEL_PARALLEL = {"gpt_pipeline", "gpt_tp_fsdp", "resnet152_pipeline"}
 
 
 def _error_text(excinfo) -> str:
@@ -26,8 +29,8 @@ def test_every_recipe_is_registered():
     assert sorted(recipe_names()) == RECIPES
 
 
-@pytest.mark.parametrize("recipe", RECIPES)
-@pytest.mark.parametrize("world_size", [1, 2])
+@pytest.mark.parametrize("recipe, world_size", [(r, w) for r in RECIPES for w in (1, 2, 4)
+                                                if w > 1 or r not in MODEL_PARALLEL])
 def test_every_recipe_composes_and_validates(recipe, world_size):
     cfg = compose([f"+recipe={recipe}"])
     validate(cfg, world_size=world_size)
