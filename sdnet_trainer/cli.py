@@ -3,6 +3,10 @@
 Hydra composes the config on every rank; ``run`` then validates it before any process group
 exists, starts the group, runs the Trainer, and destroys the group on every path. User scripts
 with their own Trainer subclass call ``launch(MyTrainer)`` for the same behaviour.
+
+Processes a scheduler started without torchrun (Hydra's submitit launcher, or ``srun python`` with
+SDNET_SLURM_TASKS=1) get torchrun's variables from the scheduler's first: see
+sdnet_trainer/distributed/launchers.py.
 """
 
 from __future__ import annotations
@@ -20,6 +24,7 @@ from omegaconf.errors import MissingMandatoryValue, OmegaConfBaseException
 
 from sdnet_trainer.config import CONFIG_MODULE, Config, to_config, validate
 from sdnet_trainer.distributed import distributed_session, launched_world_size
+from sdnet_trainer.distributed.launchers import export_scheduler_env
 from sdnet_trainer.distributed.ops import all_gather_objects
 from sdnet_trainer.errors import ConfigError
 from sdnet_trainer.health import EXIT_NONFINITE, NonFiniteError
@@ -37,6 +42,7 @@ def run(cfg: DictConfig, trainer_cls: type[Trainer] | None = None) -> dict[str, 
     A ConfigError anywhere (validation, a missing data folder, an unknown model) ends the process
     with exit code 2 and the message alone, after the process group is torn down.
     """
+    _export_scheduler_env()  # under submitit this function is the task itself: no main() ran here
     output_dir = Path(HydraConfig.get().runtime.output_dir)
     rank = int(os.environ.get("RANK", "0"))
     level = str(cfg.logging.level) if "logging" in cfg else "INFO"
@@ -58,6 +64,16 @@ def run(cfg: DictConfig, trainer_cls: type[Trainer] | None = None) -> dict[str, 
         # Every rank that fails says why: torchrun stops the others as soon as one exits, so a
         # message left to rank 0 alone could be cut off. Ranks above 0 prefix their rank.
         logger.error("config error: %s", err)
+        sys.exit(EXIT_CONFIG_ERROR)
+
+
+def _export_scheduler_env() -> None:
+    """Map scheduler task variables to torchrun's before anything reads RANK (the config's run
+    directory included, which is why main() does this before Hydra composes)."""
+    try:
+        export_scheduler_env()
+    except ConfigError as err:
+        print(f"config error: {err}", file=sys.stderr)
         sys.exit(EXIT_CONFIG_ERROR)
 
 
@@ -95,6 +111,7 @@ def _main(cfg: DictConfig) -> dict[str, float]:
 
 
 def main() -> None:
+    _export_scheduler_env()
     _main()
 
 
@@ -109,4 +126,5 @@ def launch(trainer_cls: type[Trainer]) -> None:
     def _task(cfg: DictConfig) -> dict[str, float]:
         return run(cfg, trainer_cls=trainer_cls)
 
+    _export_scheduler_env()
     _task()
