@@ -1,0 +1,196 @@
+"""sdnet_trainer.observability.flops: FLOP counts, the meta-device path, peaks and MFU."""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+import torch
+import torch.nn.functional as F
+import torchvision
+from torch import nn
+
+from sdnet_trainer.models.simple_cnn import SimpleCNN
+from sdnet_trainer.observability.flops import (PEAK_TFLOPS, count_flops, device_model, mfu, peak_tflops,
+                                               train_flops_per_sample)
+
+GPU = torch.device("cuda", 0)  # only a name here: peak_tflops is given the device name
+
+
+def classification_loss(model, batch):
+    inputs, targets = batch
+    return F.cross_entropy(model(inputs), targets)
+
+
+# ---------------------------------------------------------------------- counting
+
+
+def test_linear_forward_is_two_flops_per_multiply_add_and_backward_twice_that():
+    batch, fan_in, fan_out = 8, 32, 16
+    layer = nn.Linear(fan_in, fan_out)
+    x = torch.randn(batch, fan_in)
+    forward = 2 * batch * fan_in * fan_out
+    assert count_flops(lambda: layer(x)) == forward
+    # Backward: the weight gradient (one more matmul) and, when the input needs one, the input
+    # gradient (another): 3x the forward in all, as for a layer inside a network.
+    assert count_flops(lambda: layer(x).sum().backward()) == 2 * forward
+    x.requires_grad_(True)
+    assert count_flops(lambda: layer(x).sum().backward()) == 3 * forward
+
+
+def test_resnet18_forward_at_224_is_twice_its_1_8_gmacs():
+    # The "1.8 GFLOPs" usually quoted for ResNet-18 are multiply-adds (1.814 G); FlopCounterMode
+    # counts 2 FLOPs per multiply-add.
+    with torch.device("meta"):
+        model = torchvision.models.resnet18()
+        images = torch.empty(2, 3, 224, 224)
+    assert count_flops(lambda: model(images)) / 2 == pytest.approx(2 * 1.814e9, rel=0.005)
+
+
+def test_resnet18_training_flops_per_sample_on_the_meta_device():
+    batch = (torch.randn(2, 3, 224, 224), torch.tensor([0, 1]))
+    per_sample = train_flops_per_sample(torchvision.models.resnet18, batch, classification_loss, device="meta")
+    # Backward ~2x forward, less the first convolution's input gradient (the images need none).
+    assert per_sample == pytest.approx(2.935 * 3.628e9, rel=0.005)
+
+
+def test_meta_and_real_cpu_counts_agree_on_a_small_cnn():
+    batch = (torch.randn(4, 3, 16, 16), torch.randint(0, 10, (4,)))
+    meta = train_flops_per_sample(SimpleCNN, batch, classification_loss, device="meta")
+    real = train_flops_per_sample(SimpleCNN, batch, classification_loss, device="cpu")
+    assert meta == real > 0
+
+
+class TinyGPT(nn.Module):
+    """A two-block causal transformer; the forward makes its position indices and mask without
+    naming a device, as many models do."""
+
+    def __init__(self, vocab: int = 64, dim: int = 32, seq: int = 16) -> None:
+        super().__init__()
+        self.tokens = nn.Embedding(vocab, dim)
+        self.positions = nn.Embedding(seq, dim)
+        layer = nn.TransformerEncoderLayer(dim, nhead=4, dim_feedforward=4 * dim, batch_first=True, dropout=0.1)
+        self.blocks = nn.TransformerEncoder(layer, num_layers=2, enable_nested_tensor=False)
+        self.head = nn.Linear(dim, vocab)
+
+    def forward(self, idx):
+        length = idx.shape[1]
+        mask = torch.ones(length, length).triu(1).bool()
+        x = self.tokens(idx) + self.positions(torch.arange(length))
+        return self.head(self.blocks(x, mask=mask, is_causal=True))
+
+
+def lm_loss(model, batch):
+    inputs, targets = batch
+    return F.cross_entropy(model(inputs).flatten(0, 1), targets.flatten())
+
+
+def test_a_small_transformer_counts_on_the_meta_device(caplog):
+    tokens = torch.randint(0, 64, (2, 17))
+    batch = (tokens[:, :-1], tokens[:, 1:])
+    with caplog.at_level(logging.INFO, logger="sdnet_trainer.observability.flops"):
+        auto = train_flops_per_sample(TinyGPT, batch, lm_loss)
+    assert "CPU copy" not in caplog.text  # the meta device ran it
+    assert auto == train_flops_per_sample(TinyGPT, batch, lm_loss, device="cpu")
+    # At least the 6 x parameters x tokens of the dense layers (embeddings excluded), per sample.
+    dense = sum(p.numel() for n, p in TinyGPT().named_parameters() if p.dim() == 2 and "positions" not in n
+                and "tokens" not in n)
+    assert auto >= 6 * dense * 16
+
+
+class NeedsValues(nn.Module):
+    """A forward that reads a value: impossible on the meta device."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(8, 4)
+
+    def forward(self, x):
+        return self.fc(x) * (2.0 if x.sum().item() > 0 else 1.0)
+
+
+def test_models_that_need_real_values_fall_back_to_a_cpu_copy(caplog):
+    batch = (torch.randn(3, 8), torch.tensor([0, 1, 2]))
+    with caplog.at_level(logging.INFO, logger="sdnet_trainer.observability.flops"):
+        per_sample = train_flops_per_sample(NeedsValues, batch, classification_loss)
+    assert "counting FLOPs on a CPU copy" in caplog.text
+    assert per_sample == 2 * 2 * 8 * 4  # forward + weight gradient, per sample
+    with pytest.raises(Exception):
+        train_flops_per_sample(NeedsValues, batch, classification_loss, device="meta")
+
+
+def test_batch_size_comes_from_the_first_tensor_or_the_argument():
+    batch = {"x": torch.randn(6, 8), "y": torch.zeros(6, dtype=torch.long)}
+    loss = lambda model, b: F.cross_entropy(model(b["x"]), b["y"])  # noqa: E731
+    per_sample = train_flops_per_sample(lambda: nn.Linear(8, 4), batch, loss)
+    assert per_sample == 2 * 2 * 8 * 4
+    assert train_flops_per_sample(lambda: nn.Linear(8, 4), batch, loss, batch_size=3) == 2 * per_sample
+
+
+# ---------------------------------------------------------------------- peaks and MFU
+
+
+@pytest.mark.parametrize("name, model, bf16", [
+    ("NVIDIA H100 80GB HBM3", "H100 SXM", 989.4),
+    ("NVIDIA H100 PCIe", "H100 PCIe", 756.5),
+    ("NVIDIA H100 NVL", "H100 NVL", 835.5),
+    ("NVIDIA GH200 480GB", "H100 SXM", 989.4),
+    ("NVIDIA H200", "H200", 989.4),
+    ("NVIDIA A100-SXM4-80GB", "A100", 312.0),
+    ("NVIDIA A100-PCIE-40GB", "A100", 312.0),
+    ("NVIDIA A10G", "A10G", 70.0),
+    ("NVIDIA A10", "A10", 125.0),
+    ("NVIDIA L40S", "L40S", 362.05),
+    ("NVIDIA L40", "L40", 181.05),
+    ("NVIDIA L4", "L4", 121.0),
+    ("NVIDIA GeForce RTX 4090", "RTX 4090", 165.2),
+    ("NVIDIA GeForce RTX 3090", "RTX 3090", 71.0),
+    ("AMD Instinct MI300X", "MI300X", 1307.4),
+])
+def test_peak_lookup_by_device_name(name, model, bf16):
+    assert device_model(name) == model
+    assert peak_tflops(GPU, torch.bfloat16, device_name=name) == bf16
+    assert peak_tflops(GPU, torch.float16, device_name=name) == bf16
+
+
+def test_peaks_without_bf16_tensor_cores_or_unknown_devices_give_none():
+    assert peak_tflops(GPU, torch.float16, device_name="Tesla V100-SXM2-16GB") == 125.0
+    assert peak_tflops(GPU, torch.bfloat16, device_name="Tesla V100-SXM2-16GB") is None
+    assert peak_tflops(GPU, torch.float16, device_name="Tesla T4") == 65.0
+    assert peak_tflops(GPU, torch.bfloat16, device_name="NVIDIA GeForce RTX 3090 Ti") is None
+    assert peak_tflops(GPU, torch.bfloat16, device_name="Some Future Accelerator") is None
+    assert peak_tflops(torch.device("cpu"), torch.float32) is None
+    assert peak_tflops(GPU, torch.float64, device_name="NVIDIA A100-SXM4-80GB") is None
+
+
+def test_fp32_peak_follows_the_tf32_setting():
+    previous = torch.get_float32_matmul_precision()
+    try:
+        torch.set_float32_matmul_precision("highest")
+        assert peak_tflops(GPU, torch.float32, device_name="NVIDIA A100-SXM4-80GB") == 19.5
+        torch.set_float32_matmul_precision("high")
+        assert peak_tflops(GPU, torch.float32, device_name="NVIDIA A100-SXM4-80GB") == 156.0
+    finally:
+        torch.set_float32_matmul_precision(previous)
+
+
+def test_override_wins_everywhere():
+    assert peak_tflops(torch.device("cpu"), torch.float32, 1.5) == 1.5
+    assert peak_tflops(GPU, torch.bfloat16, 400.0, device_name="NVIDIA H100 80GB HBM3") == 400.0
+
+
+def test_every_peak_is_dense_and_plausible():
+    for model, peaks in PEAK_TFLOPS.items():
+        assert set(peaks) <= {"bf16", "fp16", "tf32", "fp32"}, model
+        for key, value in peaks.items():
+            assert 1.0 < value < 5000.0, (model, key)
+        if "fp32" in peaks and "fp16" in peaks:
+            assert peaks["fp16"] >= peaks["fp32"], model
+
+
+def test_mfu_is_achieved_over_peak_of_all_devices():
+    # 8 A100s at 40% of 312 TFLOPs each.
+    assert mfu(0.4 * 312e12 * 8, 312.0, 8) == pytest.approx(0.4)
+    assert mfu(1e12, 100.0, 1) == pytest.approx(0.01)
+    with pytest.raises(ValueError):
+        mfu(1e12, 0.0, 1)
