@@ -1,93 +1,99 @@
 """Gradient communication options side by side: bytes sent, step time, and loss.
 
 What it measures
-    For each ``comm.hook`` option on the same model, data and world size: the bytes each rank
-    hands to the collectives per optimizer step (``GradientComm.bytes_per_step``: the payload,
-    not wire traffic; see its docstring), the median step time (max over ranks), and the loss
-    after ``--steps`` steps (training loss of the last 10 steps, averaged over ranks), with
-    ratios against ``none``. (No held-out loss: ResNet's BatchNorm running statistics mean
-    little after a few dozen steps.)
+    For each ``comm.hook`` option on the same workload and world size: the bytes each rank hands
+    to the collectives per optimizer step (``comm/bytes_per_step`` at the last step, i.e. in the
+    steady state; the payload, not wire traffic: see ``GradientComm.bytes_per_step``), the median
+    step time (``perf/step_s``, max over ranks), and the training loss of the last 5 steps (mean
+    over ranks), with ratios against ``none``. (No held-out loss: ResNet's BatchNorm running
+    statistics mean little after a few dozen steps.)
 
-    Variants: none, fp16, bf16, powersgd rank 1, powersgd rank 4, local_sgd period 4. PowerSGD
+    Options: none, fp16, bf16, powersgd rank 1, powersgd rank 4, local_sgd period 4. PowerSGD
     starts after ``--steps // 4`` plain steps: torch advises about a tenth of a whole training
     run, and compressing from the first few steps of a fresh network is exactly what it warns
-    against (rank 1 with error feedback then diverges on this workload); local SGD from step 0;
-    the rest is the schema's defaults.
+    against (rank 1 with error feedback then diverges on this workload). Local SGD starts at
+    step 0, so every one of its steps is local; the rest is the schema's defaults.
 
 How
-    One ``torchrun --standalone`` launch of this same file with ``--worker`` (gloo, CPU,
-    ``OMP_NUM_THREADS=1``). Each worker builds every variant (model, DDP, GradientComm, SGD) from
-    the same seed and interleaves their steps (variant 1 step 1, variant 2 step 1, ...), so
-    whatever else the machine does while the benchmark runs hits all variants alike. Batches are
-    made before timing starts; a step is forward, backward (with the hook's communication),
-    ``optimizer.step``, ``after_optimizer_step`` and ``zero_grad``. Steps before the hooks'
-    steady state (PowerSGD's plain steps, and at least 5) are left out of the median.
+    Each option is one run of the real command line, ``python -m torch.distributed.run
+    --standalone --nproc_per_node=N -m sdnet_trainer ... comm.hook=...`` (gloo, CPU,
+    ``OMP_NUM_THREADS=1``), the Trainer wiring ``comm.*`` itself, with a metrics.jsonl row after
+    every step (``logging.log_every_n_steps=1``) and no evaluation, checkpoint or TensorBoard.
+    Steps before the hooks' steady state (PowerSGD's plain steps, and at least 5) are left out
+    of the median. The runs follow one another, so a change in what else the machine does
+    between runs shows in their step times: each run's line gives how many cores other processes
+    used meanwhile.
 
-    Default workload: torchvision ResNet-18 with the CIFAR stem (11.2M parameters, 45 MB of fp32
-    gradients per step) on 32x32 synthetic images, 16 per rank: big enough that gradient traffic
-    is a visible share of a step even on CPU loopback. ``--model simple_cnn`` (the quickstart
-    model, 95k parameters) runs in seconds but its communication is lost in the noise.
+    Default workload: torchvision ResNet-18 with the CIFAR stem (``model=resnet18_cifar``, 11.2M
+    parameters, 45 MB of fp32 gradients per step) on 32x32 synthetic images, 16 per rank, SGD
+    (lr 0.05, momentum 0.9, weight decay 5e-4) at a constant rate: big enough that gradient
+    traffic is a visible share of a step even on CPU loopback. ``--recipe NAME`` replaces it with
+    ``+recipe=NAME`` (with the recipe's own global batch unless --batch-size is given); config
+    overrides after ``--`` replace or add keys, e.g. ``-- model=simple_cnn`` (the quickstart
+    model, 95k parameters: runs in seconds, but its communication is lost in the noise). The
+    ``comm.*`` keys are set here.
 
-    This drives DDP + GradientComm directly. Once the Trainer builds GradientComm from
-    ``comm.*``, each variant can instead be a CLI run (``torchrun -m sdnet_trainer
-    model=resnet18_cifar comm.hook=powersgd comm.powersgd.rank=4 ...``) reading
-    ``comm/bytes_per_step`` and ``perf/step_s`` from metrics.jsonl; the interleaving here is
-    what a set of separate runs cannot do on a shared machine.
-
-Run (from the repository root; about 5 minutes on 2 CPU cores with the defaults)
+Run (from the repository root; about 3 minutes on 2 CPU cores with the defaults)
     python scripts/bench_comm.py
-    python scripts/bench_comm.py --steps 60 --batch-size 8 --nproc 2 --out /tmp/bench_comm
+    python scripts/bench_comm.py --steps 40 --batch-size 8 --nproc 2 --out /tmp/bench_comm
+    python scripts/bench_comm.py --recipe quickstart --steps 40
 
-Exit status 0 with the table printed; 1 if the launch fails or times out.
+Exit status 0 with the table printed; 1 if a run fails or times out (the other options still
+run, and the table shows which failed).
 """
 
 from __future__ import annotations
 
 import argparse
-import gc
 import json
-import os
+import re
+import shlex
+import shutil
 import statistics
 import sys
 import tempfile
 import time
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parent.parent
-SEED = 0
-LR, MOMENTUM, WEIGHT_DECAY = 0.05, 0.9, 5e-4
+from _launch import LaunchError, run_launch, torchrun  # scripts/ is on sys.path when run as a script
+from bench_overhead import machine_cpu_seconds, own_cpu_seconds  # the same load accounting
+
 MIN_WARMUP_STEPS = 5
-LAST_STEPS = 10  # the training loss is averaged over this many final steps
+LAST_STEPS = 5  # the training loss is averaged over this many final steps
+PER_RANK_BATCH = 16
+
+# The default workload: config groups, then the keys that differ from their defaults.
+WORKLOAD = ["model=resnet18_cifar", "data=synthetic", "optim=sgd", "sched=constant", "precision=fp32",
+            "parallel=ddp", "optim.lr=0.05", "optim.momentum=0.9", "optim.weight_decay=5e-4"]
 
 
 def parse_args() -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--steps", type=int, default=40, help="optimizer steps per variant (default 40)")
-    p.add_argument("--batch-size", type=int, default=16, help="per rank (default 16)")
+    p.add_argument("--steps", type=int, default=24, help="optimizer steps per option (default 24)")
+    p.add_argument("--batch-size", type=int, default=None,
+                   help=f"per rank (default {PER_RANK_BATCH}; with --recipe, the recipe's global batch)")
     p.add_argument("--nproc", type=int, default=2, help="processes (default 2)")
-    p.add_argument("--model", choices=("resnet18_cifar", "simple_cnn"), default="resnet18_cifar")
+    p.add_argument("--recipe", default=None, help="run +recipe=NAME instead of the default workload")
     p.add_argument("--out", type=Path, default=None, help="output directory (default: a new temp dir)")
-    p.add_argument("--timeout", type=float, default=1200.0, help="seconds before the launch is killed")
-    p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    p.add_argument("--timeout", type=float, default=600.0, help="seconds per run before it is killed")
+    p.add_argument("overrides", nargs="*", metavar="KEY=VALUE",
+                   help="config overrides, after --; they replace the workload's keys")
     args = p.parse_args()
     if args.steps < MIN_WARMUP_STEPS + LAST_STEPS:
         p.error(f"--steps must be at least {MIN_WARMUP_STEPS + LAST_STEPS}")
+    if args.nproc < 2:
+        p.error("--nproc must be at least 2: a single process has no gradient communication")
+    if args.batch_size is not None and args.batch_size < 1:
+        p.error("--batch-size must be >= 1")
+    for override in args.overrides:
+        key = _key(override)
+        if key == "comm" or key.startswith("comm.") or key.startswith("hydra."):
+            p.error(f"{override}: the options set comm.* and the run directory themselves")
     return args
 
 
-def variants(steps: int) -> dict:
-    """name -> CommConfig, in table order."""
-    from sdnet_trainer.config.schema import CommConfig, LocalSGDConfig, PowerSGDConfig
-
-    start = plain_steps(steps)
-    return {
-        "none": CommConfig(hook="none"),
-        "fp16": CommConfig(hook="fp16"),
-        "bf16": CommConfig(hook="bf16"),
-        "powersgd r1": CommConfig(hook="powersgd", powersgd=PowerSGDConfig(rank=1, start_iter=start)),
-        "powersgd r4": CommConfig(hook="powersgd", powersgd=PowerSGDConfig(rank=4, start_iter=start)),
-        "local_sgd p4": CommConfig(hook="local_sgd", local_sgd=LocalSGDConfig(period=4, start_step=0)),
-    }
+def _key(override: str) -> str:
+    return override.split("=", 1)[0].lstrip("+~")
 
 
 def plain_steps(steps: int) -> int:
@@ -100,131 +106,158 @@ def warmup_steps(steps: int) -> int:
     return max(MIN_WARMUP_STEPS, plain_steps(steps))
 
 
-# ---------------------------------------------------------------------- the worker (under torchrun)
+def options(steps: int) -> dict[str, list[str]]:
+    """name -> its comm.* overrides, in table order."""
+    start = plain_steps(steps)
+    powersgd = ["comm.hook=powersgd", f"comm.powersgd.start_iter={start}"]
+    return {
+        "none": ["comm.hook=none"],
+        "fp16": ["comm.hook=fp16"],
+        "bf16": ["comm.hook=bf16"],
+        "powersgd r1": powersgd + ["comm.powersgd.rank=1"],
+        "powersgd r4": powersgd + ["comm.powersgd.rank=4"],
+        "local_sgd p4": ["comm.hook=local_sgd", "comm.local_sgd.period=4", "comm.local_sgd.start_step=0"],
+    }
 
 
-def worker(args: argparse.Namespace) -> None:
-    import torch
-    import torch.distributed as dist
-    import torch.nn.functional as F
-    from torch.nn.parallel import DistributedDataParallel
-
-    from sdnet_trainer.config.schema import ModelConfig
-    from sdnet_trainer.data import SyntheticImages
-    from sdnet_trainer.distributed.comm import GradientComm
-    from sdnet_trainer.distributed.malloc import pin_malloc_thresholds
-    from sdnet_trainer.models import build_model
-
-    pin_malloc_thresholds()  # as the Trainer does on the CPU
-    dist.init_process_group("gloo")
-    rank, world = dist.get_rank(), dist.get_world_size()
-    model_cfg = (ModelConfig(name="resnet18", cifar_stem=True) if args.model == "resnet18_cifar"
-                 else ModelConfig(name="simple_cnn"))
-
-    # Every rank's batches for every step, made before any timing: rank r of step s gets samples
-    # [(s * world + r) * batch, ...) of one dataset, so the ranks see different data.
-    data = SyntheticImages(args.steps * world * args.batch_size, image_size=32, channels=3, num_classes=10,
-                           seed=1234, split="train")
-
-    def batch(step: int):
-        first = (step * world + rank) * args.batch_size
-        items = [data[i] for i in range(first, first + args.batch_size)]
-        return torch.stack([x for x, _ in items]), torch.tensor([y for _, y in items])
-
-    batches = [batch(s) for s in range(args.steps)]
-
-    runs = {}
-    for name, cfg in variants(args.steps).items():
-        torch.manual_seed(SEED)
-        model = DistributedDataParallel(build_model(model_cfg))
-        comm = GradientComm(model, cfg)
-        optimizer = torch.optim.SGD(model.parameters(), lr=LR, momentum=MOMENTUM, weight_decay=WEIGHT_DECAY)
-        runs[name] = {"model": model, "comm": comm, "optimizer": optimizer, "times": [], "losses": []}
-
-    for step in range(args.steps):
-        inputs, targets = batches[step]
-        for run in runs.values():  # interleaved: see the module docstring
-            model, comm, optimizer = run["model"], run["comm"], run["optimizer"]
-            started = time.perf_counter()
-            loss = F.cross_entropy(model(inputs), targets)
-            loss.backward()
-            optimizer.step()
-            comm.after_optimizer_step(model.parameters())
-            optimizer.zero_grad(set_to_none=True)
-            run["times"].append(time.perf_counter() - started)
-            run["losses"].append(loss.item())
-
-    results = {}
-    for name, run in runs.items():
-        # Per-rank numbers, gathered: the step time is gated by the slowest rank.
-        per_rank = [None] * world
-        dist.all_gather_object(per_rank, {"times": run["times"], "losses": run["losses"]})
-        results[name] = {
-            "bytes_per_step": run["comm"].bytes_per_step(),
-            "step_s": [max(ts) for ts in zip(*(r["times"] for r in per_rank))],
-            "train_loss": statistics.mean(l for r in per_rank for l in r["losses"][-LAST_STEPS:]),
-            "first_loss": statistics.mean(r["losses"][0] for r in per_rank),
-        }
-    if rank == 0:
-        params = sum(p.numel() for p in runs["none"]["model"].parameters())
-        (args.out / "bench_comm.json").write_text(json.dumps(
-            {"world_size": world, "model": args.model, "params": params, "batch_size": args.batch_size,
-             "steps": args.steps, "variants": results}, indent=1))
-    # DDP still alive when its group goes away can abort gloo at exit: drop it first.
-    runs.clear()
-    gc.collect()
-    dist.destroy_process_group()
+def workload(args: argparse.Namespace) -> list[str]:
+    """The workload and the run's length and batch, the user's overrides in place of keys they name."""
+    base = [f"+recipe={args.recipe}"] if args.recipe else list(WORKLOAD)
+    batch = args.batch_size or (None if args.recipe else PER_RANK_BATCH)
+    run = [f"loop.max_steps={args.steps}", "loop.max_epochs=null", "loop.grad_accum_steps=1",
+           "loop.micro_batch_size=null"]
+    if batch is not None:
+        run.append(f"loop.global_batch_size={batch * args.nproc}")
+    # Training only, a metrics row every step; nothing saved or resumed (--out may be reused).
+    run += ["loop.eval_at_end=false", "loop.eval_at_epoch_end=false", "loop.eval_every_n_steps=null",
+            "logging.log_every_n_steps=1", "logging.tensorboard=false", "logging.progress_bar=off",
+            "checkpoint.every_n_steps=null", "checkpoint.every_n_minutes=null", "checkpoint.resume=none",
+            "checkpoint.save_on_exit=false"]
+    merged = {_key(o): o for o in base + run}
+    merged.update({_key(o): o for o in args.overrides})  # later overrides of a key would be ambiguous
+    return list(merged.values())
 
 
-# ---------------------------------------------------------------------- the driver
+def command(args: argparse.Namespace, comm: list[str], run_dir: Path) -> list[str]:
+    return torchrun(args.nproc, "-m", "sdnet_trainer", *workload(args), *comm, f"hydra.run.dir={run_dir}")
+
+
+def launch(cmd: list[str], log_path: Path, timeout: float) -> tuple[float, float | None]:
+    """Run one launch; its wall time and the cores other processes used meanwhile (or None)."""
+    machine_before, own_before = machine_cpu_seconds(), own_cpu_seconds()
+    started = time.perf_counter()
+    run_launch(cmd, log_path, timeout)
+    seconds = time.perf_counter() - started
+    machine_after = machine_cpu_seconds()
+    if machine_before is None or machine_after is None:
+        return seconds, None
+    return seconds, max((machine_after - machine_before) - (own_cpu_seconds() - own_before), 0.0) / seconds
+
+
+def check_comm(run_dir: Path, comm: list[str]) -> None:
+    """The resolved config must hold the option's comm.* keys."""
+    from omegaconf import OmegaConf  # the Trainer's own dependency
+
+    cfg = OmegaConf.load(run_dir / ".hydra" / "config.yaml")
+    for override in comm:
+        key, value = override.split("=", 1)
+        if str(OmegaConf.select(cfg, key)) != value:
+            raise LaunchError(f"{run_dir}: the run resolved {key}={OmegaConf.select(cfg, key)}, not {value}")
+
+
+def read_run(run_dir: Path, steps: int) -> dict:
+    """The option's figures from the run's metrics.jsonl (rank 0 writes it, every rank's numbers)."""
+    path = run_dir / "metrics.jsonl"
+    rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    train = sorted((r for r in rows if "perf/step_s" in r), key=lambda r: r["step"])
+    if [r["step"] for r in train] != list(range(1, steps + 1)):
+        raise LaunchError(f"{path}: expected a training row for each of steps 1-{steps}, "
+                          f"got steps {[r['step'] for r in train]}")
+    if "comm/bytes_per_step" not in train[-1]:
+        raise LaunchError(f"{path}: no comm/bytes_per_step at step {steps}: the Trainer built no GradientComm")
+    skip = warmup_steps(steps)
+    result = {"bytes_per_step": train[-1]["comm/bytes_per_step"],
+              "step_s": [r["perf/step_s"] for r in train],
+              "median_step_s": statistics.median(r["perf/step_s"] for r in train[skip:]),
+              "train_loss": statistics.mean(r["train/loss"] for r in train[-LAST_STEPS:]),
+              "first_loss": train[0]["train/loss"]}
+    summary = [r["summary/samples_per_s"] for r in rows if "summary/samples_per_s" in r]
+    if summary:
+        result["samples_per_s"] = summary[-1]
+    return result
+
+
+def describe(run_dir: Path, nproc: int) -> str:
+    """Model, parameters and batch of a run, from its log and resolved config."""
+    from omegaconf import OmegaConf
+
+    cfg = OmegaConf.load(run_dir / ".hydra" / "config.yaml")
+    found = re.search(r"model (\S+): ([\d.]+)M parameters", (run_dir / "train.log").read_text(errors="replace"))
+    model = f"{found[1]}, {found[2]}M parameters" if found else str(cfg.model.name)
+    stem = ", CIFAR stem" if OmegaConf.select(cfg, "model.cifar_stem") else ""
+    return (f"{model}{stem}, {cfg.data.name} data, {nproc} ranks x "
+            f"{cfg.loop.global_batch_size // nproc} samples")
+
+
+def print_table(results: dict[str, dict | str], args: argparse.Namespace, header: str) -> None:
+    skip = warmup_steps(args.steps)
+    base = results.get("none")
+    base = base if isinstance(base, dict) else None
+    print(f"\n{header}, {args.steps} steps (median over steps {skip + 1}-{args.steps}, max over ranks)\n")
+    print(f"{'hook':<14}{'MB/step':>9}{'x none':>8}{'median s':>10}{'x none':>8}{'loss':>8}{'x none':>8}")
+    for name, run in results.items():
+        if not isinstance(run, dict):
+            print(f"{name:<14}  failed: {run}")
+            continue
+        ratio = (lambda key, width, fmt: f"{run[key] / base[key]:>{width}{fmt}}") if base else (
+            lambda key, width, fmt: f"{'-':>{width}}")
+        print(f"{name:<14}{run['bytes_per_step'] / 1e6:>9.2f}{ratio('bytes_per_step', 8, '.3f')}"
+              f"{run['median_step_s']:>10.3f}{ratio('median_step_s', 8, '.3f')}"
+              f"{run['train_loss']:>8.3f}{ratio('train_loss', 8, '.2f')}")
+    first = f" (first step: {base['first_loss']:.3f})" if base else ""
+    print(f"\nMB/step: payload handed to all_reduce per rank per step at the last step, the steady state "
+          f"(local SGD: one parameter average per 4 steps, amortised). loss: training loss of the last "
+          f"{LAST_STEPS} steps, mean over ranks{first}. PowerSGD compresses from step "
+          f"{plain_steps(args.steps) + 1}.")
 
 
 def main() -> int:
     args = parse_args()
     out = (args.out or Path(tempfile.mkdtemp(prefix="bench_comm_"))).resolve()
     out.mkdir(parents=True, exist_ok=True)
-    args.out = out
-    if args.worker:
-        worker(args)
-        return 0
-
-    sys.path.insert(0, str(Path(__file__).resolve().parent))
-    from bench_overhead import LaunchError, launch, torchrun  # the same launch and load accounting
-
-    cmd = torchrun(args.nproc) + [str(Path(__file__).resolve()), "--worker", f"--steps={args.steps}",
-                                  f"--batch-size={args.batch_size}", f"--model={args.model}", f"--out={out}"]
-    print(f"bench_comm: {len(variants(args.steps))} variants interleaved, {args.steps} steps each, "
-          f"{args.nproc} processes, {args.model}, per-rank batch {args.batch_size}; output in {out}", flush=True)
-    os.environ.setdefault("PYTHONPATH", str(REPO))
-    try:
-        seconds, other = launch(cmd, out / "bench_comm.log", args.timeout)
-    except LaunchError as err:
-        print(f"bench_comm: launch failed: {err}", file=sys.stderr)
-        return 1
-    print_table(json.loads((out / "bench_comm.json").read_text()), seconds, other)
-    return 0
-
-
-def print_table(result: dict, seconds: float, other: float | None) -> None:
-    runs = result["variants"]
-    skip = warmup_steps(result["steps"])
-    base = runs["none"]
-    base_s = statistics.median(base["step_s"][skip:])
-    print(f"\n{result['model']}, {result['params'] / 1e6:.2f}M parameters, {result['world_size']} ranks x "
-          f"{result['batch_size']} samples, {result['steps']} steps (median over steps {skip + 1}-"
-          f"{result['steps']}, max over ranks)\n")
-    print(f"{'hook':<14}{'MB/step':>9}{'x none':>8}{'median s':>10}{'x none':>8}{'loss':>8}{'x none':>8}")
-    for name, run in runs.items():
-        step_s = statistics.median(run["step_s"][skip:])
-        mb = run["bytes_per_step"] / 1e6
-        print(f"{name:<14}{mb:>9.2f}{run['bytes_per_step'] / base['bytes_per_step']:>8.3f}{step_s:>10.3f}"
-              f"{step_s / base_s:>8.3f}{run['train_loss']:>8.3f}{run['train_loss'] / base['train_loss']:>8.2f}")
-    print(f"\nMB/step: payload handed to all_reduce per rank per step, steady state (local SGD: one "
-          f"parameter average per 4 steps, amortised). loss: training loss of the last {LAST_STEPS} steps, "
-          f"mean over ranks (first step: {base['first_loss']:.3f}). PowerSGD compresses from step "
-          f"{plain_steps(result['steps']) + 1}.")
-    load = f"; other processes used {other:.2f} cores meanwhile" if other is not None else ""
-    print(f"({seconds:.0f} s launch{load})")
+    opts = options(args.steps)
+    print(f"bench_comm: {len(opts)} options, one run each, {args.steps} steps, {args.nproc} processes; "
+          f"output in {out}", flush=True)
+    print(f"workload: {' '.join(workload(args))}", flush=True)
+    started = time.perf_counter()
+    results: dict[str, dict | str] = {}
+    commands: dict[str, list[str]] = {}
+    header = None
+    for name, comm in opts.items():
+        stem = name.replace(" ", "_")
+        run_dir = out / stem
+        shutil.rmtree(run_dir, ignore_errors=True)  # metrics.jsonl is appended to: start empty
+        cmd = commands[name] = command(args, comm, run_dir)
+        try:
+            seconds, other = launch(cmd, out / f"{stem}.log", args.timeout)
+            check_comm(run_dir, comm)
+            results[name] = read_run(run_dir, args.steps)
+        except LaunchError as err:
+            print(f"bench_comm: {name} failed: {err}", file=sys.stderr, flush=True)
+            results[name] = f"see {out / f'{stem}.log'}"
+            continue
+        header = header or describe(run_dir, args.nproc)
+        load = f", other processes used {other:.2f} cores meanwhile" if other is not None else ""
+        print(f"  {name}: {seconds:.0f} s{load}", flush=True)
+    (out / "bench_comm.json").write_text(json.dumps(
+        {"nproc": args.nproc, "steps": args.steps, "warmup_steps": warmup_steps(args.steps),
+         "commands": {n: shlex.join(c) for n, c in commands.items()}, "options": results}, indent=1))
+    print_table(results, args, header or f"{args.nproc} ranks")
+    print("\nCommands (from the repository root, with OMP_NUM_THREADS=1):")
+    for name, cmd in commands.items():
+        print(f"  {name}: {shlex.join(cmd)}")
+    print(f"({time.perf_counter() - started:.0f} s in all)")
+    return 0 if all(isinstance(r, dict) for r in results.values()) else 1
 
 
 if __name__ == "__main__":

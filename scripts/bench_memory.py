@@ -45,15 +45,13 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import signal
-import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parent.parent
+from _launch import REPO, LaunchError, run_launch, torchrun  # scripts/ is on sys.path when run as a script
+
 WORKER = REPO / "scripts" / "_memory_worker.py"
 MB = 2**20  # as peak_memory_mb counts
 
@@ -104,31 +102,12 @@ def overrides(args: argparse.Namespace, layout: list[str]) -> list[str]:
     return list(merged.values()) + layout
 
 
-class LaunchError(RuntimeError):
-    pass
-
-
 def launch(name: str, args: argparse.Namespace, out: Path) -> dict:
     """One torchrun of the worker for one layout; its figures, every rank's."""
     stem = name.lower().replace(" ", "_").replace("-", "")
     out_json, spec, log_path = out / f"{stem}.json", out / f"{stem}_overrides.json", out / f"{stem}.log"
     spec.write_text(json.dumps(overrides(args, LAYOUTS[name])))
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={args.nproc}",
-           str(WORKER), str(out_json), str(spec)]
-    env = dict(os.environ, OMP_NUM_THREADS="1")  # N processes on a few cores: one thread each
-    with open(log_path, "w") as log:
-        # Its own session, so a timeout kills torchrun and every worker it started.
-        proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT,
-                                stdin=subprocess.DEVNULL, start_new_session=True)
-        try:
-            rc = proc.wait(timeout=args.timeout)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
-            raise LaunchError(f"timed out after {args.timeout:.0f} s: {' '.join(cmd)}\n(see {log_path})")
-    if rc != 0:
-        tail = log_path.read_text(errors="replace").splitlines()[-25:]
-        raise LaunchError(f"exit code {rc}: {' '.join(cmd)}\n" + "\n".join(tail))
+    run_launch(torchrun(args.nproc, str(WORKER), str(out_json), str(spec)), log_path, args.timeout)
     return json.loads(out_json.read_text())
 
 

@@ -58,15 +58,14 @@ import json
 import os
 import resource
 import shutil
-import signal
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parent.parent
+from _launch import REPO, LaunchError, run_launch  # scripts/ is on sys.path when run as a script
+
 HAND_SCRIPT = REPO / "scripts" / "_handwritten_ddp.py"
 TARGET = 1.02
 # Other processes using more than this many cores on average during a launch make its step times
@@ -207,22 +206,10 @@ def launch(cmd: list[str], log_path: Path, timeout: float) -> tuple[float, float
     its own worker processes, so the launch gets its own process group and a timeout kills that
     whole group, not just torchrun.
     """
-    env = dict(os.environ, OMP_NUM_THREADS="1")  # 2 processes on 2 cores: one thread each
     machine_before, own_before = machine_cpu_seconds(), own_cpu_seconds()
     started = time.perf_counter()
-    with open(log_path, "w") as log:
-        proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT,
-                                stdin=subprocess.DEVNULL, start_new_session=True)
-        try:
-            rc = proc.wait(timeout=timeout)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
-            raise LaunchError(f"timed out after {timeout:.0f} s: {' '.join(cmd)}\n(see {log_path})")
+    run_launch(cmd, log_path, timeout)
     seconds = time.perf_counter() - started
-    if rc != 0:
-        tail = log_path.read_text(errors="replace").splitlines()[-25:]
-        raise LaunchError(f"exit code {rc}: {' '.join(cmd)}\n" + "\n".join(tail))
     machine_after = machine_cpu_seconds()
     other = None
     if machine_before is not None and machine_after is not None:
@@ -230,10 +217,6 @@ def launch(cmd: list[str], log_path: Path, timeout: float) -> tuple[float, float
         foreign = (machine_after - machine_before) - (own_cpu_seconds() - own_before)
         other = max(foreign, 0.0) / seconds
     return seconds, other
-
-
-class LaunchError(RuntimeError):
-    pass
 
 
 def trainer_windows(run_dir: Path) -> list[float]:

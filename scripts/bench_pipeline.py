@@ -42,16 +42,14 @@ from __future__ import annotations
 import argparse
 import csv
 import json
-import os
-import signal
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parent.parent
+from _launch import REPO, LaunchError, run_launch, torchrun  # scripts/ is on sys.path when run as a script
+
 WORKER = REPO / "scripts" / "_pipeline_worker.py"
 SCHEDULE_ORDER = ("GPipe", "1F1B")  # as the worker runs them
 COLUMNS = ("schedule", "p", "m", "step_ms", "ideal_busy_ms", "bubble", "theory", "difference")
@@ -73,33 +71,15 @@ def parse_args() -> argparse.Namespace:
     return args
 
 
-class LaunchError(RuntimeError):
-    pass
-
-
 def launch(pp: int, args: argparse.Namespace, out: Path) -> list[dict]:
     """One torchrun of the worker with ``pp`` ranks; the runs it timed."""
     out_json = out / f"pp{pp}.json"
     log_path = out / f"pp{pp}.log"
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={pp}",
-           str(WORKER), "--microbatches", *map(str, args.microbatches), f"--forward-ms={args.forward_ms}",
-           f"--steps={args.steps}", f"--out={out_json}"]
     # The stages sleep rather than compute, but the schedule's Python still needs a core now and
-    # then: one thread per rank keeps the ranks from crowding each other out.
-    env = dict(os.environ, OMP_NUM_THREADS="1")
-    with open(log_path, "w") as log:
-        # Its own session, so a timeout kills torchrun and every worker it started.
-        proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT,
-                                stdin=subprocess.DEVNULL, start_new_session=True)
-        try:
-            rc = proc.wait(timeout=args.timeout)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
-            raise LaunchError(f"timed out after {args.timeout:.0f} s: {' '.join(cmd)}\n(see {log_path})")
-    if rc != 0:
-        tail = log_path.read_text(errors="replace").splitlines()[-25:]
-        raise LaunchError(f"exit code {rc}: {' '.join(cmd)}\n" + "\n".join(tail))
+    # then: one thread per rank (run_launch) keeps the ranks from crowding each other out.
+    run_launch(torchrun(pp, str(WORKER), "--microbatches", *map(str, args.microbatches),
+                        f"--forward-ms={args.forward_ms}", f"--steps={args.steps}", f"--out={out_json}"),
+               log_path, args.timeout)
     return json.loads(out_json.read_text())
 
 

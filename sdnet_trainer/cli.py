@@ -49,7 +49,7 @@ def run(cfg: DictConfig, trainer_cls: type[Trainer] | None = None) -> dict[str, 
     setup_logging(output_dir, rank=rank, level=level if level.upper() in logging._nameToLevel else "INFO")
     try:
         config = _validated(cfg)
-        cls = trainer_cls or _trainer_class(config.trainer._target_)
+        cls = trainer_cls or import_trainer_class(config.trainer._target_)
         with distributed_session(config.dist) as env:
             _check_same_output_dir(output_dir)
             trainer = cls(config, output_dir=output_dir, env=env)
@@ -88,13 +88,14 @@ def _validated(cfg: DictConfig) -> Config:
     return config
 
 
-def _trainer_class(target: str) -> type[Trainer]:
+def import_trainer_class(target: str, *, key: str = "trainer._target_") -> type[Trainer]:
+    """The Trainer (sub)class named by the dotted path ``target``; ``key`` names its source in errors."""
     try:
         cls = get_class(target)
     except Exception as err:  # hydra wraps import failures in several exception types
-        raise ConfigError(f"trainer._target_={target!r} cannot be imported: {err}") from None
+        raise ConfigError(f"{key}={target!r} cannot be imported: {err}") from None
     if not (isinstance(cls, type) and issubclass(cls, Trainer)):
-        raise ConfigError(f"trainer._target_={target!r} is not a subclass of sdnet_trainer.Trainer")
+        raise ConfigError(f"{key}={target!r} is not a subclass of sdnet_trainer.Trainer")
     return cls
 
 

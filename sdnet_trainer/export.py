@@ -52,12 +52,12 @@ from pathlib import Path
 from typing import Any, Optional
 
 import torch
-from hydra.utils import get_class
 from omegaconf import MISSING, OmegaConf
 from omegaconf.errors import MissingMandatoryValue, OmegaConfBaseException
 from torch import nn
 
 from sdnet_trainer.checkpoint import MANIFEST, Checkpoint, CheckpointError, CheckpointManager, read_checkpoint
+from sdnet_trainer.cli import import_trainer_class
 from sdnet_trainer.config import Config
 from sdnet_trainer.distributed import DistEnv
 from sdnet_trainer.errors import ConfigError
@@ -218,13 +218,7 @@ def trainer_class(checkpoint: Checkpoint, cfg: Config, override: str | None) -> 
             raise ConfigError(f"the checkpoint was written by {target}, a class of a script run directly; "
                               f"name it by an importable dotted path: trainer=my_package.my_module.{name}")
         target, key = cfg.trainer._target_, "the config's trainer._target_"
-    try:
-        cls = get_class(target)
-    except Exception as err:  # hydra wraps import failures in several exception types
-        raise ConfigError(f"{key}={target!r} cannot be imported: {err}") from None
-    if not (isinstance(cls, type) and issubclass(cls, Trainer)):
-        raise ConfigError(f"{key}={target!r} is not a subclass of sdnet_trainer.Trainer")
-    return cls
+    return import_trainer_class(target, key=key)
 
 
 def build_trainer(cls: type[Trainer], cfg: Config, checkpoint: Checkpoint, output_dir: Path) -> Trainer:

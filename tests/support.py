@@ -52,6 +52,11 @@ def run_cli(args: list[str], *, cwd: Path, nproc: int | None = None, script: Pat
     else:
         cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
                f"--nproc_per_node={nproc}", *torchrun_args, *target, *args]
+    return run_command(cmd, cwd=cwd, timeout=timeout, env=env)
+
+
+def run_command(cmd: list[str], *, cwd: Path, timeout: float, env: dict[str, str] | None = None) -> Launch:
+    """Run ``cmd`` with the test environment, in its own session: a timeout kills the whole tree."""
     proc = subprocess.Popen(cmd, cwd=cwd, env={**cli_env(), **(env or {})}, stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT,
                             text=True, start_new_session=True)

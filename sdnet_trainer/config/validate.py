@@ -237,7 +237,8 @@ def _validate_parallel(cfg: Config, world_size: int) -> None:
                           f"parallel.pp={dims.pp}: the fp16 GradScaler is supported with plain DDP only; "
                           f"use precision=bf16")
     if parallel.sync_batchnorm and (strategy != "ddp" or dims.pp > 1):
-        raise ConfigError(f"parallel.sync_batchnorm=true needs parallel.strategy=ddp without pipeline stages")
+        raise ConfigError(f"parallel.sync_batchnorm=true needs parallel.strategy=ddp without pipeline stages "
+                          f"(parallel.strategy={strategy}, parallel.pp={dims.pp})")
     _choice("parallel.fsdp.param_dtype", parallel.fsdp.param_dtype, FSDP_DTYPES)
     _choice("parallel.fsdp.reduce_dtype", parallel.fsdp.reduce_dtype, FSDP_DTYPES[1:])
     tp_cfg = parallel.tensor_parallel

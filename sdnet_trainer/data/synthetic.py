@@ -52,6 +52,16 @@ def _mix_seed(*parts: int) -> int:
     return state & ((1 << 63) - 1)
 
 
+def check_index(index: int, size: int, name: str) -> int:
+    """``index`` as a non-negative int below ``size`` (negative indices count from the end)."""
+    index = int(index)
+    if index < 0:
+        index += size
+    if not 0 <= index < size:
+        raise IndexError(f"{name} index {index} out of range for size {size}")
+    return index
+
+
 def _generator(*parts: int) -> torch.Generator:
     return torch.Generator().manual_seed(_mix_seed(*parts))
 
@@ -137,7 +147,7 @@ class SyntheticImages(Dataset):
         return self.size
 
     def __getitem__(self, index: int) -> tuple[torch.Tensor, int]:
-        index = self._check_index(index)
+        index = check_index(index, self.size, type(self).__name__)
         label = int(self.labels[index])
         gen = _generator(self.seed, self._split_id, _STREAM_NOISE, index)
         noise = torch.randn(
@@ -145,14 +155,6 @@ class SyntheticImages(Dataset):
         )
         image = self.signal * self.prototypes[label] + self.noise * noise
         return image, label
-
-    def _check_index(self, index: int) -> int:
-        index = int(index)
-        if index < 0:
-            index += self.size
-        if not 0 <= index < self.size:
-            raise IndexError(f"SyntheticImages index {index} out of range for size {self.size}")
-        return index
 
     def __repr__(self) -> str:
         return (

@@ -24,7 +24,7 @@ import torch
 from torch.utils.data import Dataset
 
 from sdnet_trainer.config.schema import DataConfig
-from sdnet_trainer.data.synthetic import _SPLITS, _generator
+from sdnet_trainer.data.synthetic import _SPLITS, _generator, check_index
 from sdnet_trainer.errors import ConfigError
 
 logger = logging.getLogger(__name__)
@@ -84,7 +84,7 @@ class MarkovTokens(Dataset):
         return self.size
 
     def __getitem__(self, index: int) -> tuple[torch.Tensor, torch.Tensor]:
-        index = self._check_index(index)
+        index = check_index(index, self.size, type(self).__name__)
         gen = _generator(self.seed, self._split_id, _STREAM_SEQUENCES, index)
         first = int(torch.randint(self.vocab_size, (1,), generator=gen))
         # One uniform draw per step, turned into a successor rank all at once; only the walk
@@ -96,14 +96,6 @@ class MarkovTokens(Dataset):
             tokens.append(self.successors[tokens[-1]][rank])
         seq = torch.tensor(tokens, dtype=torch.int64)
         return seq[:-1], seq[1:]
-
-    def _check_index(self, index: int) -> int:
-        index = int(index)
-        if index < 0:
-            index += self.size
-        if not 0 <= index < self.size:
-            raise IndexError(f"MarkovTokens index {index} out of range for size {self.size}")
-        return index
 
     def __repr__(self) -> str:
         return (f"MarkovTokens(size={self.size}, seq_len={self.seq_len}, vocab_size={self.vocab_size}, "

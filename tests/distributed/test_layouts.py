@@ -14,15 +14,11 @@ amplified the way Adam's normalisation does near zero gradients.
 from __future__ import annotations
 
 import json
-import os
-import signal
-import subprocess
-import sys
 
 import pytest
 import torch
 
-from tests.support import REPO, cli_env
+from tests.support import REPO, run_cli
 
 WORKER = REPO / "tests" / "distributed" / "_layout_worker.py"
 COMMON = ["data.train_size=256", "data.val_size=64", "loop.max_steps=5", "loop.global_batch_size=16",
@@ -88,18 +84,8 @@ def _single(out) -> dict[str, list[str]]:
 def _launch(out, cases: dict[str, list[str]], nproc: int | None, timeout: float = 420) -> None:
     spec = out / f"cases_{nproc}.json"
     spec.write_text(json.dumps(cases))
-    target = [str(WORKER), str(out), str(spec)]
-    cmd = [sys.executable, *target] if nproc is None else [
-        sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}", *target]
-    proc = subprocess.Popen(cmd, cwd=out, env=cli_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                            text=True, start_new_session=True)
-    try:
-        output, _ = proc.communicate(timeout=timeout)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        output, _ = proc.communicate()
-        raise AssertionError(f"timed out after {timeout} s\n{output[-4000:]}") from None
-    assert proc.returncode == 0, output[-6000:]
+    launch = run_cli([str(out), str(spec)], cwd=out, nproc=nproc, script=WORKER, timeout=timeout)
+    assert launch.returncode == 0, launch.output[-6000:]
 
 
 @pytest.fixture(scope="module")
