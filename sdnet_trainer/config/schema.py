@@ -132,7 +132,7 @@ class FSDPConfig:
     # copies of the parameters); gradients are reduced in reduce_dtype.
     param_dtype: str = "auto"
     reduce_dtype: str = "fp32"
-    # Keep sharded parameters, gradients and optimizer state in CPU memory (CPUOffloadPolicy).
+    # CUDA only: keep sharded parameters, gradients and optimizer state in CPU memory (CPUOffloadPolicy).
     cpu_offload: bool = False
 
 

@@ -239,6 +239,9 @@ def _validate_parallel(cfg: Config, world_size: int) -> None:
     if parallel.sync_batchnorm and (strategy != "ddp" or dims.pp > 1):
         raise ConfigError(f"parallel.sync_batchnorm=true needs parallel.strategy=ddp without pipeline stages "
                           f"(parallel.strategy={strategy}, parallel.pp={dims.pp})")
+    if parallel.fsdp.cpu_offload and resolve_device(cfg.dist, local_rank=0).type != "cuda":
+        raise ConfigError("parallel.fsdp.cpu_offload=true moves sharded state from GPU to CPU memory and "
+                          "needs CUDA devices; this run is on the CPU already, keep it false")
     _choice("parallel.fsdp.param_dtype", parallel.fsdp.param_dtype, FSDP_DTYPES)
     _choice("parallel.fsdp.reduce_dtype", parallel.fsdp.reduce_dtype, FSDP_DTYPES[1:])
     tp_cfg = parallel.tensor_parallel

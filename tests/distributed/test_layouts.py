@@ -24,8 +24,9 @@ WORKER = REPO / "tests" / "distributed" / "_layout_worker.py"
 COMMON = ["data.train_size=256", "data.val_size=64", "loop.max_steps=5", "loop.global_batch_size=16",
           "loop.eval_at_epoch_end=false", "logging.tensorboard=false", "logging.log_every_n_steps=5",
           "checkpoint.save_on_exit=false"]
+# Clipping at 0.5 is active on every GPT step (norms 1-3): clipping by the global norm is checked too.
 GPT = COMMON + ["model=gpt_tiny", "model.gpt.n_layers=4", "data=tokens", "optim=sgd", "optim.lr=0.2",
-                 "optim.momentum=0.9"]
+                "optim.momentum=0.9", "optim.clip_grad_norm=0.5"]
 RESNET = COMMON + ["model=resnet18", "model.cifar_stem=true", "data.image_size=16", "optim=sgd", "optim.lr=0.002",
                    "optim.momentum=0.9"]
 SAVE = ["checkpoint.save_on_exit=true"]
@@ -48,6 +49,7 @@ WORLD4 = {
     "gpt_fsdp": GPT + ["parallel=fsdp"],
     "gpt_fsdp_zero2": GPT + ["parallel=fsdp", "parallel.fsdp.reshard_after_forward=false"],
     "gpt_hsdp": GPT + ["parallel=fsdp", "parallel.dp_replicate=2", "parallel.dp_shard=2"],
+    "gpt_fsdp_accum": GPT + ["parallel=fsdp", "loop.grad_accum_steps=2"],
     "gpt_zero1": GPT + ["parallel=zero1"],
     "gpt_tp": GPT + ["parallel.tp=4"],
     "gpt_fsdp_tp": GPT + ["parallel=fsdp", "parallel.tp=2"],
@@ -126,6 +128,8 @@ def _assert_same_training(run: dict, ref: dict, family: str) -> None:
 def test_layout_matches_single_process(runs, name):
     run, ref = runs[name], runs[_reference(name)]
     assert len(run["losses"]) == 5 and run["losses"][-1] < run["losses"][0]  # it trained
+    if name.startswith("gpt"):
+        assert min(ref["grad_norms"]) > 0.5  # optim.clip_grad_norm=0.5 scaled every step's gradients
     _assert_same_training(run, ref, name.split("_")[0])
     if name.startswith("gpt") or name in WORLD2:
         # Evaluation over sharded / pipelined models equals the single process's. Not for ResNets

@@ -32,6 +32,7 @@ GPT = ["model=gpt_tiny", "data=tokens"]
     (["parallel=fsdp", "precision=fp16"], 2, "precision.dtype=fp16 with parallel.strategy=fsdp"),
     (["parallel=fsdp", "parallel.fsdp.param_dtype=int8"], 2, "parallel.fsdp.param_dtype='int8' is not one of"),
     (["parallel.tensor_parallel.loss_parallel=true"], 2, "need parallel.tp > 1"),
+    (["parallel=fsdp", "parallel.fsdp.cpu_offload=true"], 2, "parallel.fsdp.cpu_offload=true moves sharded state"),
     (["parallel.tp=2", "model.gpt.n_heads=3", "model.gpt.dim=63"] + GPT, 2, "model.gpt.n_heads=3 must be divisible "
                                                                              "by parallel.tp=2"),
     (["parallel.pp=2", "parallel.pipeline.microbatches=3"], 2,
