@@ -114,7 +114,9 @@ class SchedConfig:
 
 @dataclass
 class DDPConfig:
-    bucket_cap_mb: float = 25.0
+    # null: torch's 25 MB on GPUs; 5 MB on the CPU, where smaller buckets overlap gloo's
+    # all-reduce with more of the backward pass (scripts/bench_overhead.py).
+    bucket_cap_mb: Optional[float] = None
     static_graph: bool = False
     # False (torch's default): measured faster on CPU (scripts/bench_overhead.py); True saves a
     # gradient-sized copy of memory on GPUs.

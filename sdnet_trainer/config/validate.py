@@ -219,7 +219,7 @@ def _validate_parallel(cfg: Config, world_size: int) -> None:
     parallel = cfg.parallel
     strategy = parallel.strategy
     _choice("parallel.strategy", strategy, STRATEGIES)
-    _positive("parallel.ddp.bucket_cap_mb", parallel.ddp.bucket_cap_mb)
+    _positive("parallel.ddp.bucket_cap_mb", parallel.ddp.bucket_cap_mb, allow_none=True)
     dims = parallel_dims(parallel, world_size)
     if strategy in ("ddp", "zero1") and dims.dp_shard > 1:
         raise ConfigError(f"parallel.strategy={strategy} replicates the model, so parallel.dp_shard={dims.dp_shard} "
