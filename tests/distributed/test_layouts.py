@@ -18,6 +18,7 @@ import json
 import pytest
 import torch
 
+from sdnet_trainer.export import main as export_main
 from tests.support import REPO, run_cli
 
 WORKER = REPO / "tests" / "distributed" / "_layout_worker.py"
@@ -50,6 +51,9 @@ WORLD4 = {
     "gpt_fsdp_zero2": GPT + ["parallel=fsdp", "parallel.fsdp.reshard_after_forward=false"],
     "gpt_hsdp": GPT + ["parallel=fsdp", "parallel.dp_replicate=2", "parallel.dp_shard=2"],
     "gpt_fsdp_accum": GPT + ["parallel=fsdp", "loop.grad_accum_steps=2"],
+    # compile (aot_eager: no code generation) and activation checkpointing per block, under FSDP2.
+    "gpt_fsdp_compiled_ac": GPT + ["parallel=fsdp", "compile=on", "compile.backend=aot_eager",
+                                   "model.activation_checkpointing=true"],
     "gpt_zero1": GPT + ["parallel=zero1"],
     "gpt_tp": GPT + ["parallel.tp=4"],
     "gpt_fsdp_tp": GPT + ["parallel=fsdp", "parallel.tp=2"],
@@ -91,8 +95,13 @@ def _launch(out, cases: dict[str, list[str]], nproc: int | None, timeout: float 
 
 
 @pytest.fixture(scope="module")
-def runs(tmp_path_factory) -> dict[str, dict]:
-    out = tmp_path_factory.mktemp("layouts")
+def layout_dir(tmp_path_factory):
+    return tmp_path_factory.mktemp("layouts")
+
+
+@pytest.fixture(scope="module")
+def runs(layout_dir) -> dict[str, dict]:
+    out = layout_dir
     _launch(out, WORLD4, nproc=4)
     _launch(out, WORLD2, nproc=2)
     _launch(out, _single(out), nproc=None)
@@ -110,14 +119,15 @@ def _trained_params(record: dict) -> dict[str, torch.Tensor]:
 # BatchNorm over micro-batches of 4 is ill-conditioned: the rounding differences of another
 # reduction order (1e-7 after one step) grow to ~1e-4 in 5 steps. A wiring error (a missing
 # reduction, wrong samples, a stage left out) shows at 1e-1.
-TOLERANCE = {"gpt": {"rel": 1e-5, "params": 1e-5}, "resnet": {"rel": 2e-3, "params": 5e-4}}
+TOLERANCE = {"gpt": {"rel": 1e-5, "norm": 1e-4, "params": 1e-5},
+             "resnet": {"rel": 2e-3, "norm": 5e-3, "params": 5e-4}}
 
 
 def _assert_same_training(run: dict, ref: dict, family: str) -> None:
     tol = TOLERANCE[family]
     assert run["losses"] == pytest.approx(ref["losses"], rel=tol["rel"], abs=1e-5)
     # The global gradient norm (all shards, all stages) equals the single process's, every step.
-    assert run["grad_norms"] == pytest.approx(ref["grad_norms"], rel=max(tol["rel"], 1e-4), abs=1e-5)
+    assert run["grad_norms"] == pytest.approx(ref["grad_norms"], rel=tol["norm"], abs=1e-5)
     params, expected = _trained_params(run), _trained_params(ref)
     assert params.keys() == expected.keys()  # original names, every stage and shard gathered
     for name, value in expected.items():
@@ -178,3 +188,18 @@ def test_zero1_shards_only_the_optimizer_state(runs, name):
         assert rank_bytes["params"] == full["params"] and rank_bytes["grads"] == full["grads"]
         # Whole parameters are assigned to ranks, so a rank can exceed 1/N by one parameter.
         assert rank_bytes["optim"] <= full["optim"] / 4 + largest
+
+
+@pytest.mark.parametrize("saved", ["gpt_fsdp2_saved", "gpt_pp_saved"])
+def test_export_consolidates_sharded_and_pipelined_checkpoints(runs, layout_dir, tmp_path, saved):
+    """python -m sdnet_trainer.export on a checkpoint written by FSDP shards or pipeline stages:
+    one full state dict, loadable with weights_only=True, equal to the trained weights."""
+    checkpoint = layout_dir / saved / "checkpoints" / "step_00000005"
+    # The worker's recording Trainer subclass runs as a script; its model is the stock one.
+    assert export_main([f"checkpoint={checkpoint}", "format=pt", f"out={tmp_path}",
+                        "trainer=sdnet_trainer.Trainer"]) == 0
+    weights = torch.load(tmp_path / "model.pt", weights_only=True)
+    writer = runs[saved]["params"]
+    assert weights.keys() == writer.keys()
+    for name, value in writer.items():
+        torch.testing.assert_close(weights[name].float(), value, rtol=0, atol=0, msg=name)
