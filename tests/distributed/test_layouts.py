@@ -54,7 +54,7 @@ WORLD4 = {
     # compile (aot_eager: no code generation) and activation checkpointing per block, under FSDP2.
     "gpt_fsdp_compiled_ac": GPT + ["parallel=fsdp", "compile=on", "compile.backend=aot_eager",
                                    "model.activation_checkpointing=true"],
-    "gpt_zero1": GPT + ["parallel=zero1"],
+    "gpt_zero1": GPT + ["parallel=zero1"] + SAVE,  # its optimizer state is saved by parameter name
     "gpt_tp": GPT + ["parallel.tp=4"],
     "gpt_fsdp_tp": GPT + ["parallel=fsdp", "parallel.tp=2"],
     "gpt_fsdp_tp_loss_seq": GPT + ["parallel=fsdp", "parallel.tp=2", "parallel.tensor_parallel.loss_parallel=true",
@@ -84,6 +84,7 @@ def _single(out) -> dict[str, list[str]]:
 
     return {"gpt_ref": GPT, "resnet_ref": RESNET + ["loop.grad_accum_steps=4"],
             "gpt_from_fsdp2": reload("gpt_fsdp2_saved", GPT), "gpt_from_pp": reload("gpt_pp_saved", GPT),
+            "gpt_from_zero1": reload("gpt_zero1", GPT),
             "resnet_from_pp": reload("resnet_pp_saved", RESNET + ["loop.grad_accum_steps=4"])}
 
 
@@ -148,10 +149,11 @@ def test_layout_matches_single_process(runs, name):
 
 
 @pytest.mark.parametrize("saved, loaded", [("gpt_fsdp2_saved", "gpt_from_fsdp2"), ("gpt_pp_saved", "gpt_from_pp"),
-                                           ("resnet_pp_saved", "resnet_from_pp")])
+                                           ("resnet_pp_saved", "resnet_from_pp"), ("gpt_zero1", "gpt_from_zero1")])
 def test_checkpoint_loads_across_layouts(runs, saved, loaded):
-    """Written by FSDP on 2 ranks or by a 2-stage pipeline, read by one process without either:
-    the same weights and the same eval loss."""
+    """Written by FSDP on 2 ranks, a 2-stage pipeline or ZeRO-1 on 4 ranks (optimizer state
+    sharded by parameter), read by one process without any of them (model and optimizer state
+    loaded): the same weights and the same eval loss."""
     writer, reader = runs[saved], runs[loaded]
     assert reader["losses"] == []  # resumed at the last step: nothing left to train
     for name, value in writer["params"].items():
