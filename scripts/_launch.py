@@ -7,9 +7,11 @@ one thread per process (the benchmarks run several processes on a few cores).
 from __future__ import annotations
 
 import os
+import resource
 import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
@@ -40,3 +42,41 @@ def run_launch(cmd: list[str], log_path: Path, timeout: float) -> None:
     if rc != 0:
         tail = log_path.read_text(errors="replace").splitlines()[-25:]
         raise LaunchError(f"exit code {rc}: {' '.join(cmd)}\n" + "\n".join(tail))
+
+
+def machine_cpu_seconds() -> float | None:
+    """CPU seconds every process on the machine has used so far (Linux /proc/stat), or None."""
+    try:
+        ticks = [int(v) for v in Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:]]
+    except (OSError, ValueError):
+        return None
+    # user nice system [idle iowait] irq softirq steal: everything but idle time.
+    return (sum(ticks[:3]) + sum(ticks[5:8])) / os.sysconf("SC_CLK_TCK")
+
+
+def own_cpu_seconds() -> float:
+    """CPU seconds of this driver plus its finished launches (torchrun and its workers)."""
+    own = resource.getrusage(resource.RUSAGE_SELF)
+    children = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return own.ru_utime + own.ru_stime + children.ru_utime + children.ru_stime
+
+
+def timed_launch(cmd: list[str], log_path: Path, timeout: float) -> tuple[float, float | None]:
+    """``run_launch``, timed.
+
+    Returns (seconds, other_cores): the launch's wall time and how many cores other processes on
+    the machine used meanwhile, on average (None where /proc/stat is unavailable). torchrun starts
+    its own worker processes, so the launch gets its own process group and a timeout kills that
+    whole group, not just torchrun.
+    """
+    machine_before, own_before = machine_cpu_seconds(), own_cpu_seconds()
+    started = time.perf_counter()
+    run_launch(cmd, log_path, timeout)
+    seconds = time.perf_counter() - started
+    machine_after = machine_cpu_seconds()
+    other = None
+    if machine_before is not None and machine_after is not None:
+        # Everything the machine computed minus what this launch (and the driver) computed.
+        foreign = (machine_after - machine_before) - (own_cpu_seconds() - own_before)
+        other = max(foreign, 0.0) / seconds
+    return seconds, other

@@ -55,8 +55,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from _launch import LaunchError, run_launch, torchrun  # scripts/ is on sys.path when run as a script
-from bench_overhead import machine_cpu_seconds, own_cpu_seconds  # the same load accounting
+from _launch import LaunchError, timed_launch, torchrun  # scripts/ is on sys.path when run as a script
 
 MIN_WARMUP_STEPS = 5
 LAST_STEPS = 5  # the training loss is averaged over this many final steps
@@ -140,18 +139,6 @@ def workload(args: argparse.Namespace) -> list[str]:
 
 def command(args: argparse.Namespace, comm: list[str], run_dir: Path) -> list[str]:
     return torchrun(args.nproc, "-m", "sdnet_trainer", *workload(args), *comm, f"hydra.run.dir={run_dir}")
-
-
-def launch(cmd: list[str], log_path: Path, timeout: float) -> tuple[float, float | None]:
-    """Run one launch; its wall time and the cores other processes used meanwhile (or None)."""
-    machine_before, own_before = machine_cpu_seconds(), own_cpu_seconds()
-    started = time.perf_counter()
-    run_launch(cmd, log_path, timeout)
-    seconds = time.perf_counter() - started
-    machine_after = machine_cpu_seconds()
-    if machine_before is None or machine_after is None:
-        return seconds, None
-    return seconds, max((machine_after - machine_before) - (own_cpu_seconds() - own_before), 0.0) / seconds
 
 
 def check_comm(run_dir: Path, comm: list[str]) -> None:
@@ -239,7 +226,7 @@ def main() -> int:
         shutil.rmtree(run_dir, ignore_errors=True)  # metrics.jsonl is appended to: start empty
         cmd = commands[name] = command(args, comm, run_dir)
         try:
-            seconds, other = launch(cmd, out / f"{stem}.log", args.timeout)
+            seconds, other = timed_launch(cmd, out / f"{stem}.log", args.timeout)
             check_comm(run_dir, comm)
             results[name] = read_run(run_dir, args.steps)
         except LaunchError as err:

@@ -55,8 +55,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import resource
 import shutil
 import statistics
 import sys
@@ -64,7 +62,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from _launch import REPO, LaunchError, run_launch  # scripts/ is on sys.path when run as a script
+from _launch import REPO, LaunchError, timed_launch  # scripts/ is on sys.path when run as a script
 
 HAND_SCRIPT = REPO / "scripts" / "_handwritten_ddp.py"
 TARGET = 1.02
@@ -181,44 +179,6 @@ def hand_command(args: argparse.Namespace, out_json: Path) -> list[str]:
     ]
 
 
-def machine_cpu_seconds() -> float | None:
-    """CPU seconds every process on the machine has used so far (Linux /proc/stat), or None."""
-    try:
-        ticks = [int(v) for v in Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:]]
-    except (OSError, ValueError):
-        return None
-    # user nice system [idle iowait] irq softirq steal: everything but idle time.
-    return (sum(ticks[:3]) + sum(ticks[5:8])) / os.sysconf("SC_CLK_TCK")
-
-
-def own_cpu_seconds() -> float:
-    """CPU seconds of this driver plus its finished launches (torchrun and its workers)."""
-    own = resource.getrusage(resource.RUSAGE_SELF)
-    children = resource.getrusage(resource.RUSAGE_CHILDREN)
-    return own.ru_utime + own.ru_stime + children.ru_utime + children.ru_stime
-
-
-def launch(cmd: list[str], log_path: Path, timeout: float) -> tuple[float, float | None]:
-    """Run one torchrun launch to completion; its output goes to ``log_path``.
-
-    Returns (seconds, other_cores): the launch's wall time and how many cores other processes on
-    the machine used meanwhile, on average (None where /proc/stat is unavailable). torchrun starts
-    its own worker processes, so the launch gets its own process group and a timeout kills that
-    whole group, not just torchrun.
-    """
-    machine_before, own_before = machine_cpu_seconds(), own_cpu_seconds()
-    started = time.perf_counter()
-    run_launch(cmd, log_path, timeout)
-    seconds = time.perf_counter() - started
-    machine_after = machine_cpu_seconds()
-    other = None
-    if machine_before is not None and machine_after is not None:
-        # Everything the machine computed minus what this launch (and the driver) computed.
-        foreign = (machine_after - machine_before) - (own_cpu_seconds() - own_before)
-        other = max(foreign, 0.0) / seconds
-    return seconds, other
-
-
 def trainer_windows(run_dir: Path) -> list[float]:
     """``perf/step_s`` of every log point in the run's metrics.jsonl, in step order."""
     lines = (run_dir / "metrics.jsonl").read_text().splitlines()
@@ -237,14 +197,14 @@ def run_once(side: str, rnd: int, args: argparse.Namespace, out: Path
     if side == "trainer":
         run_dir = out / f"trainer_r{rnd}"
         shutil.rmtree(run_dir, ignore_errors=True)  # metrics.jsonl is opened for append
-        seconds, other = launch(trainer_command(args, run_dir), out / f"trainer_r{rnd}.log",
+        seconds, other = timed_launch(trainer_command(args, run_dir), out / f"trainer_r{rnd}.log",
                                 args.timeout)
         check_trainer_config(args, run_dir)
         windows = trainer_windows(run_dir)
     else:
         out_json = out / f"hand_r{rnd}.json"
         out_json.unlink(missing_ok=True)
-        seconds, other = launch(hand_command(args, out_json), out / f"hand_r{rnd}.log", args.timeout)
+        seconds, other = timed_launch(hand_command(args, out_json), out / f"hand_r{rnd}.log", args.timeout)
         windows = hand_windows(out_json)
     expected = -(-args.steps // LOG_EVERY)  # a window every LOG_EVERY steps, plus a partial last
     if len(windows) != expected:

@@ -40,7 +40,7 @@ import tempfile
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_overhead import REPO, LaunchError, launch  # noqa: E402  (the same launch and load accounting)
+from _launch import REPO, LaunchError, timed_launch  # noqa: E402  (the same launch and load accounting)
 
 
 def parse_args() -> argparse.Namespace:
@@ -125,7 +125,7 @@ def main() -> int:
     for procs in range(1, args.max_procs + 1):
         run_dir = out / f"procs{procs}"
         try:
-            seconds, other = launch(command(args, procs, run_dir), out / f"procs{procs}.log", args.timeout)
+            seconds, other = timed_launch(command(args, procs, run_dir), out / f"procs{procs}.log", args.timeout)
             rate = throughput(run_dir)
         except LaunchError as err:
             print(f"scaling: launch failed: {err}", file=sys.stderr)
