@@ -14,6 +14,7 @@ from dataclasses import dataclass
 import torch
 
 from sdnet_trainer.config.schema import Config
+from sdnet_trainer.distributed.comm import validate_comm
 from sdnet_trainer.distributed.env import resolve_device
 from sdnet_trainer.distributed.mesh import ParallelDims, parallel_dims
 from sdnet_trainer.errors import ConfigError
@@ -258,12 +259,6 @@ def _validate_parallel(cfg: Config, world_size: int) -> None:
                               f"parallel.tensor_parallel.sequence_parallel=true (or model.gpt.dropout=0)")
     if dims.pp > 1:
         _validate_pipeline(cfg, dims, world_size)
-
-
-def validate_comm(cfg: Config, world_size: int) -> None:
-    from sdnet_trainer.distributed.comm import validate_comm as check  # imports torch's DDP hooks
-
-    check(cfg, world_size)
 
 
 def _validate_pipeline(cfg: Config, dims: ParallelDims, world_size: int) -> None:
