@@ -17,6 +17,7 @@ from sdnet_trainer.config.schema import Config
 from sdnet_trainer.distributed.comm import validate_comm
 from sdnet_trainer.distributed.env import resolve_device
 from sdnet_trainer.distributed.mesh import ParallelDims, parallel_dims
+from sdnet_trainer.distributed.pipeline import check_schedule
 from sdnet_trainer.errors import ConfigError
 
 logger = logging.getLogger(__name__)
@@ -262,8 +263,6 @@ def _validate_parallel(cfg: Config, world_size: int) -> None:
 
 
 def _validate_pipeline(cfg: Config, dims: ParallelDims, world_size: int) -> None:
-    from sdnet_trainer.distributed.pipeline import check_schedule  # torch.distributed.pipelining is heavy
-
     pipe = cfg.parallel.pipeline
     check_schedule(pipe, dims.pp)
     if cfg.loop.grad_accum_steps != 1:
