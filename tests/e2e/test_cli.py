@@ -98,14 +98,19 @@ def test_help_and_cfg_job(tmp_path):
 
 def test_gpt_pipeline_recipe_trains_under_torchrun(tmp_path):
     """The pipeline recipe through the real CLI: bf16 autocast, 2 stages, 1F1B, the GPT and its
-    token data; metrics reported from the last stage."""
+    token data; metrics reported from the last stage; the profiler and MFU (with a given device
+    peak, as CPUs have none in the table) wired on every rank."""
     run_dir = tmp_path / "run"
     launch = run_cli(["+recipe=gpt_pipeline", "model=gpt_tiny", "loop.max_steps=60", "loop.eval_every_n_steps=60",
-                      "logging.log_every_n_steps=20", f"hydra.run.dir={run_dir}"], cwd=tmp_path, nproc=2)
+                      "logging.log_every_n_steps=20", "profile=on", "logging.peak_tflops=0.5",
+                      f"hydra.run.dir={run_dir}"], cwd=tmp_path, nproc=2)
     assert launch.returncode == 0, launch.output
     rows = read_jsonl(run_dir / "metrics.jsonl")
     losses = [r["train/loss"] for r in rows if "train/loss" in r]
     assert len(losses) == 3 and losses[-1] < losses[0] - 1.0, losses  # from ln(64) = 4.2 toward ~1.2
     assert last_metric(rows, "val/loss") < 2.5
     assert last_metric(rows, "perf/tokens_per_s") == pytest.approx(last_metric(rows, "perf/samples_per_s") * 32)
-    assert "pp 2 x dp_replicate 1 x dp_shard 1 x tp 1" in (run_dir / "train.log").read_text()
+    assert last_metric(rows, "perf/mfu") == pytest.approx(last_metric(rows, "perf/tflops_per_s") / (0.5 * 2))
+    assert sorted(p.name.split(".")[0] for p in (run_dir / "profile").glob("*.pt.trace.json")) == ["rank0", "rank1"]
+    log = (run_dir / "train.log").read_text()
+    assert "pp 2 x dp_replicate 1 x dp_shard 1 x tp 1" in log and "top 15 operators" in log
