@@ -36,13 +36,20 @@ def spirals(n: int, *, classes: int, seed: int, noise: float = 0.03) -> TensorDa
 class SpiralTrainer(sdnet_trainer.Trainer):
     def build_model(self) -> nn.Module:
         width = self.cfg.model.kwargs.get("width", 128)
-        return nn.Sequential(nn.Linear(2, width), nn.GELU(), nn.Linear(width, width), nn.GELU(),
-                             nn.Linear(width, self.cfg.model.num_classes))
+        return nn.Sequential(
+            nn.Linear(2, width),
+            nn.GELU(),
+            nn.Linear(width, width),
+            nn.GELU(),
+            nn.Linear(width, self.cfg.model.num_classes),
+        )
 
     def build_datasets(self):
         data = self.cfg.data
-        return (spirals(data.train_size, classes=data.num_classes, seed=data.synthetic_seed),
-                spirals(data.val_size, classes=data.num_classes, seed=data.synthetic_seed + 1))
+        return (
+            spirals(data.train_size, classes=data.num_classes, seed=data.synthetic_seed),
+            spirals(data.val_size, classes=data.num_classes, seed=data.synthetic_seed + 1),
+        )
 
     def compute_loss(self, batch) -> torch.Tensor:
         points, labels = batch

@@ -21,6 +21,7 @@ import argparse
 import gc
 import json
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import torch
@@ -35,14 +36,18 @@ from sdnet_trainer.data import SyntheticImages
 
 
 def parse_args() -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     p.add_argument("--steps", type=int, default=40)
     p.add_argument("--batch-size", type=int, default=32, help="per rank")
     p.add_argument("--lr", type=float, default=0.05)
     p.add_argument("--momentum", type=float, default=0.9)
     p.add_argument("--weight-decay", type=float, default=5e-4)
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--log-every", type=int, default=10, help="window length, as logging.log_every_n_steps")
+    p.add_argument(
+        "--log-every", type=int, default=10, help="window length, as logging.log_every_n_steps"
+    )
     p.add_argument("--out", type=Path, required=True, help="JSON file written by rank 0")
     return p.parse_args()
 
@@ -75,17 +80,29 @@ def main() -> None:
 
     model = build_model(args.seed)
     ddp = DDP(model)
-    opt = torch.optim.SGD(ddp.parameters(), lr=args.lr, momentum=args.momentum,
-                          weight_decay=args.weight_decay)
+    opt = torch.optim.SGD(
+        ddp.parameters(), lr=args.lr, momentum=args.momentum, weight_decay=args.weight_decay
+    )
 
     # The arguments sdnet_trainer.data.build_synthetic passes for the data=synthetic defaults.
-    dataset = SyntheticImages(2048, image_size=32, channels=3, num_classes=10, seed=1234,
-                              signal=1.0, noise=1.0, split="train")
-    sampler = DistributedSampler(dataset, shuffle=True, drop_last=True)
-    loader = DataLoader(dataset, batch_size=args.batch_size, sampler=sampler, num_workers=0,
-                        drop_last=True)
+    dataset = SyntheticImages(
+        2048,
+        image_size=32,
+        channels=3,
+        num_classes=10,
+        seed=1234,
+        signal=1.0,
+        noise=1.0,
+        split="train",
+    )
+    sampler: DistributedSampler[int] = DistributedSampler(dataset, shuffle=True, drop_last=True)
+    loader = DataLoader(
+        dataset, batch_size=args.batch_size, sampler=sampler, num_workers=0, drop_last=True
+    )
 
-    def batches():
+    def batches(
+        loader: DataLoader[tuple[torch.Tensor, int]], sampler: DistributedSampler[int]
+    ) -> Iterator[list[torch.Tensor]]:
         # Epoch after epoch, like the Trainer's batch generator; starting a new epoch (a new
         # loader iterator) happens inside the timed next() of the step that needs it, on both sides.
         epoch = 0
@@ -94,7 +111,7 @@ def main() -> None:
             yield from loader
             epoch += 1
 
-    it = batches()
+    it = batches(loader, sampler)
     ddp.train()
     times: list[float] = []
     started_run = time.perf_counter()
@@ -109,7 +126,8 @@ def main() -> None:
     wall_s = time.perf_counter() - started_run
 
     # One collective after the loop (the Trainer gathers once per window, outside its step timer).
-    per_rank: list[list[float] | None] = [None] * world
+    # all_gather_object replaces every entry with that rank's list.
+    per_rank: list[list[float]] = [[] for _ in range(world)]
     dist.all_gather_object(per_rank, times)
     if rank == 0:
         rank_windows = [window_means(t, args.log_every) for t in per_rank]

@@ -23,7 +23,14 @@ class LaunchError(RuntimeError):
 
 def torchrun(nproc: int, *args: str) -> list[str]:
     """The command line of a single-node torchrun with ``nproc`` workers (free port)."""
-    return [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}", *args]
+    return [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        f"--nproc_per_node={nproc}",
+        *args,
+    ]
 
 
 def run_launch(cmd: list[str], log_path: Path, timeout: float) -> None:
@@ -31,14 +38,23 @@ def run_launch(cmd: list[str], log_path: Path, timeout: float) -> None:
     LaunchError with the log's tail on a non-zero exit or a timeout."""
     env = dict(os.environ, OMP_NUM_THREADS="1")
     with open(log_path, "w") as log:
-        proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT,
-                                stdin=subprocess.DEVNULL, start_new_session=True)
+        proc = subprocess.Popen(
+            cmd,
+            cwd=REPO,
+            env=env,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            stdin=subprocess.DEVNULL,
+            start_new_session=True,
+        )
         try:
             rc = proc.wait(timeout=timeout)
         except subprocess.TimeoutExpired:
             os.killpg(proc.pid, signal.SIGKILL)
             proc.wait()
-            raise LaunchError(f"timed out after {timeout:.0f} s: {' '.join(cmd)}\n(see {log_path})") from None
+            raise LaunchError(
+                f"timed out after {timeout:.0f} s: {' '.join(cmd)}\n(see {log_path})"
+            ) from None
     if rc != 0:
         tail = log_path.read_text(errors="replace").splitlines()[-25:]
         raise LaunchError(f"exit code {rc}: {' '.join(cmd)}\n" + "\n".join(tail))

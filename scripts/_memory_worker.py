@@ -1,5 +1,5 @@
-"""One parallel layout's per-rank memory, through the real Trainer: the run ``scripts/bench_memory.py``
-launches once per layout.
+"""One parallel layout's per-rank memory, through the real Trainer: the run
+``scripts/bench_memory.py`` launches once per layout.
 
     OMP_NUM_THREADS=1 python -m torch.distributed.run --standalone --nproc_per_node=N \
         scripts/_memory_worker.py OUT_JSON OVERRIDES_JSON
@@ -24,12 +24,13 @@ from pathlib import Path
 from torch.distributed.tensor import DTensor
 
 from sdnet_trainer import Trainer
-from sdnet_trainer.config import compose, validate
+from sdnet_trainer.config import compose
 from sdnet_trainer.config.schema import DistConfig
 from sdnet_trainer.distributed import distributed_session
 from sdnet_trainer.distributed.ops import all_gather_objects
 from sdnet_trainer.observability import peak_memory_mb
 from sdnet_trainer.observability.memory import training_state_bytes
+from sdnet_trainer.preflight import validate
 
 
 class MemoryRecorder(Trainer):
@@ -44,15 +45,20 @@ class MemoryRecorder(Trainer):
     def _count_unsharded(self, module, inputs, output) -> None:
         # FSDP swaps a gathered module's parameters for plain full-size tensors and back to
         # DTensor shards when it reshards; the shards themselves stay allocated throughout.
-        gathered = sum(p.numel() * p.element_size() for p in self.model.parameters()
-                       if not isinstance(p, DTensor))
+        gathered = sum(
+            p.numel() * p.element_size()
+            for p in self.model.parameters()
+            if not isinstance(p, DTensor)
+        )
         self.unsharded_in_backward = max(self.unsharded_in_backward, gathered)
 
     def record(self) -> list[dict]:
         """Every rank's figures, in rank order (on every rank)."""
-        mine = {**training_state_bytes(self.model, self.optimizer),
-                "unsharded_in_backward": self.unsharded_in_backward,
-                "peak_rss_mb": peak_memory_mb(self.device)}
+        mine = {
+            **training_state_bytes(self.model, self.optimizer),
+            "unsharded_in_backward": self.unsharded_in_backward,
+            "peak_rss_mb": peak_memory_mb(self.device),
+        }
         return all_gather_objects(mine)
 
 
@@ -67,7 +73,9 @@ def main(out_json: Path, overrides: list[str]) -> None:
         finally:
             trainer.close()
         if env.is_main:
-            out_json.write_text(json.dumps({"world_size": env.world_size, "ranks": ranks}, indent=1))
+            out_json.write_text(
+                json.dumps({"world_size": env.world_size, "ranks": ranks}, indent=1)
+            )
 
 
 if __name__ == "__main__":

@@ -40,10 +40,16 @@ MICRO_BATCH = 4  # samples per micro-batch
 
 
 def parse_args() -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     p.add_argument("--microbatches", type=int, nargs="+", default=[1, 2, 4, 8])
-    p.add_argument("--forward-ms", type=float, default=20.0, help="forward time per micro-batch and stage")
-    p.add_argument("--steps", type=int, default=5, help="timed steps per run, after one warm-up step")
+    p.add_argument(
+        "--forward-ms", type=float, default=20.0, help="forward time per micro-batch and stage"
+    )
+    p.add_argument(
+        "--steps", type=int, default=5, help="timed steps per run, after one warm-up step"
+    )
     p.add_argument("--out", type=Path, required=True, help="JSON file written by rank 0")
     return p.parse_args()
 
@@ -81,16 +87,29 @@ def supported(schedule: str, pp: int, microbatches: int) -> bool:
     return not (schedule == "1F1B" and microbatches < pp)
 
 
-def time_steps(schedule: str, microbatches: int, forward_s: float, steps: int, pp: int, rank: int
-               ) -> list[float]:
+def time_steps(
+    schedule: str, microbatches: int, forward_s: float, steps: int, pp: int, rank: int
+) -> list[float]:
     """Seconds of each step (warm-up first), the same list on every rank."""
-    cfg = PipelineConfig(schedule=schedule, microbatches=microbatches,
-                         split_points=[str(i) for i in range(1, pp)])
+    cfg = PipelineConfig(
+        schedule=schedule, microbatches=microbatches, split_points=[str(i) for i in range(1, pp)]
+    )
     torch.manual_seed(0)
     model = nn.Sequential(*[SleepStage(forward_s) for _ in range(pp)])
-    ids, modules, num_stages = split_model(model, cfg, model_name="sleep_stages", pp_rank=rank, pp=pp)
-    pipeline = build_pipeline(modules, ids, num_stages, cfg, group=dist.group.WORLD,
-                              device=torch.device("cpu"), loss_fn=F.mse_loss)
+    ids, modules, num_stages = split_model(
+        model, cfg, model_name="sleep_stages", pp_rank=rank, pp=pp
+    )
+    world = dist.group.WORLD
+    assert world is not None  # distributed_session has initialized the default group
+    pipeline = build_pipeline(
+        list(modules),
+        ids,
+        num_stages,
+        cfg,
+        group=world,
+        device=torch.device("cpu"),
+        loss_fn=F.mse_loss,
+    )
     inputs = torch.randn(microbatches * MICRO_BATCH, WIDTH)
     targets = torch.randn(microbatches * MICRO_BATCH, WIDTH)
     spans = []
@@ -114,9 +133,16 @@ def main() -> None:
         runs = []
         for schedule in SCHEDULES:
             for m in args.microbatches:
-                run = {"schedule": schedule, "pp": pp, "microbatches": m, "forward_ms": args.forward_ms}
+                run = {
+                    "schedule": schedule,
+                    "pp": pp,
+                    "microbatches": m,
+                    "forward_ms": args.forward_ms,
+                }
                 if supported(schedule, pp, m):
-                    spans = time_steps(schedule, m, args.forward_ms / 1000, args.steps, pp, env.rank)
+                    spans = time_steps(
+                        schedule, m, args.forward_ms / 1000, args.steps, pp, env.rank
+                    )
                     run.update(warmup_s=spans[0], step_s=spans[1:])
                 runs.append(run)
                 gc.collect()  # drop the run's stages before the next builds its own

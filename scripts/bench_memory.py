@@ -50,7 +50,12 @@ import tempfile
 import time
 from pathlib import Path
 
-from _launch import REPO, LaunchError, run_launch, torchrun  # scripts/ is on sys.path when run as a script
+from _launch import (
+    REPO,
+    LaunchError,
+    run_launch,
+    torchrun,
+)  # scripts/ is on sys.path when run as a script
 
 WORKER = REPO / "scripts" / "_memory_worker.py"
 MB = 2**20  # as peak_memory_mb counts
@@ -65,14 +70,28 @@ WORKLOAD = ["model=gpt_small", "data=tokens", "optim=adamw"]
 
 
 def parse_args() -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--nproc", type=int, default=4, help="processes, the N of the sharding (default 4)")
+    p = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    p.add_argument(
+        "--nproc", type=int, default=4, help="processes, the N of the sharding (default 4)"
+    )
     p.add_argument("--steps", type=int, default=3, help="training steps per layout (default 3)")
-    p.add_argument("--batch-size", type=int, default=2, help="samples per rank and step (default 2)")
-    p.add_argument("--out", type=Path, default=None, help="output directory (default: a new temp dir)")
-    p.add_argument("--timeout", type=float, default=600.0, help="seconds per launch before it is killed")
-    p.add_argument("overrides", nargs="*", metavar="KEY=VALUE",
-                   help="config overrides, after --; they replace the default workload's keys")
+    p.add_argument(
+        "--batch-size", type=int, default=2, help="samples per rank and step (default 2)"
+    )
+    p.add_argument(
+        "--out", type=Path, default=None, help="output directory (default: a new temp dir)"
+    )
+    p.add_argument(
+        "--timeout", type=float, default=600.0, help="seconds per launch before it is killed"
+    )
+    p.add_argument(
+        "overrides",
+        nargs="*",
+        metavar="KEY=VALUE",
+        help="config overrides, after --; they replace the default workload's keys",
+    )
     args = p.parse_args()
     if args.nproc < 2:
         p.error("--nproc must be at least 2: one process shards nothing")
@@ -90,22 +109,38 @@ def _key(override: str) -> str:
 
 def overrides(args: argparse.Namespace, layout: list[str]) -> list[str]:
     """The workload, the user's overrides in place of keys they name, then the layout's keys."""
-    run = [f"loop.max_steps={args.steps}", f"loop.global_batch_size={args.batch_size * args.nproc}",
-           "loop.grad_accum_steps=1", "data.train_size=256", "data.val_size=64",
-           # Nothing but training: an evaluation forward would leave FSDP's root gathered, and the
-           # rest costs time without touching the training state.
-           "loop.eval_at_end=false", "loop.eval_at_epoch_end=false", "loop.eval_every_n_steps=null",
-           "logging.tensorboard=false", "checkpoint.every_n_steps=null", "checkpoint.every_n_minutes=null",
-           "checkpoint.resume=none", "checkpoint.save_on_exit=false"]
+    run = [
+        f"loop.max_steps={args.steps}",
+        f"loop.global_batch_size={args.batch_size * args.nproc}",
+        "loop.grad_accum_steps=1",
+        "data.train_size=256",
+        "data.val_size=64",
+        # Nothing but training: an evaluation forward would leave FSDP's root gathered, and the
+        # rest costs time without touching the training state.
+        "loop.eval_at_end=false",
+        "loop.eval_at_epoch_end=false",
+        "loop.eval_every_n_steps=null",
+        "logging.tensorboard=false",
+        "checkpoint.every_n_steps=null",
+        "checkpoint.every_n_minutes=null",
+        "checkpoint.resume=none",
+        "checkpoint.save_on_exit=false",
+    ]
     merged = {_key(o): o for o in WORKLOAD + run}
-    merged.update({_key(o): o for o in args.overrides})  # later overrides of a key would be ambiguous
+    merged.update(
+        {_key(o): o for o in args.overrides}
+    )  # later overrides of a key would be ambiguous
     return list(merged.values()) + layout
 
 
 def launch(name: str, args: argparse.Namespace, out: Path) -> dict:
     """One torchrun of the worker for one layout; its figures, every rank's."""
     stem = name.lower().replace(" ", "_").replace("-", "")
-    out_json, spec, log_path = out / f"{stem}.json", out / f"{stem}_overrides.json", out / f"{stem}.log"
+    out_json, spec, log_path = (
+        out / f"{stem}.json",
+        out / f"{stem}_overrides.json",
+        out / f"{stem}.log",
+    )
     spec.write_text(json.dumps(overrides(args, LAYOUTS[name])))
     run_launch(torchrun(args.nproc, str(WORKER), str(out_json), str(spec)), log_path, args.timeout)
     return json.loads(out_json.read_text())
@@ -119,22 +154,33 @@ def row(result: dict) -> dict[str, float]:
     def most(per_rank) -> float:
         return max(per_rank(r) for r in ranks) / MB
 
-    return {"params": most(lambda r: r["params"]), "grads": most(lambda r: r["grads"]),
-            "optim": most(lambda r: r["optim"]), "total": most(lambda r: r["params"] + r["grads"] + r["optim"]),
-            "params_bwd": most(lambda r: r["params"] + r["unsharded_in_backward"]),
-            "rss": max(r["peak_rss_mb"] for r in ranks)}
+    return {
+        "params": most(lambda r: r["params"]),
+        "grads": most(lambda r: r["grads"]),
+        "optim": most(lambda r: r["optim"]),
+        "total": most(lambda r: r["params"] + r["grads"] + r["optim"]),
+        "params_bwd": most(lambda r: r["params"] + r["unsharded_in_backward"]),
+        "rss": max(r["peak_rss_mb"] for r in ranks),
+    }
 
 
 def print_table(rows: dict[str, dict[str, float]], nproc: int) -> None:
     ddp = rows["DDP"]["total"]
-    print(f"{'layout':<20}{'params MB':>11}{'grads MB':>10}{'optim MB':>10}{'total MB':>10}{'vs DDP':>8}"
-          f"{'params in bwd MB':>18}{'peak RSS MB':>13}")
+    print(
+        f"{'layout':<20}{'params MB':>11}{'grads MB':>10}{'optim MB':>10}{'total MB':>10}"
+        f"{'vs DDP':>8}{'params in bwd MB':>18}{'peak RSS MB':>13}"
+    )
     for name, r in rows.items():
-        print(f"{name:<20}{r['params']:>11.2f}{r['grads']:>10.2f}{r['optim']:>10.2f}{r['total']:>10.2f}"
-              f"{r['total'] / ddp:>8.3f}{r['params_bwd']:>18.2f}{r['rss']:>13.0f}")
+        print(
+            f"{name:<20}{r['params']:>11.2f}{r['grads']:>10.2f}{r['optim']:>10.2f}{r['total']:>10.2f}"
+            f"{r['total'] / ddp:>8.3f}{r['params_bwd']:>18.2f}{r['rss']:>13.0f}"
+        )
     base = rows["DDP"]
-    print(f"{f'ideal (DDP / {nproc})':<20}{base['params'] / nproc:>11.2f}{base['grads'] / nproc:>10.2f}"
-          f"{base['optim'] / nproc:>10.2f}{ddp / nproc:>10.2f}{1 / nproc:>8.3f}")
+    print(
+        f"{f'ideal (DDP / {nproc})':<20}{base['params'] / nproc:>11.2f}"
+        f"{base['grads'] / nproc:>10.2f}{base['optim'] / nproc:>10.2f}"
+        f"{ddp / nproc:>10.2f}{1 / nproc:>8.3f}"
+    )
 
 
 def main() -> int:
@@ -142,8 +188,11 @@ def main() -> int:
     out = (args.out or Path(tempfile.mkdtemp(prefix="bench_memory_"))).resolve()
     out.mkdir(parents=True, exist_ok=True)
     workload = overrides(args, [])
-    print(f"bench_memory: {', '.join(LAYOUTS)} on {args.nproc} processes, {args.steps} steps each; "
-          f"output in {out}", flush=True)
+    print(
+        f"bench_memory: {', '.join(LAYOUTS)} on {args.nproc} processes, {args.steps} steps each; "
+        f"output in {out}",
+        flush=True,
+    )
     print(f"workload: {' '.join(workload)}", flush=True)
     started = time.perf_counter()
     rows = {}
@@ -156,10 +205,14 @@ def main() -> int:
         print(f"bench_memory: launch failed: {err}", file=sys.stderr)
         return 1
     print()
-    print(f"Training state per rank: parameters, gradients, optimizer state from local shards (MB = 2^20 "
-          f"bytes), each column the max over the {args.nproc} ranks.")
-    print("params in bwd: parameter bytes held as backward starts. peak RSS: the whole process (Python "
-          "runtime, data, activations and allocator cache included).")
+    print(
+        "Training state per rank: parameters, gradients, optimizer state from local shards "
+        f"(MB = 2^20 bytes), each column the max over the {args.nproc} ranks."
+    )
+    print(
+        "params in bwd: parameter bytes held as backward starts. peak RSS: the whole process "
+        "(Python runtime, data, activations and allocator cache included)."
+    )
     print_table(rows, args.nproc)
     print(f"({time.perf_counter() - started:.0f} s in all)")
     return 0

@@ -78,25 +78,47 @@ LOG_EVERY = 10  # the Trainer's default logging.log_every_n_steps; also the wind
 
 
 def parse_args() -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     p.add_argument("--steps", type=int, default=40, help="training steps per run (default 40)")
-    p.add_argument("--rounds", type=int, default=3, help="runs of each side, alternating (default 3)")
+    p.add_argument(
+        "--rounds", type=int, default=3, help="runs of each side, alternating (default 3)"
+    )
     p.add_argument("--nproc", type=int, default=2, help="processes per run (default 2)")
-    p.add_argument("--warmup-windows", type=int, default=1,
-                   help=f"windows of {LOG_EVERY} steps dropped at the start of every run (default 1)")
-    p.add_argument("--out", type=Path, default=None, help="output directory (default: a new temp dir)")
-    p.add_argument("--trainer-override", action="append", default=[], metavar="KEY=VALUE",
-                   help="extra Hydra override for the Trainer side (repeatable; not a pinned key), "
-                        "e.g. parallel.ddp.gradient_as_bucket_view=true")
-    p.add_argument("--timeout", type=float, default=600.0,
-                   help="seconds per launch before it is killed (default 600)")
+    p.add_argument(
+        "--warmup-windows",
+        type=int,
+        default=1,
+        help=f"windows of {LOG_EVERY} steps dropped at the start of every run (default 1)",
+    )
+    p.add_argument(
+        "--out", type=Path, default=None, help="output directory (default: a new temp dir)"
+    )
+    p.add_argument(
+        "--trainer-override",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="extra Hydra override for the Trainer side (repeatable; not a pinned key), "
+        "e.g. parallel.ddp.gradient_as_bucket_view=true",
+    )
+    p.add_argument(
+        "--timeout",
+        type=float,
+        default=600.0,
+        help="seconds per launch before it is killed (default 600)",
+    )
     args = p.parse_args()
     for override in args.trainer_override:
         if override.split("=", 1)[0].lstrip("+~") in trainer_keys(args):
-            p.error(f"--trainer-override {override}: that key is pinned to match the hand-written loop")
+            p.error(
+                f"--trainer-override {override}: that key is pinned to match the hand-written loop"
+            )
     if args.steps <= args.warmup_windows * LOG_EVERY:
-        p.error(f"--steps={args.steps} leaves no window after {args.warmup_windows} warm-up window(s)")
+        p.error(
+            f"--steps={args.steps} leaves no window after {args.warmup_windows} warm-up window(s)"
+        )
     return args
 
 
@@ -111,37 +133,70 @@ def torchrun(nproc: int) -> list[str]:
 # plus these keys pin everything), each key checked again in the run's resolved config.
 # Config groups first (they replace whole sections), then the keys that must match the
 # hand-written loop.
-TRAINER_GROUPS = ["model=resnet18_cifar", "data=synthetic", "optim=sgd", "sched=constant",
-                  "precision=fp32", "parallel=ddp"]
+TRAINER_GROUPS = [
+    "model=resnet18_cifar",
+    "data=synthetic",
+    "optim=sgd",
+    "sched=constant",
+    "precision=fp32",
+    "parallel=ddp",
+]
 
 
 def trainer_keys(args: argparse.Namespace) -> dict[str, object]:
     return {
         # ResNet-18, 3x3 stride-1 stem, no max-pool; weights from torch.manual_seed(loop.seed).
-        "model.name": "resnet18", "model.cifar_stem": True, "model.num_classes": 10,
-        "model.weights": None, "loop.seed": SEED,
+        "model.name": "resnet18",
+        "model.cifar_stem": True,
+        "model.num_classes": 10,
+        "model.weights": None,
+        "loop.seed": SEED,
         # SyntheticImages(2048, image_size=32, channels=3, num_classes=10, seed=1234, signal=1,
         # noise=1): the data=synthetic defaults, as _handwritten_ddp.py builds them.
-        "data.name": "synthetic", "data.train_size": 2048, "data.image_size": 32, "data.channels": 3,
-        "data.num_classes": 10, "data.synthetic_seed": 1234, "data.signal": 1.0, "data.noise": 1.0,
-        "data.shuffle": True, "data.drop_last": True, "data.num_workers": 0,
+        "data.name": "synthetic",
+        "data.train_size": 2048,
+        "data.image_size": 32,
+        "data.channels": 3,
+        "data.num_classes": 10,
+        "data.synthetic_seed": 1234,
+        "data.signal": 1.0,
+        "data.noise": 1.0,
+        "data.shuffle": True,
+        "data.drop_last": True,
+        "data.num_workers": 0,
         # Plain SGD at a constant lr (the hand-written loop has no schedule), fp32, plain CE loss.
-        "optim.name": "SGD", "optim.lr": LR, "optim.momentum": MOMENTUM,
-        "optim.weight_decay": WEIGHT_DECAY, "optim.nesterov": None,
-        "optim.no_decay_norm_and_bias": False, "optim.clip_grad_norm": None,
-        "optim.clip_grad_value": None, "sched.name": "constant", "sched.warmup_steps": 0,
-        "precision.dtype": "fp32", "loss.label_smoothing": 0.0, "parallel.sync_batchnorm": False,
-        "loop.max_steps": args.steps, "loop.grad_accum_steps": 1,
-        "loop.global_batch_size": PER_RANK_BATCH * args.nproc, "loop.deterministic": False,
+        "optim.name": "SGD",
+        "optim.lr": LR,
+        "optim.momentum": MOMENTUM,
+        "optim.weight_decay": WEIGHT_DECAY,
+        "optim.nesterov": None,
+        "optim.no_decay_norm_and_bias": False,
+        "optim.clip_grad_norm": None,
+        "optim.clip_grad_value": None,
+        "sched.name": "constant",
+        "sched.warmup_steps": 0,
+        "precision.dtype": "fp32",
+        "loss.label_smoothing": 0.0,
+        "parallel.sync_batchnorm": False,
+        "loop.max_steps": args.steps,
+        "loop.grad_accum_steps": 1,
+        "loop.global_batch_size": PER_RANK_BATCH * args.nproc,
+        "loop.deterministic": False,
         # No evaluation anywhere in (or after) the timed steps.
-        "loop.eval_at_end": False, "loop.eval_at_epoch_end": False, "loop.eval_every_n_steps": None,
+        "loop.eval_at_end": False,
+        "loop.eval_at_epoch_end": False,
+        "loop.eval_every_n_steps": None,
         # Logging as by default (pinned so the windows match the hand-written side): a log point
         # every 10 steps, metrics.jsonl (which we read) and TensorBoard on.
-        "logging.log_every_n_steps": LOG_EVERY, "logging.jsonl": True, "logging.tensorboard": True,
+        "logging.log_every_n_steps": LOG_EVERY,
+        "logging.jsonl": True,
+        "logging.tensorboard": True,
         # No checkpoint: none saved during the timed steps, none resumed from an earlier run in
         # the same --out, and none at exit (after the last step: disk and minutes, no step time).
-        "checkpoint.every_n_steps": None, "checkpoint.every_n_minutes": None,
-        "checkpoint.resume": "none", "checkpoint.save_on_exit": False,
+        "checkpoint.every_n_steps": None,
+        "checkpoint.every_n_minutes": None,
+        "checkpoint.resume": "none",
+        "checkpoint.save_on_exit": False,
     }
 
 
@@ -155,8 +210,14 @@ def _override_value(value: object) -> str:
 
 def trainer_command(args: argparse.Namespace, run_dir: Path) -> list[str]:
     keys = [f"{k}={_override_value(v)}" for k, v in trainer_keys(args).items()]
-    return (torchrun(args.nproc) + ["-m", "sdnet_trainer"] + TRAINER_GROUPS + keys
-            + args.trainer_override + [f"hydra.run.dir={run_dir}"])
+    return (
+        torchrun(args.nproc)
+        + ["-m", "sdnet_trainer"]
+        + TRAINER_GROUPS
+        + keys
+        + args.trainer_override
+        + [f"hydra.run.dir={run_dir}"]
+    )
 
 
 def check_trainer_config(args: argparse.Namespace, run_dir: Path) -> None:
@@ -165,17 +226,26 @@ def check_trainer_config(args: argparse.Namespace, run_dir: Path) -> None:
     from omegaconf import OmegaConf  # the Trainer's own dependency
 
     cfg = OmegaConf.load(run_dir / ".hydra" / "config.yaml")
-    wrong = {k: OmegaConf.select(cfg, k) for k, v in trainer_keys(args).items()
-             if OmegaConf.select(cfg, k) != v}
+    wrong = {
+        k: OmegaConf.select(cfg, k)
+        for k, v in trainer_keys(args).items()
+        if OmegaConf.select(cfg, k) != v
+    }
     if wrong:
         raise LaunchError(f"the Trainer ran with a different workload than pinned: {wrong}")
 
 
 def hand_command(args: argparse.Namespace, out_json: Path) -> list[str]:
     return torchrun(args.nproc) + [
-        str(HAND_SCRIPT), f"--steps={args.steps}", f"--batch-size={PER_RANK_BATCH}", f"--lr={LR}",
-        f"--momentum={MOMENTUM}", f"--weight-decay={WEIGHT_DECAY}", f"--seed={SEED}",
-        f"--log-every={LOG_EVERY}", f"--out={out_json}",
+        str(HAND_SCRIPT),
+        f"--steps={args.steps}",
+        f"--batch-size={PER_RANK_BATCH}",
+        f"--lr={LR}",
+        f"--momentum={MOMENTUM}",
+        f"--weight-decay={WEIGHT_DECAY}",
+        f"--seed={SEED}",
+        f"--log-every={LOG_EVERY}",
+        f"--out={out_json}",
     ]
 
 
@@ -191,20 +261,24 @@ def hand_windows(out_json: Path) -> list[float]:
     return json.loads(out_json.read_text())["window_step_s"]
 
 
-def run_once(side: str, rnd: int, args: argparse.Namespace, out: Path
-             ) -> tuple[list[float], float, float | None]:
+def run_once(
+    side: str, rnd: int, args: argparse.Namespace, out: Path
+) -> tuple[list[float], float, float | None]:
     """One launch of ``side``: (window step times, launch seconds, cores used by others)."""
     if side == "trainer":
         run_dir = out / f"trainer_r{rnd}"
         shutil.rmtree(run_dir, ignore_errors=True)  # metrics.jsonl is opened for append
-        seconds, other = timed_launch(trainer_command(args, run_dir), out / f"trainer_r{rnd}.log",
-                                args.timeout)
+        seconds, other = timed_launch(
+            trainer_command(args, run_dir), out / f"trainer_r{rnd}.log", args.timeout
+        )
         check_trainer_config(args, run_dir)
         windows = trainer_windows(run_dir)
     else:
         out_json = out / f"hand_r{rnd}.json"
         out_json.unlink(missing_ok=True)
-        seconds, other = timed_launch(hand_command(args, out_json), out / f"hand_r{rnd}.log", args.timeout)
+        seconds, other = timed_launch(
+            hand_command(args, out_json), out / f"hand_r{rnd}.log", args.timeout
+        )
         windows = hand_windows(out_json)
     expected = -(-args.steps // LOG_EVERY)  # a window every LOG_EVERY steps, plus a partial last
     if len(windows) != expected:
@@ -216,10 +290,12 @@ def main() -> int:
     args = parse_args()
     out = (args.out or Path(tempfile.mkdtemp(prefix="bench_overhead_"))).resolve()
     out.mkdir(parents=True, exist_ok=True)
-    print(f"bench_overhead: {args.rounds} rounds x (trainer, hand-written), {args.steps} steps each, "
-          f"{args.nproc} processes, per-rank batch {PER_RANK_BATCH}; "
-          f"dropping {args.warmup_windows} warm-up window(s) of {LOG_EVERY} steps; output in {out}",
-          flush=True)
+    print(
+        f"bench_overhead: {args.rounds} rounds x (trainer, hand-written), {args.steps} steps each, "
+        f"{args.nproc} processes, per-rank batch {PER_RANK_BATCH}; "
+        f"dropping {args.warmup_windows} warm-up window(s) of {LOG_EVERY} steps; output in {out}",
+        flush=True,
+    )
     if args.trainer_override:
         print(f"trainer overrides: {' '.join(args.trainer_override)}", flush=True)
 
@@ -231,14 +307,17 @@ def main() -> int:
             # Alternate the sides so that whatever else the machine does is shared fairly.
             for side in ("trainer", "hand-written"):
                 windows, seconds, other = run_once(side, rnd, args, out)
-                kept[side] += windows[args.warmup_windows:]
+                kept[side] += windows[args.warmup_windows :]
                 shown = " ".join(f"{w:.3f}" for w in windows)
                 load = ""
                 if other is not None:
                     other_load.append(other)
                     load = f"  (other processes: {other:.2f} cores)"
-                print(f"  round {rnd + 1}/{args.rounds} {side:<12} {seconds:6.1f} s  window step s: "
-                      f"{shown}{load}", flush=True)
+                print(
+                    f"  round {rnd + 1}/{args.rounds} {side:<12} {seconds:6.1f} s  window step s: "
+                    f"{shown}{load}",
+                    flush=True,
+                )
     except LaunchError as err:
         print(f"bench_overhead: launch failed: {err}", file=sys.stderr)
         return 1
@@ -246,8 +325,10 @@ def main() -> int:
     print()
     print(f"{'side':<14}{'windows':>8}{'median s':>11}{'min s':>9}{'max s':>9}")
     for side, values in kept.items():
-        print(f"{side:<14}{len(values):>8}{statistics.median(values):>11.4f}{min(values):>9.4f}"
-              f"{max(values):>9.4f}")
+        print(
+            f"{side:<14}{len(values):>8}{statistics.median(values):>11.4f}{min(values):>9.4f}"
+            f"{max(values):>9.4f}"
+        )
     ratio = statistics.median(kept["trainer"]) / statistics.median(kept["hand-written"])
     print()
     print(f"overhead ratio (trainer / hand-written, median step time): {ratio:.3f}")
@@ -255,9 +336,11 @@ def main() -> int:
     # The fastest windows are the least disturbed by anything else running: a cross-check.
     print(f"(ratio of the fastest windows: {min(kept['trainer']) / min(kept['hand-written']):.3f})")
     if other_load and max(other_load) > BUSY_WARN_CORES:
-        print(f"warning: other processes used up to {max(other_load):.2f} cores during the launches; "
-              f"step times then include their contention and the ratio is noisy. Rerun on an "
-              f"otherwise idle machine, or with more --rounds.")
+        print(
+            f"warning: other processes used up to {max(other_load):.2f} cores during the launches; "
+            f"step times then include their contention and the ratio is noisy. Rerun on an "
+            f"otherwise idle machine, or with more --rounds."
+        )
     print(f"({time.perf_counter() - started:.0f} s in all; logs and metrics in {out})")
     return 0
 

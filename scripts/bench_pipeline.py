@@ -48,7 +48,12 @@ import tempfile
 import time
 from pathlib import Path
 
-from _launch import REPO, LaunchError, run_launch, torchrun  # scripts/ is on sys.path when run as a script
+from _launch import (
+    REPO,
+    LaunchError,
+    run_launch,
+    torchrun,
+)  # scripts/ is on sys.path when run as a script
 
 WORKER = REPO / "scripts" / "_pipeline_worker.py"
 SCHEDULE_ORDER = ("GPipe", "1F1B")  # as the worker runs them
@@ -56,15 +61,32 @@ COLUMNS = ("schedule", "p", "m", "step_ms", "ideal_busy_ms", "bubble", "theory",
 
 
 def parse_args() -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--stages", type=int, nargs="+", default=[2, 4], help="pipeline depths p (default 2 4)")
-    p.add_argument("--microbatches", type=int, nargs="+", default=[1, 2, 4, 8],
-                   help="micro-batches per step m (default 1 2 4 8)")
-    p.add_argument("--forward-ms", type=float, default=20.0,
-                   help="t_f: forward time per micro-batch and stage; backward takes 2 t_f (default 20)")
-    p.add_argument("--steps", type=int, default=5, help="timed steps per run, after a warm-up step (default 5)")
+    p = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    p.add_argument(
+        "--stages", type=int, nargs="+", default=[2, 4], help="pipeline depths p (default 2 4)"
+    )
+    p.add_argument(
+        "--microbatches",
+        type=int,
+        nargs="+",
+        default=[1, 2, 4, 8],
+        help="micro-batches per step m (default 1 2 4 8)",
+    )
+    p.add_argument(
+        "--forward-ms",
+        type=float,
+        default=20.0,
+        help="t_f: forward time per micro-batch and stage; backward takes 2 t_f (default 20)",
+    )
+    p.add_argument(
+        "--steps", type=int, default=5, help="timed steps per run, after a warm-up step (default 5)"
+    )
     p.add_argument("--csv", type=Path, default=None, help="also write the table here")
-    p.add_argument("--timeout", type=float, default=600.0, help="seconds per launch before it is killed")
+    p.add_argument(
+        "--timeout", type=float, default=600.0, help="seconds per launch before it is killed"
+    )
     args = p.parse_args()
     if min(args.stages) < 2 or min(args.microbatches) < 1 or args.steps < 1 or args.forward_ms <= 0:
         p.error("--stages must be >= 2, --microbatches and --steps >= 1, --forward-ms > 0")
@@ -77,9 +99,19 @@ def launch(pp: int, args: argparse.Namespace, out: Path) -> list[dict]:
     log_path = out / f"pp{pp}.log"
     # The stages sleep rather than compute, but the schedule's Python still needs a core now and
     # then: one thread per rank (run_launch) keeps the ranks from crowding each other out.
-    run_launch(torchrun(pp, str(WORKER), "--microbatches", *map(str, args.microbatches),
-                        f"--forward-ms={args.forward_ms}", f"--steps={args.steps}", f"--out={out_json}"),
-               log_path, args.timeout)
+    run_launch(
+        torchrun(
+            pp,
+            str(WORKER),
+            "--microbatches",
+            *map(str, args.microbatches),
+            f"--forward-ms={args.forward_ms}",
+            f"--steps={args.steps}",
+            f"--out={out_json}",
+        ),
+        log_path,
+        args.timeout,
+    )
     return json.loads(out_json.read_text())
 
 
@@ -92,8 +124,16 @@ def row(run: dict) -> dict:
     pp, m = run["pp"], run["microbatches"]
     # Each rank works m forwards and m backwards per step: m (t_f + 2 t_f).
     busy_ms = m * 3 * run["forward_ms"]
-    out = {"schedule": run["schedule"], "p": pp, "m": m, "step_ms": None, "ideal_busy_ms": busy_ms,
-           "bubble": None, "theory": theory(pp, m), "difference": None}
+    out = {
+        "schedule": run["schedule"],
+        "p": pp,
+        "m": m,
+        "step_ms": None,
+        "ideal_busy_ms": busy_ms,
+        "bubble": None,
+        "theory": theory(pp, m),
+        "difference": None,
+    }
     if "step_s" in run:
         step_ms = statistics.median(run["step_s"]) * 1000
         bubble = 1 - busy_ms / step_ms
@@ -102,15 +142,21 @@ def row(run: dict) -> dict:
 
 
 def print_table(rows: list[dict]) -> None:
-    print(f"{'schedule':<9}{'p':>3}{'m':>4}{'step ms':>10}{'ideal busy ms':>15}{'measured bubble':>17}"
-          f"{'theory':>9}{'difference':>12}")
+    print(
+        f"{'schedule':<9}{'p':>3}{'m':>4}{'step ms':>10}{'ideal busy ms':>15}"
+        f"{'measured bubble':>17}{'theory':>9}{'difference':>12}"
+    )
     for r in rows:
         if r["step_ms"] is None:
-            print(f"{r['schedule']:<9}{r['p']:>3}{r['m']:>4}{'-':>10}{r['ideal_busy_ms']:>15.0f}{'-':>17}"
-                  f"{r['theory']:>9.3f}   n/a: torch's 1F1B needs m >= p")
+            print(
+                f"{r['schedule']:<9}{r['p']:>3}{r['m']:>4}{'-':>10}{r['ideal_busy_ms']:>15.0f}{'-':>17}"
+                f"{r['theory']:>9.3f}   n/a: torch's 1F1B needs m >= p"
+            )
             continue
-        print(f"{r['schedule']:<9}{r['p']:>3}{r['m']:>4}{r['step_ms']:>10.1f}{r['ideal_busy_ms']:>15.0f}"
-              f"{r['bubble']:>17.3f}{r['theory']:>9.3f}{r['difference']:>+12.3f}")
+        print(
+            f"{r['schedule']:<9}{r['p']:>3}{r['m']:>4}{r['step_ms']:>10.1f}{r['ideal_busy_ms']:>15.0f}"
+            f"{r['bubble']:>17.3f}{r['theory']:>9.3f}{r['difference']:>+12.3f}"
+        )
 
 
 def write_csv(rows: list[dict], path: Path) -> None:
@@ -118,19 +164,27 @@ def write_csv(rows: list[dict], path: Path) -> None:
         writer = csv.DictWriter(f, fieldnames=COLUMNS)
         writer.writeheader()
         # Enough digits for the figures, not the float noise of the arithmetic.
-        writer.writerows({k: round(v, 4) if isinstance(v, float) else v for k, v in r.items()} for r in rows)
+        writer.writerows(
+            {k: round(v, 4) if isinstance(v, float) else v for k, v in r.items()} for r in rows
+        )
 
 
 def main() -> int:
     args = parse_args()
     out = Path(tempfile.mkdtemp(prefix="bench_pipeline_"))
     t_f = args.forward_ms
-    print(f"bench_pipeline: GPipe and 1F1B, p in {args.stages}, m in {args.microbatches}; stages sleep "
-          f"t_f = {t_f:g} ms forward and t_b = {2 * t_f:g} ms backward per micro-batch; median of "
-          f"{args.steps} steps after a warm-up step; logs in {out}", flush=True)
-    print("measured bubble = 1 - m (t_f + t_b) / step time: the schedule's bubble plus communication "
-          "and scheduling overhead (sleeping stages leave out compute variance, which real devices add); "
-          "theory = (p - 1) / (m + p - 1)", flush=True)
+    print(
+        f"bench_pipeline: GPipe and 1F1B, p in {args.stages}, m in {args.microbatches}; "
+        f"stages sleep t_f = {t_f:g} ms forward and t_b = {2 * t_f:g} ms backward per "
+        f"micro-batch; median of {args.steps} steps after a warm-up step; logs in {out}",
+        flush=True,
+    )
+    print(
+        "measured bubble = 1 - m (t_f + t_b) / step time: the schedule's bubble plus communication "
+        "and scheduling overhead (sleeping stages leave out compute variance, which real devices "
+        "add); theory = (p - 1) / (m + p - 1)",
+        flush=True,
+    )
     started = time.perf_counter()
     runs = []
     try:
@@ -142,7 +196,10 @@ def main() -> int:
         print(f"bench_pipeline: launch failed: {err}", file=sys.stderr)
         return 1
     # One block per schedule, deeper pipelines below shallower ones.
-    rows = sorted((row(run) for run in runs), key=lambda r: (SCHEDULE_ORDER.index(r["schedule"]), r["p"], r["m"]))
+    rows = sorted(
+        (row(run) for run in runs),
+        key=lambda r: (SCHEDULE_ORDER.index(r["schedule"]), r["p"], r["m"]),
+    )
     print()
     print_table(rows)
     if args.csv is not None:

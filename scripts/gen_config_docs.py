@@ -33,7 +33,7 @@ import io
 import sys
 import tokenize
 from dataclasses import dataclass
-from functools import lru_cache
+from functools import cache
 from pathlib import Path
 from typing import Any
 
@@ -76,7 +76,7 @@ class _FieldSource:
     comments: list[str]
 
 
-@lru_cache(maxsize=None)
+@cache
 def _comments_by_line(path: Path) -> dict[int, tuple[str, bool]]:
     """{line: (comment text, alone on its line)} for every comment of a Python file."""
     source = path.read_text()
@@ -90,12 +90,17 @@ def _comments_by_line(path: Path) -> dict[int, tuple[str, bool]]:
     return found
 
 
-@lru_cache(maxsize=None)
+@cache
 def _class_fields(cls: type) -> dict[str, _FieldSource]:
     """Annotation text and comments of each field of a dataclass, read from its source file."""
-    path = Path(inspect.getsourcefile(cls))
+    source_file = inspect.getsourcefile(cls)
+    if source_file is None:
+        raise RuntimeError(f"class {cls.__name__} has no source file")
+    path = Path(source_file)
     tree = ast.parse(path.read_text())
-    node = next((n for n in ast.walk(tree) if isinstance(n, ast.ClassDef) and n.name == cls.__name__), None)
+    node = next(
+        (n for n in ast.walk(tree) if isinstance(n, ast.ClassDef) and n.name == cls.__name__), None
+    )
     if node is None:
         raise RuntimeError(f"class {cls.__name__} not found in {path}")
     comments = _comments_by_line(path)
@@ -103,13 +108,19 @@ def _class_fields(cls: type) -> dict[str, _FieldSource]:
     for stmt in node.body:
         if not (isinstance(stmt, ast.AnnAssign) and isinstance(stmt.target, ast.Name)):
             continue
-        above = []
+        above: list[str] = []
         row = stmt.lineno - 1
-        while row in comments and comments[row][1]:  # a block of comment lines right above the field
+        # A block of comment lines right above the field.
+        while row in comments and comments[row][1]:
             above.insert(0, comments[row][0])
             row -= 1
-        inline = [comments[r][0] for r in range(stmt.lineno, stmt.end_lineno + 1)
-                  if r in comments and not comments[r][1]]
+        # ast.parse sets end_lineno on every statement it builds.
+        end_lineno = stmt.end_lineno if stmt.end_lineno is not None else stmt.lineno
+        inline = [
+            comments[r][0]
+            for r in range(stmt.lineno, end_lineno + 1)
+            if r in comments and not comments[r][1]
+        ]
         fields[stmt.target.id] = _FieldSource(ast.unparse(stmt.annotation), above + inline)
     return fields
 
@@ -152,8 +163,19 @@ def walk(cls: type, prefix: str = "") -> list[Section]:
         if dataclasses.is_dataclass(default):
             nested += walk(type(default), prefix=f"{name}.")
             continue
-        keys.append(Key(name=name, type=source.annotation, default=_yaml(default), doc=_join(source.comments)))
-    doc = inspect.cleandoc(cls.__doc__) if cls.__doc__ and not cls.__doc__.startswith(f"{cls.__name__}(") else ""
+        keys.append(
+            Key(
+                name=name,
+                type=source.annotation,
+                default=_yaml(default),
+                doc=_join(source.comments),
+            )
+        )
+    doc = (
+        inspect.cleandoc(cls.__doc__)
+        if cls.__doc__ and not cls.__doc__.startswith(f"{cls.__name__}(")
+        else ""
+    )
     own = [Section(name=prefix.rstrip("."), doc=doc, keys=keys)] if prefix or keys or doc else []
     return own + nested
 
@@ -187,7 +209,7 @@ def first_comment(path: Path) -> str:
     if text.endswith("e.g."):  # "..., e.g." introduces an example that follows on its own lines
         text = text[: -len("e.g.")].rstrip(" ,") + "."
     prefix = f"{path.stem}:"
-    return text[len(prefix):].strip() if text.startswith(prefix) else text
+    return text[len(prefix) :].strip() if text.startswith(prefix) else text
 
 
 def group_defaults() -> dict[str, str]:
@@ -195,7 +217,9 @@ def group_defaults() -> dict[str, str]:
     from omegaconf import OmegaConf
 
     defaults = {}
-    for entry in OmegaConf.to_container(OmegaConf.load(ROOT_CONFIG)).get("defaults", []):
+    root = OmegaConf.to_container(OmegaConf.load(ROOT_CONFIG))
+    assert isinstance(root, dict)  # configs/config.yaml is a mapping
+    for entry in root.get("defaults", []):
         if isinstance(entry, dict):
             for group, option in entry.items():
                 if not str(group).startswith("override ") and "/" not in str(group):
@@ -222,7 +246,8 @@ def _cell(text: str) -> str:
 
 
 def _text(text: str) -> str:
-    """Prose from comments, safe in Markdown: ``<run dir>`` is not an HTML tag, ``*.jpg`` no emphasis."""
+    """Prose from comments, safe in Markdown: ``<run dir>`` is not an HTML tag, ``*.jpg`` no
+    emphasis."""
     return _cell(text).replace("*", "\\*").replace("<", "&lt;")
 
 
@@ -239,8 +264,9 @@ def render() -> str:
     out = [
         "# Configuration reference",
         "",
-        f"<!-- Generated by `{COMMAND}` from sdnet_trainer/config/schema.py, configs/ and recipes/. "
-        "Do not edit by hand: change the schema's comments or the YAML files and run it again. -->",
+        f"<!-- Generated by `{COMMAND}` from sdnet_trainer/config/schema.py, configs/ and "
+        "recipes/. Do not edit by hand: change the schema's comments or the YAML files and run it "
+        "again. -->",
         "",
         "Every key below can be set on the command line (`key=value`), in a recipe, or in a config "
         "group file. The types and defaults are those of the typed schema "
@@ -258,8 +284,15 @@ def render() -> str:
     for group, files in options.items():
         names = ", ".join(f"`{p.stem}`" for p in files)
         out.append(f"| `{group}` | {_code(defaults.get(group, ''))} | {names} |")
-    out += ["", "## Recipes", "", "`+recipe=NAME` loads `recipes/NAME.yaml` over the root config.", "",
-            "| recipe | what it is |", "| --- | --- |"]
+    out += [
+        "",
+        "## Recipes",
+        "",
+        "`+recipe=NAME` loads `recipes/NAME.yaml` over the root config.",
+        "",
+        "| recipe | what it is |",
+        "| --- | --- |",
+    ]
     for path in sorted(RECIPES.glob("*.yaml")):
         out.append(f"| `{path.stem}` | {_text(first_comment(path))} |")
     out += ["", "## Keys", ""]
@@ -279,7 +312,10 @@ def render() -> str:
         if section.keys:
             out += ["| key | type | default | description |", "| --- | --- | --- | --- |"]
             for key in section.keys:
-                out.append(f"| `{key.name}` | {_code(key.type)} | {_code(key.default)} | {_text(key.doc)} |")
+                out.append(
+                    f"| `{key.name}` | {_code(key.type)} | {_code(key.default)} "
+                    f"| {_text(key.doc)} |"
+                )
             out.append("")
     return "\n".join(out).rstrip("\n") + "\n"
 
@@ -290,18 +326,29 @@ def _shown(path: Path) -> str:
 
 def stale_summary(current: str, expected: str, *, limit: int = 40) -> str:
     """A short unified diff of the file against what the generator writes now."""
-    diff = list(difflib.unified_diff(current.splitlines(), expected.splitlines(),
-                                     fromfile=f"{_shown(OUTPUT)} (in the repository)",
-                                     tofile=f"{_shown(OUTPUT)} (generated now)", lineterm=""))
+    diff = list(
+        difflib.unified_diff(
+            current.splitlines(),
+            expected.splitlines(),
+            fromfile=f"{_shown(OUTPUT)} (in the repository)",
+            tofile=f"{_shown(OUTPUT)} (generated now)",
+            lineterm="",
+        )
+    )
     changed = sum(1 for line in diff if line[:1] in "+-" and not line.startswith(("+++", "---")))
-    shown = diff[:limit] + ([f"... {len(diff) - limit} more diff lines"] if len(diff) > limit else [])
+    shown = diff[:limit] + (
+        [f"... {len(diff) - limit} more diff lines"] if len(diff) > limit else []
+    )
     return "\n".join([f"{changed} lines differ:"] + shown)
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--check", action="store_true",
-                        help="do not write; exit 1 with a diff summary if the file is stale")
+    parser.add_argument(
+        "--check",
+        action="store_true",
+        help="do not write; exit 1 with a diff summary if the file is stale",
+    )
     args = parser.parse_args(argv)
     expected = render()
     current = OUTPUT.read_text() if OUTPUT.exists() else ""

@@ -14,7 +14,7 @@ How
     sdnet_trainer +recipe=NAME`` launch (the 1-process point too, so all points carry the same
     DDP machinery) with ``OMP_NUM_THREADS=1``, ``loop.max_steps=--steps``, no evaluation, no
     checkpoint, ``loop.micro_batch_size=--micro-batch`` and ``loop.global_batch_size=N x micro``
-    with ``loop.grad_accum_steps=1`` (config.validate.batch_layout's rule for a fixed
+    with ``loop.grad_accum_steps=1`` (sdnet_trainer.batching.batch_layout's rule for a fixed
     micro-batch without elastic). ``--override`` passes more Hydra overrides to every run.
 
 Outputs (under ``--out``): scaling.csv (procs, samples_per_s, speedup, ideal, efficiency),
@@ -44,16 +44,33 @@ from _launch import REPO, LaunchError, timed_launch  # noqa: E402  (the same lau
 
 
 def parse_args() -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     p.add_argument("--recipe", default="quickstart", help="recipe name (recipes/NAME.yaml)")
-    p.add_argument("--max-procs", type=int, default=os.cpu_count() or 1,
-                   help="largest process count (default os.cpu_count())")
+    p.add_argument(
+        "--max-procs",
+        type=int,
+        default=os.cpu_count() or 1,
+        help="largest process count (default os.cpu_count())",
+    )
     p.add_argument("--steps", type=int, default=100, help="training steps per run (default 100)")
-    p.add_argument("--micro-batch", type=int, default=32, help="per-rank batch, kept fixed (default 32)")
-    p.add_argument("--override", action="append", default=[], metavar="KEY=VALUE",
-                   help="extra Hydra override for every run (repeatable)")
-    p.add_argument("--out", type=Path, default=None, help="output directory (default: a new temp dir)")
-    p.add_argument("--timeout", type=float, default=900.0, help="seconds per launch before it is killed")
+    p.add_argument(
+        "--micro-batch", type=int, default=32, help="per-rank batch, kept fixed (default 32)"
+    )
+    p.add_argument(
+        "--override",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="extra Hydra override for every run (repeatable)",
+    )
+    p.add_argument(
+        "--out", type=Path, default=None, help="output directory (default: a new temp dir)"
+    )
+    p.add_argument(
+        "--timeout", type=float, default=900.0, help="seconds per launch before it is killed"
+    )
     args = p.parse_args()
     if args.max_procs < 1 or args.steps < 1 or args.micro_batch < 1:
         p.error("--max-procs, --steps and --micro-batch must be positive")
@@ -61,18 +78,38 @@ def parse_args() -> argparse.Namespace:
 
 
 def command(args: argparse.Namespace, procs: int, run_dir: Path) -> list[str]:
-    return [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={procs}",
-            "-m", "sdnet_trainer", f"+recipe={args.recipe}",
-            f"loop.max_steps={args.steps}", "loop.max_epochs=null",
-            f"loop.micro_batch_size={args.micro_batch}", f"loop.global_batch_size={procs * args.micro_batch}",
-            "loop.grad_accum_steps=1", "loop.eval_at_end=false", "loop.eval_every_n_steps=null",
-            "loop.eval_at_epoch_end=false", "checkpoint.save_on_exit=false", "checkpoint.resume=none",
-            "logging.progress_bar=off", *args.override, f"hydra.run.dir={run_dir}"]
+    return [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        f"--nproc_per_node={procs}",
+        "-m",
+        "sdnet_trainer",
+        f"+recipe={args.recipe}",
+        f"loop.max_steps={args.steps}",
+        "loop.max_epochs=null",
+        f"loop.micro_batch_size={args.micro_batch}",
+        f"loop.global_batch_size={procs * args.micro_batch}",
+        "loop.grad_accum_steps=1",
+        "loop.eval_at_end=false",
+        "loop.eval_every_n_steps=null",
+        "loop.eval_at_epoch_end=false",
+        "checkpoint.save_on_exit=false",
+        "checkpoint.resume=none",
+        "logging.progress_bar=off",
+        *args.override,
+        f"hydra.run.dir={run_dir}",
+    ]
 
 
 def throughput(run_dir: Path) -> float:
     """``summary/samples_per_s`` from the run's metrics.jsonl (written once, at the end)."""
-    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines() if line.strip()]
+    rows = [
+        json.loads(line)
+        for line in (run_dir / "metrics.jsonl").read_text().splitlines()
+        if line.strip()
+    ]
     values = [row["summary/samples_per_s"] for row in rows if "summary/samples_per_s" in row]
     if not values:
         raise LaunchError(f"{run_dir}/metrics.jsonl has no summary/samples_per_s")
@@ -82,8 +119,10 @@ def throughput(run_dir: Path) -> float:
 def table(rows: list[dict]) -> str:
     lines = [f"{'procs':>5}{'samples/s':>12}{'speedup':>9}{'ideal':>7}{'efficiency':>12}"]
     for r in rows:
-        lines.append(f"{r['procs']:>5}{r['samples_per_s']:>12.1f}{r['speedup']:>9.3f}{r['ideal']:>7}"
-                     f"{r['efficiency']:>12.3f}")
+        lines.append(
+            f"{r['procs']:>5}{r['samples_per_s']:>12.1f}{r['speedup']:>9.3f}{r['ideal']:>7}"
+            f"{r['efficiency']:>12.3f}"
+        )
     return "\n".join(lines)
 
 
@@ -101,8 +140,12 @@ def plot(rows: list[dict], path: Path, title: str) -> bool:
     ax.plot(procs, procs, "--", color="grey", label="ideal")
     ax.plot(procs, [r["speedup"] for r in rows], "o-", label="measured")
     for r in rows:
-        ax.annotate(f"{r['efficiency']:.0%}", (r["procs"], r["speedup"]), textcoords="offset points",
-                    xytext=(4, -12))
+        ax.annotate(
+            f"{r['efficiency']:.0%}",
+            (r["procs"], r["speedup"]),
+            textcoords="offset points",
+            xytext=(4, -12),
+        )
     ax.set_xlabel("processes")
     ax.set_ylabel("speedup (samples/s over 1 process)")
     ax.set_xticks(procs)
@@ -118,26 +161,45 @@ def main() -> int:
     args = parse_args()
     out = (args.out or Path(tempfile.mkdtemp(prefix="scaling_"))).resolve()
     out.mkdir(parents=True, exist_ok=True)
-    print(f"scaling: +recipe={args.recipe}, 1..{args.max_procs} processes, {args.steps} steps, "
-          f"{args.micro_batch} samples per rank per step; output in {out}", flush=True)
-    os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))
+    print(
+        f"scaling: +recipe={args.recipe}, 1..{args.max_procs} processes, {args.steps} steps, "
+        f"{args.micro_batch} samples per rank per step; output in {out}",
+        flush=True,
+    )
+    os.environ["PYTHONPATH"] = os.pathsep.join(
+        filter(None, [str(REPO), os.environ.get("PYTHONPATH")])
+    )
     rows: list[dict] = []
     for procs in range(1, args.max_procs + 1):
         run_dir = out / f"procs{procs}"
         try:
-            seconds, other = timed_launch(command(args, procs, run_dir), out / f"procs{procs}.log", args.timeout)
+            seconds, other = timed_launch(
+                command(args, procs, run_dir), out / f"procs{procs}.log", args.timeout
+            )
             rate = throughput(run_dir)
         except LaunchError as err:
             print(f"scaling: launch failed: {err}", file=sys.stderr)
             return 1
         base = rows[0]["samples_per_s"] if rows else rate
-        rows.append({"procs": procs, "samples_per_s": rate, "speedup": rate / base, "ideal": procs,
-                     "efficiency": rate / base / procs})
+        rows.append(
+            {
+                "procs": procs,
+                "samples_per_s": rate,
+                "speedup": rate / base,
+                "ideal": procs,
+                "efficiency": rate / base / procs,
+            }
+        )
         load = f", other processes used {other:.2f} cores" if other is not None else ""
-        print(f"  {procs} process(es): {rate:.1f} samples/s ({seconds:.0f} s launch{load})", flush=True)
+        print(
+            f"  {procs} process(es): {rate:.1f} samples/s ({seconds:.0f} s launch{load})",
+            flush=True,
+        )
 
     with open(out / "scaling.csv", "w", newline="") as f:
-        writer = csv.DictWriter(f, fieldnames=["procs", "samples_per_s", "speedup", "ideal", "efficiency"])
+        writer = csv.DictWriter(
+            f, fieldnames=["procs", "samples_per_s", "speedup", "ideal", "efficiency"]
+        )
         writer.writeheader()
         writer.writerows(rows)
     print()

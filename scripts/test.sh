@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# Install the project with its test extras into ./.venv (created if missing) and run the tests.
+# Install the project with its test extras into ./.venv (created if missing), check lint, format
+# and types (ruff, mypy; settings in pyproject.toml), and run the tests.
 #   bash scripts/test.sh            # the whole suite: unit, distributed (gloo), end-to-end CLI
 #   bash scripts/test.sh -k ddp     # extra arguments go to pytest
 set -euo pipefail
@@ -9,6 +10,10 @@ if [ ! -x .venv/bin/python ]; then
     "$PYTHON" -m venv .venv
 fi
 .venv/bin/python -m pip install --quiet -e '.[test]'
+# Lint, formatting and types first: seconds, and a failure names the file and line.
+.venv/bin/ruff check .
+.venv/bin/ruff format --check .
+.venv/bin/mypy
 # One thread per process: the distributed tests run 2 processes on small machines.
 export OMP_NUM_THREADS=1
 exec .venv/bin/python -m pytest -q "$@"

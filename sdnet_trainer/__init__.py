@@ -4,7 +4,17 @@ from sdnet_trainer.cli import launch
 from sdnet_trainer.config import Config, compose
 from sdnet_trainer.errors import ConfigError
 from sdnet_trainer.hooks import HookBase
+from sdnet_trainer.state import RunState, StepResult
 from sdnet_trainer.trainer import Trainer
 
-__all__ = ["Config", "ConfigError", "HookBase", "Trainer", "compose", "launch"]
+__all__ = [
+    "Config",
+    "ConfigError",
+    "HookBase",
+    "RunState",
+    "StepResult",
+    "Trainer",
+    "compose",
+    "launch",
+]
 __version__ = "0.1.0"

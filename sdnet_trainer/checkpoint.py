@@ -1,11 +1,12 @@
-"""Checkpoints: torch.distributed.checkpoint (DCP) shards in one folder per step, committed atomically.
+"""Checkpoints: torch.distributed.checkpoint (DCP) shards in one folder per step, committed
+atomically.
 
 Layout of the checkpoint directory::
 
-    step_00000042/            a committed checkpoint: DCP's .metadata and __<rank>_<n>.distcp shards,
-        manifest.json         plus this file, written last, listing every file and its size
-    .staging_step_00000043/   a save in progress (or the leftover of a crashed one); never listed
-    .trash_*                  a checkpoint being deleted or replaced; never listed
+    step_00000042/           a committed checkpoint: DCP's .metadata and __<rank>_<n>.distcp shards,
+        manifest.json        plus this file, written last, listing every file and its size
+    .staging_step_00000043/  a save in progress (or the leftover of a crashed one); never listed
+    .trash_*                 a checkpoint being deleted or replaced; never listed
 
 Every rank writes its own shard into the staging folder. DCP's save ends with a gather of all ranks'
 write results on rank 0, which then writes ``.metadata``; so once ``dcp.save`` returns on rank 0,
@@ -38,7 +39,7 @@ from dataclasses import dataclass, field, is_dataclass
 from enum import Enum
 from functools import cached_property
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import torch
 import torch.distributed as dist
@@ -60,9 +61,13 @@ def _single_process_quiet() -> Iterator[None]:
     """DCP warns on every single-process save and load that it "assumes" a single process; that
     is exactly the no_dist case this manager selects on purpose."""
     with warnings.catch_warnings():
-        warnings.filterwarnings("ignore", message="torch.distributed is disabled, unavailable or uninitialized",
-                                category=UserWarning)
+        warnings.filterwarnings(
+            "ignore",
+            message="torch.distributed is disabled, unavailable or uninitialized",
+            category=UserWarning,
+        )
         yield
+
 
 MANIFEST = "manifest.json"
 FORMAT_VERSION = 1
@@ -102,10 +107,17 @@ class CheckpointManager:
     """Owns one checkpoint directory. Every rank constructs one and calls ``save``, ``load`` and
     ``resolve_resume`` collectively (same order on every rank); only rank 0 commits and deletes."""
 
-    def __init__(self, directory: str | Path, *, keep_last: int, async_save: bool, rank: int,
-                 world_size: int, process_group: dist.ProcessGroup | None = None) -> None:
-        if keep_last < 1:
-            raise ConfigError(f"checkpoint.keep_last must be at least 1, got {keep_last}")
+    def __init__(
+        self,
+        directory: str | Path,
+        *,
+        keep_last: int,
+        async_save: bool,
+        rank: int,
+        world_size: int,
+        process_group: dist.ProcessGroup | None = None,
+    ) -> None:
+        assert keep_last >= 1, "checkpoint.keep_last is checked before launch"
         self.directory = Path(directory).absolute()
         self.keep_last = keep_last
         self.async_save = async_save
@@ -120,21 +132,29 @@ class CheckpointManager:
     def _check_rank(self, rank: int, world_size: int) -> None:
         actual = (dist.get_rank(), dist.get_world_size()) if self._distributed else (0, 1)
         if (rank, world_size) != actual:
-            raise ValueError(f"CheckpointManager got rank {rank} of {world_size}, but the process "
-                             f"group says rank {actual[0]} of {actual[1]}")
+            raise ValueError(
+                f"CheckpointManager got rank {rank} of {world_size}, but the process "
+                f"group says rank {actual[0]} of {actual[1]}"
+            )
 
-    def _checkpoint_group(self, group: dist.ProcessGroup | None) -> tuple[dist.ProcessGroup | None, bool]:
+    def _checkpoint_group(
+        self, group: dist.ProcessGroup | None
+    ) -> tuple[dist.ProcessGroup | None, bool]:
         if group is not None or not self._distributed:
             return group, False
         # A group of its own, as DCP recommends: async saves run collectives from a background
         # thread, which must never interleave with the training loop's collectives. gloo, because
         # async save needs a CPU backend and the collectives only carry small pickled plans.
         # new_group is collective: every rank must construct the manager at the same point.
-        return dist.new_group(backend="gloo"), True
+        own = dist.new_group(backend="gloo")
+        # Every rank joins (no ``ranks`` given), so this rank is a member and gets a real group.
+        return cast(dist.ProcessGroup, own), True
 
     # ------------------------------------------------------------------ saving
 
-    def save(self, step: int, state_dict: dict[str, Any], *, meta: dict[str, Any] | None = None) -> None:
+    def save(
+        self, step: int, state_dict: dict[str, Any], *, meta: dict[str, Any] | None = None
+    ) -> None:
         """Save ``state_dict`` (collective) as the checkpoint of ``step``.
 
         Sync: returns once written and, on rank 0, committed. Async: returns once the state is
@@ -155,21 +175,31 @@ class CheckpointManager:
         save = dcp.async_save if self.async_save else dcp.save
         try:
             with _single_process_quiet():
-                response = save(state_dict, storage_writer=writer, process_group=self._group,
-                                no_dist=not self._distributed)
+                response = save(
+                    state_dict,
+                    storage_writer=writer,
+                    process_group=self._group,
+                    no_dist=not self._distributed,
+                )
         except (Exception, CheckpointException) as exc:
-            what = f"stage step {step} for saving" if self.async_save else f"save step {step} to {staging}"
+            what = (
+                f"stage step {step} for saving"
+                if self.async_save
+                else f"save step {step} to {staging}"
+            )
             raise CheckpointError(f"cannot {what}: {_describe(exc)}") from exc
         if not self.async_save:
             if self.rank == 0:
+                assert isinstance(response, Metadata)  # what dcp.save returns
                 self._commit(step, staging, response, meta=meta, started=started)
             return
         upload = response.upload_completion if isinstance(response, AsyncSaveResponse) else response
         logger.debug("checkpoint step %d staged in %.2f s", step, time.monotonic() - started)
         self._pending = self._after_upload(upload, step, staging, meta=meta, started=started)
 
-    def _after_upload(self, upload: Future, step: int, staging: Path, *, meta: dict[str, Any],
-                      started: float) -> Future[None]:
+    def _after_upload(
+        self, upload: Future, step: int, staging: Path, *, meta: dict[str, Any], started: float
+    ) -> Future[None]:
         """A future that completes once ``upload`` has and, on rank 0, the commit too."""
         done: Future[None] = Future()
 
@@ -180,7 +210,9 @@ class CheckpointManager:
                 try:
                     metadata = upload.result()
                 except (Exception, CheckpointException) as exc:
-                    raise CheckpointError(f"cannot save step {step} to {staging}: {_describe(exc)}") from exc
+                    raise CheckpointError(
+                        f"cannot save step {step} to {staging}: {_describe(exc)}"
+                    ) from exc
                 if self.rank == 0:
                     self._commit(step, staging, metadata, meta=meta, started=started)
             except BaseException as exc:  # noqa: BLE001 - handed over to wait(), never dropped
@@ -198,31 +230,47 @@ class CheckpointManager:
         if pending is not None:
             pending.result()
 
-    def _commit(self, step: int, staging: Path, metadata: Metadata, *, meta: dict[str, Any],
-                started: float) -> Checkpoint:
+    def _commit(
+        self, step: int, staging: Path, metadata: Metadata, *, meta: dict[str, Any], started: float
+    ) -> Checkpoint:
         """Rank 0, after DCP's save returned: manifest, atomic rename, then pruning."""
         files = _written_files(staging, metadata)
-        manifest = {"format_version": FORMAT_VERSION, "step": step, "world_size": self.world_size,
-                    "created": time.time(), "meta": meta,
-                    "files": [{"name": name, "bytes": size} for name, size in sorted(files.items())]}
+        manifest = {
+            "format_version": FORMAT_VERSION,
+            "step": step,
+            "world_size": self.world_size,
+            "created": time.time(),
+            "meta": meta,
+            "files": [{"name": name, "bytes": size} for name, size in sorted(files.items())],
+        }
         _write_json_atomic(staging / MANIFEST, manifest)
         final = self.directory / _step_name(step)
         _replace_dir(staging, final)
         _fsync_dir(self.directory)
-        logger.info("checkpoint step %d saved to %s (%.1f MB, %.2f s)", step, final,
-                    sum(files.values()) / 2**20, time.monotonic() - started)
+        logger.info(
+            "checkpoint step %d saved to %s (%.1f MB, %.2f s)",
+            step,
+            final,
+            sum(files.values()) / 2**20,
+            time.monotonic() - started,
+        )
         self._prune(committed=step)
         return Checkpoint(path=final, step=step, world_size=self.world_size, meta=meta)
 
     def _prune(self, *, committed: int) -> None:
         """Delete checkpoints beyond keep_last (oldest first, never the one just committed), staging
         folders of crashed earlier saves and interrupted deletions."""
-        kept = self.checkpoints()[-self.keep_last:]
+        kept = self.checkpoints()[-self.keep_last :]
         oldest_kept = min([c.step for c in kept] + [committed])
         newer = [c.step for c in kept if c.step > committed]
         if newer:
-            logger.warning("checkpoint directory %s holds steps %s after the just saved step %d (from "
-                           "another run?); resume=auto will pick them", self.directory, newer, committed)
+            logger.warning(
+                "checkpoint directory %s holds steps %s after the just saved step %d (from "
+                "another run?); resume=auto will pick them",
+                self.directory,
+                newer,
+                committed,
+            )
         for path in sorted(self.directory.iterdir()):
             if path.is_dir() and _is_stale(path.name, oldest_kept=oldest_kept, committed=committed):
                 logger.info("deleting old checkpoint folder %s", path)
@@ -233,7 +281,7 @@ class CheckpointManager:
     def checkpoints(self) -> list[Checkpoint]:
         """Committed, valid checkpoints, oldest first; invalid ones are skipped with a warning."""
         found = []
-        for step, path in sorted(_step_dirs(self.directory)):
+        for _step, path in sorted(_step_dirs(self.directory)):
             try:
                 found.append(read_checkpoint(path))
             except CheckpointError as exc:
@@ -246,7 +294,7 @@ class CheckpointManager:
 
     def resolve_resume(self, resume: str) -> Checkpoint | None:
         """``checkpoint.resume`` to a checkpoint: ``none`` -> None, ``auto`` -> the newest valid one
-        (None if there is none), anything else a checkpoint folder that must be valid.
+        (None if there is none), anything else a path (``find_checkpoint``).
 
         Collective: rank 0 decides and the other ranks follow, so all of them load the same one."""
         self.wait()  # the broadcast below shares the group with a background save
@@ -266,17 +314,7 @@ class CheckpointManager:
             return None
         if resume == "auto":
             return self.latest()
-        path = Path(resume).expanduser().resolve()
-        if not path.exists():
-            raise ConfigError(f"checkpoint.resume={resume!r}: {path} does not exist")
-        try:
-            return read_checkpoint(path)
-        except CheckpointError as exc:
-            if not (path / MANIFEST).exists() and any(_step_dirs(path)):
-                exc = CheckpointError("it is a checkpoint directory, not a checkpoint: name one of its "
-                                      "step_* folders, or use checkpoint.resume=auto")
-            raise ConfigError(f"checkpoint.resume={resume!r}: {path} is not a usable checkpoint: "
-                              f"{exc}") from None
+        return find_checkpoint(resume, key="checkpoint.resume")
 
     def _from_rank0(self, obj: Any) -> Any:
         if not self._distributed:
@@ -289,27 +327,40 @@ class CheckpointManager:
 
     # ------------------------------------------------------------------ loading
 
-    def load(self, checkpoint: Checkpoint, state_dict: dict[str, Any], *,
-             optional_keys: Iterable[str] = ()) -> None:
-        """Load ``checkpoint`` into ``state_dict`` in place (collective): tensors are copied into the
-        existing tensors, other values replaced. Any key of ``state_dict`` that the checkpoint lacks
-        is an error, except the ``optional_keys`` (left untouched: e.g. ``rng/rank3`` after a run
-        is resumed on more ranks). The state is resharded to this world size."""
+    def load(
+        self,
+        checkpoint: Checkpoint,
+        state_dict: dict[str, Any],
+        *,
+        optional_keys: Iterable[str] = (),
+    ) -> None:
+        """Load ``checkpoint`` into ``state_dict`` in place (collective): tensors are copied into
+        the existing tensors, other values replaced. Any key of ``state_dict`` that the checkpoint
+        lacks is an error, except the ``optional_keys`` (left untouched: e.g. ``rng/rank3`` after a
+        run is resumed on more ranks). The state is resharded to this world size."""
         self.wait()  # a background save shares the group
         request = dict(state_dict)
         for key in optional_keys:
             if key in request and not checkpoint.has_key(key):
-                logger.info("checkpoint %s has no %r; keeping its current value", checkpoint.path, key)
+                logger.info(
+                    "checkpoint %s has no %r; keeping its current value", checkpoint.path, key
+                )
                 del request[key]
         try:
             # Missing keys fail inside DCP's planning step, which reports them on every rank: a
             # check here that raised on one rank only would leave the others waiting.
             with _single_process_quiet():
-                dcp.load(request, storage_reader=SafeFileSystemReader(checkpoint.path),
-                         planner=SafeLoadPlanner(), process_group=self._group,
-                         no_dist=not self._distributed)
+                dcp.load(
+                    request,
+                    storage_reader=SafeFileSystemReader(checkpoint.path),
+                    planner=SafeLoadPlanner(),
+                    process_group=self._group,
+                    no_dist=not self._distributed,
+                )
         except (Exception, CheckpointException) as exc:
-            raise CheckpointError(f"cannot load checkpoint {checkpoint.path}: {_describe(exc)}") from exc
+            raise CheckpointError(
+                f"cannot load checkpoint {checkpoint.path}: {_describe(exc)}"
+            ) from exc
         # DCP replaces non-tensor top-level values in the dict it was given: copy them back.
         state_dict.update(request)
 
@@ -327,7 +378,9 @@ def _describe(exc: BaseException) -> str:
     """One line per failed rank instead of DCP's CheckpointException, which lists tracebacks (they
     stay available through ``raise ... from``)."""
     if isinstance(exc, CheckpointException):
-        return "; ".join(f"rank {rank}: {type(e).__name__}: {e}" for rank, (e, _) in exc.failures.items())
+        return "; ".join(
+            f"rank {rank}: {type(e).__name__}: {e}" for rank, (e, _) in exc.failures.items()
+        )
     return f"{type(exc).__name__}: {exc}"
 
 
@@ -341,11 +394,54 @@ def read_checkpoint(path: str | Path) -> Checkpoint:
     manifest = _read_manifest(path)
     name_step = _STEP_DIR.match(path.name)
     if name_step and int(name_step[1]) != manifest["step"]:
-        raise CheckpointError(f"the folder name says step {int(name_step[1])}, {MANIFEST} says "
-                              f"step {manifest['step']}")
+        raise CheckpointError(
+            f"the folder name says step {int(name_step[1])}, {MANIFEST} says "
+            f"step {manifest['step']}"
+        )
     _check_files(path, manifest["files"])
-    return Checkpoint(path=path, step=manifest["step"], world_size=manifest["world_size"],
-                      meta=manifest["meta"])
+    return Checkpoint(
+        path=path, step=manifest["step"], world_size=manifest["world_size"], meta=manifest["meta"]
+    )
+
+
+def find_checkpoint(value: str | Path, *, key: str) -> Checkpoint:
+    """The checkpoint a user named by path (``key`` says where: checkpoint.resume, export's
+    checkpoint=), for resume and export alike: a step_* folder must be a valid checkpoint; a
+    checkpoint directory stands for its newest valid one, invalid ones skipped with the reason."""
+    path = Path(value).expanduser().resolve()
+    if not path.exists():
+        raise ConfigError(f"{key}={str(value)!r}: {path} does not exist")
+    steps = sorted(_step_dirs(path), reverse=True)
+    if steps and not (path / MANIFEST).exists():
+        reasons = []
+        for _, candidate in steps:
+            try:
+                checkpoint = read_checkpoint(candidate)
+            except CheckpointError as err:
+                logger.warning("skipping checkpoint %s: %s", candidate, err)
+                reasons.append(f"{candidate.name}: {err}")
+                continue
+            logger.info(
+                "%s=%s is a checkpoint directory: using its newest checkpoint, %s",
+                key,
+                path,
+                candidate.name,
+            )
+            return checkpoint
+        raise ConfigError(
+            f"{key}={str(value)!r}: {path} holds no usable checkpoint ({'; '.join(reasons)})"
+        )
+    try:
+        return read_checkpoint(path)
+    except CheckpointError as err:
+        hint = (
+            f"; a run's checkpoints are in {path / 'checkpoints'}"
+            if (path / "checkpoints").is_dir()
+            else ""
+        )
+        raise ConfigError(
+            f"{key}={str(value)!r}: {path} is not a usable checkpoint: {err}{hint}"
+        ) from None
 
 
 def _read_manifest(path: Path) -> dict[str, Any]:
@@ -357,24 +453,36 @@ def _read_manifest(path: Path) -> dict[str, Any]:
         raise CheckpointError(f"no {MANIFEST}: the save did not complete") from None
     except (OSError, ValueError) as exc:
         raise CheckpointError(f"unreadable {MANIFEST}: {exc}") from None
-    expected = {"format_version": int, "step": int, "world_size": int, "created": (int, float),
-                "meta": dict, "files": list}
+    expected: dict[str, type | tuple[type, ...]] = {
+        "format_version": int,
+        "step": int,
+        "world_size": int,
+        "created": (int, float),
+        "meta": dict,
+        "files": list,
+    }
     if not isinstance(manifest, dict):
         raise CheckpointError(f"{MANIFEST} is not a JSON object")
     for key, kind in expected.items():
         if not isinstance(manifest.get(key), kind):
             raise CheckpointError(f"{MANIFEST} lacks a valid {key!r}")
     if manifest["format_version"] != FORMAT_VERSION:
-        raise CheckpointError(f"{MANIFEST} has format version {manifest['format_version']}, "
-                              f"this version reads {FORMAT_VERSION}")
+        raise CheckpointError(
+            f"{MANIFEST} has format version {manifest['format_version']}, "
+            f"this version reads {FORMAT_VERSION}"
+        )
     return manifest
 
 
 def _check_files(path: Path, files: list[Any]) -> None:
     listed = {}
     for entry in files:
-        if not (isinstance(entry, dict) and isinstance(entry.get("name"), str)
-                and isinstance(entry.get("bytes"), int) and "/" not in entry["name"]):
+        if not (
+            isinstance(entry, dict)
+            and isinstance(entry.get("name"), str)
+            and isinstance(entry.get("bytes"), int)
+            and "/" not in entry["name"]
+        ):
             raise CheckpointError(f"{MANIFEST} has a malformed file entry: {entry!r}")
         listed[entry["name"]] = entry["bytes"]
     if DCP_METADATA not in listed:
@@ -385,8 +493,9 @@ def _check_files(path: Path, files: list[Any]) -> None:
         except FileNotFoundError:
             raise CheckpointError(f"{name} is missing") from None
         if actual != size:
-            raise CheckpointError(f"{name} is {actual} bytes, {MANIFEST} says {size} (truncated or "
-                                  "overwritten)")
+            raise CheckpointError(
+                f"{name} is {actual} bytes, {MANIFEST} says {size} (truncated or overwritten)"
+            )
 
 
 # ---------------------------------------------------------------------- safe reading
@@ -402,8 +511,9 @@ class SafeLoadPlanner(DefaultLoadPlanner):
         try:
             obj = torch.load(value, weights_only=True)
         except pickle.UnpicklingError as exc:
-            raise CheckpointError(f"entry {fqn!r} is not plain data (refused to unpickle it): "
-                                  f"{exc}") from None
+            raise CheckpointError(
+                f"entry {fqn!r} is not plain data (refused to unpickle it): {exc}"
+            ) from None
         if self.flatten_state_dict:
             _set_path(self.original_state_dict, self.mappings[fqn], obj)
         else:
@@ -420,12 +530,17 @@ def _set_path(root: dict[str, Any], path: tuple[str | int, ...], value: Any) -> 
 
 
 class _MetadataUnpickler(pickle.Unpickler):
-    """Unpickles DCP's ``.metadata``, which holds only DCP's own dataclasses and enums, torch dtypes,
-    ``torch.Size`` and a path; every other global is refused."""
+    """Unpickles DCP's ``.metadata``, which holds only DCP's own dataclasses and enums, torch
+    dtypes, ``torch.Size`` and a path; every other global is refused."""
 
-    _ALLOWED = {("torch", "Size"), ("torch.serialization", "_get_layout"),
-                ("pathlib", "Path"), ("pathlib", "PosixPath"), ("pathlib", "WindowsPath"),
-                ("collections", "OrderedDict")}
+    _ALLOWED = {
+        ("torch", "Size"),
+        ("torch.serialization", "_get_layout"),
+        ("pathlib", "Path"),
+        ("pathlib", "PosixPath"),
+        ("pathlib", "WindowsPath"),
+        ("collections", "OrderedDict"),
+    }
 
     def find_class(self, module: str, name: str) -> Any:
         if (module, name) in self._ALLOWED:
@@ -446,6 +561,7 @@ class SafeFileSystemReader(FileSystemReader):
         if kwargs.get("rank") is not None:  # per-rank metadata: only written without collectives
             raise CheckpointError(f"{self.path} has no {DCP_METADATA}")
         metadata = _read_dcp_metadata(Path(self.path))
+        assert metadata.storage_meta is not None  # _read_dcp_metadata fills it in
         metadata.storage_meta.load_id = self.load_id
         return metadata
 
@@ -484,7 +600,9 @@ def _written_files(staging: Path, metadata: Metadata) -> dict[str, int]:
     than a directory listing, which a network filesystem may serve stale to rank 0."""
     needed = {DCP_METADATA: 1}
     for info in metadata.storage_data.values():  # FileSystemWriter: where each item's bytes are
-        needed[info.relative_path] = max(needed.get(info.relative_path, 0), info.offset + info.length)
+        needed[info.relative_path] = max(
+            needed.get(info.relative_path, 0), info.offset + info.length
+        )
     files = {}
     for name, minimum in needed.items():
         try:
@@ -492,8 +610,10 @@ def _written_files(staging: Path, metadata: Metadata) -> dict[str, int]:
         except FileNotFoundError:
             raise CheckpointError(f"DCP's save finished but {staging / name} is missing") from None
         if files[name] < minimum:
-            raise CheckpointError(f"DCP's save finished but {staging / name} holds {files[name]} "
-                                  f"bytes, fewer than the {minimum} it wrote there")
+            raise CheckpointError(
+                f"DCP's save finished but {staging / name} holds {files[name]} "
+                f"bytes, fewer than the {minimum} it wrote there"
+            )
     return files
 
 

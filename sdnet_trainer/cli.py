@@ -18,18 +18,18 @@ from pathlib import Path
 
 import hydra
 from hydra.core.hydra_config import HydraConfig
-from hydra.utils import get_class
 from omegaconf import DictConfig
 from omegaconf.errors import MissingMandatoryValue, OmegaConfBaseException
 
-from sdnet_trainer.config import CONFIG_MODULE, Config, to_config, validate
+from sdnet_trainer.config import CONFIG_MODULE, Config, to_config
 from sdnet_trainer.distributed import distributed_session, launched_world_size
 from sdnet_trainer.distributed.launchers import export_scheduler_env
 from sdnet_trainer.distributed.ops import all_gather_objects
 from sdnet_trainer.errors import ConfigError
 from sdnet_trainer.health import EXIT_NONFINITE, NonFiniteError
 from sdnet_trainer.observability import setup_logging
-from sdnet_trainer.trainer import Trainer
+from sdnet_trainer.preflight import validate
+from sdnet_trainer.trainer import Trainer, resolve_trainer_class
 
 logger = logging.getLogger("sdnet_trainer")
 
@@ -46,10 +46,12 @@ def run(cfg: DictConfig, trainer_cls: type[Trainer] | None = None) -> dict[str, 
     output_dir = Path(HydraConfig.get().runtime.output_dir)
     rank = int(os.environ.get("RANK", "0"))
     level = str(cfg.logging.level) if "logging" in cfg else "INFO"
-    setup_logging(output_dir, rank=rank, level=level if level.upper() in logging._nameToLevel else "INFO")
+    setup_logging(
+        output_dir, rank=rank, level=level if level.upper() in logging._nameToLevel else "INFO"
+    )
     try:
         config = _validated(cfg)
-        cls = trainer_cls or import_trainer_class(config.trainer._target_)
+        cls = trainer_cls or resolve_trainer_class(config.trainer._target_)
         with distributed_session(config.dist) as env:
             _check_same_output_dir(output_dir)
             trainer = cls(config, output_dir=output_dir, env=env)
@@ -81,29 +83,24 @@ def _validated(cfg: DictConfig) -> Config:
     try:
         config = to_config(cfg)
     except MissingMandatoryValue as err:
-        raise ConfigError(f"{err.full_key} must be set (it has no default in this config)") from None
+        raise ConfigError(
+            f"{err.full_key} must be set (it has no default in this config)"
+        ) from None
     except OmegaConfBaseException as err:  # a bad interpolation or a value the schema rejects
-        raise ConfigError(str(err).splitlines()[0] + f" (key {getattr(err, 'full_key', '?')})") from None
+        raise ConfigError(
+            str(err).splitlines()[0] + f" (key {getattr(err, 'full_key', '?')})"
+        ) from None
     validate(config, world_size=launched_world_size())
     return config
-
-
-def import_trainer_class(target: str, *, key: str = "trainer._target_") -> type[Trainer]:
-    """The Trainer (sub)class named by the dotted path ``target``; ``key`` names its source in errors."""
-    try:
-        cls = get_class(target)
-    except Exception as err:  # hydra wraps import failures in several exception types
-        raise ConfigError(f"{key}={target!r} cannot be imported: {err}") from None
-    if not (isinstance(cls, type) and issubclass(cls, Trainer)):
-        raise ConfigError(f"{key}={target!r} is not a subclass of sdnet_trainer.Trainer")
-    return cls
 
 
 def _check_same_output_dir(output_dir: Path) -> None:
     dirs = all_gather_objects(str(output_dir))
     if len(set(dirs)) > 1:
-        raise ConfigError(f"ranks resolved different run directories ({sorted(set(dirs))}); on several "
-                          f"nodes pass the same run.id (or SDNET_RUN_ID) to every node")
+        raise ConfigError(
+            f"ranks resolved different run directories ({sorted(set(dirs))}); on several "
+            f"nodes pass the same run.id (or SDNET_RUN_ID) to every node"
+        )
 
 
 @hydra.main(version_base=None, config_path=f"pkg://{CONFIG_MODULE}", config_name="config")
@@ -119,8 +116,8 @@ def main() -> None:
 def launch(trainer_cls: type[Trainer]) -> None:
     """Run the CLI with ``trainer_cls``: the entry point of a user script.
 
-        if __name__ == "__main__":
-            sdnet_trainer.launch(MyTrainer)   # torchrun --nproc_per_node=2 my_train.py +recipe=...
+    if __name__ == "__main__":
+        sdnet_trainer.launch(MyTrainer)   # torchrun --nproc_per_node=2 my_train.py +recipe=...
     """
 
     @hydra.main(version_base=None, config_path=f"pkg://{CONFIG_MODULE}", config_name="config")

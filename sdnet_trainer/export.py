@@ -1,6 +1,8 @@
-"""Export a checkpoint's model as files that other tools load without this package's training code.
+r"""Export a checkpoint's model as files that other tools load without this package's training
+code.
 
-    python -m sdnet_trainer.export checkpoint=outputs/quickstart/RUN/checkpoints/step_00000300 format=all
+    python -m sdnet_trainer.export \
+        checkpoint=outputs/quickstart/RUN/checkpoints/step_00000300 format=all
 
 A checkpoint is a DCP folder of shards (one per rank that wrote it) holding model, optimizer and
 loop state. What serving and inference tools want is the model alone, whole, in one file:
@@ -49,19 +51,18 @@ from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, fields
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any, Optional, cast
 
 import torch
 from omegaconf import MISSING, OmegaConf
 from omegaconf.errors import MissingMandatoryValue, OmegaConfBaseException
 from torch import nn
 
-from sdnet_trainer.checkpoint import MANIFEST, Checkpoint, CheckpointError, CheckpointManager, read_checkpoint
-from sdnet_trainer.cli import import_trainer_class
+from sdnet_trainer.checkpoint import Checkpoint, CheckpointError, CheckpointManager, find_checkpoint
 from sdnet_trainer.config import Config
-from sdnet_trainer.distributed import DistEnv
+from sdnet_trainer.data import LM_DATASETS
 from sdnet_trainer.errors import ConfigError
-from sdnet_trainer.trainer import Trainer
+from sdnet_trainer.trainer import Trainer, resolve_trainer_class
 
 logger = logging.getLogger("sdnet_trainer.export")  # also when run as __main__
 
@@ -69,15 +70,17 @@ EXIT_EXPORT_FAILED = 1
 EXIT_BAD_INPUT = 2
 
 FORMATS = ("pt", "safetensors", "onnx", "torch_export")
-FILES = {"pt": "model.pt", "safetensors": "model.safetensors", "onnx": "model.onnx",
-         "torch_export": "model.pt2"}
+FILES = {
+    "pt": "model.pt",
+    "safetensors": "model.safetensors",
+    "onnx": "model.onnx",
+    "torch_export": "model.pt2",
+}
 CONFIG_FILE = "config.yaml"
 # The optional packages each format imports; together they are the project's `export` extra.
 REQUIRES = {"safetensors": ("safetensors",), "onnx": ("onnx", "onnxscript", "onnxruntime")}
 EXTRA_HINT = "pip install 'sdnet_trainer[export]'"
 
-# data.name values whose samples are token ids (language models) rather than images.
-TOKEN_DATA = ("tokens", "text")
 # Two, not one: torch.export specialises a dimension whose example size is 1, so an example batch
 # of 1 could not be exported with a dynamic batch dimension.
 EXAMPLE_BATCH = 2
@@ -123,16 +126,29 @@ def parse_args(argv: Sequence[str]) -> ExportArgs:
     for arg in argv:
         key, eq, _ = arg.partition("=")
         if not eq:
-            raise ConfigError(f"argument {arg!r} is not key=value (e.g. checkpoint=PATH format=onnx)")
+            raise ConfigError(
+                f"argument {arg!r} is not key=value (e.g. checkpoint=PATH format=onnx)"
+            )
         if key not in known:
             close = difflib.get_close_matches(key, known, n=1)
             hint = f"; did you mean {close[0]}?" if close else ""
-            raise ConfigError(f"unknown key {key} in {arg!r}: the keys are {', '.join(known)}{hint}")
+            raise ConfigError(
+                f"unknown key {key} in {arg!r}: the keys are {', '.join(known)}{hint}"
+            )
     try:
-        args = OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(ExportArgs),
-                                                   OmegaConf.from_dotlist(list(argv))))
+        # to_object of a structured ExportArgs config is an ExportArgs instance.
+        args = cast(
+            ExportArgs,
+            OmegaConf.to_object(
+                OmegaConf.merge(
+                    OmegaConf.structured(ExportArgs), OmegaConf.from_dotlist(list(argv))
+                )
+            ),
+        )
     except MissingMandatoryValue:
-        raise ConfigError("checkpoint=PATH is required (a step_* folder of a run's checkpoints)") from None
+        raise ConfigError(
+            "checkpoint=PATH is required (a step_* folder of a run's checkpoints)"
+        ) from None
     except OmegaConfBaseException as err:  # a value of the wrong type
         key = getattr(err, "full_key", None) or "?"
         raise ConfigError(f"{key}: {str(err).splitlines()[0]}") from None
@@ -147,8 +163,10 @@ def formats(value: str) -> list[str]:
         names = set(FORMATS) | (names - {"all"})
     unknown = sorted(names - set(FORMATS))
     if unknown or not names:
-        raise ConfigError(f"format={value!r}: choose from {', '.join(FORMATS)}, all, or several joined "
-                          f"by commas" + (f" (unknown: {', '.join(unknown)})" if unknown else ""))
+        raise ConfigError(
+            f"format={value!r}: choose from {', '.join(FORMATS)}, all, or several joined "
+            f"by commas" + (f" (unknown: {', '.join(unknown)})" if unknown else "")
+        )
     return [name for name in FORMATS if name in names]
 
 
@@ -159,51 +177,33 @@ def require_modules(names: Sequence[str]) -> None:
             try:
                 importlib.import_module(module)
             except ImportError as err:
-                raise ConfigError(f"format={fmt} needs the Python module {module!r}, which cannot be "
-                                  f"imported ({err}): {EXTRA_HINT}") from None
+                raise ConfigError(
+                    f"format={fmt} needs the Python module {module!r}, which cannot be "
+                    f"imported ({err}): {EXTRA_HINT}"
+                ) from None
 
 
 # ---------------------------------------------------------------------- the checkpoint's model
-
-
-def find_checkpoint(path: str | Path) -> Checkpoint:
-    """The checkpoint at ``path``; a directory of step_* folders gives its newest valid one."""
-    path = Path(path).expanduser().resolve()
-    if not path.exists():
-        raise ConfigError(f"checkpoint={str(path)!r} does not exist")
-    steps = [p for p in sorted(path.glob("step_*"), reverse=True) if p.is_dir()]
-    if steps and not (path / MANIFEST).exists():
-        reasons = []
-        for candidate in steps:
-            try:
-                checkpoint = read_checkpoint(candidate)
-            except CheckpointError as err:
-                logger.warning("skipping %s: %s", candidate, err)
-                reasons.append(f"{candidate.name}: {err}")
-                continue
-            logger.info("checkpoint=%s is a checkpoint directory: exporting its newest, %s", path,
-                        candidate.name)
-            return checkpoint
-        raise ConfigError(f"checkpoint={str(path)!r} holds no usable checkpoint ({'; '.join(reasons)})")
-    try:
-        return read_checkpoint(path)
-    except CheckpointError as err:
-        hint = (f"; a run's checkpoints are in {path / 'checkpoints'}"
-                if (path / "checkpoints").is_dir() else "")
-        raise ConfigError(f"checkpoint={str(path)!r} is not a usable checkpoint: {err}{hint}") from None
 
 
 def training_config(checkpoint: Checkpoint) -> Config:
     """The typed training config the checkpoint was written with."""
     saved = checkpoint.meta.get("config")
     if not isinstance(saved, dict):
-        raise ConfigError(f"checkpoint={str(checkpoint.path)!r} holds no training config (its manifest's "
-                          f"meta has no 'config'): it predates exportable checkpoints")
+        raise ConfigError(
+            f"checkpoint={str(checkpoint.path)!r} holds no training config (its manifest's "
+            f"meta has no 'config'): it predates exportable checkpoints"
+        )
     try:
-        return OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(Config), saved))
+        # to_object of a structured Config is a Config instance.
+        return cast(
+            Config, OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(Config), saved))
+        )
     except OmegaConfBaseException as err:
-        raise ConfigError(f"checkpoint={str(checkpoint.path)!r}: its training config does not fit this "
-                          f"version's schema: {str(err).splitlines()[0]}") from None
+        raise ConfigError(
+            f"checkpoint={str(checkpoint.path)!r}: its training config does not fit this "
+            f"version's schema: {str(err).splitlines()[0]}"
+        ) from None
 
 
 def trainer_class(checkpoint: Checkpoint, cfg: Config, override: str | None) -> type[Trainer]:
@@ -215,17 +215,12 @@ def trainer_class(checkpoint: Checkpoint, cfg: Config, override: str | None) -> 
         # The config names the same class when the recipe sets trainer._target_.
         name = target.rpartition(".")[2]
         if cfg.trainer._target_.rpartition(".")[2] != name:
-            raise ConfigError(f"the checkpoint was written by {target}, a class of a script run directly; "
-                              f"name it by an importable dotted path: trainer=my_package.my_module.{name}")
+            raise ConfigError(
+                f"the checkpoint was written by {target}, a class of a script run directly; "
+                f"name it by an importable dotted path: trainer=my_package.my_module.{name}"
+            )
         target, key = cfg.trainer._target_, "the config's trainer._target_"
-    return import_trainer_class(target, key=key)
-
-
-def build_trainer(cls: type[Trainer], cfg: Config, checkpoint: Checkpoint, output_dir: Path) -> Trainer:
-    # The writer's world size: the config was validated for it (the batch split depends on it).
-    # Nothing is set up: no process group, no data, no optimizer; only build_model is called.
-    env = DistEnv(world_size=checkpoint.world_size)
-    return cls(cfg, output_dir=output_dir, env=env)
+    return resolve_trainer_class(target, key=key)
 
 
 def load_model(trainer: Trainer, checkpoint: Checkpoint) -> nn.Module:
@@ -234,15 +229,22 @@ def load_model(trainer: Trainer, checkpoint: Checkpoint) -> nn.Module:
     state = model.state_dict()
     # A tied weight (an embedding shared with the output layer) is one tensor under two names;
     # the checkpoint may hold it under one of them only.
-    request = {name: value for name, value in state.items()
-               if name not in _aliases(state) or checkpoint.has_key(f"model.{name}")}
-    manager = CheckpointManager(checkpoint.path.parent, keep_last=1, async_save=False, rank=0, world_size=1)
+    request = {
+        name: value
+        for name, value in state.items()
+        if name not in _aliases(state) or checkpoint.has_key(f"model.{name}")
+    }
+    manager = CheckpointManager(
+        checkpoint.path.parent, keep_last=1, async_save=False, rank=0, world_size=1
+    )
     try:
         # DCP fills these tensors in place, resharding whatever layout the writer used.
         manager.load(checkpoint, {"model": request})
     except CheckpointError as err:
-        raise ConfigError(f"checkpoint={str(checkpoint.path)!r} does not hold the weights of the model "
-                          f"{type(trainer).__name__}.build_model builds: {err}") from None
+        raise ConfigError(
+            f"checkpoint={str(checkpoint.path)!r} does not hold the weights of the model "
+            f"{type(trainer).__name__}.build_model builds: {err}"
+        ) from None
     finally:
         manager.close()
     model.load_state_dict(state, strict=True)
@@ -251,7 +253,7 @@ def load_model(trainer: Trainer, checkpoint: Checkpoint) -> nn.Module:
 
 def _aliases(state: dict[str, Any]) -> set[str]:
     """Names whose tensor shares its memory with a tensor listed earlier."""
-    seen: set[tuple[int, int, tuple[int, ...]]] = set()
+    seen: set[tuple[int, int | torch.SymInt, tuple[int, ...]]] = set()
     aliases = set()
     for name, value in state.items():
         if not isinstance(value, torch.Tensor) or value.numel() == 0:
@@ -278,23 +280,28 @@ def example_inputs(trainer: Trainer) -> tuple[torch.Tensor, ...]:
         return _from_dataset(trainer)
     data = trainer.cfg.data
     g = torch.Generator().manual_seed(0)
-    if data.name in TOKEN_DATA:
+    if data.name in LM_DATASETS:
         return (torch.randint(0, data.vocab_size, (EXAMPLE_BATCH, data.seq_len), generator=g),)
-    return (torch.randn(EXAMPLE_BATCH, data.channels, data.image_size, data.image_size, generator=g),)
+    return (
+        torch.randn(EXAMPLE_BATCH, data.channels, data.image_size, data.image_size, generator=g),
+    )
 
 
 def _from_dataset(trainer: Trainer) -> tuple[torch.Tensor, ...]:
     train, val = trainer.build_datasets()
-    dataset = val if val is not None and len(val) else train
-    samples = [dataset[i % len(dataset)] for i in range(EXAMPLE_BATCH)]
+    # Map-style datasets (build_datasets' contract) have a length; torch's Dataset type omits it.
+    dataset = val if val is not None and len(val) else train  # type: ignore[arg-type]
+    samples = [dataset[i % len(dataset)] for i in range(EXAMPLE_BATCH)]  # type: ignore[arg-type]
     first = samples[0]
     if isinstance(first, torch.Tensor):
         return (torch.stack(samples),)
     if isinstance(first, (tuple, list)) and isinstance(first[0], torch.Tensor):
         return (torch.stack([s[0] for s in samples]),)  # (inputs, targets, ...): the inputs
-    raise ConfigError(f"{type(trainer).__name__}: cannot tell the model's input from a dataset sample of "
-                      f"type {type(first).__name__}; define {type(trainer).__name__}.example_input() "
-                      f"returning an example batch")
+    raise ConfigError(
+        f"{type(trainer).__name__}: cannot tell the model's input from a dataset sample of "
+        f"type {type(first).__name__}; define {type(trainer).__name__}.example_input() "
+        f"returning an example batch"
+    )
 
 
 # ---------------------------------------------------------------------- writers
@@ -312,8 +319,10 @@ def write_safetensors(model: nn.Module, path: Path) -> None:
     storages = set()
     for name, value in model.state_dict().items():
         if not isinstance(value, torch.Tensor):
-            raise ExportError(f"format=safetensors: state dict entry {name!r} is a {type(value).__name__}, "
-                              f"not a tensor; safetensors stores tensors only")
+            raise ExportError(
+                f"format=safetensors: state dict entry {name!r} is a {type(value).__name__}, "
+                f"not a tensor; safetensors stores tensors only"
+            )
         value = value.detach().cpu().contiguous()
         # safetensors refuses tensors that share memory (a tied weight, views into one fused
         # buffer): each later one is written as a copy of its own.
@@ -323,28 +332,46 @@ def write_safetensors(model: nn.Module, path: Path) -> None:
     save_file(tensors, str(path), metadata={"format": "pt"})
 
 
-def write_onnx(model: nn.Module, inputs: tuple[torch.Tensor, ...], path: Path, *, opset: int | None) -> float:
+def write_onnx(
+    model: nn.Module, inputs: tuple[torch.Tensor, ...], path: Path, *, opset: int | None
+) -> float:
     """Export with torch's ONNX exporter, then run the file in onnxruntime on ``inputs``; returns
     the largest absolute difference to the PyTorch outputs."""
     import onnxruntime
 
     def export(dynamic_shapes: Any) -> None:
-        kwargs = {"opset_version": opset} if opset is not None else {}
-        torch.onnx.export(model, inputs, str(path), dynamo=True, dynamic_shapes=dynamic_shapes,
-                          external_data=_needs_external_data(model), verbose=False, **kwargs)
+        torch.onnx.export(
+            model,
+            inputs,
+            str(path),
+            opset_version=opset,  # None: the exporter's default
+            dynamo=True,
+            dynamic_shapes=dynamic_shapes,
+            external_data=_needs_external_data(model),
+            verbose=False,
+        )
 
     _with_dynamic_batch(export, inputs, "onnx")
     if opset is not None and (written := _onnx_opset(path)) != opset:
-        logger.warning("format=onnx: opset=%d was asked for, the exporter wrote opset %s: it could not "
-                       "convert this model to opset %d", opset, written, opset)
+        logger.warning(
+            "format=onnx: opset=%d was asked for, the exporter wrote opset %s: it could not "
+            "convert this model to opset %d",
+            opset,
+            written,
+            opset,
+        )
     options = onnxruntime.SessionOptions()
     options.log_severity_level = 3  # errors only: onnxruntime warns about unused initializers
     try:
-        session = onnxruntime.InferenceSession(str(path), options, providers=["CPUExecutionProvider"])
+        session = onnxruntime.InferenceSession(
+            str(path), options, providers=["CPUExecutionProvider"]
+        )
         feeds = {arg.name: x.numpy() for arg, x in zip(session.get_inputs(), inputs)}
         got = [torch.from_numpy(v) for v in session.run(None, feeds)]
     except Exception as err:  # onnxruntime raises its own exception types
-        raise ExportError(f"format=onnx: onnxruntime cannot run the exported model: {err}") from None
+        raise ExportError(
+            f"format=onnx: onnxruntime cannot run the exported model: {err}"
+        ) from None
     return _compare("onnx", got, inputs, model)
 
 
@@ -352,13 +379,19 @@ def _onnx_opset(path: Path) -> int | None:
     import onnx
 
     model = onnx.load(str(path), load_external_data=False)
-    return next((entry.version for entry in model.opset_import if entry.domain in ("", "ai.onnx")), None)
+    return next(
+        (entry.version for entry in model.opset_import if entry.domain in ("", "ai.onnx")), None
+    )
 
 
 def _needs_external_data(model: nn.Module) -> bool:
     """One self-contained .onnx file unless the weights approach protobuf's 2 GB limit; then they
     go to a model.onnx.data file next to it."""
-    size = sum(t.numel() * t.element_size() for t in model.state_dict().values() if isinstance(t, torch.Tensor))
+    size = sum(
+        t.numel() * t.element_size()
+        for t in model.state_dict().values()
+        if isinstance(t, torch.Tensor)
+    )
     return size > ONNX_SINGLE_FILE_BYTES
 
 
@@ -384,16 +417,23 @@ def _with_dynamic_batch(export: Any, inputs: tuple[torch.Tensor, ...], fmt: str)
         with torch.no_grad():
             export(tuple({0: batch} for _ in inputs))
         return
-    except Exception as err:  # the exporters raise many types; the static retry says more if it fails
-        logger.warning("format=%s: a dynamic batch dimension does not trace (%s); exporting for batch "
-                       "size %d only", fmt, str(err).splitlines()[0] if str(err) else type(err).__name__,
-                       inputs[0].shape[0])
+    except Exception as err:
+        # The exporters raise many types; the static retry says more if it fails.
+        logger.warning(
+            "format=%s: a dynamic batch dimension does not trace (%s); exporting for batch "
+            "size %d only",
+            fmt,
+            str(err).splitlines()[0] if str(err) else type(err).__name__,
+            inputs[0].shape[0],
+        )
     try:
         with torch.no_grad():
             export(None)
     except Exception as err:
-        raise ExportError(f"format={fmt}: the model cannot be exported: {type(err).__name__}: "
-                          f"{str(err).splitlines()[0] if str(err) else ''}") from err
+        raise ExportError(
+            f"format={fmt}: the model cannot be exported: {type(err).__name__}: "
+            f"{str(err).splitlines()[0] if str(err) else ''}"
+        ) from err
 
 
 def _leaves(output: Any) -> list[torch.Tensor]:
@@ -407,20 +447,28 @@ def _leaves(output: Any) -> list[torch.Tensor]:
     return []
 
 
-def _compare(fmt: str, got: list[torch.Tensor], inputs: tuple[torch.Tensor, ...], model: nn.Module) -> float:
+def _compare(
+    fmt: str, got: list[torch.Tensor], inputs: tuple[torch.Tensor, ...], model: nn.Module
+) -> float:
     with torch.no_grad():
         expected = _leaves(model(*inputs))
     if len(got) != len(expected):
-        raise ExportError(f"format={fmt}: the exported model returns {len(got)} outputs, PyTorch {len(expected)}")
+        raise ExportError(
+            f"format={fmt}: the exported model returns {len(got)} outputs, PyTorch {len(expected)}"
+        )
     worst = 0.0
     for i, (a, b) in enumerate(zip(got, expected)):
         if tuple(a.shape) != tuple(b.shape):
-            raise ExportError(f"format={fmt}: output {i} has shape {tuple(a.shape)}, PyTorch's {tuple(b.shape)}")
+            raise ExportError(
+                f"format={fmt}: output {i} has shape {tuple(a.shape)}, PyTorch's {tuple(b.shape)}"
+            )
         diff = (a.double() - b.double()).abs()
         worst = max(worst, float(diff.max()) if diff.numel() else 0.0)
         if not bool((diff <= ATOL + RTOL * b.double().abs()).all()):
-            raise ExportError(f"format={fmt}: output {i} differs from PyTorch by up to {float(diff.max()):.3g} "
-                              f"(tolerance {ATOL:g} + {RTOL:g} x |value|)")
+            raise ExportError(
+                f"format={fmt}: output {i} differs from PyTorch by up to {float(diff.max()):.3g} "
+                f"(tolerance {ATOL:g} + {RTOL:g} x |value|)"
+            )
     return worst
 
 
@@ -430,39 +478,49 @@ def _compare(fmt: str, got: list[torch.Tensor], inputs: tuple[torch.Tensor, ...]
 def export(args: ExportArgs) -> Exported:
     names = formats(args.format)
     require_modules(names)
-    checkpoint = find_checkpoint(args.checkpoint)
+    checkpoint = find_checkpoint(args.checkpoint, key="checkpoint")
     cfg = training_config(checkpoint)
     cls = trainer_class(checkpoint, cfg, args.trainer)
     out = Path(args.out).expanduser().resolve() if args.out else checkpoint.path / "export"
-    with tempfile.TemporaryDirectory(prefix="sdnet_export_") as scratch:
-        trainer = build_trainer(cls, cfg, checkpoint, Path(scratch))
-        model = load_model(trainer, checkpoint)
-        inputs = example_inputs(trainer) if {"onnx", "torch_export"} & set(names) else ()
-        logger.info("exporting step %d of %s (written by %s on %d rank(s)) as %s to %s", checkpoint.step,
-                    checkpoint.path, cls.__name__, checkpoint.world_size, ", ".join(names), out)
-        diffs: dict[str, float] = {}
-        with _staging(out) as staging:
-            for fmt in names:
-                path = staging / FILES[fmt]
-                if fmt == "pt":
-                    write_pt(model, path)
-                elif fmt == "safetensors":
-                    write_safetensors(model, path)
-                elif fmt == "onnx":
-                    diffs[fmt] = write_onnx(model, inputs, path, opset=args.opset)
-                else:
-                    diffs[fmt] = write_torch_export(model, inputs, path)
-            (staging / CONFIG_FILE).write_text(
-                f"# The training config of {checkpoint.path} (step {checkpoint.step}); "
-                f"{cls.__module__}.{cls.__qualname__}.build_model builds the network for these weights.\n"
-                + OmegaConf.to_yaml(OmegaConf.structured(cfg)))
-            files = _publish(staging, out)
+    # A Trainer that is never set up (no process group, data or optimizer): build_model and the
+    # example input read only its config.
+    trainer = cls(cfg)
+    model = load_model(trainer, checkpoint)
+    inputs = example_inputs(trainer) if {"onnx", "torch_export"} & set(names) else ()
+    logger.info(
+        "exporting step %d of %s (written by %s on %d rank(s)) as %s to %s",
+        checkpoint.step,
+        checkpoint.path,
+        cls.__name__,
+        checkpoint.world_size,
+        ", ".join(names),
+        out,
+    )
+    diffs: dict[str, float] = {}
+    with _staging(out) as staging:
+        for fmt in names:
+            path = staging / FILES[fmt]
+            if fmt == "pt":
+                write_pt(model, path)
+            elif fmt == "safetensors":
+                write_safetensors(model, path)
+            elif fmt == "onnx":
+                diffs[fmt] = write_onnx(model, inputs, path, opset=args.opset)
+            else:
+                diffs[fmt] = write_torch_export(model, inputs, path)
+        (staging / CONFIG_FILE).write_text(
+            f"# The training config of {checkpoint.path} (step {checkpoint.step}); "
+            f"{cls.__module__}.{cls.__qualname__}.build_model builds the network for these "
+            f"weights.\n" + OmegaConf.to_yaml(OmegaConf.structured(cfg))
+        )
+        files = _publish(staging, out)
     return Exported(out=out, files=files, max_abs_diff=diffs)
 
 
 @contextmanager
 def _staging(out: Path) -> Iterator[Path]:
-    """A fresh folder inside ``out`` (same filesystem, so the final moves are renames), always removed."""
+    """A fresh folder inside ``out`` (same filesystem, so the final moves are renames), always
+    removed."""
     out.mkdir(parents=True, exist_ok=True)
     staging = Path(tempfile.mkdtemp(prefix=".staging_export_", dir=out))
     try:

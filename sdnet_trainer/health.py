@@ -52,8 +52,12 @@ _STDERR_FD = 2
 # ---------------------------------------------------------------------- non-finite values
 
 
-def nonfinite_tensor_names(named_grads: Iterable[tuple[str, torch.Tensor | None]], *,
-                           loss: torch.Tensor | None = None, limit: int = 10) -> list[str]:
+def nonfinite_tensor_names(
+    named_grads: Iterable[tuple[str, torch.Tensor | None]],
+    *,
+    loss: torch.Tensor | None = None,
+    limit: int = 10,
+) -> list[str]:
     """Names of the tensors holding a NaN/Inf, ``"loss"`` first, at most ``limit`` of them.
     Syncs once per tensor: meant for the abort message, not for every step."""
     names: list[str] = []
@@ -76,7 +80,8 @@ def _all_finite(tensor: torch.Tensor) -> bool:
 
 class NonFiniteError(RuntimeError):
     """A NaN/Inf loss or gradient under ``health.nonfinite=abort``; ends the run with
-    ``exit_code`` on every rank (the ranks agree on the step in the Trainer's per-step all-reduce)."""
+    ``exit_code`` on every rank (the ranks agree on the step in the Trainer's per-step
+    all-reduce)."""
 
     exit_code = EXIT_NONFINITE
 
@@ -86,8 +91,10 @@ class NonFiniteError(RuntimeError):
         self.names = list(names)
         # With DDP the gradients are shared, so an empty list means another rank's loss.
         found = ", ".join(self.names) or "none on this rank (another rank's loss)"
-        super().__init__(f"non-finite loss or gradients at step {step} on rank {rank}: {found} "
-                         f"(health.nonfinite=abort; health.nonfinite=skip drops such steps instead)")
+        super().__init__(
+            f"non-finite loss or gradients at step {step} on rank {rank}: {found} "
+            f"(health.nonfinite=abort; health.nonfinite=skip drops such steps instead)"
+        )
 
 
 # ---------------------------------------------------------------------- hangs
@@ -142,9 +149,16 @@ class Watchdog:
     Both are process-wide faulthandler settings: one Watchdog per process.
     """
 
-    def __init__(self, timeout_s: float, *, rank: int, log_file: Path | None = None,
-                 describe: Callable[[], str] | None = None, backstop_margin_s: float = 5.0,
-                 dump_on_sigterm: bool = True) -> None:
+    def __init__(
+        self,
+        timeout_s: float,
+        *,
+        rank: int,
+        log_file: Path | None = None,
+        describe: Callable[[], str] | None = None,
+        backstop_margin_s: float = 5.0,
+        dump_on_sigterm: bool = True,
+    ) -> None:
         if timeout_s <= 0:
             raise ValueError(f"the watchdog timeout must be positive, got {timeout_s}")
         self.timeout_s = float(timeout_s)
@@ -179,8 +193,12 @@ class Watchdog:
         self._last_beat = time.monotonic()
         self._arm_backstop()
         if self.dump_on_sigterm:
-            faulthandler.register(signal.SIGTERM, file=self._dump_fd(), all_threads=True, chain=True)
-        self._thread = threading.Thread(target=self._watch, name=f"watchdog-rank{self.rank}", daemon=True)
+            faulthandler.register(
+                signal.SIGTERM, file=self._dump_fd(), all_threads=True, chain=True
+            )
+        self._thread = threading.Thread(
+            target=self._watch, name=f"watchdog-rank{self.rank}", daemon=True
+        )
         self._thread.start()
 
     def beat(self) -> None:
@@ -214,9 +232,11 @@ class Watchdog:
             return
         self.log_file.parent.mkdir(parents=True, exist_ok=True)
         # Kept open: faulthandler writes to a file descriptor, from C, at the worst moment.
-        self._file = open(self.log_file, "ab", buffering=0)
-        self._file.write(f"{_timestamp()} watchdog armed on rank {self.rank}: timeout "
-                         f"{self.timeout_s:g} s\n".encode())
+        self._file = open(self.log_file, "ab", buffering=0)  # noqa: SIM115  closed in stop()
+        self._file.write(
+            f"{_timestamp()} watchdog armed on rank {self.rank}: timeout "
+            f"{self.timeout_s:g} s\n".encode()
+        )
 
     def _dump_fd(self) -> int:
         """The descriptor faulthandler's own hooks write to: the log file, else stderr."""
@@ -224,8 +244,9 @@ class Watchdog:
 
     def _arm_backstop(self) -> None:
         self._armed_at = time.monotonic()
-        faulthandler.dump_traceback_later(self.timeout_s + self.backstop_margin_s, exit=True,
-                                          file=self._dump_fd())
+        faulthandler.dump_traceback_later(
+            self.timeout_s + self.backstop_margin_s, exit=True, file=self._dump_fd()
+        )
 
     def _watch(self) -> None:
         while not self._stopping.wait(self.check_every_s):
@@ -235,9 +256,11 @@ class Watchdog:
                 self._fire(idle_s)
 
     def _fire(self, idle_s: float) -> None:
-        header = (f"{_timestamp()} watchdog: rank {self.rank} made no progress for {idle_s:.1f} s "
-                  f"(timeout {self.timeout_s:g} s); {self._describe_safely()}; dumping all "
-                  f"threads' stacks and exiting with code {EXIT_HANG}\n").encode()
+        header = (
+            f"{_timestamp()} watchdog: rank {self.rank} made no progress for {idle_s:.1f} s "
+            f"(timeout {self.timeout_s:g} s); {self._describe_safely()}; dumping all "
+            f"threads' stacks and exiting with code {EXIT_HANG}\n"
+        ).encode()
         for fd in (_STDERR_FD, *self._log_fds()):
             # Raw descriptor writes: no logging or stream lock that a stuck thread might hold.
             _write_quietly(fd, header)
@@ -284,7 +307,9 @@ class Heartbeat:
     wait next to its peers'. No collective, so it never adds a sync.
     """
 
-    def __init__(self, every_s: float, *, rank: int, clock: Callable[[], float] = time.monotonic) -> None:
+    def __init__(
+        self, every_s: float, *, rank: int, clock: Callable[[], float] = time.monotonic
+    ) -> None:
         if every_s <= 0:
             raise ValueError(f"the heartbeat interval must be positive, got {every_s}")
         self.every_s = float(every_s)
@@ -299,6 +324,11 @@ class Heartbeat:
         if now < self._next_at:
             return False
         self._next_at = now + self.every_s
-        logger.warning("heartbeat rank %d step %d step_time %.3fs data_wait %.3fs",
-                       self.rank, step, step_s, data_wait_s)
+        logger.warning(
+            "heartbeat rank %d step %d step_time %.3fs data_wait %.3fs",
+            self.rank,
+            step,
+            step_s,
+            data_wait_s,
+        )
         return True

@@ -1,8 +1,11 @@
-"""Periodic work around the training loop: evaluation, metrics and the progress bar.
+"""Periodic work around the training loop: profiler, evaluation, metrics, watchdog, heartbeat.
 
-The loop calls every hook's ``before_train`` / ``after_step`` / ``after_train`` in the order of
-``Trainer.build_hooks``; a subclass adds its own by extending that list. Hooks read the trainer's
-state (``trainer.step``, ``trainer.last_step``) and never change the training math.
+The loop calls every hook's ``before_train(state)``, ``after_step(state, result)`` and
+``after_train(state)`` in the order of ``Trainer.build_hooks`` (the one place that order is
+declared), and ``close()`` on every path out of the loop, last hook first. Each hook is built
+with what it needs (periods, the writer, callables) and reads the run's ``RunState`` and the
+step's ``StepResult``, never the Trainer; hooks never change the training math. The
+checkpointer is a hook too (``sdnet_trainer.checkpointer``).
 """
 
 from __future__ import annotations
@@ -10,175 +13,308 @@ from __future__ import annotations
 import logging
 import math
 import time
-from typing import TYPE_CHECKING
+from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
 
+from sdnet_trainer.config.schema import LoggingConfig, LoopConfig
 from sdnet_trainer.distributed import all_gather_floats
-from sdnet_trainer.observability import ProgressBar, peak_memory_mb
+from sdnet_trainer.health import Heartbeat, PhaseTracker, Watchdog
+from sdnet_trainer.observability import MetricsWriter, ProgressBar, StepMeter, peak_memory_mb
 from sdnet_trainer.observability.flops import mfu
+from sdnet_trainer.observability.profiler import StepProfiler
 from sdnet_trainer.observability.progress import progress_enabled
-
-if TYPE_CHECKING:
-    from sdnet_trainer.trainer import Trainer
+from sdnet_trainer.state import RunState, StepResult
 
 logger = logging.getLogger(__name__)
 
 
 class HookBase:
-    def before_train(self, trainer: Trainer) -> None:
+    def before_train(self, state: RunState) -> None:
         pass
 
-    def after_step(self, trainer: Trainer) -> None:
+    def after_step(self, state: RunState, result: StepResult) -> None:
         pass
 
-    def after_train(self, trainer: Trainer) -> None:
+    def after_train(self, state: RunState) -> None:
         pass
+
+    def close(self) -> None:
+        """Release what the hook holds; runs on every path out of the loop, errors included."""
+
+
+class ProfilerHook(HookBase):
+    """Advances ``torch.profiler``'s step schedule after every step."""
+
+    def __init__(self, profiler: StepProfiler) -> None:
+        self.profiler = profiler
+        self._open = False
+
+    def before_train(self, state: RunState) -> None:
+        self.profiler.__enter__()
+        self._open = True
+
+    def after_step(self, state: RunState, result: StepResult) -> None:
+        self.profiler.step()
+
+    def close(self) -> None:
+        if self._open:
+            self._open = False
+            self.profiler.__exit__(None, None, None)
 
 
 class EvalHook(HookBase):
-    """Evaluate every ``loop.eval_every_n_steps``, at each epoch end, and once at the end."""
+    """Evaluate every ``every_n_steps``, at each epoch end, and once at the end."""
 
-    def after_step(self, trainer: Trainer) -> None:
-        loop = trainer.cfg.loop
-        step = trainer.step
-        if step == trainer.total_steps and loop.eval_at_end:
+    def __init__(
+        self,
+        evaluate: Callable[[], dict[str, float]],
+        cfg: LoopConfig,
+        *,
+        writer: MetricsWriter,
+        total_steps: int,
+        phase: PhaseTracker | None = None,
+    ) -> None:
+        self.evaluate = evaluate
+        self.writer = writer
+        self.every_n_steps = cfg.eval_every_n_steps
+        self.at_epoch_end = cfg.eval_at_epoch_end
+        self.at_end = cfg.eval_at_end
+        self.total_steps = total_steps
+        self.phase = phase
+
+    def after_step(self, state: RunState, result: StepResult) -> None:
+        if state.step == self.total_steps and self.at_end:
             return  # after_train evaluates the final model once
-        periodic = loop.eval_every_n_steps is not None and step % loop.eval_every_n_steps == 0
-        if periodic or (loop.eval_at_epoch_end and trainer.epoch_ended):
-            self._run(trainer)
+        periodic = self.every_n_steps is not None and state.step % self.every_n_steps == 0
+        if periodic or (self.at_epoch_end and state.epoch_ended):
+            self._run(state)
 
-    def after_train(self, trainer: Trainer) -> None:
-        if trainer.cfg.loop.eval_at_end:
-            self._run(trainer)
+    def after_train(self, state: RunState) -> None:
+        if self.at_end:
+            self._run(state)
 
-    @staticmethod
-    def _run(trainer: Trainer) -> None:
+    def _run(self, state: RunState) -> None:
         started = time.perf_counter()
-        trainer.phase.enter("evaluation", step=trainer.step)
-        metrics = {f"val/{k}": v for k, v in trainer.evaluate().items()}
+        if self.phase is not None:
+            self.phase.enter("evaluation", step=state.step)
+        metrics = {f"val/{k}": v for k, v in self.evaluate().items()}
         if not metrics:
             return
-        trainer.final_metrics.update(metrics)
-        trainer.writer.write(trainer.step, metrics)
+        state.metrics.update(metrics)
+        self.writer.write(state.step, metrics)
         shown = "  ".join(f"{k} {v:.4g}" for k, v in metrics.items())
-        logger.info("eval @ step %d: %s (%.1f s)", trainer.step, shown, time.perf_counter() - started)
+        logger.info("eval @ step %d: %s (%.1f s)", state.step, shown, time.perf_counter() - started)
 
 
-class CheckpointHook(HookBase):
-    """Save every ``checkpoint.every_n_steps`` and ``every_n_minutes`` (rank 0's clock, agreed by
-    all ranks in the step's all-reduce), on SIGTERM, and at the end of training."""
+@dataclass(frozen=True)
+class RunFigures:
+    """Fixed facts of a run that turn the loop's measurements into metrics: the schedule's length,
+    the epoch's size, whether this rank's loss counts (``metric_weight`` 1: last pipeline stage,
+    first tensor-parallel peer; else 0), and what turns samples/s into tokens/s, model TFLOPs/s
+    and MFU (None: not known)."""
 
-    def after_step(self, trainer: Trainer) -> None:
-        cfg = trainer.cfg.checkpoint
-        periodic = cfg.every_n_steps is not None and trainer.step % cfg.every_n_steps == 0
-        on_stop = trainer.stop_requested and cfg.save_on_exit
-        if (periodic or trainer.checkpoint_due or on_stop) and trainer.step != trainer.last_checkpoint_step:
-            trainer.save_checkpoint()
+    total_steps: int
+    samples_per_epoch: int
+    metric_weight: float
+    world_size: int
+    tokens_per_sample: int | None = None
+    flops_per_sample: float | None = None
+    peak_tflops: float | None = None  # per device
 
-    def after_train(self, trainer: Trainer) -> None:
-        if trainer.cfg.checkpoint.save_on_exit and trainer.step != trainer.last_checkpoint_step:
-            trainer.save_checkpoint()
-
-
-def _throughput_metrics(trainer: Trainer, samples_per_s: float) -> dict[str, float]:
-    """Tokens/s for language models, model TFLOPs/s and MFU when FLOPs were counted, and the
-    bytes one rank hands to the gradient collectives per step under the active comm hook."""
-    out = {}
-    if trainer.tokens_per_sample:
-        out["perf/tokens_per_s"] = samples_per_s * trainer.tokens_per_sample
-    if trainer.flops_per_sample:
-        flops_per_s = samples_per_s * trainer.flops_per_sample
-        out["perf/tflops_per_s"] = flops_per_s / 1e12
-        if trainer.peak_tflops:
-            out["perf/mfu"] = mfu(flops_per_s, trainer.peak_tflops, trainer.env.world_size)
-    if trainer.comm is not None:
-        out["comm/bytes_per_step"] = trainer.comm.bytes_per_step(trainer.step)
-    return out
+    def throughput(self, samples_per_s: float) -> dict[str, float]:
+        out = {}
+        if self.tokens_per_sample:
+            out["perf/tokens_per_s"] = samples_per_s * self.tokens_per_sample
+        if self.flops_per_sample:
+            flops_per_s = samples_per_s * self.flops_per_sample
+            out["perf/tflops_per_s"] = flops_per_s / 1e12
+            if self.peak_tflops:
+                out["perf/mfu"] = mfu(flops_per_s, self.peak_tflops, self.world_size)
+        return out
 
 
 class MetricsHook(HookBase):
-    """Training metrics every ``logging.log_every_n_steps`` (and at the last step), the progress
-    bar, and the one-line summary at the end.
+    """Training metrics every ``every_n_steps`` (and at the last step), the progress bar, and the
+    one-line summary at the end.
 
     All ranks take part: each log point gathers a few floats per rank in one collective (loss,
     throughput, step time, data wait, peak memory), so per-rank stragglers show in TensorBoard.
     Between log points the loss stays on the device, so the loop adds no host synchronisation.
+    ``comm_bytes(step)`` gives the bytes one rank hands to the gradient collectives per step;
+    ``loss_scale()`` the fp16 GradScaler's scale (None without loss scaling).
     """
 
-    def before_train(self, trainer: Trainer) -> None:
+    def __init__(
+        self,
+        cfg: LoggingConfig,
+        figures: RunFigures,
+        *,
+        writer: MetricsWriter,
+        meter: StepMeter,
+        device: torch.device,
+        lr: Callable[[], float],
+        comm_bytes: Callable[[int], float] | None,
+        loss_scale: Callable[[], float] | None,
+        is_main: bool,
+    ) -> None:
+        self.figures = figures
+        self.writer = writer
+        self.meter = meter
+        self.device = device
+        self.every_n_steps = cfg.log_every_n_steps
+        self.total_steps = figures.total_steps
+        self.lr = lr
+        self.comm_bytes = comm_bytes
+        self.loss_scale = loss_scale
+        self.progress_bar = progress_enabled(cfg.progress_bar, is_main=is_main)
         self._loss_sum: torch.Tensor | None = None
         self._loss_steps = 0
         self._started = time.perf_counter()
-        self._bar = ProgressBar(total=trainer.total_steps, initial=trainer.step,
-                                enabled=progress_enabled(trainer.cfg.logging.progress_bar,
-                                                         is_main=trainer.env.is_main))
+        self._bar: ProgressBar | None = None
 
-    def after_step(self, trainer: Trainer) -> None:
-        if not trainer.last_step["nonfinite"]:  # a skipped step's NaN would poison the window
-            loss = trainer.last_step["loss"]
-            self._loss_sum = loss if self._loss_sum is None else self._loss_sum + loss
+    def is_log_step(self, step: int) -> bool:
+        return step % self.every_n_steps == 0 or step == self.total_steps
+
+    def before_train(self, state: RunState) -> None:
+        self._started = time.perf_counter()
+        self._bar = ProgressBar(
+            total=self.total_steps, initial=state.step, enabled=self.progress_bar
+        )
+
+    def after_step(self, state: RunState, result: StepResult) -> None:
+        if not result.nonfinite:  # a skipped step's NaN would poison the window
+            self._loss_sum = result.loss if self._loss_sum is None else self._loss_sum + result.loss
             self._loss_steps += 1
-        if trainer.is_log_step(trainer.step):
-            self._log(trainer)
-        else:
-            self._bar.update(trainer.step)
+        if self.is_log_step(state.step):
+            self._log(state, result)
+        elif self._bar is not None:
+            self._bar.update(state.step)
 
-    def _log(self, trainer: Trainer) -> None:
-        window = trainer.meter.flush()
-        local_loss = (self._loss_sum / self._loss_steps).item() if self._loss_steps else math.nan
+    def _log(self, state: RunState, result: StepResult) -> None:
+        window = self.meter.flush()
+        local_loss = (
+            (self._loss_sum / self._loss_steps).item() if self._loss_sum is not None else math.nan
+        )
         self._loss_sum, self._loss_steps = None, 0
-        # metric_weight: only ranks whose loss counts (last pipeline stage) enter the mean.
-        weight = trainer.metric_weight
+        weight = self.figures.metric_weight
         ranks = all_gather_floats(
-            [local_loss * weight if weight else 0.0, weight, window["samples_per_s"], window["step_s"],
-             window["data_wait_s"], window["fwd_bwd_s"], window["optimizer_s"], peak_memory_mb(trainer.env.device)],
-            device=trainer.env.device)
-        loss, weights, samples_per_s, step_s, data_wait_s, fwd_bwd_s, optimizer_s, peak_mb = ranks.unbind(dim=1)
+            [
+                local_loss * weight if weight else 0.0,
+                weight,
+                window["samples_per_s"],
+                window["step_s"],
+                window["data_wait_s"],
+                window["fwd_bwd_s"],
+                window["optimizer_s"],
+                peak_memory_mb(self.device),
+            ],
+            device=self.device,
+        )
+        loss, weights, samples_per_s, step_s, data_wait_s, fwd_bwd_s, optimizer_s, peak_mb = (
+            ranks.unbind(dim=1)
+        )
         metrics = {
             "train/loss": (loss.sum() / weights.sum()).item(),
-            "train/lr": trainer.scheduler.get_last_lr()[0],
-            "train/epoch": trainer.epoch + trainer.epoch_sample / (trainer.steps_per_epoch
-                                                                   * trainer.layout.global_batch_size),
+            "train/lr": self.lr(),
+            "train/epoch": state.epoch + state.epoch_sample / self.figures.samples_per_epoch,
             "perf/samples_per_s": samples_per_s.sum().item(),
             "perf/step_s": step_s.max().item(),
             "perf/data_wait_s": data_wait_s.max().item(),
             "perf/fwd_bwd_s": fwd_bwd_s.max().item(),
             "perf/optimizer_s": optimizer_s.max().item(),
             "perf/peak_memory_mb": peak_mb.max().item(),
+            "train/grad_norm": result.grad_norm.item(),
         }
-        metrics["train/grad_norm"] = trainer.last_step["grad_norm"].item()
-        metrics.update(_throughput_metrics(trainer, metrics["perf/samples_per_s"]))
-        if trainer.nonfinite_steps:
-            metrics["train/nonfinite_steps"] = float(trainer.nonfinite_steps)
-        if trainer.precision.scaling:
-            metrics["train/loss_scale"] = trainer.precision.scaler.get_scale()
-            metrics["train/skipped_steps"] = float(trainer.skipped_steps)
+        metrics.update(self.figures.throughput(metrics["perf/samples_per_s"]))
+        if self.comm_bytes is not None:
+            metrics["comm/bytes_per_step"] = self.comm_bytes(state.step)
+        if state.nonfinite_steps:
+            metrics["train/nonfinite_steps"] = float(state.nonfinite_steps)
+        if self.loss_scale is not None:
+            metrics["train/loss_scale"] = self.loss_scale()
+            metrics["train/skipped_steps"] = float(state.skipped_steps)
         for rank, value in enumerate(samples_per_s.tolist()):
             metrics[f"perf/samples_per_s_rank{rank}"] = value
         for rank, value in enumerate(step_s.tolist()):
             metrics[f"perf/step_s_rank{rank}"] = value
-        trainer.final_metrics["train/loss"] = metrics["train/loss"]
-        trainer.writer.write(trainer.step, metrics)
-        self._bar.update(trainer.step, {"loss": f"{metrics['train/loss']:.4f}",
-                                        "lr": f"{metrics['train/lr']:.3g}",
-                                        "img/s": f"{metrics['perf/samples_per_s']:.1f}"})
-        logger.info("step %d/%d  loss %.4f  lr %.4g  %.1f samples/s  step %.3f s  data %.3f s",
-                    trainer.step, trainer.total_steps, metrics["train/loss"], metrics["train/lr"],
-                    metrics["perf/samples_per_s"], metrics["perf/step_s"], metrics["perf/data_wait_s"])
+        state.metrics["train/loss"] = metrics["train/loss"]
+        self.writer.write(state.step, metrics)
+        if self._bar is not None:
+            self._bar.update(
+                state.step,
+                {
+                    "loss": f"{metrics['train/loss']:.4f}",
+                    "lr": f"{metrics['train/lr']:.3g}",
+                    "img/s": f"{metrics['perf/samples_per_s']:.1f}",
+                },
+            )
+        logger.info(
+            "step %d/%d  loss %.4f  lr %.4g  %.1f samples/s  step %.3f s  data %.3f s",
+            state.step,
+            self.total_steps,
+            metrics["train/loss"],
+            metrics["train/lr"],
+            metrics["perf/samples_per_s"],
+            metrics["perf/step_s"],
+            metrics["perf/data_wait_s"],
+        )
 
-    def after_train(self, trainer: Trainer) -> None:
-        self._bar.close()
-        meter = trainer.meter
-        global_rate = (meter.total_samples / meter.total_seconds * trainer.env.world_size
-                       if meter.total_seconds > 0 else 0.0)
-        summary = {"summary/steps": float(meter.total_steps),
-                   "summary/train_seconds": meter.total_seconds,
-                   "summary/wall_seconds": time.perf_counter() - self._started,
-                   "summary/samples_per_s": global_rate}
-        trainer.final_metrics.update(summary)
-        trainer.writer.write(trainer.step, summary)
-        finals = "  ".join(f"{k} {v:.4g}" for k, v in trainer.final_metrics.items()
-                           if k.startswith(("train/loss", "val/")))
-        logger.info("done: %d steps in %.1f s  %.1f samples/s global  %s", meter.total_steps,
-                    summary["summary/wall_seconds"], global_rate, finals)
+    def after_train(self, state: RunState) -> None:
+        self.close()
+        meter = self.meter
+        global_rate = (
+            meter.total_samples / meter.total_seconds * self.figures.world_size
+            if meter.total_seconds > 0
+            else 0.0
+        )
+        summary = {
+            "summary/steps": float(meter.total_steps),
+            "summary/train_seconds": meter.total_seconds,
+            "summary/wall_seconds": time.perf_counter() - self._started,
+            "summary/samples_per_s": global_rate,
+        }
+        state.metrics.update(summary)
+        self.writer.write(state.step, summary)
+        finals = "  ".join(
+            f"{k} {v:.4g}" for k, v in state.metrics.items() if k.startswith(("train/loss", "val/"))
+        )
+        logger.info(
+            "done: %d steps in %.1f s  %.1f samples/s global  %s",
+            meter.total_steps,
+            summary["summary/wall_seconds"],
+            global_rate,
+            finals,
+        )
+
+    def close(self) -> None:
+        if self._bar is not None:
+            self._bar.close()
+            self._bar = None
+
+
+class WatchdogHook(HookBase):
+    """Runs the hang watchdog while training and beats it after every step."""
+
+    def __init__(self, watchdog: Watchdog) -> None:
+        self.watchdog = watchdog
+
+    def before_train(self, state: RunState) -> None:
+        self.watchdog.start()
+
+    def after_step(self, state: RunState, result: StepResult) -> None:
+        self.watchdog.beat()
+
+    def close(self) -> None:
+        self.watchdog.stop()
+
+
+class HeartbeatHook(HookBase):
+    """A rate-limited per-rank line with the step's timings, to spot stragglers."""
+
+    def __init__(self, heartbeat: Heartbeat) -> None:
+        self.heartbeat = heartbeat
+
+    def after_step(self, state: RunState, result: StepResult) -> None:
+        self.heartbeat.maybe_log(state.step, step_s=result.seconds, data_wait_s=result.data_wait_s)

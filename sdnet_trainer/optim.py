@@ -1,10 +1,13 @@
-"""Optimizer and per-step learning-rate schedule from config."""
+"""Optimizer and per-step learning-rate schedule from config, and the checks of their keys."""
 
 from __future__ import annotations
 
+import difflib
+import importlib
 import inspect
 import math
 from collections.abc import Callable
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -12,12 +15,70 @@ from torch import nn
 from torch.distributed.optim import ZeroRedundancyOptimizer
 from torch.optim.lr_scheduler import LambdaLR
 
-from sdnet_trainer.config.schema import OptimConfig, SchedConfig
-from sdnet_trainer.config.validate import resolve_optimizer_class
+from sdnet_trainer.config.checks import check_choice, check_positive
+from sdnet_trainer.config.schema import Config, OptimConfig, SchedConfig
 from sdnet_trainer.errors import ConfigError
 
+# ``sched.name``: the learning-rate schedules of lr_multiplier.
+LR_SCHEDULES = ("constant", "cosine", "step", "multistep")
+OPTIM_IMPLEMENTATIONS = ("auto", "fused", "foreach", "for_loop")
 # Typed optional fields of OptimConfig, forwarded only when set.
 _OPTIONAL_ARGS = ("momentum", "nesterov", "betas", "eps")
+
+
+def resolve_optimizer_class(name: str) -> type[torch.optim.Optimizer]:
+    """``optim.name``: a class of torch.optim (``AdamW``) or a dotted path (``my_pkg.Lion``)."""
+    module_name, _, cls_name = name.rpartition(".")
+    try:
+        module = importlib.import_module(module_name or "torch.optim")
+        cls = getattr(module, cls_name)
+    except (ImportError, AttributeError):
+        known = [
+            n
+            for n in dir(torch.optim)
+            if isinstance(getattr(torch.optim, n), type)
+            and issubclass(getattr(torch.optim, n), torch.optim.Optimizer)
+        ]
+        close = difflib.get_close_matches(cls_name, known, n=1)
+        hint = f" (did you mean {close[0]!r}?)" if close else ""
+        raise ConfigError(
+            f"optim.name={name!r} is neither a torch.optim class nor an importable "
+            f"dotted path{hint}"
+        ) from None
+    if not (isinstance(cls, type) and issubclass(cls, torch.optim.Optimizer)):
+        raise ConfigError(f"optim.name={name!r} is not a torch.optim.Optimizer subclass")
+    return cls
+
+
+def validate_optim(cfg: Config) -> None:
+    """``optim.*``, ``sched.*`` and ``loss.label_smoothing``, checked before launch."""
+    optim, sched = cfg.optim, cfg.sched
+    resolve_optimizer_class(optim.name)
+    check_positive("optim.lr", optim.lr, allow_zero=True)
+    if optim.clip_grad_norm is not None and optim.clip_grad_value is not None:
+        raise ConfigError(
+            f"optim.clip_grad_norm={optim.clip_grad_norm} and optim.clip_grad_value="
+            f"{optim.clip_grad_value} are both set; clip by norm or by value, not both"
+        )
+    check_positive("optim.clip_grad_norm", optim.clip_grad_norm, allow_none=True)
+    check_positive("optim.clip_grad_value", optim.clip_grad_value, allow_none=True)
+    if not 0.0 <= cfg.loss.label_smoothing < 1.0:
+        raise ConfigError(f"loss.label_smoothing={cfg.loss.label_smoothing} must be in [0, 1)")
+
+    check_choice("sched.name", sched.name, LR_SCHEDULES)
+    check_positive("sched.warmup_steps", sched.warmup_steps, allow_zero=True)
+    if not 0.0 <= sched.warmup_start_factor <= 1.0:
+        raise ConfigError(
+            f"sched.warmup_start_factor={sched.warmup_start_factor} must be in [0, 1]"
+        )
+    if not 0.0 <= sched.min_lr_ratio <= 1.0:
+        raise ConfigError(f"sched.min_lr_ratio={sched.min_lr_ratio} must be in [0, 1]")
+    if sched.name == "step":
+        check_positive("sched.step_size", sched.step_size)
+    if sched.name == "multistep" and list(sched.milestones) != sorted(set(sched.milestones)):
+        raise ConfigError(f"sched.milestones={list(sched.milestones)} must be strictly increasing")
+
+    check_choice("optim.implementation", optim.implementation, OPTIM_IMPLEMENTATIONS)
 
 
 def param_groups(model: nn.Module, cfg: OptimConfig) -> list[dict]:
@@ -31,15 +92,21 @@ def param_groups(model: nn.Module, cfg: OptimConfig) -> list[dict]:
     return [{"params": decay}, {"params": no_decay, "weight_decay": 0.0}]
 
 
-def build_optimizer(model: nn.Module, cfg: OptimConfig, *, device_type: str = "cpu",
-                    zero_group: dist.ProcessGroup | None | bool = False) -> torch.optim.Optimizer:
+def build_optimizer(
+    model: nn.Module,
+    cfg: OptimConfig,
+    *,
+    device_type: str = "cpu",
+    zero_group: dist.ProcessGroup | None | bool = False,
+) -> torch.optim.Optimizer:
     """The optimizer of ``optim.*`` over ``model``'s parameters.
 
     ``zero_group`` (a process group, or None for all ranks) shards the optimizer state over the
     data-parallel ranks with ZeroRedundancyOptimizer (ZeRO-1); False builds the plain optimizer.
     """
     cls = resolve_optimizer_class(cfg.name)
-    kwargs = {"lr": cfg.lr, "weight_decay": cfg.weight_decay}
+    # Keyword arguments of the optimizer's constructor, checked against its signature below.
+    kwargs: dict[str, Any] = {"lr": cfg.lr, "weight_decay": cfg.weight_decay}
     for name in _OPTIONAL_ARGS:
         value = getattr(cfg, name)
         if value is not None:
@@ -50,15 +117,20 @@ def build_optimizer(model: nn.Module, cfg: OptimConfig, *, device_type: str = "c
     if not any(p.kind is inspect.Parameter.VAR_KEYWORD for p in accepted.values()):
         unknown = sorted(k for k in kwargs if k not in accepted)
         if unknown:
-            keys = ", ".join(f"optim.{k}" if k in _OPTIONAL_ARGS else f"optim.kwargs.{k}" for k in unknown)
+            keys = ", ".join(
+                f"optim.{k}" if k in _OPTIONAL_ARGS else f"optim.kwargs.{k}" for k in unknown
+            )
             raise ConfigError(f"optim.name={cfg.name!r} does not take {keys}")
     if zero_group is not False:
-        return ZeroRedundancyOptimizer(param_groups(model, cfg), optimizer_class=cls, process_group=zero_group,
-                                       **kwargs)
+        return ZeroRedundancyOptimizer(
+            param_groups(model, cfg), optimizer_class=cls, process_group=zero_group, **kwargs
+        )
     return cls(param_groups(model, cfg), **kwargs)
 
 
-def _implementation_kwargs(cls: type[torch.optim.Optimizer], cfg: OptimConfig, device_type: str) -> dict:
+def _implementation_kwargs(
+    cls: type[torch.optim.Optimizer], cfg: OptimConfig, device_type: str
+) -> dict:
     """``optim.implementation``: auto picks the fused kernels on CUDA when the optimizer has them
     (one kernel for all parameters); elsewhere torch's own default (foreach where it can)."""
     accepted = inspect.signature(cls).parameters
@@ -67,7 +139,9 @@ def _implementation_kwargs(cls: type[torch.optim.Optimizer], cfg: OptimConfig, d
         return {"fused": True} if device_type == "cuda" and "fused" in accepted else {}
     flag = {"fused": "fused", "foreach": "foreach", "for_loop": "foreach"}[impl]
     if flag not in accepted:
-        raise ConfigError(f"optim.implementation={impl}: optim.name={cfg.name!r} has no {flag!r} argument")
+        raise ConfigError(
+            f"optim.implementation={impl}: optim.name={cfg.name!r} has no {flag!r} argument"
+        )
     return {flag: impl != "for_loop"}
 
 
@@ -88,7 +162,9 @@ def lr_multiplier(cfg: SchedConfig, total_steps: int) -> Callable[[int], float]:
         t = step - warmup
         if cfg.name == "cosine":
             progress = min(t / decay_steps, 1.0)
-            return cfg.min_lr_ratio + (1.0 - cfg.min_lr_ratio) * 0.5 * (1.0 + math.cos(math.pi * progress))
+            return cfg.min_lr_ratio + (1.0 - cfg.min_lr_ratio) * 0.5 * (
+                1.0 + math.cos(math.pi * progress)
+            )
         if cfg.name == "step":
             return cfg.gamma ** (step // cfg.step_size)
         if cfg.name == "multistep":
@@ -98,5 +174,7 @@ def lr_multiplier(cfg: SchedConfig, total_steps: int) -> Callable[[int], float]:
     return factor
 
 
-def build_scheduler(optimizer: torch.optim.Optimizer, cfg: SchedConfig, *, total_steps: int) -> LambdaLR:
+def build_scheduler(
+    optimizer: torch.optim.Optimizer, cfg: SchedConfig, *, total_steps: int
+) -> LambdaLR:
     return LambdaLR(optimizer, lr_multiplier(cfg, total_steps))

@@ -6,9 +6,17 @@ from contextlib import AbstractContextManager
 
 import torch
 
-from sdnet_trainer.config.schema import PrecisionConfig
+from sdnet_trainer.config.checks import check_choice
+from sdnet_trainer.config.schema import Config, PrecisionConfig
 
-_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+# The config's names for floating-point dtypes (precision.dtype, parallel.fsdp.*_dtype, ...).
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+PRECISIONS = tuple(DTYPES)
+
+
+def validate_precision(cfg: Config) -> None:
+    """``precision.dtype``, checked before launch."""
+    check_choice("precision.dtype", cfg.precision.dtype, PRECISIONS)
 
 
 class Precision:
@@ -20,14 +28,19 @@ class Precision:
     """
 
     def __init__(self, cfg: PrecisionConfig, *, device_type: str) -> None:
-        self.dtype = _DTYPES[cfg.dtype]
+        self.dtype = DTYPES[cfg.dtype]
         self.device_type = device_type
-        self.scaler = torch.amp.GradScaler(device_type, init_scale=cfg.init_scale,
-                                           growth_interval=cfg.growth_interval,
-                                           enabled=self.dtype == torch.float16)
+        self.scaler = torch.amp.GradScaler(
+            device_type,
+            init_scale=cfg.init_scale,
+            growth_interval=cfg.growth_interval,
+            enabled=self.dtype == torch.float16,
+        )
 
     def autocast(self) -> AbstractContextManager:
-        return torch.autocast(self.device_type, dtype=self.dtype, enabled=self.dtype != torch.float32)
+        return torch.autocast(
+            self.device_type, dtype=self.dtype, enabled=self.dtype != torch.float32
+        )
 
     @property
     def scaling(self) -> bool:

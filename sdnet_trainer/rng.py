@@ -42,9 +42,11 @@ def reseed(seed: int, *, rank: int, step: int) -> None:
 
 def capture(device: torch.device) -> dict[str, torch.Tensor]:
     version, internal, gauss = random.getstate()
-    state = {"torch": torch.get_rng_state(),
-             "python": torch.tensor(internal, dtype=torch.int64),
-             "python_gauss": torch.tensor(math.nan if gauss is None else gauss, dtype=torch.float64)}
+    state = {
+        "torch": torch.get_rng_state(),
+        "python": torch.tensor(internal, dtype=torch.int64),
+        "python_gauss": torch.tensor(math.nan if gauss is None else gauss, dtype=torch.float64),
+    }
     if device.type == "cuda":
         state["cuda"] = torch.cuda.get_rng_state(device)
     return state
@@ -56,3 +58,16 @@ def restore(state: dict[str, torch.Tensor], device: torch.device) -> None:
     random.setstate((3, tuple(state["python"].tolist()), None if math.isnan(gauss) else gauss))
     if device.type == "cuda" and "cuda" in state:
         torch.cuda.set_rng_state(state["cuda"], device)
+
+
+class RngState:
+    """This rank's random streams as a checkpoint part (``state_dict`` / ``load_state_dict``)."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+
+    def state_dict(self) -> dict[str, torch.Tensor]:
+        return capture(self.device)
+
+    def load_state_dict(self, state: dict[str, torch.Tensor]) -> None:
+        restore(state, self.device)

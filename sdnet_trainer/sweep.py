@@ -1,8 +1,9 @@
 """Sweeps whose trials are full distributed runs, and the table that compares them.
 
-``python -m sdnet_trainer -m hydra/launcher=torchrun hydra.launcher.nproc_per_node=N optim.lr=0.1,0.3``
-runs each trial as its own ``torchrun --standalone`` job, one after another (the launcher lives in
-hydra_plugins/sdnet_trainer_plugins/, because Hydra loads launchers only from that namespace).
+``python -m sdnet_trainer -m hydra/launcher=torchrun hydra.launcher.nproc_per_node=N
+optim.lr=0.1,0.3`` runs each trial as its own ``torchrun --standalone`` job, one after another
+(the launcher lives in hydra_plugins/sdnet_trainer_plugins/, because Hydra loads launchers only
+from that namespace).
 A trial's processes each compose their own config, so the launcher hands them the trial's
 directory explicitly; what comes back is read from the files the trial left there:
 
@@ -53,17 +54,32 @@ def read_final_metrics(run_dir: Path) -> dict[str, float]:
     return final_metrics(json.loads(line) for line in path.read_text().splitlines() if line.strip())
 
 
-def torchrun_command(program: Sequence[str], overrides: Sequence[str], *, run_dir: Path,
-                     nproc_per_node: int | str, torchrun_args: Sequence[str] = (),
-                     python: str = sys.executable) -> list[str]:
+def torchrun_command(
+    program: Sequence[str],
+    overrides: Sequence[str],
+    *,
+    run_dir: Path,
+    nproc_per_node: int | str,
+    torchrun_args: Sequence[str] = (),
+    python: str = sys.executable,
+) -> list[str]:
     """``python -m torch.distributed.run --standalone ...`` for one trial.
 
     ``--standalone`` gives each trial its own rendezvous on a free port, so trials never meet.
     ``hydra.run.dir`` pins the directory: every worker composes the config on its own, and the
     launcher must know where the trial writes.
     """
-    return [python, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc_per_node}",
-            *torchrun_args, *program, *overrides, f"hydra.run.dir={override_value(str(run_dir))}"]
+    return [
+        python,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        f"--nproc_per_node={nproc_per_node}",
+        *torchrun_args,
+        *program,
+        *overrides,
+        f"hydra.run.dir={override_value(str(run_dir))}",
+    ]
 
 
 def override_value(value: str) -> str:
@@ -73,10 +89,16 @@ def override_value(value: str) -> str:
     return "'" + value.replace("\\", "\\\\").replace("'", "\\'") + "'"
 
 
-def write_trial(run_dir: Path, *, num: int, overrides: Sequence[str], command: Sequence[str],
-                returncode: int) -> None:
+def write_trial(
+    run_dir: Path, *, num: int, overrides: Sequence[str], command: Sequence[str], returncode: int
+) -> None:
     run_dir.mkdir(parents=True, exist_ok=True)
-    record = {"num": num, "overrides": list(overrides), "command": list(command), "returncode": returncode}
+    record = {
+        "num": num,
+        "overrides": list(overrides),
+        "command": list(command),
+        "returncode": returncode,
+    }
     (run_dir / TRIAL_FILE).write_text(json.dumps(record, indent=2) + "\n")
 
 
@@ -107,7 +129,9 @@ def find_trials(sweep_dir: Path) -> list[Trial]:
             trial = Trial(data["num"], run_dir, list(data["overrides"]), data["returncode"])
         elif hydra_overrides.is_file():
             num = int(run_dir.name) if run_dir.name.isdigit() else -1
-            trial = Trial(num, run_dir, list(yaml.safe_load(hydra_overrides.read_text()) or []), None)
+            trial = Trial(
+                num, run_dir, list(yaml.safe_load(hydra_overrides.read_text()) or []), None
+            )
         else:
             continue
         trial.metrics = read_final_metrics(run_dir)
@@ -115,7 +139,9 @@ def find_trials(sweep_dir: Path) -> list[Trial]:
     return sorted(trials, key=lambda t: (t.num, t.run_dir.name))
 
 
-def summary_table(trials: Sequence[Trial], metrics: Sequence[str] | None = None) -> tuple[list[str], list[list]]:
+def summary_table(
+    trials: Sequence[Trial], metrics: Sequence[str] | None = None
+) -> tuple[list[str], list[list]]:
     """Header and rows: trial, each override key whose value differs between trials (all of them
     for a single trial), status, then ``metrics`` (default: train/loss and every val/ metric)."""
     keys = _varying_keys([t.overrides for t in trials])
@@ -126,8 +152,14 @@ def summary_table(trials: Sequence[Trial], metrics: Sequence[str] | None = None)
     rows = []
     for trial in trials:
         values = dict(_split_override(o) for o in trial.overrides)
-        rows.append([trial.num, *(values.get(k, "") for k in keys), trial.status,
-                     *(trial.metrics.get(m, "") for m in metrics)])
+        rows.append(
+            [
+                trial.num,
+                *(values.get(k, "") for k in keys),
+                trial.status,
+                *(trial.metrics.get(m, "") for m in metrics),
+            ]
+        )
     return header, rows
 
 
@@ -174,7 +206,10 @@ def _varying_keys(overrides: Sequence[Sequence[str]]) -> list[str]:
 def main(argv: Sequence[str] | None = None) -> int:
     args = list(sys.argv[1:] if argv is None else argv)
     if len(args) != 1 or not Path(args[0]).is_dir():
-        print("usage: python -m sdnet_trainer.sweep SWEEP_DIR   (a folder of trial folders)", file=sys.stderr)
+        print(
+            "usage: python -m sdnet_trainer.sweep SWEEP_DIR   (a folder of trial folders)",
+            file=sys.stderr,
+        )
         return 2
     print(write_summary(Path(args[0])))
     return 0

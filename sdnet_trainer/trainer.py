@@ -2,105 +2,116 @@
 
 A custom task subclasses ``Trainer`` and overrides a few small methods (``build_model``,
 ``build_datasets``, ``build_optimizer``, ``build_scheduler``, ``compute_loss``, ``eval_step`` /
-``evaluate``). Everything around them (device placement, data parallelism, precision,
-accumulation, clipping, logging, evaluation) is done here, so a subclass never writes
-distributed code.
+``evaluate``, ``build_hooks``). Everything around them (device placement, parallel layout,
+precision, accumulation, clipping, logging, evaluation, checkpoints) is done here, so a subclass
+never writes distributed code. ``build_model`` and ``build_datasets`` read only ``self.cfg``:
+export calls them on a Trainer that was never set up.
 
-    setup:  seed -> mesh -> model -> parallelize (pipeline split, TP, activation checkpointing,
-            compile, FSDP/DDP) -> optimizer (ZeRO-1) -> data -> schedule -> precision -> hooks
-            -> checkpoint manager -> resume (checkpoint.resume)
-    fit:    for each step: train_step (micro-steps or the pipeline schedule, agree, clip,
-            optimizer, schedule) -> hooks (evaluate, checkpoint, metrics) -> watchdog beat
+    setup:  model (mesh, parallelize) -> data -> optimization (optimizer, comm, precision,
+            schedule) -> observability -> checkpointing (resume) -> hooks
+    fit:    for each step: train_step (micro-steps or the pipeline schedule, then
+            OptimizerStep: norm, agreement, update) -> hooks, in the order of ``build_hooks``
 
-Parallel layouts come from ``parallel.*`` (a DeviceMesh of pp x dp_replicate x dp_shard x tp).
-Ranks that share data-parallel coordinates load the same samples; metrics count each sample once
-(on the last pipeline stage, tensor-parallel rank 0).
+The run's counters live in ``self.state`` (a ``RunState``), which hooks and the checkpointer
+read. Ranks that share data-parallel coordinates load the same samples; metrics count each
+sample once (on the last pipeline stage, tensor-parallel rank 0).
 """
 
 from __future__ import annotations
 
 import logging
-import os
-import signal
 import time
-from collections.abc import Iterator
-from contextlib import ExitStack, contextmanager, nullcontext
+from collections.abc import Generator, Iterator
+from contextlib import contextmanager, nullcontext
 from pathlib import Path
 from typing import Any
 
 import torch
-import torch.nn.functional as F
+from hydra.utils import get_class
 from omegaconf import OmegaConf
 from torch import nn
-from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict, get_state_dict,
-                                                     set_model_state_dict, set_optimizer_state_dict)
-from torch.distributed.optim import ZeroRedundancyOptimizer
+from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.parallel import loss_parallel
-from torch.utils.data import Dataset, default_collate
+from torch.nn.parallel import DistributedDataParallel
+from torch.utils.data import DataLoader, Dataset, default_collate
 
 from sdnet_trainer import rng
-from sdnet_trainer.checkpoint import Checkpoint, CheckpointManager
-from sdnet_trainer.config import Config, batch_layout
-from sdnet_trainer.config.validate import LM_DATASETS
-from sdnet_trainer.data import GlobalBatchSampler, ShardedEvalSampler, build_datasets, build_loader
-from sdnet_trainer.data.loader import shutdown_loader
-from sdnet_trainer.data.seeding import EpochTaggedBatches, SampleSeeded
-from sdnet_trainer.distributed import DistEnv, all_reduce_sum
+from sdnet_trainer.batching import BatchLayout, batch_layout
+from sdnet_trainer.checkpointer import Checkpointer, run_parts
+from sdnet_trainer.config import Config
+from sdnet_trainer.data import LM_DATASETS, GlobalBatchSampler, build_datasets
+from sdnet_trainer.data.loader import eval_loader, shutdown_loader, to_device, train_loader
+from sdnet_trainer.distributed import DistEnv
 from sdnet_trainer.distributed.comm import GradientComm
-from sdnet_trainer.distributed.ddp import is_ddp, unwrap
-from sdnet_trainer.distributed.grad_norm import global_grad_norm
-from sdnet_trainer.distributed.mesh import build_mesh, parallel_dims
-from sdnet_trainer.distributed.ops import all_gather_objects, all_reduce_max
-from sdnet_trainer.distributed.parallelize import parallelize, set_gradient_sync
+from sdnet_trainer.distributed.ddp import unwrap
+from sdnet_trainer.distributed.mesh import ParallelDims, build_mesh, parallel_dims
+from sdnet_trainer.distributed.parallelize import gradient_sync, parallelize
 from sdnet_trainer.distributed.pipeline import Pipeline, build_pipeline
-from sdnet_trainer.distributed.zero import load_zero_param_groups, materialize_zero_state, zero_state_dict
 from sdnet_trainer.errors import ConfigError
-from sdnet_trainer.health import (Heartbeat, NonFiniteError, PhaseTracker, Watchdog, hang_log_path,
-                                  nonfinite_tensor_names)
-from sdnet_trainer.hooks import CheckpointHook, EvalHook, HookBase, MetricsHook
+from sdnet_trainer.evaluation import metric_sums, reduce_metric_sums
+from sdnet_trainer.health import Heartbeat, PhaseTracker, Watchdog, hang_log_path
+from sdnet_trainer.hooks import (
+    EvalHook,
+    HeartbeatHook,
+    HookBase,
+    MetricsHook,
+    ProfilerHook,
+    RunFigures,
+    WatchdogHook,
+)
 from sdnet_trainer.models import build_model
 from sdnet_trainer.observability import MetricsWriter, StepMeter
-from sdnet_trainer.observability.flops import peak_tflops, train_flops_per_sample
+from sdnet_trainer.observability.flops import run_flops
 from sdnet_trainer.observability.profiler import StepProfiler
 from sdnet_trainer.optim import build_optimizer, build_scheduler
 from sdnet_trainer.precision import Precision
+from sdnet_trainer.signals import StopSignals
+from sdnet_trainer.state import EpochShape, RunState, StepResult
+from sdnet_trainer.stepping import OptimizerStep
 
 logger = logging.getLogger(__name__)
 
 
 class Trainer:
-    def __init__(self, cfg: Config, *, output_dir: str | Path, env: DistEnv | None = None) -> None:
+    # Built by setup(), phase by phase (see setup).
+    layout: BatchLayout
+    dims: ParallelDims
+    mesh: DeviceMesh | None
+    model: nn.Module
+    num_parameters: int
+    pipeline: Pipeline | None
+    metric_weight: float  # 1 where this rank's loss and metrics count (see _setup_model)
+    optimizer: torch.optim.Optimizer
+    comm: GradientComm | None  # DDP's gradient communication (comm.*)
+    precision: Precision
+    criterion: nn.Module
+    train_sampler: GlobalBatchSampler
+    train_loader: DataLoader
+    val_loader: DataLoader | None
+    steps_per_epoch: int
+    epoch_shape: EpochShape
+    total_steps: int  # for max_epochs: counted at the current batch layout (the schedule's length)
+    scheduler: torch.optim.lr_scheduler.LRScheduler
+    writer: MetricsWriter
+    figures: RunFigures
+    watchdog: Watchdog | None  # when health.hang_timeout_s is set
+    stepper: OptimizerStep  # norm, agreement and update after backward
+    checkpointer: Checkpointer
+    hooks: list[HookBase]
+
+    def __init__(
+        self, cfg: Config, *, output_dir: str | Path | None = None, env: DistEnv | None = None
+    ) -> None:
         self.cfg = cfg
-        self.output_dir = Path(output_dir)
+        self.output_dir = Path(output_dir) if output_dir is not None else Path.cwd()
         self.env = env if env is not None else DistEnv()
         self.device = self.env.device
-        self.layout = batch_layout(cfg, self.env.world_size)
-        self.micro_batch_size = self.layout.micro_batch_size
-        self.dims = parallel_dims(cfg.parallel, self.env.world_size)
-        self.dp_rank = self.dims.dp_rank(self.env.rank)
-        self.mesh = None  # the DeviceMesh, built in setup once the process group is up
-        self.pipeline: Pipeline | None = None
-        self.comm: GradientComm | None = None  # DDP's gradient communication (comm.*)
-        self.flops_per_sample: float | None = None  # model FLOPs of forward + backward
-        self.peak_tflops: float | None = None  # per device, for MFU
-        # Counters, all saved in checkpoints. A step counts even when it was skipped.
-        self.step = 0  # optimizer steps taken
-        self.epoch = 0
-        self.epoch_sample = 0  # position in the current epoch's sample order
-        self.samples_seen = 0
-        self.skipped_steps = 0  # fp16 steps the GradScaler skipped on inf/NaN gradients
-        self.nonfinite_steps = 0  # steps skipped by health.nonfinite=skip
-        # Decided by all ranks together at the end of every step (see _agree).
-        self.epoch_ended = False
-        self.checkpoint_due = False
-        self.stop_requested = False
-        self._sigterm = False
-        self.last_step: dict[str, Any] = {}
-        self.phase = PhaseTracker()
-        self.watchdog: Watchdog | None = None  # armed by fit when health.hang_timeout_s is set
-        self.final_metrics: dict[str, float] = {}
+        self.state = RunState()
+        self.signals = StopSignals()
+        self.phase = PhaseTracker()  # what this rank is doing, for the hang watchdog's report
         self.meter = StepMeter()
+        self._batches: Generator[Any, None, None] | None = None
 
     # ------------------------------------------------------------------ the subclassing surface
 
@@ -115,11 +126,13 @@ class Trainer:
     def build_optimizer(self, model: nn.Module) -> torch.optim.Optimizer:
         """Over the parallelized model (FSDP's sharded parameters); ZeRO-1 under parallel=zero1."""
         zero = self.cfg.parallel.strategy == "zero1" and self.env.distributed
-        return build_optimizer(model, self.cfg.optim, device_type=self.device.type,
-                               zero_group=None if zero else False)
+        return build_optimizer(
+            model, self.cfg.optim, device_type=self.device.type, zero_group=None if zero else False
+        )
 
-    def build_scheduler(self, optimizer: torch.optim.Optimizer, *, total_steps: int
-                        ) -> torch.optim.lr_scheduler.LRScheduler:
+    def build_scheduler(
+        self, optimizer: torch.optim.Optimizer, *, total_steps: int
+    ) -> torch.optim.lr_scheduler.LRScheduler:
         """Stepped once per optimizer step."""
         return build_scheduler(optimizer, self.cfg.sched, total_steps=total_steps)
 
@@ -145,18 +158,8 @@ class Trainer:
             return {} if logits is None else self.metric_sums(logits, targets)
         return self.metric_sums(unwrap(self.model)(inputs), targets)
 
-    @staticmethod
-    def metric_sums(logits: torch.Tensor, targets: torch.Tensor) -> dict[str, torch.Tensor]:
-        """Loss, top-1 and top-5 hits summed over samples (over positions for sequence models)."""
-        if isinstance(logits, DTensor):  # vocabulary-sharded logits (tensor-parallel loss_parallel)
-            logits = logits.full_tensor()
-        logits = logits.float()
-        if logits.dim() == 3:
-            logits, targets = logits.flatten(0, 1), targets.flatten(0, 1)
-        top = logits.topk(min(5, logits.shape[1]), dim=1).indices.eq(targets[:, None])
-        return {"loss": F.cross_entropy(logits, targets, reduction="sum"),
-                "top1": top[:, 0].sum(), "top5": top.any(dim=1).sum(),
-                "count": torch.tensor(targets.shape[0], device=targets.device)}
+    # Loss, top-1 and top-5 hit sums of a batch of logits (see sdnet_trainer.evaluation).
+    metric_sums = staticmethod(metric_sums)
 
     @torch.no_grad()
     def evaluate(self) -> dict[str, float]:
@@ -170,470 +173,367 @@ class Trainer:
         for batch in self.val_loader:
             with self.precision.autocast():
                 sums = self.eval_step(self.to_device(batch))
-            self.beat()
+            self._beat()
             for key, value in sums.items():
                 totals[key] = totals.get(key, 0) + value.detach().double()
         model.train(was_training)
-        # Ranks whose sums do not count (earlier pipeline stages, tensor-parallel copies) may hold
-        # none or duplicates: agree on the keys, then weigh each rank's sums.
-        keys = sorted(set().union(*all_gather_objects(sorted(totals)))) if self.dims.pp > 1 else sorted(totals)
-        local = [totals[k] if k in totals else torch.zeros((), dtype=torch.float64, device=self.device)
-                 for k in keys]
-        reduced = all_reduce_sum(torch.stack(local) * self.metric_weight).tolist()
-        values = dict(zip(keys, reduced))
-        count = values.pop("count")
-        return {k: (100.0 * v if k.startswith("top") else v) / count for k, v in values.items()}
+        return reduce_metric_sums(
+            totals, weight=self.metric_weight, device=self.device, agree_on_keys=self.dims.pp > 1
+        )
 
     def build_hooks(self) -> list[HookBase]:
-        """Called in this order after every step: evaluation, then checkpointing, then metrics
-        (so the summary MetricsHook prints at the end includes the final evaluation)."""
-        return [EvalHook(), CheckpointHook(), MetricsHook()]
-
-    # ------------------------------------------------------------------ checkpointed state
-
-    def state_dict(self) -> dict[str, Any]:
-        """Everything a resumed run needs, as a DCP state dict. Model and optimizer go through
-        torch's distributed state-dict helpers (the same code serves DDP and sharded layouts);
-        the RNG entry is per rank, under the rank's own key."""
-        if isinstance(self.optimizer, ZeroRedundancyOptimizer):
-            model_state = get_model_state_dict(self.model)
-            optim_state = zero_state_dict(unwrap(self.model), self.optimizer)
-        else:
-            untouched = not self.optimizer.state
-            model_state, optim_state = get_state_dict(self.model, self.optimizer)
-            if untouched:
-                # get_state_dict materialises optimizer state with a zero-lr step (AdamW would then
-                # count step 1); keep the live optimizer as it was, the copy above is enough to save.
-                self.optimizer.state.clear()
-        state = {"model": model_state, "optim": optim_state, "scheduler": self.scheduler.state_dict(),
-                 "trainer": {"step": self.step, "epoch": self.epoch, "epoch_sample": self.epoch_sample,
-                             "samples_seen": self.samples_seen, "skipped_steps": self.skipped_steps,
-                             "nonfinite_steps": self.nonfinite_steps},
-                 f"rng/rank{self.env.rank}": rng.capture(self.device)}
-        if self.comm is not None and (comm_state := self.comm.state_dict()):
-            # Per rank like the RNG: PowerSGD's error feedback differs between ranks.
-            state[f"comm/rank{self.env.rank}"] = comm_state
-        if self.precision.scaling:
-            state["scaler"] = self.precision.scaler.state_dict()
-        return state
-
-    def load_checkpoint(self, checkpoint: Checkpoint) -> None:
-        zero = isinstance(self.optimizer, ZeroRedundancyOptimizer)
-        if zero:
-            materialize_zero_state(self.optimizer)  # the state dict then holds the live tensors to fill
-        state = self.state_dict()
-        rng_key = f"rng/rank{self.env.rank}"
-        same_layout = checkpoint.world_size == self.env.world_size and checkpoint.has_key(rng_key)
-        comm_key = f"comm/rank{self.env.rank}"
-        if not same_layout:
-            del state[rng_key]
-        if comm_key in state and not (same_layout and checkpoint.has_key(comm_key)):
-            del state[comm_key]  # another world size, or written without this comm hook: start afresh
-        if "scaler" in state and not checkpoint.has_key("scaler"):
-            del state["scaler"]  # written without fp16: keep the fresh scaler
-        # Parameters that never had a gradient (unused branches) have no optimizer state in the
-        # checkpoint; the fresh state materialised for them here is dropped rather than looked up.
-        optim_state = state["optim"]["state"]
-        for name in [n for n in optim_state if not checkpoint.has_key(f"optim.state.{n}")]:
-            del optim_state[name]
-        self.checkpointer.load(checkpoint, state)
-        set_model_state_dict(self.model, state["model"])
-        if zero:
-            load_zero_param_groups(self.optimizer, state["optim"]["param_groups"])
-        else:
-            # Not strict: parameters without a gradient so far rightly have no optimizer state.
-            set_optimizer_state_dict(self.model, self.optimizer, state["optim"],
-                                     options=StateDictOptions(strict=False))
-        self.scheduler.load_state_dict(state["scheduler"])
-        if "scaler" in state:
-            self.precision.scaler.load_state_dict(state["scaler"])
-        counters = state["trainer"]
-        self.step, self.epoch = counters["step"], counters["epoch"]
-        self.epoch_sample, self.samples_seen = counters["epoch_sample"], counters["samples_seen"]
-        if self._epoch_exhausted():
-            # A larger global batch than the writer's (elastic keep_per_rank, or a changed config)
-            # may leave no full batch in the interrupted epoch: continue with the next one.
-            self.epoch, self.epoch_sample = self.epoch + 1, 0
-        self.skipped_steps, self.nonfinite_steps = counters["skipped_steps"], counters["nonfinite_steps"]
-        if comm_key in state:
-            self.comm.load_state_dict(state[comm_key])
-        if same_layout:
-            rng.restore(state[rng_key], self.device)
-        else:
-            # Old ranks do not map onto new ones: re-derive every stream from (seed, rank, step).
-            rng.reseed(self.cfg.loop.seed, rank=self.env.rank, step=self.step)
-        logger.info("resumed from %s: step %d, epoch %d, sample %d of the epoch (written by %d ranks%s)",
-                    checkpoint.path, self.step, self.epoch, self.epoch_sample, checkpoint.world_size,
-                    "" if same_layout else "; random streams re-derived")
-
-    def save_checkpoint(self) -> None:
-        self.phase.enter("checkpoint save", step=self.step)
-        # The resolved config and Trainer class travel with the weights: export rebuilds the model
-        # from them without the run directory.
-        meta = {"global_batch_size": self.layout.global_batch_size, "world_size": self.env.world_size,
-                "trainer": f"{type(self).__module__}.{type(self).__qualname__}",
-                "config": OmegaConf.to_container(OmegaConf.structured(self.cfg))}
-        self.checkpointer.save(self.step, self.state_dict(), meta=meta)
-        self.last_checkpoint_step = self.step
-        self.last_checkpoint_time = time.monotonic()
+        """Called in this order after every step: the profiler's step, evaluation, checkpointing,
+        metrics (after evaluation, so the summary includes the final evaluation), then the hang
+        watchdog's beat and the heartbeat line. Extend the list for periodic work of your own."""
+        cfg, rank, heartbeat_s = self.cfg, self.env.rank, self.cfg.health.heartbeat_s
+        profiler = StepProfiler(
+            cfg.profile, output_dir=self.output_dir, rank=rank, device=self.device
+        )
+        evaluation = EvalHook(
+            self.evaluate,
+            cfg.loop,
+            writer=self.writer,
+            total_steps=self.total_steps,
+            phase=self.phase,
+        )
+        metrics = MetricsHook(
+            cfg.logging,
+            self.figures,
+            writer=self.writer,
+            meter=self.meter,
+            device=self.device,
+            lr=lambda: float(self.scheduler.get_last_lr()[0]),
+            comm_bytes=self.comm.bytes_per_step if self.comm is not None else None,
+            loss_scale=self.precision.scaler.get_scale if self.precision.scaling else None,
+            is_main=self.env.is_main,
+        )
+        hooks = [
+            ProfilerHook(profiler) if profiler.enabled else None,
+            evaluation,
+            self.checkpointer,
+            metrics,
+            WatchdogHook(self.watchdog) if self.watchdog is not None else None,
+            HeartbeatHook(Heartbeat(heartbeat_s, rank=rank)) if heartbeat_s else None,
+        ]
+        return [hook for hook in hooks if hook is not None]
 
     # ------------------------------------------------------------------ assembly
 
     def setup(self) -> None:
-        loop, data = self.cfg.loop, self.cfg.data
-        rng.seed_everything(loop.seed, deterministic=loop.deterministic)
-        if self.env.distributed:
-            self.mesh = build_mesh(self.dims, self.device.type)
+        """Build the run in its phases; each reads only what the earlier ones built."""
+        self._setup_model()
+        train_set = self._setup_data()
+        self._setup_optimization()
+        self._setup_observability(train_set)
+        self._setup_checkpointing()
+        self.hooks = self.build_hooks()
+        layout, dims = self.layout, self.dims
+        logger.info(
+            f"model {self.cfg.model.name}: {self.num_parameters / 1e6:.2f}M parameters | "
+            f"world size {self.env.world_size} on {self.device} ({dims.describe()}, "
+            f"{self.cfg.parallel.strategy}) | global batch {layout.global_batch_size} = "
+            f"{dims.dp} data-parallel ranks x {layout.grad_accum_steps} accumulation x "
+            f"{layout.micro_batch_size} micro-batch | "
+            f"{self.total_steps} steps ({self.steps_per_epoch} per epoch)"
+        )
+
+    def _setup_model(self) -> None:
+        """The mesh and this rank's part of the parallel model."""
+        cfg, env = self.cfg, self.env
+        self.layout = batch_layout(cfg, env.world_size)
+        self.dims = parallel_dims(cfg.parallel, env.world_size)
+        rng.seed_everything(cfg.loop.seed, deterministic=cfg.loop.deterministic)
+        self.mesh = build_mesh(self.dims, self.device.type) if env.distributed else None
         # Same seed on every rank for the model's initial weights (DDP also broadcasts rank 0's);
         # pipeline stages and tensor-parallel shards are cut from identical full models.
         model = self.build_model().to(self.device)
-        num_parameters = sum(p.numel() for p in model.parameters())
-        parallel = parallelize(model, self.cfg, self.env, self.mesh, self.dims)
+        self.num_parameters = sum(p.numel() for p in model.parameters())  # of the whole model
+        parallel = parallelize(model, cfg, env, self.mesh, self.dims)
         self.model = parallel.model
+        self.pipeline = None
         if parallel.stages is not None:
-            self.pipeline = build_pipeline(parallel.stages, parallel.stage_ids, parallel.num_stages,
-                                           self.cfg.parallel.pipeline, group=self.mesh["pp"].get_group(),
-                                           device=self.device, loss_fn=self.loss_fn)
-        coords = self.dims.coordinates(self.env.rank)
+            assert self.mesh is not None and parallel.stage_ids is not None
+            self.pipeline = build_pipeline(
+                parallel.stages,
+                parallel.stage_ids,
+                parallel.num_stages,
+                cfg.parallel.pipeline,
+                group=self.mesh["pp"].get_group(),
+                device=self.device,
+                loss_fn=self.loss_fn,
+            )
         # This rank's metrics count once: last pipeline stage, first tensor-parallel peer.
         last_stage = self.pipeline is None or self.pipeline.has_last
-        self.metric_weight = 1.0 if last_stage and coords["tp"] == 0 else 0.0
-        self.optimizer = self.build_optimizer(self.model)
-        if is_ddp(self.model):
-            self.comm = GradientComm(self.model, self.cfg.comm, process_group=self.model.process_group)
+        first_tp = self.dims.coordinates(env.rank)["tp"] == 0
+        self.metric_weight = 1.0 if last_stage and first_tp else 0.0
         # From here on each rank draws its own random stream (dropout, augmentation).
-        rng.reseed(loop.seed, rank=self.env.rank, step=0)
-        self.criterion = nn.CrossEntropyLoss(label_smoothing=self.cfg.loss.label_smoothing)
+        rng.reseed(cfg.loop.seed, rank=env.rank, step=0)
 
+    def _setup_data(self) -> Dataset:
+        """Datasets and loaders; the schedule's length follows from them."""
+        loop, data, layout, env = self.cfg.loop, self.cfg.data, self.layout, self.env
         train_set, val_set = self.build_datasets()
-        self.train_sampler = GlobalBatchSampler(
-            len(train_set), micro_batch_size=self.micro_batch_size, world_size=self.dims.dp,
-            rank=self.dp_rank, grad_accum_steps=self.layout.grad_accum_steps, shuffle=data.shuffle,
-            seed=loop.seed, drop_last=data.drop_last)
-        # The loader gets its own generator: creating an iterator must not draw from the global
-        # stream, or a resumed run (which creates one mid-epoch) would diverge from an
-        # uninterrupted one. Augmentations are seeded per sample (SampleSeeded), so which worker
-        # loads a sample does not matter either.
-        self.train_loader = build_loader(SampleSeeded(train_set, seed=loop.seed), cfg=data,
-                                         device_type=self.device.type,
-                                         batch_sampler=EpochTaggedBatches(self.train_sampler),
-                                         generator=torch.Generator())
+        dp = {"dp_size": self.dims.dp, "dp_rank": self.dims.dp_rank(env.rank)}
+        self.train_loader, self.train_sampler = train_loader(
+            train_set,
+            cfg=data,
+            device_type=self.device.type,
+            micro_batch_size=layout.micro_batch_size,
+            grad_accum_steps=layout.grad_accum_steps,
+            seed=loop.seed,
+            **dp,
+        )
         self.val_loader = None
         if val_set is not None:
-            if len(val_set) < self.dims.dp:
-                raise ConfigError(f"the validation set has {len(val_set)} samples, fewer than the "
-                                  f"{self.dims.dp} data-parallel ranks (data.val_size)")
-            self.val_loader = build_loader(
-                val_set, cfg=data, device_type=self.device.type,
-                sampler=ShardedEvalSampler(len(val_set), world_size=self.dims.dp, rank=self.dp_rank),
-                batch_size=loop.eval_batch_size or self.micro_batch_size)
-
+            batch_size = loop.eval_batch_size or layout.micro_batch_size
+            self.val_loader = eval_loader(
+                val_set, cfg=data, device_type=self.device.type, batch_size=batch_size, **dp
+            )
         self.steps_per_epoch = self.train_sampler.steps_per_epoch
-        self.tokens_per_sample = data.seq_len if data.name in LM_DATASETS else None
-        if self.cfg.logging.flops:
-            self._count_flops(train_set)
-        # For max_epochs this counts steps at the current batch layout (the schedule's length).
-        self.total_steps = loop.max_steps or loop.max_epochs * self.steps_per_epoch
-        self.scheduler = self.build_scheduler(self.optimizer, total_steps=self.total_steps)
-        self.precision = Precision(self.cfg.precision, device_type=self.device.type)
-        self.writer = MetricsWriter(self.output_dir, enabled=self.env.is_main,
-                                    tensorboard=self.cfg.logging.tensorboard, jsonl=self.cfg.logging.jsonl)
-        self.hooks = self.build_hooks()
-        self.checkpointer = CheckpointManager(
-            self.cfg.checkpoint.dir or self.output_dir / "checkpoints", keep_last=self.cfg.checkpoint.keep_last,
-            async_save=self.cfg.checkpoint.async_save, rank=self.env.rank, world_size=self.env.world_size)
-        self.last_checkpoint_step = -1
-        self.last_checkpoint_time = time.monotonic()
-        resume_from = self.checkpointer.resolve_resume(self.cfg.checkpoint.resume)
-        if resume_from is not None:
-            self.load_checkpoint(resume_from)
-            self.last_checkpoint_step = self.step
-        logger.info("model %s: %.2fM parameters | world size %d on %s (%s, %s) | global batch %d = %d "
-                    "data-parallel ranks x %d accumulation x %d micro-batch | %d steps (%d per epoch)",
-                    self.cfg.model.name, num_parameters / 1e6, self.env.world_size, self.device,
-                    self.dims.describe(), self.cfg.parallel.strategy, self.layout.global_batch_size,
-                    self.dims.dp, self.layout.grad_accum_steps, self.micro_batch_size, self.total_steps, self.steps_per_epoch)
+        self.epoch_shape = EpochShape(layout.global_batch_size, self.steps_per_epoch)
+        self.total_steps = loop.max_steps or (loop.max_epochs or 0) * self.steps_per_epoch
+        return train_set
 
-    def _count_flops(self, train_set: Dataset) -> None:
-        """Forward + backward FLOPs per sample, counted once on a meta-device copy of the model
-        (no memory, no collectives), and the device peak that turns them into MFU."""
-        example = default_collate([train_set[i] for i in range(min(2, len(train_set)))])
-        try:
-            self.flops_per_sample = train_flops_per_sample(
-                self.build_model, example, lambda model, batch: self.loss_fn(model(batch[0]), batch[1]))
-        except Exception as err:  # a custom model or batch the counter cannot run: no FLOPs metrics
-            logger.warning("model FLOPs not counted (%s: %s); set logging.flops=false to skip", type(err).__name__, err)
-            return
-        dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(self.cfg.precision.dtype, torch.float32)
-        self.peak_tflops = peak_tflops(self.device, dtype, self.cfg.logging.peak_tflops)
-        logger.info("model FLOPs: %.3g per sample (forward + backward)%s", self.flops_per_sample,
-                    f"; device peak {self.peak_tflops:g} TFLOPs" if self.peak_tflops else "")
+    def _setup_optimization(self) -> None:
+        """Optimizer, gradient communication, precision, loss, schedule and the update step."""
+        cfg = self.cfg
+        self.optimizer = self.build_optimizer(self.model)
+        self.comm = None
+        if isinstance(self.model, DistributedDataParallel):
+            group = self.model.process_group
+            self.comm = GradientComm(self.model, cfg.comm, process_group=group)
+        self.precision = Precision(cfg.precision, device_type=self.device.type)
+        self.criterion = nn.CrossEntropyLoss(label_smoothing=cfg.loss.label_smoothing)
+        self.scheduler = self.build_scheduler(self.optimizer, total_steps=self.total_steps)
+        self.stepper = OptimizerStep(
+            model=self.model,
+            optimizer=self.optimizer,
+            scheduler=self.scheduler,
+            precision=self.precision,
+            comm=self.comm,
+            cfg=cfg.optim,
+            nonfinite=cfg.health.nonfinite,
+            pp_group=self.pipeline.group if self.pipeline is not None else None,
+            device=self.device,
+            state=self.state,
+            phase=self.phase,
+            rank=self.env.rank,
+            host_flags=lambda: (self.signals.received, self.checkpointer.save_due()),
+        )
+
+    def _setup_observability(self, train_set: Dataset) -> None:
+        """Metrics writer, the run's figures (FLOPs for MFU included) and the hang watchdog."""
+        cfg, env, logs = self.cfg, self.env, self.cfg.logging
+        self.writer = MetricsWriter(
+            self.output_dir, enabled=env.is_main, tensorboard=logs.tensorboard, jsonl=logs.jsonl
+        )
+        flops, peak = None, None
+        if logs.flops:
+            # Counted once on a meta-device copy of the model: no memory, no collectives.
+            size = len(train_set)  # type: ignore[arg-type]  # map-style datasets have a length
+            example = default_collate([train_set[i] for i in range(min(2, size))])
+            flops, peak = run_flops(
+                self.build_model,
+                example,
+                lambda model, batch: self.loss_fn(model(batch[0]), batch[1]),
+                device=self.device,
+                dtype=self.precision.dtype,
+                peak_override=logs.peak_tflops,
+            )
+        self.figures = RunFigures(
+            total_steps=self.total_steps,
+            samples_per_epoch=self.steps_per_epoch * self.layout.global_batch_size,
+            metric_weight=self.metric_weight,
+            world_size=env.world_size,
+            tokens_per_sample=cfg.data.seq_len if cfg.data.name in LM_DATASETS else None,
+            flops_per_sample=flops,
+            peak_tflops=peak,
+        )
+        timeout, log_file = cfg.health.hang_timeout_s, hang_log_path(self.output_dir, env.rank)
+        self.watchdog = None
+        if timeout is not None:
+            self.watchdog = Watchdog(
+                timeout, rank=env.rank, describe=self.phase.describe, log_file=log_file
+            )
+
+    def _setup_checkpointing(self) -> None:
+        """The checkpointer over the run's stateful parts, then ``checkpoint.resume``."""
+        cfg, env = self.cfg, self.env
+
+        def rederive_rng() -> None:
+            # Another world size cannot map old ranks to new ones: derive from (seed, rank, step).
+            rng.reseed(cfg.loop.seed, rank=env.rank, step=self.state.step)
+
+        parts = run_parts(
+            model=self.model,
+            optimizer=self.optimizer,
+            scheduler=self.scheduler,
+            state=self.state,
+            scaler=self.precision.scaler if self.precision.scaling else None,
+            comm=self.comm,
+            rng_state=rng.RngState(self.device),
+            rederive_rng=rederive_rng,
+        )
+        # The resolved config and Trainer class travel with the weights: export rebuilds the model
+        # from them without the run directory.
+        meta = {
+            "global_batch_size": self.layout.global_batch_size,
+            "world_size": env.world_size,
+            "trainer": f"{type(self).__module__}.{type(self).__qualname__}",
+            "config": OmegaConf.to_container(OmegaConf.structured(cfg)),
+        }
+        directory = cfg.checkpoint.dir or self.output_dir / "checkpoints"
+        self.checkpointer = Checkpointer(
+            cfg.checkpoint, directory=directory, parts=parts, rank=env.rank,
+            world_size=env.world_size, meta=meta, phase=self.phase,
+        )  # fmt: skip
+        resumed = self.checkpointer.resume(self.state) is not None
+        if resumed and self.epoch_shape.exhausted(self.state.epoch_sample):
+            # A larger global batch than the writer's (elastic keep_per_rank, or a changed config)
+            # may leave no full batch in the interrupted epoch: continue with the next one.
+            self.state.next_epoch()
 
     # ------------------------------------------------------------------ the loop
 
     def fit(self) -> dict[str, float]:
         """Train to ``loop.max_steps`` (or ``max_epochs``); returns the final metrics."""
         self.setup()
-        self._batches = self._train_batches()
-        health = self.cfg.health
-        heartbeat = Heartbeat(health.heartbeat_s, rank=self.env.rank) if health.heartbeat_s else None
+        with self._running():
+            while not self._finished():
+                result = self.train_step()
+                self.state.advance(self.epoch_shape)
+                for hook in self.hooks:
+                    hook.after_step(self.state, result)
+                if result.stop_requested and not self._finished():
+                    StopSignals.exit(self.state.step, saved=self.cfg.checkpoint.save_on_exit)
+            for hook in self.hooks:
+                hook.after_train(self.state)
+        return self.state.metrics
+
+    @contextmanager
+    def _running(self) -> Iterator[None]:
+        """Stop signals and the hooks' lifetimes around the loop; loaders, writer and an async
+        checkpoint in flight are closed on every path."""
+        self._batches = batches = self._train_batches()
         try:
-            with ExitStack() as guards:
-                guards.enter_context(_handle_sigterm(self))
-                profiler = guards.enter_context(StepProfiler(self.cfg.profile, output_dir=self.output_dir,
-                                                             rank=self.env.rank, device=self.device))
-                if health.hang_timeout_s is not None:
-                    self.watchdog = guards.enter_context(Watchdog(
-                        health.hang_timeout_s, rank=self.env.rank, describe=self.phase.describe,
-                        log_file=hang_log_path(self.output_dir, self.env.rank)))
+            with self.signals:
                 for hook in self.hooks:
-                    hook.before_train(self)
-                while not self._finished():
-                    started = time.perf_counter()
-                    self.last_step = self.train_step()
-                    self._advance()
-                    self.last_step_s = time.perf_counter() - started
-                    # Ranks that share samples (tensor/pipeline peers) share the count as well.
-                    self.meter.step_done(samples=self.layout.global_batch_size / self.env.world_size,
-                                         seconds=self.last_step_s)
-                    profiler.step()
-                    for hook in self.hooks:
-                        hook.after_step(self)
-                    self.beat()
-                    if heartbeat is not None:
-                        heartbeat.maybe_log(self.step, step_s=self.last_step_s,
-                                            data_wait_s=self.last_step.get("data_wait_s", 0.0))
-                    if self.stop_requested and not self._finished():
-                        logger.warning("SIGTERM: stopped at step %d%s", self.step,
-                                       " after saving a checkpoint" if self.cfg.checkpoint.save_on_exit else "")
-                        raise SystemExit(EXIT_TERMINATED)
-                for hook in self.hooks:
-                    hook.after_train(self)
+                    hook.before_train(self.state)
+                yield
         finally:
-            self._batches.close()  # ends the loader iteration in flight
+            for hook in reversed(self.hooks):
+                hook.close()
+            batches.close()  # ends the loader iteration in flight
             shutdown_loader(self.train_loader)
             shutdown_loader(self.val_loader)
             self.writer.close()
-            self.checkpointer.close()  # waits for an async save in flight
-        return self.final_metrics
 
     def _finished(self) -> bool:
-        loop = self.cfg.loop
-        return self.step >= loop.max_steps if loop.max_steps else self.epoch >= loop.max_epochs
+        loop, state = self.cfg.loop, self.state
+        return (
+            state.step >= self.total_steps
+            if loop.max_steps
+            else state.epoch >= (loop.max_epochs or 0)
+        )
 
-    def _advance(self) -> None:
-        """Count the step that just ran and move the data position; epochs end when no full
-        global batch is left."""
-        batch = self.layout.global_batch_size
-        self.step += 1
-        self.samples_seen += batch
-        self.epoch_sample += batch
-        self.epoch_ended = self._epoch_exhausted()
-        if self.epoch_ended:
-            self.epoch += 1
-            self.epoch_sample = 0
-
-    def _epoch_exhausted(self) -> bool:
-        """No full global batch is left in the current epoch from ``epoch_sample`` on."""
-        batch = self.layout.global_batch_size
-        return self.epoch_sample + batch > self.steps_per_epoch * batch
-
-    def beat(self) -> None:
+    def _beat(self) -> None:
         """Progress for the hang watchdog (also called inside long evaluations)."""
         if self.watchdog is not None:
             self.watchdog.beat()
 
     def close(self) -> None:
-        """Release the model, optimizer and loaders before the process group goes away; an
-        exception's traceback may keep this Trainer alive past that point."""
-        for name in ("model", "pipeline", "optimizer", "scheduler", "train_loader", "val_loader", "_batches"):
+        """Release the model, optimizer, DDP's comm wrapper and the loaders before the process
+        group goes away; an exception's traceback may keep this Trainer alive past that point."""
+        held = (
+            "model pipeline optimizer comm scheduler stepper train_loader val_loader checkpointer"
+        )
+        for name in [*held.split(), "hooks", "_batches"]:
             setattr(self, name, None)
 
-    def train_step(self) -> dict[str, Any]:
+    def train_step(self) -> StepResult:
         """One optimizer step over ``grad_accum_steps`` micro-batches."""
-        accum = self.layout.grad_accum_steps
+        accum, step = self.layout.grad_accum_steps, self.state.step + 1
         step_started = time.perf_counter()
         self.model.train()
         loss_sum = torch.zeros((), device=self.device)
         data_wait = 0.0
+        tp_loss = self.cfg.parallel.tensor_parallel.loss_parallel
         for micro_step in range(accum):
             started = time.perf_counter()
-            self.phase.enter("data", step=self.step + 1)
-            batch = self._next_batch()
+            self.phase.enter("data", step=step)
+            assert self._batches is not None, "train_step runs inside fit"
+            batch = self.to_device(next(self._batches))
             data_wait += time.perf_counter() - started  # fetch and copy to the device
-            # Data parallelism reduces gradients in backward; skip that on all but the last micro-step.
+            # Data parallelism reduces gradients in backward, on the last micro-step only.
             sync = micro_step == accum - 1
-            self.phase.enter("forward/backward (gradient reduction)" if sync else "forward/backward",
-                             step=self.step + 1)
-            with self._gradient_sync(sync), self._loss_parallel():
+            phase = "forward/backward (gradient reduction)" if sync else "forward/backward"
+            self.phase.enter(phase, step=step)
+            # loss_parallel: with vocabulary-sharded logits the loss and its backward run on shards.
+            with gradient_sync(self.model, sync), loss_parallel() if tp_loss else nullcontext():
                 if self.pipeline is not None:
                     loss = self._pipeline_step(batch)
                 else:
                     with self.precision.autocast():
                         loss = self.compute_loss(batch)
                     self.precision.scaler.scale(loss / accum).backward()
-            if isinstance(loss, DTensor):  # loss_parallel: the loss of vocabulary shards, replicated
+            if isinstance(
+                loss, DTensor
+            ):  # loss_parallel: the loss of vocabulary shards, replicated
                 loss = loss.full_tensor()
             loss_sum += loss.detach().float()
         loss = loss_sum / accum
         backward_done = time.perf_counter()
-
-        grad_norm = self._grad_norm()
-        nonfinite = self._agree(loss, grad_norm)
-        if nonfinite:
-            self._on_nonfinite(loss)
-        else:
-            self.phase.enter("optimizer", step=self.step + 1)
-            self._clip(grad_norm)
-            scaler = self.precision.scaler
-            scale_before = scaler.get_scale() if scaler.is_enabled() else None
-            scaler.step(self.optimizer)  # skips optimizer.step when fp16 gradients overflowed
-            scaler.update()
-            if scale_before is not None and scaler.get_scale() < scale_before:
-                self.skipped_steps += 1
-                if self.comm is not None:
-                    self.comm.discard_error_feedback()  # PowerSGD's memory holds this step's inf
-            if self.comm is not None:
-                self.comm.after_optimizer_step(self.model.parameters())  # local SGD: average replicas
-            self.scheduler.step()
-        self.optimizer.zero_grad(set_to_none=True)
+        grad_norm, verdict = self.stepper.apply(loss)
+        done = time.perf_counter()
         self.meter.add_data_wait(data_wait)
-        self.meter.add_phases(compute=backward_done - step_started - data_wait,
-                              optimizer=time.perf_counter() - backward_done)
-        return {"loss": loss, "grad_norm": grad_norm, "data_wait_s": data_wait, "nonfinite": nonfinite}
+        self.meter.add_phases(
+            compute=backward_done - step_started - data_wait, optimizer=done - backward_done
+        )
+        # Ranks that share samples (tensor/pipeline peers) share the count as well.
+        samples = self.layout.global_batch_size / self.env.world_size
+        self.meter.step_done(samples=samples, seconds=done - step_started)
+        return StepResult(
+            loss=loss,
+            grad_norm=grad_norm,
+            data_wait_s=data_wait,
+            seconds=done - step_started,
+            nonfinite=verdict.nonfinite,
+            stop_requested=verdict.stop,
+            save_due=verdict.save_due,
+        )
 
     def _pipeline_step(self, batch: Any) -> torch.Tensor:
         """One schedule step over the pipeline's micro-batches: the mean loss on the last stage's
         rank, zero elsewhere (metric_weight keeps it out of the logged mean)."""
+        assert self.pipeline is not None
         inputs, targets = batch
         with self.precision.autocast():
             losses = self.pipeline.train_step(inputs, targets)
         return torch.stack(losses).mean() if losses else torch.zeros((), device=self.device)
 
-    def _gradient_sync(self, enabled: bool):
-        """DDP's no_sync, or FSDP's requires_gradient_sync, on accumulation micro-steps."""
-        if enabled:
-            return nullcontext()
-        if is_ddp(self.model):
-            return self.model.no_sync()
-        return _without_gradient_sync(self.model)
-
-    def _loss_parallel(self):
-        """Tensor parallel with vocabulary-sharded logits: the loss and its backward run on shards."""
-        return loss_parallel() if self.cfg.parallel.tensor_parallel.loss_parallel else nullcontext()
-
-    def _grad_norm(self) -> torch.Tensor:
-        """The total gradient norm in true units (unscaled under fp16), every step: it serves the
-        non-finite check, clipping and logging, and costs one pass over the gradients. It is the
-        global norm under every layout (sharded and pipelined gradients included)."""
-        self.precision.scaler.unscale_(self.optimizer)
-        grads = [p.grad for p in self.model.parameters() if p.grad is not None]
-        pp_group = self.mesh["pp"].get_group() if self.dims.pp > 1 else None
-        return global_grad_norm(grads, pp_group=pp_group, device=self.device)
-
-    def _agree(self, loss: torch.Tensor, grad_norm: torch.Tensor) -> bool:
-        """One small all-reduce per step so every rank takes the same branch: non-finite values
-        seen by any rank, SIGTERM received by any rank, rank 0's clock saying a timed checkpoint
-        is due. Returns whether the step is non-finite."""
-        self.phase.enter("step agreement all-reduce", step=self.step + 1)
-        # Under fp16 an overflowing gradient is routine (the GradScaler skips that step), so only
-        # the loss counts as a health event there.
-        bad = ~torch.isfinite(loss) if self.precision.scaling else ~(torch.isfinite(loss) & torch.isfinite(grad_norm))
-        minutes = self.cfg.checkpoint.every_n_minutes
-        timed = (self.env.is_main and minutes is not None
-                 and time.monotonic() - self.last_checkpoint_time >= 60 * minutes)
-        host_flags = torch.tensor([float(self._sigterm), float(timed)]).to(self.device, non_blocking=True)
-        flags = torch.cat([bad.float().reshape(1), host_flags])
-        # The one host synchronisation per step: every rank must know the verdict before stepping.
-        nonfinite, stop, due = (bool(v) for v in all_reduce_max(flags).tolist())
-        self.stop_requested = stop
-        self.checkpoint_due = due
-        return nonfinite
-
-    def _on_nonfinite(self, loss: torch.Tensor) -> None:
-        names = nonfinite_tensor_names(
-            ((name, p.grad) for name, p in unwrap(self.model).named_parameters()),
-            loss=loss if not torch.isfinite(loss) else None)
-        if self.cfg.health.nonfinite == "abort":
-            raise NonFiniteError(step=self.step + 1, rank=self.env.rank, names=names)
-        # skip: parameters and optimizer state stay as they were; the schedule moves on with the
-        # step count, as it does when the fp16 GradScaler skips a step.
-        self.nonfinite_steps += 1
-        if self.comm is not None:
-            self.comm.discard_error_feedback()
-        if self.precision.scaling:
-            self.precision.scaler.update()  # closes this step's unscale_; lowers the scale
-        self.scheduler.step()
-        logger.warning("non-finite values at step %d (%s): step skipped (%d so far)", self.step + 1,
-                       ", ".join(names) or "on another rank", self.nonfinite_steps)
-
-    def _clip(self, grad_norm: torch.Tensor) -> None:
-        optim = self.cfg.optim
-        params = [p for p in self.model.parameters() if p.grad is not None]
-        if optim.clip_grad_value is not None:
-            torch.nn.utils.clip_grad_value_(params, optim.clip_grad_value)
-        if optim.clip_grad_norm is not None:
-            torch.nn.utils.clip_grads_with_norm_(params, optim.clip_grad_norm, grad_norm)
-
-    def is_log_step(self, step: int) -> bool:
-        return step % self.cfg.logging.log_every_n_steps == 0 or step == self.total_steps
-
     # ------------------------------------------------------------------ data plumbing
 
-    def _train_batches(self) -> Iterator[Any]:
+    def _train_batches(self) -> Generator[Any, None, None]:
         """Micro-batches forever, epoch after epoch; the sampler is positioned from the epoch and
         the sample position, so the order depends only on the seed, the epoch and the global
         sample index (not on the world size or on where a previous run stopped)."""
         while True:
-            self.train_sampler.set_epoch(self.epoch)
-            self.train_sampler.set_start_sample(self.epoch_sample)
+            self.train_sampler.set_epoch(self.state.epoch)
+            self.train_sampler.set_start_sample(self.state.epoch_sample)
             yield from self.train_loader
-
-    def _next_batch(self) -> Any:
-        return self.to_device(next(self._batches))
 
     def to_device(self, batch: Any) -> Any:
         """Move every tensor in a (nested) batch to the training device."""
-        if isinstance(batch, torch.Tensor):
-            if self.cfg.model.channels_last and batch.dim() == 4 and batch.is_floating_point():
-                return batch.to(self.device, memory_format=torch.channels_last, non_blocking=True)
-            return batch.to(self.device, non_blocking=True)
-        if isinstance(batch, (list, tuple)):
-            return type(batch)(self.to_device(b) for b in batch)
-        if isinstance(batch, dict):
-            return {k: self.to_device(v) for k, v in batch.items()}
-        return batch
+        return to_device(batch, self.device, channels_last=self.cfg.model.channels_last)
 
 
-EXIT_TERMINATED = 128 + signal.SIGTERM  # the shell's convention for "ended by SIGTERM"
-
-
-@contextmanager
-def _without_gradient_sync(model: nn.Module) -> Iterator[None]:
-    set_gradient_sync([model], False)
+def resolve_trainer_class(target: str, *, key: str = "trainer._target_") -> type[Trainer]:
+    """The Trainer (sub)class named by the dotted path ``target``; ``key`` names its source in
+    errors."""
     try:
-        yield
-    finally:
-        set_gradient_sync([model], True)
-
-
-class _handle_sigterm:
-    """While training, SIGTERM (a scheduler's notice before preemption) only sets a flag; the
-    ranks agree on it at the end of the step, save a checkpoint and exit together."""
-
-    def __init__(self, trainer: Trainer) -> None:
-        self.trainer = trainer
-
-    def __enter__(self) -> None:
-        def handler(signum, frame):
-            if self.trainer._sigterm:
-                # A second SIGTERM: the first was not acted upon (a rank stuck before the step's
-                # agreement), so terminate now, the default way.
-                signal.signal(signal.SIGTERM, signal.SIG_DFL)
-                os.kill(os.getpid(), signal.SIGTERM)
-            self.trainer._sigterm = True
-
-        self.previous = signal.signal(signal.SIGTERM, handler)
-
-    def __exit__(self, *exc) -> None:
-        signal.signal(signal.SIGTERM, self.previous)
+        cls = get_class(target)
+    except Exception as err:  # hydra wraps import failures in several exception types
+        raise ConfigError(f"{key}={target!r} cannot be imported: {err}") from None
+    if not (isinstance(cls, type) and issubclass(cls, Trainer)):
+        raise ConfigError(f"{key}={target!r} is not a subclass of sdnet_trainer.Trainer")
+    return cls

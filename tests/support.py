@@ -24,8 +24,16 @@ REPO = Path(__file__).resolve().parents[1]
 FINAL_STATE = "final.pt"
 
 # Small, fast settings shared by the tests that train: a tiny CNN on 16x16 synthetic images.
-TINY = ["model=simple_cnn", "data.image_size=16", "data.train_size=256", "data.val_size=101",
-        "optim.lr=0.05", "sched=constant", "logging.log_every_n_steps=2", "loop.eval_at_epoch_end=false"]
+TINY = [
+    "model=simple_cnn",
+    "data.image_size=16",
+    "data.train_size=256",
+    "data.val_size=101",
+    "optim.lr=0.05",
+    "sched=constant",
+    "logging.log_every_n_steps=2",
+    "loop.eval_at_epoch_end=false",
+]
 
 
 @dataclass
@@ -36,13 +44,25 @@ class Launch:
 
 def cli_env() -> dict[str, str]:
     env = dict(os.environ)
-    env.update(OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1", HYDRA_FULL_ERROR="0",
-               PYTHONPATH=os.pathsep.join(filter(None, [str(REPO), env.get("PYTHONPATH")])))
+    env.update(
+        OMP_NUM_THREADS="1",
+        PYTHONUNBUFFERED="1",
+        HYDRA_FULL_ERROR="0",
+        PYTHONPATH=os.pathsep.join(filter(None, [str(REPO), env.get("PYTHONPATH")])),
+    )
     return env
 
 
-def run_cli(args: list[str], *, cwd: Path, nproc: int | None = None, script: Path | None = None,
-            timeout: float = 240, torchrun_args: tuple[str, ...] = (), env: dict[str, str] | None = None) -> Launch:
+def run_cli(
+    args: list[str],
+    *,
+    cwd: Path,
+    nproc: int | None = None,
+    script: Path | None = None,
+    timeout: float = 240,
+    torchrun_args: tuple[str, ...] = (),
+    env: dict[str, str] | None = None,
+) -> Launch:
     """Run ``python -m sdnet_trainer`` (nproc None) or ``torchrun --standalone`` with ``nproc``
     processes; ``script`` replaces ``-m sdnet_trainer``. The whole process tree is killed on
     timeout. torchrun's --standalone picks a free port for its rendezvous."""
@@ -50,16 +70,32 @@ def run_cli(args: list[str], *, cwd: Path, nproc: int | None = None, script: Pat
     if nproc is None:
         cmd = [sys.executable, *target, *args]
     else:
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
-               f"--nproc_per_node={nproc}", *torchrun_args, *target, *args]
+        cmd = [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--standalone",
+            f"--nproc_per_node={nproc}",
+            *torchrun_args,
+            *target,
+            *args,
+        ]
     return run_command(cmd, cwd=cwd, timeout=timeout, env=env)
 
 
-def run_command(cmd: list[str], *, cwd: Path, timeout: float, env: dict[str, str] | None = None) -> Launch:
+def run_command(
+    cmd: list[str], *, cwd: Path, timeout: float, env: dict[str, str] | None = None
+) -> Launch:
     """Run ``cmd`` with the test environment, in its own session: a timeout kills the whole tree."""
-    proc = subprocess.Popen(cmd, cwd=cwd, env={**cli_env(), **(env or {})}, stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT,
-                            text=True, start_new_session=True)
+    proc = subprocess.Popen(
+        cmd,
+        cwd=cwd,
+        env={**cli_env(), **(env or {})},
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        start_new_session=True,
+    )
     try:
         output, _ = proc.communicate(timeout=timeout)
     except subprocess.TimeoutExpired:
@@ -110,7 +146,7 @@ class RecordingTrainer(Trainer):
 
     def train_step(self):
         out = super().train_step()
-        loss = all_reduce_sum(out["loss"].detach().clone()) / self.env.world_size
+        loss = all_reduce_sum(out.loss.detach().clone()) / self.env.world_size
         self.losses.append(loss.item())
         self.allreduce_calls.append(self._calls)
         self._calls = 0
@@ -119,16 +155,26 @@ class RecordingTrainer(Trainer):
     def fit(self):
         metrics = super().fit()
         if self.env.is_main:
-            params = {k: v.detach().cpu().clone() for k, v in unwrap(self.model).state_dict().items()}
-            torch.save({"params": params, "losses": self.losses, "allreduce_calls": self.allreduce_calls,
-                        "metrics": metrics}, self.output_dir / FINAL_STATE)
+            params = {
+                k: v.detach().cpu().clone() for k, v in unwrap(self.model).state_dict().items()
+            }
+            torch.save(
+                {
+                    "params": params,
+                    "losses": self.losses,
+                    "allreduce_calls": self.allreduce_calls,
+                    "metrics": metrics,
+                },
+                self.output_dir / FINAL_STATE,
+            )
         return metrics
 
 
 class FaultTrainer(RecordingTrainer):
     """Faults on request, for the resume tests. Environment variables (``RANK:STEP``):
 
-    - ``SDNET_TEST_KILL``: SIGKILL that rank right after that step, on torchrun's first attempt only;
+    - ``SDNET_TEST_KILL``: SIGKILL that rank right after that step, on torchrun's first attempt
+      only;
     - ``SDNET_TEST_SIGTERM``: deliver SIGTERM to that rank during that step;
     - ``SDNET_TEST_NAN``: make that rank's loss NaN on that step;
     - ``SDNET_TEST_SLEEP``: that rank sleeps 600 s inside that step (a hang).
@@ -138,7 +184,9 @@ class FaultTrainer(RecordingTrainer):
     """
 
     def build_model(self):
-        return nn.Sequential(super().build_model(), nn.Dropout(float(os.environ.get("SDNET_TEST_DROPOUT", "0.2"))))
+        return nn.Sequential(
+            super().build_model(), nn.Dropout(float(os.environ.get("SDNET_TEST_DROPOUT", "0.2")))
+        )
 
     def build_datasets(self):
         train, val = super().build_datasets()
@@ -151,19 +199,23 @@ class FaultTrainer(RecordingTrainer):
     def compute_loss(self, batch):
         inputs, targets, indices = batch
         self.seen += indices.tolist()
-        if _fault("SDNET_TEST_SLEEP", self.env.rank) == self.step + 1:
+        if _fault("SDNET_TEST_SLEEP", self.env.rank) == self.state.step + 1:
             time.sleep(600)
-        if _fault("SDNET_TEST_SIGTERM", self.env.rank) == self.step + 1:
-            os.kill(os.getpid(), signal.SIGTERM)  # arrives during the step, as a preemption notice would
+        if _fault("SDNET_TEST_SIGTERM", self.env.rank) == self.state.step + 1:
+            os.kill(
+                os.getpid(), signal.SIGTERM
+            )  # arrives during the step, as a preemption notice would
         loss = super().compute_loss((inputs, targets))
-        if _fault("SDNET_TEST_NAN", self.env.rank) == self.step + 1:
+        if _fault("SDNET_TEST_NAN", self.env.rank) == self.state.step + 1:
             loss = loss * math.nan
         return loss
 
     def train_step(self):
         out = super().train_step()
-        if _fault("SDNET_TEST_KILL", self.env.rank) == self.step + 1 and \
-                os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0":
+        if (
+            _fault("SDNET_TEST_KILL", self.env.rank) == self.state.step + 1
+            and os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0"
+        ):
             os.kill(os.getpid(), signal.SIGKILL)
         return out
 
@@ -171,7 +223,9 @@ class FaultTrainer(RecordingTrainer):
         try:
             return super().fit()
         finally:
-            torch.save(self.seen, self.output_dir / f"seen_rank{self.env.rank}_{os.getpid()}_{id(self)}.pt")
+            torch.save(
+                self.seen, self.output_dir / f"seen_rank{self.env.rank}_{os.getpid()}_{id(self)}.pt"
+            )
 
 
 def _fault(name: str, rank: int) -> int | None:

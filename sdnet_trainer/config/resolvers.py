@@ -45,7 +45,9 @@ def run_id() -> str:
     if rdzv_id and rdzv_id != "none" and int(os.environ.get("GROUP_WORLD_SIZE", "1")) > 1:
         return rdzv_id
     started = _process_start_time(os.getppid()) if rdzv_id is not None else None
-    return datetime.fromtimestamp(started if started is not None else time.time()).strftime(_STAMP_FORMAT)
+    return datetime.fromtimestamp(started if started is not None else time.time()).strftime(
+        _STAMP_FORMAT
+    )
 
 
 def rank0_only(value: str) -> str | None:

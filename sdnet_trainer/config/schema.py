@@ -2,7 +2,8 @@
 
 Hydra merges each YAML file of ``configs/`` onto these dataclasses, so a misspelled key or a value
 of the wrong type fails at compose time with the key's full name. Cross-field rules (batch split,
-world size, incompatible options) live in :mod:`sdnet_trainer.config.validate`.
+world size, incompatible options) live beside the component they concern and run together in
+:func:`sdnet_trainer.preflight.validate`.
 """
 
 from __future__ import annotations
@@ -24,8 +25,8 @@ class GPTConfig:
 
 @dataclass
 class ModelConfig:
-    # A name from the model registry: any torchvision classifier (resnet18, resnet152, vit_b_16, ...)
-    # or one of the project's own small models (see sdnet_trainer.models).
+    # A name from the model registry: any torchvision classifier (resnet18, resnet152, vit_b_16,
+    # ...) or one of the project's own small models (see sdnet_trainer.models).
     name: str = "resnet18"
     num_classes: int = 10
     # Replace the ImageNet stem (7x7/2 conv + max-pool) with a 3x3/1 conv: the usual ResNet
@@ -35,7 +36,8 @@ class ModelConfig:
     weights: Optional[str] = None
     # Extra keyword arguments for the model constructor.
     kwargs: Dict[str, Any] = field(default_factory=dict)
-    # The GPT-style decoder (model.name=gpt); sizes from tiny to ~1B parameters (configs/model/gpt_*).
+    # The GPT-style decoder (model.name=gpt); sizes from tiny to ~1B parameters
+    # (configs/model/gpt_*).
     gpt: GPTConfig = field(default_factory=GPTConfig)
     # Recompute each block's activations in backward instead of keeping them (per transformer
     # block, per ResNet residual block): less memory for about one more forward pass.
@@ -134,7 +136,8 @@ class FSDPConfig:
     # copies of the parameters); gradients are reduced in reduce_dtype.
     param_dtype: str = "auto"
     reduce_dtype: str = "fp32"
-    # CUDA only: keep sharded parameters, gradients and optimizer state in CPU memory (CPUOffloadPolicy).
+    # CUDA only: keep sharded parameters, gradients and optimizer state in CPU memory
+    # (CPUOffloadPolicy).
     cpu_offload: bool = False
 
 
@@ -234,7 +237,8 @@ class ProfileConfig:
     record_shapes: bool = False
     profile_memory: bool = False
     with_stack: bool = False
-    # CUDA only: torch.cuda.memory snapshot (pickle for pytorch.org/memory_viz) over the active steps.
+    # CUDA only: torch.cuda.memory snapshot (pickle for pytorch.org/memory_viz) over the active
+    # steps.
     memory_snapshot: bool = False
     top_k: int = 15
 
@@ -301,7 +305,8 @@ class CheckpointConfig:
     async_save: bool = False
     # auto: the newest complete checkpoint in dir, if any; none: start fresh; or a checkpoint path.
     resume: str = "auto"
-    # Save when training ends normally and when SIGTERM arrives (schedulers send it before preemption).
+    # Save when training ends normally and when SIGTERM arrives (schedulers send it before
+    # preemption).
     save_on_exit: bool = True
 
 
@@ -320,7 +325,8 @@ class ElasticConfig:
     # on: torchrun may restart workers with another world size; the batch policy below applies.
     enabled: bool = False
     # keep_global: keep loop.global_batch_size, re-deriving grad accumulation from the world size;
-    # keep_per_rank: keep loop.micro_batch_size x grad_accum_steps per rank, the global batch follows.
+    # keep_per_rank: keep loop.micro_batch_size x grad_accum_steps per rank, the global batch
+    # follows.
     batch_policy: str = "keep_global"
 
 

@@ -20,8 +20,11 @@ RECIPE_MODULE = "sdnet_trainer.recipes"
 
 
 def recipe_names() -> list[str]:
-    return sorted(p.name[: -len(".yaml")] for p in resources.files(RECIPE_MODULE).iterdir()
-                  if p.name.endswith(".yaml"))
+    return sorted(
+        p.name[: -len(".yaml")]
+        for p in resources.files(RECIPE_MODULE).iterdir()
+        if p.name.endswith(".yaml")
+    )
 
 
 def register_configs() -> None:

@@ -7,19 +7,23 @@
 from __future__ import annotations
 
 import logging
-from typing import Callable
+from collections.abc import Callable
 
 from torch.utils.data import Dataset
 
-from sdnet_trainer.config.schema import DataConfig
+from sdnet_trainer.config.checks import check_positive
+from sdnet_trainer.config.schema import Config, DataConfig
 from sdnet_trainer.data.folders import build_cifar10, build_imagefolder
-from sdnet_trainer.data.loader import build_loader
+from sdnet_trainer.data.loader import build_loader, check_loader_options
 from sdnet_trainer.data.sampler import GlobalBatchSampler, ShardedEvalSampler
 from sdnet_trainer.data.synthetic import SyntheticImages, build_synthetic
 from sdnet_trainer.data.tokens import MarkovTokens, TextBytes, build_text, build_tokens
 from sdnet_trainer.errors import ConfigError
 
 logger = logging.getLogger(__name__)
+
+# The language-model data sets: (inputs, targets) token sequences rather than labelled images.
+LM_DATASETS = ("tokens", "text")
 
 _BUILDERS: dict[str, Callable[[DataConfig], tuple[Dataset, Dataset]]] = {
     "synthetic": build_synthetic,
@@ -41,7 +45,23 @@ def build_datasets(cfg: DataConfig) -> tuple[Dataset, Dataset]:
     return builder(cfg)
 
 
+def validate_data(cfg: Config) -> None:
+    """``data.*`` and its fit to ``model.num_classes``, checked before launch. A language model's
+    vocabulary and context are checked against the data by the model's own validator."""
+    data = cfg.data
+    if data.name in LM_DATASETS:
+        check_positive("data.seq_len", data.seq_len)
+    elif cfg.model.num_classes != data.num_classes:
+        raise ConfigError(
+            f"model.num_classes={cfg.model.num_classes} differs from "
+            f"data.num_classes={data.num_classes}"
+        )
+    check_positive("data.image_size", data.image_size)
+    check_loader_options(data)
+
+
 __all__ = [
+    "LM_DATASETS",
     "GlobalBatchSampler",
     "MarkovTokens",
     "ShardedEvalSampler",
@@ -49,4 +69,5 @@ __all__ = [
     "TextBytes",
     "build_datasets",
     "build_loader",
+    "validate_data",
 ]

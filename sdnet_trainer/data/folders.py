@@ -79,7 +79,8 @@ def _require_rgb(cfg: DataConfig) -> None:
     # would only surface later as a shape error inside the model's first layer.
     if cfg.channels != 3:
         raise ConfigError(
-            f"data.channels={cfg.channels}, but data.name={cfg.name!r} yields RGB images (3 channels)"
+            f"data.channels={cfg.channels}, but data.name={cfg.name!r} yields RGB images "
+            "(3 channels)"
         )
 
 
@@ -140,7 +141,10 @@ def build_imagefolder(cfg: DataConfig) -> tuple[Dataset, Dataset]:
     _check_classes(cfg, train, val, root=root)
     logger.info(
         "imagefolder %s: %d train / %d val images, %d classes",
-        root, len(train), len(val), len(train.classes),
+        root,
+        len(train),
+        len(val),
+        len(train.classes),
     )
     return train, val
 
@@ -159,7 +163,7 @@ def _require_cifar_shape(cfg: DataConfig) -> None:
         )
 
 
-def _cifar10_split(cfg: DataConfig, root: Path, *, train: bool, transform) -> Dataset:
+def _cifar10_split(cfg: DataConfig, root: Path, *, train: bool, transform) -> datasets.CIFAR10:
     try:
         return datasets.CIFAR10(str(root), train=train, download=cfg.download, transform=transform)
     except RuntimeError as err:

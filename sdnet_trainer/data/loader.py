@@ -14,15 +14,20 @@ from typing import Any
 import torch
 from torch.utils.data import DataLoader, Dataset, Sampler
 
+from sdnet_trainer.config.checks import check_positive
 from sdnet_trainer.config.schema import DataConfig
+from sdnet_trainer.data.sampler import GlobalBatchSampler, ShardedEvalSampler
+from sdnet_trainer.data.seeding import EpochTaggedBatches, SampleSeeded
 from sdnet_trainer.errors import ConfigError
 
 logger = logging.getLogger(__name__)
 
 
-def _check_cfg(cfg: DataConfig) -> None:
-    if cfg.num_workers < 0:
-        raise ConfigError(f"data.num_workers={cfg.num_workers} must be >= 0")
+def check_loader_options(cfg: DataConfig) -> None:
+    """``data.num_workers`` and ``data.prefetch_factor``: part of preflight's data checks, and
+    checked again by :func:`build_loader`, which also serves callers that build a DataConfig
+    themselves."""
+    check_positive("data.num_workers", cfg.num_workers, allow_zero=True)
     if cfg.num_workers > 0 and cfg.prefetch_factor < 1:
         raise ConfigError(f"data.prefetch_factor={cfg.prefetch_factor} must be >= 1")
 
@@ -72,11 +77,70 @@ def build_loader(
     ``device_type`` is the training device's type ("cuda", "cpu", ...); ``generator`` seeds the
     workers' base seed (and so random augmentations) reproducibly.
     """
-    _check_cfg(cfg)
+    check_loader_options(cfg)
     kwargs = _batching_kwargs(batch_sampler=batch_sampler, sampler=sampler, batch_size=batch_size)
     kwargs.update(_worker_kwargs(cfg, device_type=device_type))
     logger.debug("DataLoader settings: %s", {k: v for k, v in kwargs.items() if "sampler" not in k})
     return DataLoader(dataset, generator=generator, **kwargs)
+
+
+def train_loader(
+    dataset: Dataset,
+    *,
+    cfg: DataConfig,
+    device_type: str,
+    micro_batch_size: int,
+    grad_accum_steps: int,
+    dp_size: int,
+    dp_rank: int,
+    seed: int,
+) -> tuple[DataLoader, GlobalBatchSampler]:
+    """The training loader and its sampler: this data-parallel rank's micro-batches of the global
+    batch order (see GlobalBatchSampler), each sample seeded by (seed, epoch, index)."""
+    sampler = GlobalBatchSampler(
+        len(dataset),  # type: ignore[arg-type]  # map-style datasets have a length
+        micro_batch_size=micro_batch_size,
+        world_size=dp_size,
+        rank=dp_rank,
+        grad_accum_steps=grad_accum_steps,
+        shuffle=cfg.shuffle,
+        seed=seed,
+        drop_last=cfg.drop_last,
+    )
+    # The loader gets its own generator: creating an iterator must not draw from the global
+    # stream, or a resumed run (which creates one mid-epoch) would diverge from an uninterrupted
+    # one. Augmentations are seeded per sample (SampleSeeded), so which worker loads a sample
+    # does not matter either.
+    loader = build_loader(
+        SampleSeeded(dataset, seed=seed),
+        cfg=cfg,
+        device_type=device_type,
+        batch_sampler=EpochTaggedBatches(sampler),
+        generator=torch.Generator(),
+    )
+    return loader, sampler
+
+
+def eval_loader(
+    dataset: Dataset,
+    *,
+    cfg: DataConfig,
+    device_type: str,
+    batch_size: int,
+    dp_size: int,
+    dp_rank: int,
+) -> DataLoader:
+    """This data-parallel rank's share of the validation set, every sample exactly once."""
+    size = len(dataset)  # type: ignore[arg-type]  # map-style datasets have a length
+    if size < dp_size:
+        raise ConfigError(
+            f"the validation set has {size} samples, fewer than the {dp_size} data-parallel ranks "
+            f"(data.val_size)"
+        )
+    sampler = ShardedEvalSampler(size, world_size=dp_size, rank=dp_rank)
+    return build_loader(
+        dataset, cfg=cfg, device_type=device_type, sampler=sampler, batch_size=batch_size
+    )
 
 
 def shutdown_loader(loader: DataLoader | None) -> None:
@@ -92,3 +156,17 @@ def shutdown_loader(loader: DataLoader | None) -> None:
     if shutdown is not None:
         shutdown()
     loader._iterator = None
+
+
+def to_device(batch: Any, device: torch.device, *, channels_last: bool = False) -> Any:
+    """Every tensor of a (nested) batch on ``device``; 4-D float inputs in channels_last layout
+    when asked (model.channels_last)."""
+    if isinstance(batch, torch.Tensor):
+        if channels_last and batch.dim() == 4 and batch.is_floating_point():
+            return batch.to(device, memory_format=torch.channels_last, non_blocking=True)
+        return batch.to(device, non_blocking=True)
+    if isinstance(batch, (list, tuple)):
+        return type(batch)(to_device(b, device, channels_last=channels_last) for b in batch)
+    if isinstance(batch, dict):
+        return {k: to_device(v, device, channels_last=channels_last) for k, v in batch.items()}
+    return batch

@@ -44,7 +44,7 @@ class SampleSeeded(Dataset):
         self.seed = seed
 
     def __len__(self) -> int:
-        return len(self.dataset)
+        return len(self.dataset)  # type: ignore[arg-type]  # map-style datasets have a length
 
     def __getitem__(self, key: tuple[int, int]) -> Any:
         epoch, index = key

@@ -10,6 +10,7 @@ DataLoader worker process.
 
 from __future__ import annotations
 
+import functools
 import logging
 
 import torch
@@ -74,9 +75,7 @@ def _make_prototypes(
     Standardizing makes ``signal`` and ``noise`` comparable per pixel, whatever the image size.
     """
     gen = _generator(seed, _STREAM_PROTOTYPES)
-    grid = torch.randn(
-        num_classes, channels, _PROTOTYPE_GRID, _PROTOTYPE_GRID, generator=gen
-    )
+    grid = torch.randn(num_classes, channels, _PROTOTYPE_GRID, _PROTOTYPE_GRID, generator=gen)
     protos = F.interpolate(
         grid, size=(image_size, image_size), mode="bilinear", align_corners=False
     )
@@ -100,7 +99,7 @@ def _require_positive(name: str, value: int) -> None:
         raise ValueError(f"SyntheticImages: {name} must be >= 1, got {value}")
 
 
-class SyntheticImages(Dataset):
+class SyntheticImages(Dataset[tuple[torch.Tensor, int]]):
     """``size`` images of shape [channels, image_size, image_size] with labels in [0, num_classes).
 
     ``split`` selects the per-sample noise and label streams ("train" or "val"); the class
@@ -125,7 +124,9 @@ class SyntheticImages(Dataset):
         _require_positive("channels", channels)
         _require_positive("num_classes", num_classes)
         if split not in _SPLITS:
-            raise ValueError(f"SyntheticImages: split must be one of {sorted(_SPLITS)}, got {split!r}")
+            raise ValueError(
+                f"SyntheticImages: split must be one of {sorted(_SPLITS)}, got {split!r}"
+            )
         self.size = size
         self.image_size = image_size
         self.channels = channels
@@ -150,9 +151,7 @@ class SyntheticImages(Dataset):
         index = check_index(index, self.size, type(self).__name__)
         label = int(self.labels[index])
         gen = _generator(self.seed, self._split_id, _STREAM_NOISE, index)
-        noise = torch.randn(
-            self.channels, self.image_size, self.image_size, generator=gen
-        )
+        noise = torch.randn(self.channels, self.image_size, self.image_size, generator=gen)
         image = self.signal * self.prototypes[label] + self.noise * noise
         return image, label
 
@@ -167,7 +166,8 @@ class SyntheticImages(Dataset):
 def build_synthetic(cfg: DataConfig) -> tuple[SyntheticImages, SyntheticImages]:
     """The (train, val) pair described by ``cfg``: same prototypes, different noise and labels."""
     _validate(cfg)
-    common = dict(
+    make = functools.partial(
+        SyntheticImages,
         image_size=cfg.image_size,
         channels=cfg.channels,
         num_classes=cfg.num_classes,
@@ -175,8 +175,8 @@ def build_synthetic(cfg: DataConfig) -> tuple[SyntheticImages, SyntheticImages]:
         signal=cfg.signal,
         noise=cfg.noise,
     )
-    train = SyntheticImages(cfg.train_size, split="train", **common)
-    val = SyntheticImages(cfg.val_size, split="val", **common)
+    train = make(cfg.train_size, split="train")
+    val = make(cfg.val_size, split="val")
     logger.info("synthetic data: %d train / %d val samples", len(train), len(val))
     return train, val
 

@@ -62,11 +62,15 @@ def _transition_table(seed: int, vocab_size: int) -> list[list[int]]:
 class MarkovTokens(Dataset):
     """``size`` token sequences of the seed's sparse Markov chain over ``vocab_size`` tokens."""
 
-    def __init__(self, size: int, *, seq_len: int, vocab_size: int, seed: int, split: str = "train") -> None:
+    def __init__(
+        self, size: int, *, seq_len: int, vocab_size: int, seed: int, split: str = "train"
+    ) -> None:
         if size < 0:
             raise ValueError(f"MarkovTokens: size must be >= 0, got {size}")
         if seq_len < 1 or vocab_size < 2:
-            raise ValueError(f"MarkovTokens: need seq_len >= 1 and vocab_size >= 2, got {seq_len}, {vocab_size}")
+            raise ValueError(
+                f"MarkovTokens: need seq_len >= 1 and vocab_size >= 2, got {seq_len}, {vocab_size}"
+            )
         if split not in _SPLITS:
             raise ValueError(f"MarkovTokens: split must be one of {sorted(_SPLITS)}, got {split!r}")
         self.size = size
@@ -89,8 +93,9 @@ class MarkovTokens(Dataset):
         first = int(torch.randint(self.vocab_size, (1,), generator=gen))
         # One uniform draw per step, turned into a successor rank all at once; only the walk
         # itself, where each step depends on the last, is a Python loop.
-        ranks = torch.searchsorted(self._cdf, torch.rand(self.seq_len, generator=gen, dtype=torch.float64),
-                                   right=True).tolist()
+        ranks = torch.searchsorted(
+            self._cdf, torch.rand(self.seq_len, generator=gen, dtype=torch.float64), right=True
+        ).tolist()
         tokens = [first]
         for rank in ranks:
             tokens.append(self.successors[tokens[-1]][rank])
@@ -98,8 +103,10 @@ class MarkovTokens(Dataset):
         return seq[:-1], seq[1:]
 
     def __repr__(self) -> str:
-        return (f"MarkovTokens(size={self.size}, seq_len={self.seq_len}, vocab_size={self.vocab_size}, "
-                f"seed={self.seed}, split={self.split!r})")
+        return (
+            f"MarkovTokens(size={self.size}, seq_len={self.seq_len}, vocab_size={self.vocab_size}, "
+            f"seed={self.seed}, split={self.split!r})"
+        )
 
 
 class TextBytes(Dataset):
@@ -111,7 +118,9 @@ class TextBytes(Dataset):
 
     def __init__(self, data: torch.Tensor, *, seq_len: int) -> None:
         if data.dtype != torch.uint8 or data.dim() != 1:
-            raise ValueError(f"TextBytes: data must be a 1-D uint8 tensor, got {data.dtype} {tuple(data.shape)}")
+            raise ValueError(
+                f"TextBytes: data must be a 1-D uint8 tensor, got {data.dtype} {tuple(data.shape)}"
+            )
         if seq_len < 1:
             raise ValueError(f"TextBytes: seq_len must be >= 1, got {seq_len}")
         self.data = data
@@ -146,15 +155,19 @@ def build_tokens(cfg: DataConfig) -> tuple[MarkovTokens, MarkovTokens]:
     common = dict(seq_len=cfg.seq_len, vocab_size=cfg.vocab_size, seed=cfg.synthetic_seed)
     train = MarkovTokens(cfg.train_size, split="train", **common)
     val = MarkovTokens(cfg.val_size, split="val", **common)
-    logger.info("token data: %d train / %d val sequences of %d tokens", len(train), len(val), cfg.seq_len)
+    logger.info(
+        "token data: %d train / %d val sequences of %d tokens", len(train), len(val), cfg.seq_len
+    )
     return train, val
 
 
 def build_text(cfg: DataConfig) -> tuple[TextBytes, TextBytes]:
     """Byte-level (train, val) windows over the text at ``data.root``; val is the last ~10%."""
     if cfg.vocab_size != BYTE_VOCAB:
-        raise ConfigError(f"data.vocab_size={cfg.vocab_size}: data.name='text' reads bytes, so it must be "
-                          f"{BYTE_VOCAB} (set model.gpt.vocab_size={BYTE_VOCAB})")
+        raise ConfigError(
+            f"data.vocab_size={cfg.vocab_size}: data.name='text' reads bytes, so it must be "
+            f"{BYTE_VOCAB} (set model.gpt.vocab_size={BYTE_VOCAB})"
+        )
     if cfg.seq_len < 1:
         raise ConfigError(f"data.seq_len={cfg.seq_len} must be >= 1 for data.name='text'")
     data = _read_bytes(cfg.root)
@@ -162,12 +175,19 @@ def build_text(cfg: DataConfig) -> tuple[TextBytes, TextBytes]:
     # At least one window each for val and train.
     val_bytes = max(int(len(data) * _TEXT_VAL_FRACTION), window)
     if len(data) - val_bytes < window:
-        raise ConfigError(f"data.root={cfg.root!r} holds {len(data)} bytes of text; data.seq_len={cfg.seq_len} "
-                          f"needs at least {2 * window} (one window of seq_len + 1 bytes each for train and val)")
+        raise ConfigError(
+            f"data.root={cfg.root!r} holds {len(data)} bytes of text; data.seq_len={cfg.seq_len} "
+            f"needs at least {2 * window} (one window of seq_len + 1 bytes each for train and val)"
+        )
     train = TextBytes(data[: len(data) - val_bytes], seq_len=cfg.seq_len)
     val = TextBytes(data[len(data) - val_bytes :], seq_len=cfg.seq_len)
-    logger.info("text data: %d bytes, %d train / %d val windows of %d bytes", len(data), len(train),
-                len(val), cfg.seq_len)
+    logger.info(
+        "text data: %d bytes, %d train / %d val windows of %d bytes",
+        len(data),
+        len(train),
+        len(val),
+        cfg.seq_len,
+    )
     return train, val
 
 
@@ -175,8 +195,10 @@ def _read_bytes(root: str | None) -> torch.Tensor:
     """The bytes of ``root`` (a file) or of its ``.txt`` files (a folder, recursively, in sorted
     path order), concatenated into one uint8 tensor held in memory."""
     if root is None:
-        raise ConfigError("data.root is not set: data.name='text' needs a UTF-8 text file or a folder of "
-                          ".txt files (data.root=PATH)")
+        raise ConfigError(
+            "data.root is not set: data.name='text' needs a UTF-8 text file or a folder of "
+            ".txt files (data.root=PATH)"
+        )
     path = Path(root).expanduser()
     if path.is_dir():
         files = sorted(path.rglob("*.txt"))

@@ -31,7 +31,11 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.distributed.algorithms.ddp_comm_hooks import default_hooks, post_localSGD_hook, powerSGD_hook
+from torch.distributed.algorithms.ddp_comm_hooks import (
+    default_hooks,
+    post_localSGD_hook,
+    powerSGD_hook,
+)
 from torch.distributed.algorithms.model_averaging.averagers import PeriodicModelAverager
 from torch.nn.parallel import DistributedDataParallel
 
@@ -55,46 +59,65 @@ def validate_comm(cfg: Config, world_size: int) -> None:
     if comm.hook == "none":
         return
     if parallel.strategy not in DDP_STRATEGIES:
-        raise ConfigError(f"comm.hook={comm.hook} needs parallel.strategy=ddp or zero1; "
-                          f"{parallel.strategy.upper()} reduces gradients itself (parallel.strategy="
-                          f"{parallel.strategy}); use comm.hook=none")
+        raise ConfigError(
+            f"comm.hook={comm.hook} needs parallel.strategy=ddp or zero1; "
+            f"{parallel.strategy.upper()} reduces gradients itself (parallel.strategy="
+            f"{parallel.strategy}); use comm.hook=none"
+        )
     if parallel.tp > 1 or parallel.pp > 1:
-        raise ConfigError(f"comm.hook={comm.hook} works on plain DDP gradient buckets; it cannot be "
-                          f"combined with parallel.tp={parallel.tp} / parallel.pp={parallel.pp}")
+        raise ConfigError(
+            f"comm.hook={comm.hook} works on plain DDP gradient buckets; it cannot be "
+            f"combined with parallel.tp={parallel.tp} / parallel.pp={parallel.pp}"
+        )
     if comm.hook == "powersgd":
         ps = comm.powersgd
         if ps.rank < 1:
-            raise ConfigError(f"comm.powersgd.rank={ps.rank} must be >= 1 (the rank of the gradient "
-                              f"approximation)")
+            raise ConfigError(
+                f"comm.powersgd.rank={ps.rank} must be >= 1 (the rank of the gradient "
+                f"approximation)"
+            )
         if ps.min_compression_rate <= 0:
-            raise ConfigError(f"comm.powersgd.min_compression_rate={ps.min_compression_rate} must be > 0")
+            raise ConfigError(
+                f"comm.powersgd.min_compression_rate={ps.min_compression_rate} must be > 0"
+            )
         if (ps.use_error_feedback or ps.warm_start) and ps.start_iter < 2:
             # torch's PowerSGDState refuses this too: DDP rebuilds its buckets after the first
             # step, and per-bucket error and warm-start memories must not span that change.
-            raise ConfigError(f"comm.powersgd.start_iter={ps.start_iter} must be >= 2 with "
-                              f"use_error_feedback or warm_start (DDP's buckets change after step 1)")
+            raise ConfigError(
+                f"comm.powersgd.start_iter={ps.start_iter} must be >= 2 with "
+                f"use_error_feedback or warm_start (DDP's buckets change after step 1)"
+            )
         if ps.batched and not batched_powersgd_works():
             raise ConfigError(_BATCHED_BROKEN)
         if cfg.loop.max_steps is not None and ps.start_iter >= cfg.loop.max_steps:
-            logger.warning("comm.powersgd.start_iter=%d >= loop.max_steps=%d: PowerSGD never starts, "
-                           "every step is a plain all-reduce", ps.start_iter, cfg.loop.max_steps)
+            logger.warning(
+                "comm.powersgd.start_iter=%d >= loop.max_steps=%d: PowerSGD never starts, "
+                "every step is a plain all-reduce",
+                ps.start_iter,
+                cfg.loop.max_steps,
+            )
     if comm.hook == "local_sgd":
         ls = comm.local_sgd
         if ls.period < 1:
-            raise ConfigError(f"comm.local_sgd.period={ls.period} must be >= 1 (steps between "
-                              f"parameter averages)")
+            raise ConfigError(
+                f"comm.local_sgd.period={ls.period} must be >= 1 (steps between parameter averages)"
+            )
         if ls.start_step < 0:
             raise ConfigError(f"comm.local_sgd.start_step={ls.start_step} must be >= 0")
         if parallel.strategy == "zero1":
             # ZeroRedundancyOptimizer has each rank update only its shard of the parameters and
             # then broadcasts the shards: replicas become equal again after every step, each shard
             # moved by one rank's local gradient. That is neither local SGD nor data parallelism.
-            raise ConfigError("comm.hook=local_sgd cannot run with parallel.strategy=zero1: the "
-                              "sharded optimizer re-synchronises all replicas every step; use "
-                              "parallel.strategy=ddp")
+            raise ConfigError(
+                "comm.hook=local_sgd cannot run with parallel.strategy=zero1: the "
+                "sharded optimizer re-synchronises all replicas every step; use "
+                "parallel.strategy=ddp"
+            )
         if ls.period == 1:
-            logger.warning("comm.local_sgd.period=1 averages the parameters every step: as much "
-                           "communication as comm.hook=none, with none of its overlap")
+            logger.warning(
+                "comm.local_sgd.period=1 averages the parameters every step: as much "
+                "communication as comm.hook=none, with none of its overlap"
+            )
     if comm.hook == "bf16":
         from sdnet_trainer.distributed.env import resolve_backend, resolve_device
 
@@ -102,8 +125,10 @@ def validate_comm(cfg: Config, world_size: int) -> None:
         if device.type == "cuda" and resolve_backend(cfg.dist, device) == "nccl":
             version = torch.cuda.nccl.version() if dist.is_nccl_available() else (0,)
             if tuple(version) < NCCL_BF16:
-                raise ConfigError(f"comm.hook=bf16 needs NCCL >= 2.10 for bf16 all-reduce; this torch "
-                                  f"has NCCL {'.'.join(map(str, version))}; use comm.hook=fp16")
+                raise ConfigError(
+                    f"comm.hook=bf16 needs NCCL >= 2.10 for bf16 all-reduce; this torch "
+                    f"has NCCL {'.'.join(map(str, version))}; use comm.hook=fp16"
+                )
         # gloo: checked with a one-element all-reduce when GradientComm is built (the group
         # does not exist yet here).
     if world_size == 1:
@@ -119,17 +144,24 @@ class GradientComm:
     ``load_state_dict`` carry the hook's memories across a resume.
     """
 
-    def __init__(self, ddp_model: DistributedDataParallel, cfg: CommConfig, *,
-                 process_group: dist.ProcessGroup | None = None) -> None:
-        if cfg.hook not in HOOKS:
-            raise ConfigError(f"comm.hook={cfg.hook!r} is not one of {', '.join(HOOKS)}")
+    def __init__(
+        self,
+        ddp_model: DistributedDataParallel,
+        cfg: CommConfig,
+        *,
+        process_group: dist.ProcessGroup | None = None,
+    ) -> None:
+        assert cfg.hook in HOOKS, f"comm.hook={cfg.hook!r}: validate_comm runs before launch"
         self.cfg = cfg
         self.hook = cfg.hook
         self.process_group = process_group
         # What DDP reduces: parameters that need gradients, minus those DDP was told to ignore.
-        ignored = getattr(ddp_model, "parameters_to_ignore", set())
-        named = [(n, p) for n, p in ddp_model.module.named_parameters()
-                 if p.requires_grad and n not in ignored]
+        ignored: set[str] = getattr(ddp_model, "parameters_to_ignore", set())
+        named = [
+            (n, p)
+            for n, p in ddp_model.module.named_parameters()
+            if p.requires_grad and n not in ignored
+        ]
         self._names = [n for n, _ in named]
         self._params = [p for _, p in named]
         self._index = {id(p): i for i, p in enumerate(self._params)}
@@ -147,26 +179,39 @@ class GradientComm:
         if self.hook in ("fp16", "bf16"):
             if self.hook == "bf16" and dist.get_backend(process_group) == "gloo":
                 _check_gloo_bf16(process_group)
-            ddp_model.register_comm_hook(process_group, _fp16_hook if self.hook == "fp16" else _bf16_hook)
+            ddp_model.register_comm_hook(
+                process_group, _fp16_hook if self.hook == "fp16" else _bf16_hook
+            )
         elif self.hook == "powersgd":
             ps = cfg.powersgd
-            if ps.batched and not batched_powersgd_works():
-                raise ConfigError(_BATCHED_BROKEN)
+            # A property of the installed torch, refused by validate_comm before launch.
+            assert not ps.batched or batched_powersgd_works(), _BATCHED_BROKEN
             self._powersgd = powerSGD_hook.PowerSGDState(
-                process_group=process_group, matrix_approximation_rank=ps.rank,
-                start_powerSGD_iter=ps.start_iter, min_compression_rate=ps.min_compression_rate,
-                use_error_feedback=ps.use_error_feedback, warm_start=ps.warm_start, random_seed=0)
-            self._torch_hook = powerSGD_hook.batched_powerSGD_hook if ps.batched else powerSGD_hook.powerSGD_hook
+                process_group=process_group,
+                matrix_approximation_rank=ps.rank,
+                start_powerSGD_iter=ps.start_iter,
+                min_compression_rate=ps.min_compression_rate,
+                use_error_feedback=ps.use_error_feedback,
+                warm_start=ps.warm_start,
+                random_seed=0,
+            )
+            self._torch_hook = (
+                powerSGD_hook.batched_powerSGD_hook if ps.batched else powerSGD_hook.powerSGD_hook
+            )
             self._serialize_buckets = dist.get_backend(process_group) != "nccl"
             ddp_model.register_comm_hook(self._powersgd, self._powersgd_hook)
         elif self.hook == "local_sgd":
             ls = cfg.local_sgd
             self._local = post_localSGD_hook.PostLocalSGDState(
-                process_group=process_group, subgroup=None, start_localSGD_iter=ls.start_step,
-                post_local_gradient_allreduce=False)
+                process_group=process_group,
+                subgroup=None,
+                start_localSGD_iter=ls.start_step,
+                post_local_gradient_allreduce=False,
+            )
             ddp_model.register_comm_hook(self._local, post_localSGD_hook.post_localSGD_hook)
-            self.averager = PeriodicModelAverager(period=ls.period, warmup_steps=ls.start_step,
-                                                  process_group=process_group)
+            self.averager = PeriodicModelAverager(
+                period=ls.period, warmup_steps=ls.start_step, process_group=process_group
+            )
 
     # ------------------------------------------------------------------ per step
 
@@ -179,8 +224,10 @@ class GradientComm:
             return
         params = list(params)
         if params and all(p.grad is None for p in params):
-            raise RuntimeError("GradientComm.after_optimizer_step: no parameter has a gradient; call it "
-                               "before optimizer.zero_grad(set_to_none=True)")
+            raise RuntimeError(
+                "GradientComm.after_optimizer_step: no parameter has a gradient; call it "
+                "before optimizer.zero_grad(set_to_none=True)"
+            )
         self.averager.average_parameters(params)
 
     def synchronized_after(self, step: int) -> bool:
@@ -190,7 +237,9 @@ class GradientComm:
             return True
         ls = self.cfg.local_sgd
         done = step - 1  # the averager's counter when that step's average_parameters ran
-        return step <= ls.start_step or (done >= ls.start_step and (done - ls.start_step) % ls.period == 0)
+        return step <= ls.start_step or (
+            done >= ls.start_step and (done - ls.start_step) % ls.period == 0
+        )
 
     def discard_error_feedback(self) -> None:
         """Forget PowerSGD's error-feedback memory, e.g. after a step whose gradients were
@@ -249,7 +298,9 @@ class GradientComm:
         or DDP's initial buckets before the first step."""
         rank, size = self.cfg.powersgd.rank, self._params[0].element_size() if self._params else 4
         if self._layouts:
-            lengths = [sum(self._params[i].numel() for i in layout) for layout in self._layouts.values()]
+            lengths = [
+                sum(self._params[i].numel() for i in layout) for layout in self._layouts.values()
+            ]
         else:
             sizes = str(self._ddp._get_ddp_logging_data().get("bucket_sizes", ""))
             lengths = [int(b) // size for b in sizes.split(",") if b.strip()]
@@ -268,8 +319,10 @@ class GradientComm:
         layout = tuple(self._index[id(p)] for p in bucket.parameters())
         known = self._layouts.get(index)
         if known is not None and known != layout:
-            logger.info("PowerSGD: DDP's gradient buckets changed; re-arranging the error and "
-                        "warm-start memories")
+            logger.info(
+                "PowerSGD: DDP's gradient buckets changed; re-arranging the error and "
+                "warm-start memories"
+            )
             self._to_pending()
         if index not in self._layouts:
             self._layouts[index] = layout
@@ -289,11 +342,14 @@ class GradientComm:
         """Move every bucket's memories into per-parameter tensors (batched PowerSGD: drop them,
         its memories mix parameters within a padded square)."""
         state = self._powersgd
+        assert state is not None  # called by the PowerSGD hook only
         if not self.cfg.powersgd.batched:
             self._pending_error, self._pending_q = self._memories_per_parameter()
         elif state.error_dict or state.q_memory_dict:
-            logger.warning("batched PowerSGD: the error-feedback and warm-start memories are reset "
-                           "(they cannot follow a change of DDP's buckets)")
+            logger.warning(
+                "batched PowerSGD: the error-feedback and warm-start memories are reset "
+                "(they cannot follow a change of DDP's buckets)"
+            )
         state.error_dict.clear()
         state.p_memory_dict.clear()
         state.q_memory_dict.clear()
@@ -301,19 +357,22 @@ class GradientComm:
 
     def _from_pending(self, index: int, layout: tuple[int, ...]) -> None:
         state, names = self._powersgd, [self._names[i] for i in layout]
+        assert state is not None  # called by the PowerSGD hook only
         pending = self._pending_error
         if pending is not None and names and all(n in pending for n in names):
             state.error_dict[index] = torch.cat([pending.pop(n).reshape(-1) for n in names]).to(
-                self._params[layout[0]].device)
+                self._params[layout[0]].device
+            )
         pending = self._pending_q
         order = self._compressed_order(layout)
         if pending is not None and all(self._names[i] in pending for i in order):
             like = self._params[layout[0]]
-            q = torch.cat([pending.pop(self._names[i]).reshape(-1) for i in order]) if order else \
-                like.new_empty(0)
-            rank, rate = self.cfg.powersgd.rank, self.cfg.powersgd.min_compression_rate
-            p_len = sum(n * r for n, _, r in (_compression_plan(self._params[i].shape, rank, rate)
-                                                for i in order))
+            q = (
+                torch.cat([pending.pop(self._names[i]).reshape(-1) for i in order])
+                if order
+                else like.new_empty(0)
+            )
+            p_len = sum(n * r for n, _, r in (self._compressed_plan(i) for i in order))
             # torch draws a new random Q (and a number from its generator) for a bucket without P
             # memory, even one with nothing to compress; P itself is recomputed from Q every step,
             # so only its presence matters.
@@ -331,37 +390,53 @@ class GradientComm:
                 groups.setdefault(plan[:2], []).append(i)
         return [i for members in groups.values() for i in members]
 
-    def _memories_per_parameter(self) -> tuple[dict[str, torch.Tensor] | None, dict[str, torch.Tensor] | None]:
+    def _compressed_plan(self, i: int) -> tuple[int, int, int]:
+        """``_compression_plan`` of a parameter from ``_compressed_order`` (one that is
+        compressed, so it has a plan)."""
+        ps = self.cfg.powersgd
+        plan = _compression_plan(self._params[i].shape, ps.rank, ps.min_compression_rate)
+        assert plan is not None
+        return plan
+
+    def _memories_per_parameter(
+        self,
+    ) -> tuple[dict[str, torch.Tensor] | None, dict[str, torch.Tensor] | None]:
         """(error, Q) per parameter name from the live bucket memories and those still pending;
         each None when no bucket has that memory."""
         state = self._powersgd
+        assert state is not None  # PowerSGD only
         error = dict(self._pending_error or {})
         q = dict(self._pending_q or {})
         for index, layout in self._layouts.items():
             error.update(self._split_error(state.error_dict.get(index), layout))
             q.update(self._split_q(state.q_memory_dict.get(index), layout))
-        has_error = self._pending_error is not None or any(i in state.error_dict for i in self._layouts)
+        has_error = self._pending_error is not None or any(
+            i in state.error_dict for i in self._layouts
+        )
         has_q = self._pending_q is not None or any(i in state.q_memory_dict for i in self._layouts)
         return (error if has_error else None), (q if has_q else None)
 
-    def _split_error(self, flat: torch.Tensor | None, layout: tuple[int, ...]) -> dict[str, torch.Tensor]:
+    def _split_error(
+        self, flat: torch.Tensor | None, layout: tuple[int, ...]
+    ) -> dict[str, torch.Tensor]:
         if flat is None:
             return {}
         out, offset = {}, 0
         for i in layout:
             p = self._params[i]
-            out[self._names[i]] = flat[offset:offset + p.numel()].view(p.shape).clone()
+            out[self._names[i]] = flat[offset : offset + p.numel()].view(p.shape).clone()
             offset += p.numel()
         return out
 
-    def _split_q(self, flat: torch.Tensor | None, layout: tuple[int, ...]) -> dict[str, torch.Tensor]:
+    def _split_q(
+        self, flat: torch.Tensor | None, layout: tuple[int, ...]
+    ) -> dict[str, torch.Tensor]:
         if flat is None:
             return {}
-        rank, rate = self.cfg.powersgd.rank, self.cfg.powersgd.min_compression_rate
         out, offset = {}, 0
         for i in self._compressed_order(layout):
-            _, m, r = _compression_plan(self._params[i].shape, rank, rate)
-            out[self._names[i]] = flat[offset:offset + m * r].view(m, r).clone()
+            _, m, r = self._compressed_plan(i)
+            out[self._names[i]] = flat[offset : offset + m * r].view(m, r).clone()
             offset += m * r
         return out
 
@@ -385,30 +460,48 @@ class GradientComm:
         """
         if self._powersgd is not None:
             state = self._powersgd
-            keys, pos, has_gauss, gauss = state.rng.get_state()[1:]
+            # legacy=True is the default; spelled out because numpy's stubs give the default call
+            # the dict form. A RandomState (MT19937) returns the legacy tuple.
+            rng_state = state.rng.get_state(legacy=True)
+            assert isinstance(rng_state, tuple)
+            keys, pos, has_gauss, gauss = rng_state[1:]
             out: dict[str, Any] = {
                 "iter": torch.tensor(state.iter, dtype=torch.int64),
                 "rng_keys": torch.from_numpy(keys.astype("int64")),
                 "rng_pos": torch.tensor([pos, has_gauss], dtype=torch.int64),
-                "rng_gauss": torch.tensor(gauss, dtype=torch.float64)}
+                "rng_gauss": torch.tensor(gauss, dtype=torch.float64),
+            }
             if not self.cfg.powersgd.batched:
                 error, q = self._memories_per_parameter()
                 ps = self.cfg.powersgd
-                shapes = {n: plan[1:] for n, p in zip(self._names, self._params)
-                          if (plan := _compression_plan(p.shape, ps.rank, ps.min_compression_rate))}
+                shapes = {
+                    n: plan[1:]
+                    for n, p in zip(self._names, self._params)
+                    if (plan := _compression_plan(p.shape, ps.rank, ps.min_compression_rate))
+                }
                 # Complete memories only: a partial one (never expected between steps) is dropped.
-                have_error = error is not None and len(error) == len(self._params)
-                have_q = q is not None and set(q) == set(shapes)
-                out["have_error"] = torch.tensor(int(have_error))
-                out["have_q"] = torch.tensor(int(have_q))
-                out["error"] = {n: error[n] if have_error else torch.zeros_like(p)
-                                for n, p in zip(self._names, self._params)}
+                full_error = (
+                    error if error is not None and len(error) == len(self._params) else None
+                )
+                full_q = q if q is not None and set(q) == set(shapes) else None
+                out["have_error"] = torch.tensor(int(full_error is not None))
+                out["have_q"] = torch.tensor(int(full_q is not None))
+                out["error"] = {
+                    n: full_error[n] if full_error is not None else torch.zeros_like(p)
+                    for n, p in zip(self._names, self._params)
+                }
                 like = self._params[0] if self._params else torch.empty(0)
-                out["q"] = {n: q[n] if have_q else like.new_zeros(shape) for n, shape in shapes.items()}
+                out["q"] = {
+                    n: full_q[n] if full_q is not None else like.new_zeros(shape)
+                    for n, shape in shapes.items()
+                }
             return out
         if self._local is not None:
-            return {"hook_iter": torch.tensor(self._local.iter, dtype=torch.int64),
-                    "averager_step": torch.tensor(self.averager.step, dtype=torch.int64)}
+            assert self.averager is not None  # built together with the local SGD state
+            return {
+                "hook_iter": torch.tensor(self._local.iter, dtype=torch.int64),
+                "averager_step": torch.tensor(self.averager.step, dtype=torch.int64),
+            }
         return {}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -416,8 +509,15 @@ class GradientComm:
             ps = self._powersgd
             ps.iter = int(state["iter"])
             pos, has_gauss = (int(v) for v in state["rng_pos"])
-            ps.rng.set_state(("MT19937", state["rng_keys"].numpy().astype("uint32"), pos, has_gauss,
-                              float(state["rng_gauss"])))
+            ps.rng.set_state(
+                (
+                    "MT19937",
+                    state["rng_keys"].numpy().astype("uint32"),
+                    pos,
+                    has_gauss,
+                    float(state["rng_gauss"]),
+                )
+            )
             ps.error_dict.clear()
             ps.p_memory_dict.clear()
             ps.q_memory_dict.clear()
@@ -428,13 +528,16 @@ class GradientComm:
             if "q" in state and int(state["have_q"]):
                 self._pending_q = {n: t.detach().clone() for n, t in state["q"].items()}
         elif self._local is not None:
+            assert self.averager is not None  # built together with the local SGD state
             self._local.iter = int(state["hook_iter"])
             self.averager.step = int(state["averager_step"])
 
 
-_BATCHED_BROKEN = (f"comm.powersgd.batched=true: torch {torch.__version__}'s batched_powerSGD_hook fails at its "
-                   f"first compressed step (its _orthogonalize accepts only batches of matrices); use "
-                   f"comm.powersgd.batched=false, the per-matrix PowerSGD")
+_BATCHED_BROKEN = (
+    f"comm.powersgd.batched=true: torch {torch.__version__}'s batched_powerSGD_hook fails at its "
+    f"first compressed step (its _orthogonalize accepts only batches of matrices); use "
+    f"comm.powersgd.batched=false, the per-matrix PowerSGD"
+)
 
 
 def batched_powersgd_works() -> bool:
@@ -477,8 +580,10 @@ def _check_gloo_bf16(process_group: dist.ProcessGroup | None) -> None:
     try:
         dist.all_reduce(torch.zeros(1, dtype=torch.bfloat16), group=process_group)
     except RuntimeError as err:
-        raise ConfigError(f"comm.hook=bf16: this torch's gloo backend cannot all-reduce bf16 ({err}); "
-                          f"use comm.hook=fp16") from err
+        raise ConfigError(
+            f"comm.hook=bf16: this torch's gloo backend cannot all-reduce bf16 ({err}); "
+            f"use comm.hook=fp16"
+        ) from err
 
 
 __all__ = ["GradientComm", "HOOKS", "batched_powersgd_works", "validate_comm"]

@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import inspect
 import logging
+from typing import Any
 
 import torch
 import torch.distributed as dist
-
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
@@ -17,8 +17,13 @@ from sdnet_trainer.distributed.env import DistEnv
 logger = logging.getLogger(__name__)
 
 
-def wrap_data_parallel(model: nn.Module, cfg: ParallelConfig, env: DistEnv, *,
-                       process_group: dist.ProcessGroup | None = None) -> nn.Module:
+def wrap_data_parallel(
+    model: nn.Module,
+    cfg: ParallelConfig,
+    env: DistEnv,
+    *,
+    process_group: dist.ProcessGroup | None = None,
+) -> nn.Module:
     """Return ``model`` wrapped for ``env``; a single process without a group gets it unchanged.
 
     The model must already be on ``env.device``. ``process_group``: the data-parallel ranks when
@@ -56,7 +61,7 @@ def _bucket_cap_mb(configured: float | None, device: torch.device) -> float:
     return _CUDA_BUCKET_CAP_MB if device.type == "cuda" else _CPU_BUCKET_CAP_MB
 
 
-def _buffer_sync_kwargs(broadcast_buffers: bool) -> dict[str, bool]:
+def _buffer_sync_kwargs(broadcast_buffers: bool) -> dict[str, Any]:
     """``parallel.ddp.broadcast_buffers``: re-broadcast rank 0's buffers (BatchNorm running
     statistics) before every forward. Newer torch names this ``forward_sync_buffers`` and
     deprecates the old keyword; both sync buffers once at construction when it is False."""

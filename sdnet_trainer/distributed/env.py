@@ -18,10 +18,15 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-from sdnet_trainer.config.schema import DistConfig
+from sdnet_trainer.config.checks import check_choice, check_positive
+from sdnet_trainer.config.schema import Config, DistConfig
 from sdnet_trainer.distributed.malloc import pin_malloc_thresholds
+from sdnet_trainer.errors import ConfigError
 
 logger = logging.getLogger(__name__)
+
+BACKENDS = ("auto", "nccl", "gloo")
+DEVICES = ("auto", "cpu", "cuda")
 
 
 @dataclass(frozen=True)
@@ -57,6 +62,27 @@ def resolve_backend(cfg: DistConfig, device: torch.device) -> str:
     return "nccl" if device.type == "cuda" else "gloo"
 
 
+def validate_dist(cfg: Config) -> None:
+    """``dist.*`` and the options that need a particular device, checked before launch on the
+    machine that will run the ranks."""
+    dist_cfg = cfg.dist
+    check_choice("dist.backend", dist_cfg.backend, BACKENDS)
+    check_choice("dist.device", dist_cfg.device, DEVICES)
+    check_positive("dist.timeout_s", dist_cfg.timeout_s)
+    if dist_cfg.backend == "nccl" and dist_cfg.device == "cpu":
+        raise ConfigError(
+            "dist.backend=nccl needs dist.device=cuda (or auto on a GPU machine); "
+            "use dist.backend=gloo for CPU training"
+        )
+    if dist_cfg.device == "cuda" and not torch.cuda.is_available():
+        raise ConfigError("dist.device=cuda but torch.cuda.is_available() is False on this machine")
+    if cfg.parallel.sync_batchnorm and resolve_device(dist_cfg, local_rank=0).type != "cuda":
+        raise ConfigError(
+            "parallel.sync_batchnorm=true needs CUDA devices (torch's SyncBatchNorm runs "
+            "only on GPUs); on the CPU keep it false"
+        )
+
+
 @contextmanager
 def distributed_session(cfg: DistConfig) -> Iterator[DistEnv]:
     """Start the process group (when launched by torchrun) and always destroy it on the way out."""
@@ -74,14 +100,27 @@ def distributed_session(cfg: DistConfig) -> Iterator[DistEnv]:
     timeout = timedelta(seconds=cfg.timeout_s)
     store, rank, world_size = next(dist.rendezvous("env://", timeout=timeout))
     # torchrun's agent keeps one store across worker restarts; without a per-attempt prefix a
-    # restarted rank can read a dead rank's address left by the previous attempt and fail to connect.
+    # restarted rank can read a dead rank's address left by the previous attempt and fail to
+    # connect.
     attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
-    dist.init_process_group(backend=backend, store=dist.PrefixStore(f"sdnet/attempt_{attempt}", store),
-                            rank=rank, world_size=world_size, timeout=timeout,
-                            device_id=device if device.type == "cuda" else None)
-    env = DistEnv(rank=dist.get_rank(), world_size=dist.get_world_size(), local_rank=local_rank,
-                  device=device, backend=backend)
-    logger.debug("process group up: rank %d/%d on %s (%s)", env.rank, env.world_size, device, backend)
+    dist.init_process_group(
+        backend=backend,
+        store=dist.PrefixStore(f"sdnet/attempt_{attempt}", store),
+        rank=rank,
+        world_size=world_size,
+        timeout=timeout,
+        device_id=device if device.type == "cuda" else None,
+    )
+    env = DistEnv(
+        rank=dist.get_rank(),
+        world_size=dist.get_world_size(),
+        local_rank=local_rank,
+        device=device,
+        backend=backend,
+    )
+    logger.debug(
+        "process group up: rank %d/%d on %s (%s)", env.rank, env.world_size, device, backend
+    )
     try:
         yield env
     finally:

@@ -11,21 +11,31 @@ from __future__ import annotations
 
 from collections import defaultdict
 from collections.abc import Iterable
+from typing import TypeAlias
 
 import torch
 import torch.distributed as dist
-from torch.distributed.tensor import DTensor
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor, Placement
+
+# Plain tensors group under None, DTensors under their (mesh, placements).
+_GroupKey: TypeAlias = tuple[DeviceMesh, tuple[Placement, ...]] | None
 
 
-def global_grad_norm(grads: Iterable[torch.Tensor], *, pp_group: dist.ProcessGroup | None = None,
-                     device: torch.device | None = None) -> torch.Tensor:
-    """The L2 norm over all ``grads`` of all ranks, as a plain scalar tensor (same on every rank)."""
-    groups: dict[tuple, list[torch.Tensor]] = defaultdict(list)
+def global_grad_norm(
+    grads: Iterable[torch.Tensor],
+    *,
+    pp_group: dist.ProcessGroup | None = None,
+    device: torch.device | None = None,
+) -> torch.Tensor:
+    """The L2 norm over all ``grads`` of all ranks, as a plain scalar tensor (same on every
+    rank)."""
+    groups: dict[_GroupKey, list[torch.Tensor]] = defaultdict(list)
     for grad in grads:
         key = (grad.device_mesh, grad.placements) if isinstance(grad, DTensor) else None
         groups[key].append(grad)
     squares = []
-    for key, members in groups.items():
+    for members in groups.values():
         norm = torch.nn.utils.get_total_norm(members)
         if isinstance(norm, DTensor):
             norm = norm.full_tensor()

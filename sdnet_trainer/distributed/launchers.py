@@ -31,9 +31,19 @@ OPT_IN = "SDNET_SLURM_TASKS"
 _PORT_BASE = 15000
 _PORT_SPAN = 10000
 
-_SLURM_REQUIRED = ("SLURM_PROCID", "SLURM_NTASKS", "SLURM_LOCALID", "SLURM_JOB_NODELIST", "SLURM_JOB_ID")
-_LOCAL_REQUIRED = ("SUBMITIT_LOCAL_GLOBALID", "SUBMITIT_LOCAL_NTASKS", "SUBMITIT_LOCAL_LOCALID",
-                   "SUBMITIT_LOCAL_JOB_ID")
+_SLURM_REQUIRED = (
+    "SLURM_PROCID",
+    "SLURM_NTASKS",
+    "SLURM_LOCALID",
+    "SLURM_JOB_NODELIST",
+    "SLURM_JOB_ID",
+)
+_LOCAL_REQUIRED = (
+    "SUBMITIT_LOCAL_GLOBALID",
+    "SUBMITIT_LOCAL_NTASKS",
+    "SUBMITIT_LOCAL_LOCALID",
+    "SUBMITIT_LOCAL_JOB_ID",
+)
 
 
 def export_scheduler_env(environ: MutableMapping[str, str] | None = None) -> str | None:
@@ -48,7 +58,9 @@ def export_scheduler_env(environ: MutableMapping[str, str] | None = None) -> str
     executor = environ.get("SUBMITIT_EXECUTOR")
     if executor == "local" and all(k in environ for k in _LOCAL_REQUIRED):
         source, ntasks_key, derive = "submitit-local", "SUBMITIT_LOCAL_NTASKS", _from_submitit_local
-    elif (executor == "slurm" or environ.get(OPT_IN) == "1") and all(k in environ for k in _SLURM_REQUIRED):
+    elif (executor == "slurm" or environ.get(OPT_IN) == "1") and all(
+        k in environ for k in _SLURM_REQUIRED
+    ):
         source, ntasks_key, derive = "slurm", "SLURM_NTASKS", _from_slurm
     else:
         return None
@@ -88,7 +100,8 @@ def _from_submitit_local(environ: MutableMapping[str, str]) -> dict[str, str]:
         "LOCAL_RANK": str(_int(environ, "SUBMITIT_LOCAL_LOCALID")),
         "LOCAL_WORLD_SIZE": str(ntasks),
         "MASTER_ADDR": environ.get("MASTER_ADDR") or "127.0.0.1",
-        "MASTER_PORT": environ.get("MASTER_PORT") or str(port_for_job(environ["SUBMITIT_LOCAL_JOB_ID"])),
+        "MASTER_PORT": environ.get("MASTER_PORT")
+        or str(port_for_job(environ["SUBMITIT_LOCAL_JOB_ID"])),
         "SDNET_RUN_ID": environ.get("SDNET_RUN_ID") or environ["SUBMITIT_LOCAL_JOB_ID"],
     }
 
@@ -98,7 +111,9 @@ def port_for_job(job_id: str) -> int:
     sharing a node (unless their ids differ by a multiple of 10000)."""
     digits = re.sub(r"\D", "", job_id)  # array tasks may read "1234_5"
     if not digits:
-        raise ConfigError(f"job id {job_id!r} has no digits to derive a rendezvous port from; set MASTER_PORT")
+        raise ConfigError(
+            f"job id {job_id!r} has no digits to derive a rendezvous port from; set MASTER_PORT"
+        )
     return _PORT_BASE + int(digits) % _PORT_SPAN
 
 
@@ -111,7 +126,9 @@ def first_host(nodelist: str) -> str:
     first = _split_top_level(nodelist.strip())[0]
     host = re.sub(r"\[([^\]]*)\]", lambda m: re.split(r"[,-]", m.group(1))[0], first)
     if not host or "[" in host or "]" in host:
-        raise ConfigError(f"SLURM node list {nodelist!r} cannot be parsed; set MASTER_ADDR to the first node")
+        raise ConfigError(
+            f"SLURM node list {nodelist!r} cannot be parsed; set MASTER_ADDR to the first node"
+        )
     return host
 
 

@@ -31,6 +31,9 @@ def pin_malloc_thresholds() -> bool:
         mallopt = libc.mallopt
     except (OSError, AttributeError):
         return False
-    ok = mallopt(_M_MMAP_THRESHOLD, _MMAP_THRESHOLD) == 1 and mallopt(_M_TRIM_THRESHOLD, _TRIM_THRESHOLD) == 1
+    ok = (
+        mallopt(_M_MMAP_THRESHOLD, _MMAP_THRESHOLD) == 1
+        and mallopt(_M_TRIM_THRESHOLD, _TRIM_THRESHOLD) == 1
+    )
     logger.debug("glibc malloc thresholds pinned: %s", ok)
     return ok

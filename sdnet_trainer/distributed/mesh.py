@@ -38,7 +38,8 @@ class ParallelDims:
         return tuple(getattr(self, name) for name in MESH_DIMS)
 
     def coordinates(self, rank: int) -> dict[str, int]:
-        """``rank``'s position in the grid (row-major over MESH_DIMS, as init_device_mesh lays it)."""
+        """``rank``'s position in the grid (row-major over MESH_DIMS, as init_device_mesh lays
+        it)."""
         coords = {}
         for name, size in reversed(list(zip(MESH_DIMS, self.sizes))):
             rank, coords[name] = divmod(rank, size)
@@ -57,21 +58,29 @@ def parallel_dims(cfg: ParallelConfig, world_size: int) -> ParallelDims:
     degrees = {name: getattr(cfg, name) for name in MESH_DIMS}
     for name, value in degrees.items():
         if value == 0 or value < -1:
-            raise ConfigError(f"parallel.{name}={value} must be a positive degree or -1 (the rest of the world)")
+            raise ConfigError(
+                f"parallel.{name}={value} must be a positive degree or -1 (the rest of the world)"
+            )
     free = [name for name, value in degrees.items() if value == -1]
     if len(free) > 1:
-        raise ConfigError(f"parallel.{free[0]} and parallel.{free[1]} are both -1; at most one degree "
-                          f"may take the rest of the world")
+        raise ConfigError(
+            f"parallel.{free[0]} and parallel.{free[1]} are both -1; at most one degree "
+            f"may take the rest of the world"
+        )
     known = math.prod(v for v in degrees.values() if v != -1)
     fixed = " x ".join(f"parallel.{n} ({v})" for n, v in degrees.items() if v != -1)
     if free:
         if world_size % known:
-            raise ConfigError(f"world size {world_size} is not divisible by {fixed} = {known}, so "
-                              f"parallel.{free[0]}=-1 has no whole value")
+            raise ConfigError(
+                f"world size {world_size} is not divisible by {fixed} = {known}, so "
+                f"parallel.{free[0]}=-1 has no whole value"
+            )
         degrees[free[0]] = world_size // known
     elif known != world_size:
-        raise ConfigError(f"{fixed} = {known} ranks, but the world size is {world_size}; the degrees "
-                          f"must multiply to the world size (or set one of them to -1)")
+        raise ConfigError(
+            f"{fixed} = {known} ranks, but the world size is {world_size}; the degrees "
+            f"must multiply to the world size (or set one of them to -1)"
+        )
     return ParallelDims(**degrees)
 
 

@@ -2,8 +2,12 @@
 
 from __future__ import annotations
 
+from typing import Any, TypeVar
+
 import torch
 import torch.distributed as dist
+
+T = TypeVar("T")
 
 
 def is_distributed() -> bool:
@@ -27,11 +31,12 @@ def all_gather_floats(values: list[float], *, device: torch.device) -> torch.Ten
     return torch.stack(gathered).cpu()
 
 
-def all_gather_objects(obj: object) -> list[object]:
+def all_gather_objects(obj: T) -> list[T]:
     """Every rank's ``obj`` (picklable), in rank order; ``[obj]`` without a process group."""
     if not is_distributed():
         return [obj]
-    gathered: list[object] = [None] * dist.get_world_size()
+    # None placeholders until all_gather_object puts each rank's object in its slot.
+    gathered: list[Any] = [None] * dist.get_world_size()
     dist.all_gather_object(gathered, obj)
     return gathered
 

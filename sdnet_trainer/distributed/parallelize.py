@@ -12,25 +12,113 @@ stay interchangeable between layouts.
 from __future__ import annotations
 
 import logging
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
+from typing import Protocol, cast
 
 import torch
 from torch import nn
 from torch.distributed._composable import checkpoint as checkpoint_activations
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, OffloadPolicy, fully_shard
+from torch.distributed.fsdp import (
+    CPUOffloadPolicy,
+    FSDPModule,
+    MixedPrecisionPolicy,
+    OffloadPolicy,
+    fully_shard,
+)
+from torch.nn.parallel import DistributedDataParallel
 
+from sdnet_trainer.config.checks import check_choice, check_positive
 from sdnet_trainer.config.schema import Config
 from sdnet_trainer.distributed.ddp import wrap_data_parallel
-from sdnet_trainer.distributed.env import DistEnv
-from sdnet_trainer.distributed.mesh import ParallelDims, dp_mesh
+from sdnet_trainer.distributed.env import DistEnv, resolve_device
+from sdnet_trainer.distributed.mesh import ParallelDims, dp_mesh, parallel_dims
 from sdnet_trainer.distributed.pipeline import split_model
 from sdnet_trainer.errors import ConfigError
 from sdnet_trainer.models.parallel_spec import parallel_blocks, supports_tensor_parallel
+from sdnet_trainer.precision import DTYPES
 
 logger = logging.getLogger(__name__)
 
-_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+STRATEGIES = ("ddp", "fsdp", "zero1")
+FSDP_DTYPES = ("auto", *DTYPES)
+COMPILE_MODES = (None, "default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs")
+
+
+def validate_parallel(cfg: Config, world_size: int) -> None:
+    """``parallel.*``: degrees against the world size, and the combinations torch does not
+    support.
+
+    The pipeline's own keys are checked by
+    :func:`~sdnet_trainer.distributed.pipeline.validate_pipeline`, the model's fit to tensor
+    parallelism by the model's validator.
+    """
+    parallel = cfg.parallel
+    strategy = parallel.strategy
+    check_choice("parallel.strategy", strategy, STRATEGIES)
+    check_positive("parallel.ddp.bucket_cap_mb", parallel.ddp.bucket_cap_mb, allow_none=True)
+    dims = parallel_dims(parallel, world_size)
+    if strategy in ("ddp", "zero1") and dims.dp_shard > 1:
+        raise ConfigError(
+            f"parallel.strategy={strategy} replicates the model, so "
+            f"parallel.dp_shard={dims.dp_shard} has no meaning; use parallel=fsdp to shard over "
+            f"{dims.dp_shard} ranks"
+        )
+    if strategy == "zero1" and (dims.tp > 1 or dims.pp > 1):
+        raise ConfigError(
+            f"parallel.strategy=zero1 runs with plain data parallelism only "
+            f"(parallel.tp={dims.tp}, parallel.pp={dims.pp}); use parallel=fsdp for sharding "
+            f"with tensor or pipeline parallelism"
+        )
+    if strategy == "ddp" and dims.tp > 1 and dims.dp_replicate > 1:
+        raise ConfigError(
+            f"parallel.tp={dims.tp} with parallel.dp_replicate={dims.dp_replicate} under "
+            f"parallel.strategy=ddp: DDP does not take tensor-parallel (DTensor) parameters; use "
+            f"parallel=fsdp (FSDP x TP on a 2-D mesh)"
+        )
+    layered = strategy != "ddp" or dims.tp > 1 or dims.pp > 1
+    if layered and cfg.precision.dtype == "fp16":
+        raise ConfigError(
+            f"precision.dtype=fp16 with parallel.strategy={strategy}, parallel.tp={dims.tp}, "
+            f"parallel.pp={dims.pp}: the fp16 GradScaler is supported with plain DDP only; "
+            f"use precision=bf16"
+        )
+    if parallel.sync_batchnorm and (strategy != "ddp" or dims.pp > 1):
+        raise ConfigError(
+            f"parallel.sync_batchnorm=true needs parallel.strategy=ddp without pipeline stages "
+            f"(parallel.strategy={strategy}, parallel.pp={dims.pp})"
+        )
+    if parallel.fsdp.cpu_offload and resolve_device(cfg.dist, local_rank=0).type != "cuda":
+        raise ConfigError(
+            "parallel.fsdp.cpu_offload=true moves sharded state from GPU to CPU memory and "
+            "needs CUDA devices; this run is on the CPU already, keep it false"
+        )
+    check_choice("parallel.fsdp.param_dtype", parallel.fsdp.param_dtype, FSDP_DTYPES)
+    check_choice("parallel.fsdp.reduce_dtype", parallel.fsdp.reduce_dtype, FSDP_DTYPES[1:])
+    tp_cfg = parallel.tensor_parallel
+    if dims.tp == 1 and (tp_cfg.loss_parallel or tp_cfg.sequence_parallel):
+        raise ConfigError(
+            "parallel.tensor_parallel.loss_parallel / sequence_parallel need parallel.tp > 1"
+        )
+
+
+def validate_compile(cfg: Config) -> None:
+    """``compile.mode``, checked before launch."""
+    if cfg.compile.mode not in COMPILE_MODES:
+        raise ConfigError(
+            f"compile.mode={cfg.compile.mode!r} is not one of "
+            f"{', '.join(str(m) for m in COMPILE_MODES)}"
+        )
+
+
+class _TensorParallelModel(Protocol):
+    """A model with a tensor-parallel plan (see ``supports_tensor_parallel``)."""
+
+    def apply_tensor_parallel(
+        self, tp_mesh: DeviceMesh, *, loss_parallel: bool, sequence_parallel: bool
+    ) -> None: ...
 
 
 @dataclass
@@ -44,46 +132,72 @@ class ParallelModel:
     num_stages: int = 1
 
 
-def parallelize(model: nn.Module, cfg: Config, env: DistEnv, mesh: DeviceMesh | None,
-                dims: ParallelDims) -> ParallelModel:
+def parallelize(
+    model: nn.Module, cfg: Config, env: DistEnv, mesh: DeviceMesh | None, dims: ParallelDims
+) -> ParallelModel:
     """Apply the layout of ``cfg.parallel`` to ``model`` (already on ``env.device``)."""
     parallel = cfg.parallel
     parts: list[nn.Module] = [model]
     result = ParallelModel(model)
     if dims.pp > 1:
-        ids, stages, num_stages = split_model(model, parallel.pipeline, model_name=cfg.model.name,
-                                              pp_rank=mesh["pp"].get_local_rank(), pp=dims.pp)
-        parts = list(stages)
-        result = ParallelModel(model, stages, ids, num_stages)
+        assert mesh is not None  # more than one rank: the caller built the mesh
+        ids, stages, num_stages = split_model(
+            model,
+            parallel.pipeline,
+            model_name=cfg.model.name,
+            pp_rank=mesh["pp"].get_local_rank(),
+            pp=dims.pp,
+        )
+        stage_modules: list[nn.Module] = list(stages)
+        parts = list(stage_modules)
+        result = ParallelModel(model, stage_modules, ids, num_stages)
     if dims.tp > 1:
         if not supports_tensor_parallel(model):
-            raise ConfigError(f"parallel.tp={dims.tp}: model.name={cfg.model.name!r} has no tensor-parallel "
-                              f"plan (the gpt family has one); use parallel.tp=1")
-        model.apply_tensor_parallel(mesh["tp"], loss_parallel=parallel.tensor_parallel.loss_parallel,
-                                    sequence_parallel=parallel.tensor_parallel.sequence_parallel)
+            raise ConfigError(
+                f"parallel.tp={dims.tp}: model.name={cfg.model.name!r} has no tensor-parallel "
+                f"plan (the gpt family has one); use parallel.tp=1"
+            )
+        assert mesh is not None  # more than one rank: the caller built the mesh
+        # The check above found the method; nn.Module's attribute typing cannot express it.
+        cast(_TensorParallelModel, model).apply_tensor_parallel(
+            mesh["tp"],
+            loss_parallel=parallel.tensor_parallel.loss_parallel,
+            sequence_parallel=parallel.tensor_parallel.sequence_parallel,
+        )
     if cfg.model.channels_last:
         model.to(memory_format=torch.channels_last)
     blocks = [b for b in parallel_blocks(model) if b is not None]
     if cfg.model.activation_checkpointing:
         if not blocks:
-            raise ConfigError(f"model.activation_checkpointing=true: model.name={cfg.model.name!r} has no "
-                              f"blocks to checkpoint")
+            raise ConfigError(
+                f"model.activation_checkpointing=true: model.name={cfg.model.name!r} has no "
+                f"blocks to checkpoint"
+            )
         for block in blocks:
             checkpoint_activations(block)
     if cfg.compile.enabled:
-        kwargs = {"backend": cfg.compile.backend, "mode": cfg.compile.mode, "fullgraph": cfg.compile.fullgraph,
-                  "dynamic": cfg.compile.dynamic}
+        kwargs = {
+            "backend": cfg.compile.backend,
+            "mode": cfg.compile.mode,
+            "fullgraph": cfg.compile.fullgraph,
+            "dynamic": cfg.compile.dynamic,
+        }
         for block in blocks or [model]:
             block.compile(**kwargs)
     if parallel.strategy == "fsdp" and dims.dp > 1:
+        assert mesh is not None  # more than one rank: the caller built the mesh
         _fully_shard(parts, blocks, cfg, dp_mesh(mesh, dims))
     elif dims.dp_replicate > 1 and dims.pp > 1:
         # DDP x PP: torch's pipeline stages drive FSDP2's gradient sync over micro-batches, while a
         # DDP-wrapped stage fails DDP's bucket rebuild (torch 2.14). FSDP2 on a (replicate, shard=1)
         # mesh is plain replication: gradients all-reduced once per step, parameters whole.
+        assert mesh is not None  # more than one rank: the caller built the mesh
         _fully_shard(parts, [], cfg, mesh["dp_replicate", "dp_shard"])
     elif dims.dp_replicate > 1:
-        group = mesh["dp_replicate"].get_group() if dims.dp_replicate < env.world_size else None
+        group = None
+        if dims.dp_replicate < env.world_size:
+            assert mesh is not None  # more than one rank: the caller built the mesh
+            group = mesh["dp_replicate"].get_group()
         parts = [wrap_data_parallel(part, parallel, env, process_group=group) for part in parts]
     if result.stages is not None:
         result.stages = parts
@@ -92,22 +206,33 @@ def parallelize(model: nn.Module, cfg: Config, env: DistEnv, mesh: DeviceMesh | 
     return result
 
 
-def _fully_shard(parts: list[nn.Module], blocks: list[nn.Module], cfg: Config, mesh: DeviceMesh) -> None:
+def _fully_shard(
+    parts: list[nn.Module], blocks: list[nn.Module], cfg: Config, mesh: DeviceMesh
+) -> None:
     """FSDP2: each block is its own all-gather/reduce-scatter unit, then each part's root gathers
     the rest (stem, embeddings, head). A 2-D data mesh (dp_replicate x dp_shard) makes it HSDP."""
     fsdp = cfg.parallel.fsdp
     param_dtype = _param_dtype(parts, cfg)
-    policy = MixedPrecisionPolicy(param_dtype=None if param_dtype == "fp32" else _DTYPES[param_dtype],
-                                  reduce_dtype=_DTYPES[fsdp.reduce_dtype])
+    policy = MixedPrecisionPolicy(
+        param_dtype=None if param_dtype == "fp32" else DTYPES[param_dtype],
+        reduce_dtype=DTYPES[fsdp.reduce_dtype],
+    )
     offload = CPUOffloadPolicy() if fsdp.cpu_offload else OffloadPolicy()
-    kwargs = {"mesh": mesh, "mp_policy": policy, "offload_policy": offload}
     for part in parts:
         inside = {id(m) for m in part.modules()}
         for block in blocks:
             if id(block) in inside:
-                fully_shard(block, reshard_after_forward=fsdp.reshard_after_forward, **kwargs)
+                fully_shard(
+                    block,
+                    mesh=mesh,
+                    reshard_after_forward=fsdp.reshard_after_forward,
+                    mp_policy=policy,
+                    offload_policy=offload,
+                )
         # The root's parameters are needed again right at the start of backward: keep them.
-        fully_shard(part, reshard_after_forward=False, **kwargs)
+        fully_shard(
+            part, mesh=mesh, reshard_after_forward=False, mp_policy=policy, offload_policy=offload
+        )
 
 
 def _param_dtype(parts: list[nn.Module], cfg: Config) -> str:
@@ -115,13 +240,17 @@ def _param_dtype(parts: list[nn.Module], cfg: Config) -> str:
     kernels refuse to mix with bf16 weights, so ``auto`` stays fp32 for such models (autocast
     still computes convolutions in precision.dtype)."""
     requested = cfg.parallel.fsdp.param_dtype
-    has_batchnorm = any(isinstance(m, nn.modules.batchnorm._BatchNorm) for part in parts for m in part.modules())
+    has_batchnorm = any(
+        isinstance(m, nn.modules.batchnorm._BatchNorm) for part in parts for m in part.modules()
+    )
     if requested == "auto":
         return "fp32" if has_batchnorm else cfg.precision.dtype
     if requested != "fp32" and has_batchnorm:
-        raise ConfigError(f"parallel.fsdp.param_dtype={requested}: model.name={cfg.model.name!r} has BatchNorm "
-                          f"layers, whose fp32 running statistics do not mix with {requested} weights; use "
-                          f"parallel.fsdp.param_dtype=auto or fp32 (autocast still computes in precision.dtype)")
+        raise ConfigError(
+            f"parallel.fsdp.param_dtype={requested}: model.name={cfg.model.name!r} has BatchNorm "
+            f"layers, whose fp32 running statistics do not mix with {requested} weights; use "
+            f"parallel.fsdp.param_dtype=auto or fp32 (autocast still computes in precision.dtype)"
+        )
     return requested
 
 
@@ -132,4 +261,31 @@ def set_gradient_sync(modules: list[nn.Module], enabled: bool) -> None:
             module.set_requires_gradient_sync(enabled)
 
 
-__all__ = ["ParallelModel", "parallelize", "set_gradient_sync"]
+@contextmanager
+def gradient_sync(model: nn.Module, enabled: bool) -> Iterator[None]:
+    """Reduce gradients in this backward (``enabled``), or not: DDP's ``no_sync``, FSDP's
+    ``requires_gradient_sync``, on all but the last micro-step of an accumulation."""
+    if enabled:
+        yield
+    elif isinstance(model, DistributedDataParallel):
+        with model.no_sync():
+            yield
+    else:
+        set_gradient_sync([model], False)
+        try:
+            yield
+        finally:
+            set_gradient_sync([model], True)
+
+
+__all__ = [
+    "COMPILE_MODES",
+    "FSDP_DTYPES",
+    "STRATEGIES",
+    "ParallelModel",
+    "gradient_sync",
+    "parallelize",
+    "set_gradient_sync",
+    "validate_compile",
+    "validate_parallel",
+]

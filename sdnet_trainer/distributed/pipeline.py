@@ -25,14 +25,23 @@ from torch import nn
 from torch.distributed.pipelining import PipelineStage
 from torch.distributed.pipelining.schedules import PipelineScheduleSingle, get_schedule_class
 
-from sdnet_trainer.config.schema import PipelineConfig
+from sdnet_trainer.batching import batch_layout
+from sdnet_trainer.config.schema import Config, PipelineConfig
+from sdnet_trainer.distributed.mesh import parallel_dims
 from sdnet_trainer.errors import ConfigError
 from sdnet_trainer.models.parallel_spec import Unit, block_unit_indices, pipeline_units
 
 logger = logging.getLogger(__name__)
 
-SCHEDULES = ("GPipe", "1F1B", "Interleaved1F1B", "LoopedBFS", "InterleavedZeroBubble", "ZBVZeroBubble",
-             "DualPipeV")
+PIPELINE_SCHEDULES = (
+    "GPipe",
+    "1F1B",
+    "Interleaved1F1B",
+    "LoopedBFS",
+    "InterleavedZeroBubble",
+    "ZBVZeroBubble",
+    "DualPipeV",
+)
 # Schedules that place two stages per rank in a V (rank r: stages r and 2 pp - 1 - r).
 V_SCHEDULES = ("ZBVZeroBubble", "DualPipeV")
 
@@ -43,26 +52,60 @@ def single_stage_schedule(name: str) -> bool:
 
 def check_schedule(cfg: PipelineConfig, pp: int) -> None:
     """The schedule/stage rules torch enforces, checked before launch with the config's names."""
-    if cfg.schedule not in SCHEDULES:
-        raise ConfigError(f"parallel.pipeline.schedule={cfg.schedule!r} is not one of {', '.join(SCHEDULES)}")
+    if cfg.schedule not in PIPELINE_SCHEDULES:
+        raise ConfigError(
+            f"parallel.pipeline.schedule={cfg.schedule!r} is not one of "
+            f"{', '.join(PIPELINE_SCHEDULES)}"
+        )
     per_rank = cfg.stages_per_rank
     if per_rank < 1:
         raise ConfigError(f"parallel.pipeline.stages_per_rank={per_rank} must be >= 1")
     if single_stage_schedule(cfg.schedule) and per_rank != 1:
-        raise ConfigError(f"parallel.pipeline.schedule={cfg.schedule} runs one stage per rank; set "
-                          f"parallel.pipeline.stages_per_rank=1 (not {per_rank}) or use Interleaved1F1B")
+        raise ConfigError(
+            f"parallel.pipeline.schedule={cfg.schedule} runs one stage per rank; set "
+            f"parallel.pipeline.stages_per_rank=1 (not {per_rank}) or use Interleaved1F1B"
+        )
     if not single_stage_schedule(cfg.schedule) and per_rank < 2:
-        raise ConfigError(f"parallel.pipeline.schedule={cfg.schedule} needs several stages per rank; set "
-                          f"parallel.pipeline.stages_per_rank=2 or more (it is {per_rank})")
+        raise ConfigError(
+            f"parallel.pipeline.schedule={cfg.schedule} needs several stages per rank; set "
+            f"parallel.pipeline.stages_per_rank=2 or more (it is {per_rank})"
+        )
     if cfg.schedule in V_SCHEDULES and per_rank != 2:
-        raise ConfigError(f"parallel.pipeline.schedule={cfg.schedule} places exactly 2 stages per rank; "
-                          f"set parallel.pipeline.stages_per_rank=2 (not {per_rank})")
+        raise ConfigError(
+            f"parallel.pipeline.schedule={cfg.schedule} places exactly 2 stages per rank; "
+            f"set parallel.pipeline.stages_per_rank=2 (not {per_rank})"
+        )
     if cfg.microbatches < 1:
         raise ConfigError(f"parallel.pipeline.microbatches={cfg.microbatches} must be >= 1")
     num_stages = pp * per_rank
     if cfg.split_points and len(cfg.split_points) != num_stages - 1:
-        raise ConfigError(f"parallel.pipeline.split_points has {len(cfg.split_points)} names, but parallel.pp "
-                          f"({pp}) x stages_per_rank ({per_rank}) = {num_stages} stages need {num_stages - 1}")
+        raise ConfigError(
+            f"parallel.pipeline.split_points has {len(cfg.split_points)} names, but parallel.pp "
+            f"({pp}) x stages_per_rank ({per_rank}) = {num_stages} stages need {num_stages - 1}"
+        )
+
+
+def validate_pipeline(cfg: Config, world_size: int) -> None:
+    """``parallel.pipeline.*`` against the schedule, the stage count and the batch split, checked
+    before launch; nothing to check without pipeline stages (``parallel.pp=1``)."""
+    dims = parallel_dims(cfg.parallel, world_size)
+    if dims.pp == 1:
+        return
+    pipe = cfg.parallel.pipeline
+    check_schedule(pipe, dims.pp)
+    if cfg.loop.grad_accum_steps != 1:
+        raise ConfigError(
+            f"loop.grad_accum_steps={cfg.loop.grad_accum_steps} with parallel.pp={dims.pp}: the "
+            f"pipeline accumulates over its micro-batches; set loop.grad_accum_steps=1 and "
+            f"parallel.pipeline.microbatches instead"
+        )
+    micro = batch_layout(cfg, world_size).micro_batch_size
+    if micro % pipe.microbatches:
+        raise ConfigError(
+            f"the batch per data-parallel rank ({micro} = loop.global_batch_size "
+            f"{cfg.loop.global_batch_size} / {dims.dp} data-parallel ranks) is not divisible by "
+            f"parallel.pipeline.microbatches={pipe.microbatches}"
+        )
 
 
 def stage_ids(cfg: PipelineConfig, pp_rank: int, pp: int) -> list[int]:
@@ -94,64 +137,94 @@ class StageModule(nn.Module):
         return x
 
 
-def _stage_bounds(model: nn.Module, units: list[Unit], split_points: list[str], num_stages: int,
-                  model_name: str) -> list[int]:
+def _stage_bounds(
+    model: nn.Module, units: list[Unit], split_points: list[str], num_stages: int, model_name: str
+) -> list[int]:
     """Index of the first unit of each stage (stage 0 starts at 0)."""
     if split_points:
         starts = []
         for point in split_points:
-            match = next((i for i, u in enumerate(units) if u.name == point or u.name.startswith(point + ".")),
-                         None)
+            match = next(
+                (
+                    i
+                    for i, u in enumerate(units)
+                    if u.name == point or u.name.startswith(point + ".")
+                ),
+                None,
+            )
             if match is None:
                 names = sorted({u.name.split(".")[0] for u in units})
-                raise ConfigError(f"parallel.pipeline.split_points: {point!r} is not a pipeline unit of "
-                                  f"model.name={model_name!r} (its units start with: {', '.join(names)})")
+                raise ConfigError(
+                    f"parallel.pipeline.split_points: {point!r} is not a pipeline unit of "
+                    f"model.name={model_name!r} (its units start with: {', '.join(names)})"
+                )
             starts.append(match)
         if starts != sorted(set(starts)) or starts[0] == 0:
-            raise ConfigError(f"parallel.pipeline.split_points={list(split_points)} must name distinct "
-                              f"modules in forward order, after the first one ({units[0].name!r})")
+            raise ConfigError(
+                f"parallel.pipeline.split_points={list(split_points)} must name distinct "
+                f"modules in forward order, after the first one ({units[0].name!r})"
+            )
         return [0] + starts
     # Default: an even number of blocks per stage (all units when the model has no blocks).
     blocks = block_unit_indices(model, units) or list(range(len(units)))
     if len(blocks) < num_stages:
-        raise ConfigError(f"model.name={model_name!r} has {len(blocks)} blocks, fewer than the {num_stages} "
-                          f"pipeline stages (parallel.pp x parallel.pipeline.stages_per_rank)")
+        raise ConfigError(
+            f"model.name={model_name!r} has {len(blocks)} blocks, fewer than the {num_stages} "
+            f"pipeline stages (parallel.pp x parallel.pipeline.stages_per_rank)"
+        )
     return [0] + [blocks[len(blocks) * s // num_stages] for s in range(1, num_stages)]
 
 
-def split_model(model: nn.Module, cfg: PipelineConfig, *, model_name: str, pp_rank: int, pp: int
-                ) -> tuple[list[int], list[StageModule], int]:
-    """Prune ``model`` to this rank's stages (in place); returns (stage ids, stage modules, stage count)."""
+def split_model(
+    model: nn.Module, cfg: PipelineConfig, *, model_name: str, pp_rank: int, pp: int
+) -> tuple[list[int], list[StageModule], int]:
+    """Prune ``model`` to this rank's stages (in place); returns (stage ids, stage modules, stage
+    count)."""
     units = pipeline_units(model, model_name)
     num_stages = pp * cfg.stages_per_rank
     if len(units) < num_stages:
-        raise ConfigError(f"model.name={model_name!r} has {len(units)} pipeline units, fewer than the "
-                          f"{num_stages} stages (parallel.pp x parallel.pipeline.stages_per_rank)")
+        raise ConfigError(
+            f"model.name={model_name!r} has {len(units)} pipeline units, fewer than the "
+            f"{num_stages} stages (parallel.pp x parallel.pipeline.stages_per_rank)"
+        )
     _check_units_cover(model, units, model_name)
-    bounds = _stage_bounds(model, units, list(cfg.split_points), num_stages, model_name) + [len(units)]
+    bounds = _stage_bounds(model, units, list(cfg.split_points), num_stages, model_name) + [
+        len(units)
+    ]
     mine = stage_ids(cfg, pp_rank, pp)
     kept: set[str] = set()
     modules = []
     for stage in mine:
-        stage_units = units[bounds[stage]:bounds[stage + 1]]
+        stage_units = units[bounds[stage] : bounds[stage + 1]]
         kept.update(u.name for u in stage_units)
         modules.append(StageModule(stage_units, [model.get_submodule(u.name) for u in stage_units]))
     for unit in units:
         if unit.name not in kept:
             parent, _, leaf = unit.name.rpartition(".")
             model.get_submodule(parent)._modules[leaf] = None
-    logger.info("pipeline: %d stages, this rank holds %s: %s", num_stages, mine,
-                "; ".join(f"{m.unit_names[0]} .. {m.unit_names[-1]}" for m in modules))
+    logger.info(
+        "pipeline: %d stages, this rank holds %s: %s",
+        num_stages,
+        mine,
+        "; ".join(f"{m.unit_names[0]} .. {m.unit_names[-1]}" for m in modules),
+    )
     return mine, modules, num_stages
 
 
 def _check_units_cover(model: nn.Module, units: list[Unit], model_name: str) -> None:
-    """Every parameter and buffer must live in some unit, or pruning would keep it on every stage."""
+    """Every parameter and buffer must live in some unit, or pruning would keep it on every
+    stage."""
     prefixes = tuple(u.name + "." for u in units)
-    stray = [n for n, _ in [*model.named_parameters(), *model.named_buffers()] if not n.startswith(prefixes)]
+    stray = [
+        n
+        for n, _ in [*model.named_parameters(), *model.named_buffers()]
+        if not n.startswith(prefixes)
+    ]
     if stray:
-        raise ConfigError(f"model.name={model_name!r}: {stray[0]} (and {len(stray) - 1} more) belong to no "
-                          f"pipeline unit, so the model cannot be split into stages")
+        raise ConfigError(
+            f"model.name={model_name!r}: {stray[0]} (and {len(stray) - 1} more) belong to no "
+            f"pipeline unit, so the model cannot be split into stages"
+        )
 
 
 @dataclass
@@ -201,10 +274,20 @@ class Pipeline:
         return x if self.has_last else None
 
 
-def build_pipeline(modules: list[nn.Module], ids: list[int], num_stages: int, cfg: PipelineConfig, *,
-                   group: dist.ProcessGroup, device: torch.device,
-                   loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]) -> Pipeline:
-    stages = [PipelineStage(module, stage, num_stages, device, group=group) for module, stage in zip(modules, ids)]
+def build_pipeline(
+    modules: list[nn.Module],
+    ids: list[int],
+    num_stages: int,
+    cfg: PipelineConfig,
+    *,
+    group: dist.ProcessGroup,
+    device: torch.device,
+    loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
+) -> Pipeline:
+    stages = [
+        PipelineStage(module, stage, num_stages, device, group=group)
+        for module, stage in zip(modules, ids)
+    ]
     cls = get_schedule_class(cfg.schedule)
     if issubclass(cls, PipelineScheduleSingle):
         schedule = cls(stages[0], n_microbatches=cfg.microbatches, loss_fn=loss_fn)
@@ -222,7 +305,7 @@ _HEADER = 8
 def _send_tensor(x: torch.Tensor, dst: int) -> None:
     header = torch.zeros(_HEADER, dtype=torch.int64)
     header[0], header[1] = x.dim(), _DTYPES.index(x.dtype)
-    header[2:2 + x.dim()] = torch.tensor(x.shape)
+    header[2 : 2 + x.dim()] = torch.tensor(x.shape)
     dist.send(header.to(x.device), dst)
     dist.send(x.contiguous(), dst)
 
@@ -231,10 +314,19 @@ def _recv_tensor(src: int, *, device: torch.device) -> torch.Tensor:
     header = torch.empty(_HEADER, dtype=torch.int64, device=device)
     dist.recv(header, src)
     ndim, dtype = int(header[0]), _DTYPES[int(header[1])]
-    x = torch.empty(header[2:2 + ndim].tolist(), dtype=dtype, device=device)
+    x = torch.empty(header[2 : 2 + ndim].tolist(), dtype=dtype, device=device)
     dist.recv(x, src)
     return x
 
 
-__all__ = ["Pipeline", "SCHEDULES", "StageModule", "build_pipeline", "check_schedule", "split_model",
-           "stage_ids", "stage_owner"]
+__all__ = [
+    "PIPELINE_SCHEDULES",
+    "Pipeline",
+    "StageModule",
+    "build_pipeline",
+    "check_schedule",
+    "split_model",
+    "stage_ids",
+    "stage_owner",
+    "validate_pipeline",
+]

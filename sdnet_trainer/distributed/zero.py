@@ -25,8 +25,13 @@ def zero_state_dict(model: nn.Module, optimizer: ZeroRedundancyOptimizer) -> dic
     by parameter name. ``model`` is the bare module (no DDP prefix)."""
     names = _names(model)
     state = {names[id(p)]: values for p, values in optimizer.optim.state.items()}
-    groups = [{**{k: v for k, v in group.items() if k != "params"},
-               "params": [names[id(p)] for p in group["params"]]} for group in optimizer.param_groups]
+    groups = [
+        {
+            **{k: v for k, v in group.items() if k != "params"},
+            "params": [names[id(p)] for p in group["params"]],
+        }
+        for group in optimizer.param_groups
+    ]
     return {"state": state, "param_groups": groups}
 
 
@@ -36,7 +41,9 @@ def materialize_zero_state(optimizer: ZeroRedundancyOptimizer) -> None:
         _init_optim_state(optimizer.optim)
 
 
-def load_zero_param_groups(optimizer: ZeroRedundancyOptimizer, groups: list[dict[str, Any]]) -> None:
+def load_zero_param_groups(
+    optimizer: ZeroRedundancyOptimizer, groups: list[dict[str, Any]]
+) -> None:
     """Hyper-parameters (lr, betas, ...) from a loaded state dict; ZeRO passes them on to its
     local optimizer at the next step."""
     for live, saved in zip(optimizer.param_groups, groups):

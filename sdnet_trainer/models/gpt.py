@@ -33,6 +33,8 @@ from torch.distributed.tensor.parallel import (
     parallelize_module,
 )
 
+from sdnet_trainer.config.schema import Config
+from sdnet_trainer.data import LM_DATASETS
 from sdnet_trainer.errors import ConfigError
 
 # GPT-2's initialisation: small enough that a deep stack starts near the identity function.
@@ -55,12 +57,16 @@ class Embedding(nn.Module):
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
         length = tokens.shape[1]
         if length > self.seq_len:
-            raise ConfigError(f"a batch of {length} tokens per sequence is longer than the model's "
-                              f"context model.gpt.seq_len={self.seq_len}; set data.seq_len <= {self.seq_len}")
+            raise ConfigError(
+                f"a batch of {length} tokens per sequence is longer than the model's "
+                f"context model.gpt.seq_len={self.seq_len}; set data.seq_len <= {self.seq_len}"
+            )
         if length % self.sequence_shards:
-            raise ConfigError(f"sequence parallel splits each sequence over parallel.tp={self.sequence_shards} "
-                              f"ranks; {length} tokens per sequence do not divide evenly (data.seq_len must be "
-                              f"a multiple of parallel.tp)")
+            raise ConfigError(
+                f"sequence parallel splits each sequence over parallel.tp={self.sequence_shards} "
+                f"ranks; {length} tokens per sequence do not divide evenly (data.seq_len must be "
+                f"a multiple of parallel.tp)"
+            )
         positions = torch.arange(length, device=tokens.device)
         return self.drop(self.tok(tokens) + self.pos(positions))
 
@@ -86,8 +92,9 @@ class Attention(nn.Module):
             return t.view(batch, length, -1, self.head_dim).transpose(1, 2)
 
         q, k, v = heads(self.wq(x)), heads(self.wk(x)), heads(self.wv(x))
-        out = F.scaled_dot_product_attention(q, k, v, is_causal=True,
-                                             dropout_p=self.dropout if self.training else 0.0)
+        out = F.scaled_dot_product_attention(
+            q, k, v, is_causal=True, dropout_p=self.dropout if self.training else 0.0
+        )
         out = out.transpose(1, 2).reshape(batch, length, -1)
         return self.drop(self.wo(out))
 
@@ -119,13 +126,29 @@ class Block(nn.Module):
 
 
 class GPT(nn.Module):
-    """Decoder-only transformer: int64 tokens (B, T) with T <= seq_len -> logits (B, T, vocab_size)."""
+    """Decoder-only transformer: int64 tokens (B, T) with T <= seq_len -> logits (B, T,
+    vocab_size)."""
 
-    def __init__(self, vocab_size: int, seq_len: int, dim: int, n_layers: int, n_heads: int,
-                 mlp_ratio: float = 4.0, dropout: float = 0.0) -> None:
+    def __init__(
+        self,
+        vocab_size: int,
+        seq_len: int,
+        dim: int,
+        n_layers: int,
+        n_heads: int,
+        mlp_ratio: float = 4.0,
+        dropout: float = 0.0,
+    ) -> None:
         super().__init__()
-        _check_sizes(vocab_size=vocab_size, seq_len=seq_len, dim=dim, n_layers=n_layers, n_heads=n_heads,
-                     mlp_ratio=mlp_ratio, dropout=dropout)
+        _check_sizes(
+            vocab_size=vocab_size,
+            seq_len=seq_len,
+            dim=dim,
+            n_layers=n_layers,
+            n_heads=n_heads,
+            mlp_ratio=mlp_ratio,
+            dropout=dropout,
+        )
         self.vocab_size = vocab_size
         self.seq_len = seq_len
         self.dim = dim
@@ -135,7 +158,9 @@ class GPT(nn.Module):
         self.mlp_ratio = mlp_ratio
         self.hidden = int(mlp_ratio * dim)
         self.embed = Embedding(vocab_size, seq_len, dim, dropout)
-        self.blocks = nn.ModuleList(Block(dim, n_heads, self.hidden, dropout) for _ in range(n_layers))
+        self.blocks = nn.ModuleList(
+            Block(dim, n_heads, self.hidden, dropout) for _ in range(n_layers)
+        )
         self.norm = nn.LayerNorm(dim)
         self.head = nn.Linear(dim, vocab_size, bias=False)
         self.init_weights()
@@ -156,7 +181,7 @@ class GPT(nn.Module):
             if isinstance(module, (nn.Linear, nn.Embedding)):
                 std = residual_std if name.endswith((".wo", ".w2")) else _INIT_STD
                 nn.init.normal_(module.weight, mean=0.0, std=std)
-                if getattr(module, "bias", None) is not None:
+                if isinstance(module, nn.Linear) and module.bias is not None:
                     nn.init.zeros_(module.bias)
             elif isinstance(module, nn.LayerNorm):
                 nn.init.ones_(module.weight)
@@ -170,7 +195,9 @@ class GPT(nn.Module):
         """The repeated units to wrap one by one (FSDP, activation checkpointing, compile)."""
         return list(self.blocks)
 
-    def apply_tensor_parallel(self, tp_mesh: DeviceMesh, *, loss_parallel: bool, sequence_parallel: bool) -> None:
+    def apply_tensor_parallel(
+        self, tp_mesh: DeviceMesh, *, loss_parallel: bool, sequence_parallel: bool
+    ) -> None:
         """Shard the model over ``tp_mesh`` (a 1-D DeviceMesh) in place, Megatron-style.
 
         Every rank gets the full (B, T) token tensor. Per block, q/k/v and ``w1`` are split by
@@ -186,25 +213,86 @@ class GPT(nn.Module):
         sharded after the split.
         """
         tp = tp_mesh.size()
-        if self.n_heads % tp:
-            raise ConfigError(f"model.gpt.n_heads={self.n_heads} must be divisible by parallel.tp={tp}: "
-                              f"tensor parallelism gives each rank whole attention heads")
-        if self.hidden % tp:
-            # Row-parallel w2 takes equal slices of the hidden channels (the vocabulary may be uneven).
-            raise ConfigError(f"model.gpt.mlp_ratio={self.mlp_ratio} x model.gpt.dim={self.dim} = {self.hidden} "
-                              f"MLP channels must be divisible by parallel.tp={tp}")
-        if sequence_parallel and self.seq_len % tp:
-            raise ConfigError(f"model.gpt.seq_len={self.seq_len} must be divisible by parallel.tp={tp} "
-                              f"with parallel.tensor_parallel.sequence_parallel=true")
-        if self.dropout > 0 and not sequence_parallel:
-            # Without sequence parallel the residual stream is replicated, and each rank would
-            # drop different elements of its copy (ranks draw their own random streams): the
-            # copies drift apart. With it, every rank drops only in its own sequence slice.
-            raise ConfigError(f"model.gpt.dropout={self.dropout} with parallel.tp={tp} needs "
-                              f"parallel.tensor_parallel.sequence_parallel=true (or model.gpt.dropout=0)")
+        # The same rules validate_gpt applies to model.gpt before launch; model.kwargs can override
+        # those sizes, and a GPT can be built without the config.
+        check_tensor_parallel(
+            n_heads=self.n_heads,
+            dim=self.dim,
+            mlp_ratio=self.mlp_ratio,
+            seq_len=self.seq_len,
+            dropout=self.dropout,
+            tp=tp,
+            sequence_parallel=sequence_parallel,
+        )
         _apply_tp(self, tp_mesh, loss_parallel=loss_parallel, sequence_parallel=sequence_parallel)
         if sequence_parallel and self.embed is not None:
             self.embed.sequence_shards = tp
+
+
+def validate_gpt(cfg: Config, *, tp: int) -> None:
+    """``model.gpt.*`` (for ``model.name=gpt``) against the data and ``parallel.tp``, before
+    launch."""
+    data, gpt = cfg.data, cfg.model.gpt
+    if data.name in LM_DATASETS:
+        if data.vocab_size != gpt.vocab_size:
+            raise ConfigError(
+                f"data.vocab_size={data.vocab_size} differs from "
+                f"model.gpt.vocab_size={gpt.vocab_size}"
+            )
+        if data.seq_len > gpt.seq_len:
+            raise ConfigError(
+                f"data.seq_len={data.seq_len} is longer than the model's context "
+                f"model.gpt.seq_len={gpt.seq_len}"
+            )
+    if tp > 1:
+        check_tensor_parallel(
+            n_heads=gpt.n_heads,
+            dim=gpt.dim,
+            mlp_ratio=gpt.mlp_ratio,
+            seq_len=gpt.seq_len,
+            dropout=gpt.dropout,
+            tp=tp,
+            sequence_parallel=cfg.parallel.tensor_parallel.sequence_parallel,
+        )
+
+
+def check_tensor_parallel(
+    *,
+    n_heads: int,
+    dim: int,
+    mlp_ratio: float,
+    seq_len: int,
+    dropout: float,
+    tp: int,
+    sequence_parallel: bool,
+) -> None:
+    """Whether a GPT of these sizes shards over ``tp`` ranks (Megatron-style, see
+    :meth:`GPT.apply_tensor_parallel`)."""
+    if n_heads % tp:
+        raise ConfigError(
+            f"model.gpt.n_heads={n_heads} must be divisible by parallel.tp={tp}: "
+            f"tensor parallelism gives each rank whole attention heads"
+        )
+    hidden = int(mlp_ratio * dim)
+    if hidden % tp:
+        # Row-parallel w2 takes equal slices of the hidden channels (the vocabulary may be uneven).
+        raise ConfigError(
+            f"model.gpt.mlp_ratio={mlp_ratio} x model.gpt.dim={dim} = {hidden} "
+            f"MLP channels must be divisible by parallel.tp={tp}"
+        )
+    if sequence_parallel and seq_len % tp:
+        raise ConfigError(
+            f"model.gpt.seq_len={seq_len} must be divisible by parallel.tp={tp} "
+            f"with parallel.tensor_parallel.sequence_parallel=true"
+        )
+    if dropout > 0 and not sequence_parallel:
+        # Without sequence parallel the residual stream is replicated, and each rank would
+        # drop different elements of its copy (ranks draw their own random streams): the
+        # copies drift apart. With it, every rank drops only in its own sequence slice.
+        raise ConfigError(
+            f"model.gpt.dropout={dropout} with parallel.tp={tp} needs "
+            f"parallel.tensor_parallel.sequence_parallel=true (or model.gpt.dropout=0)"
+        )
 
 
 def _check_sizes(**sizes: Any) -> None:
@@ -212,11 +300,15 @@ def _check_sizes(**sizes: Any) -> None:
         if sizes[key] < 1:
             raise ConfigError(f"model.gpt.{key}={sizes[key]} must be >= 1")
     if sizes["dim"] % sizes["n_heads"]:
-        raise ConfigError(f"model.gpt.dim={sizes['dim']} must be divisible by model.gpt.n_heads="
-                          f"{sizes['n_heads']}: each head gets dim / n_heads channels")
+        raise ConfigError(
+            f"model.gpt.dim={sizes['dim']} must be divisible by model.gpt.n_heads="
+            f"{sizes['n_heads']}: each head gets dim / n_heads channels"
+        )
     if int(sizes["mlp_ratio"] * sizes["dim"]) < 1:
-        raise ConfigError(f"model.gpt.mlp_ratio={sizes['mlp_ratio']} gives an empty MLP at "
-                          f"model.gpt.dim={sizes['dim']}")
+        raise ConfigError(
+            f"model.gpt.mlp_ratio={sizes['mlp_ratio']} gives an empty MLP at "
+            f"model.gpt.dim={sizes['dim']}"
+        )
     if not 0.0 <= sizes["dropout"] < 1.0:
         raise ConfigError(f"model.gpt.dropout={sizes['dropout']} must be in [0, 1)")
 
@@ -238,21 +330,36 @@ class _Replicated(ParallelStyle):
 
     @staticmethod
     def _prepare_input(module: nn.Module, inputs: tuple, mesh: DeviceMesh) -> tuple:
-        return tuple(DTensor.from_local(t, mesh, (Replicate(),), run_check=False)
-                     if isinstance(t, torch.Tensor) and not isinstance(t, DTensor) else t for t in inputs)
+        return tuple(
+            DTensor.from_local(t, mesh, (Replicate(),), run_check=False)
+            if isinstance(t, torch.Tensor) and not isinstance(t, DTensor)
+            else t
+            for t in inputs
+        )
 
     @staticmethod
-    def _prepare_output(use_local_output: bool, module: nn.Module, output: Any, mesh: DeviceMesh) -> Any:
+    def _prepare_output(
+        use_local_output: bool, module: nn.Module, output: Any, mesh: DeviceMesh
+    ) -> Any:
         return output.to_local() if use_local_output and isinstance(output, DTensor) else output
 
     def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
         # No partition function: distribute_module replicates every parameter, broadcasting from
         # rank 0 so the copies agree even where the ranks initialised differently.
-        return distribute_module(module, device_mesh, None, self._prepare_input,
-                                 partial(self._prepare_output, self.use_local_output))
+        return distribute_module(
+            module,
+            device_mesh,
+            None,
+            # torch annotates input_fn as returning None, but the forward pre-hook it installs
+            # passes on the inputs it returns (as its docstring says).
+            self._prepare_input,  # type: ignore[arg-type]
+            partial(self._prepare_output, self.use_local_output),
+        )
 
 
-def _apply_tp(model: GPT, mesh: DeviceMesh, *, loss_parallel: bool, sequence_parallel: bool) -> None:
+def _apply_tp(
+    model: GPT, mesh: DeviceMesh, *, loss_parallel: bool, sequence_parallel: bool
+) -> None:
     # The layout of the residual stream between TP regions: the whole sequence on every rank, or
     # each rank's slice of it. It is passed around as plain local tensors, as torchtitan does.
     stream = Shard(1) if sequence_parallel else Replicate()
@@ -263,14 +370,20 @@ def _apply_tp(model: GPT, mesh: DeviceMesh, *, loss_parallel: bool, sequence_par
     top_plan = {
         # Vocabulary rows split over ranks; the partial sums are reduced straight into `stream`
         # (an all-reduce, or a reduce-scatter under sequence parallel).
-        "embed.tok": RowwiseParallel(input_layouts=Replicate(), output_layouts=stream, use_local_output=False),
+        "embed.tok": RowwiseParallel(
+            input_layouts=Replicate(), output_layouts=stream, use_local_output=False
+        ),
         # Small (seq_len x dim): replicated, added to the token embedding as a DTensor.
         "embed.pos": _Replicated(use_local_output=False),
-        "embed": PrepareModuleOutput(output_layouts=stream, desired_output_layouts=stream, use_local_output=True),
+        "embed": PrepareModuleOutput(
+            output_layouts=stream, desired_output_layouts=stream, use_local_output=True
+        ),
         "norm": norm_style(),
-        "head": ColwiseParallel(input_layouts=stream,
-                                output_layouts=Shard(-1) if loss_parallel else Replicate(),
-                                use_local_output=not loss_parallel),
+        "head": ColwiseParallel(
+            input_layouts=stream,
+            output_layouts=Shard(-1) if loss_parallel else Replicate(),
+            use_local_output=not loss_parallel,
+        ),
     }
     present = {name for name, _ in model.named_children()}
     plan = {key: style for key, style in top_plan.items() if key.split(".")[0] in present}
@@ -279,17 +392,25 @@ def _apply_tp(model: GPT, mesh: DeviceMesh, *, loss_parallel: bool, sequence_par
     for block in model.blocks if model.blocks is not None else ():
         if block is None:
             continue
-        parallelize_module(block, mesh, {
-            "norm1": norm_style(),
-            # One gather of the block input for q, k and v together (and in backward one
-            # reduction of their three input gradients) instead of one per projection.
-            "attn": PrepareModuleInput(input_layouts=(stream,), desired_input_layouts=(Replicate(),)),
-            "attn.wq": ColwiseParallel(),
-            "attn.wk": ColwiseParallel(),
-            "attn.wv": ColwiseParallel(),
-            "attn.wo": RowwiseParallel(output_layouts=stream),
-            "norm2": norm_style(),
-            "mlp": PrepareModuleInput(input_layouts=(stream,), desired_input_layouts=(Replicate(),)),
-            "mlp.w1": ColwiseParallel(),
-            "mlp.w2": RowwiseParallel(output_layouts=stream),
-        })
+        parallelize_module(
+            block,
+            mesh,
+            {
+                "norm1": norm_style(),
+                # One gather of the block input for q, k and v together (and in backward one
+                # reduction of their three input gradients) instead of one per projection.
+                "attn": PrepareModuleInput(
+                    input_layouts=(stream,), desired_input_layouts=(Replicate(),)
+                ),
+                "attn.wq": ColwiseParallel(),
+                "attn.wk": ColwiseParallel(),
+                "attn.wv": ColwiseParallel(),
+                "attn.wo": RowwiseParallel(output_layouts=stream),
+                "norm2": norm_style(),
+                "mlp": PrepareModuleInput(
+                    input_layouts=(stream,), desired_input_layouts=(Replicate(),)
+                ),
+                "mlp.w1": ColwiseParallel(),
+                "mlp.w2": RowwiseParallel(output_layouts=stream),
+            },
+        )

@@ -13,7 +13,9 @@ does); torchvision ResNets and the project's SimpleCNN are described here.
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import dataclass
+from typing import Protocol, cast
 
 from torch import nn
 from torchvision.models.resnet import BasicBlock, Bottleneck, ResNet
@@ -31,27 +33,48 @@ class Unit:
     flatten: bool = False
 
 
+class _DeclaresBlocks(Protocol):
+    """A model that lists its own blocks (see the module docstring)."""
+
+    def parallel_blocks(self) -> Iterable[nn.Module]: ...
+
+
+class _DeclaresPipelineUnits(Protocol):
+    """A model that lists its own pipeline units, as names or Units."""
+
+    def pipeline_units(self) -> Iterable[str | Unit]: ...
+
+
 def parallel_blocks(model: nn.Module) -> list[nn.Module]:
     """The repeated blocks of ``model`` (empty when it has none worth wrapping one by one)."""
     if hasattr(model, "parallel_blocks"):
-        return list(model.parallel_blocks())
+        # The check above found the method; nn.Module's attribute typing cannot express it.
+        return list(cast(_DeclaresBlocks, model).parallel_blocks())
     return [m for m in model.modules() if isinstance(m, (BasicBlock, Bottleneck))]
 
 
 def pipeline_units(model: nn.Module, model_name: str) -> list[Unit]:
     if hasattr(model, "pipeline_units"):
-        return [u if isinstance(u, Unit) else Unit(u) for u in model.pipeline_units()]
+        # The check above found the method; nn.Module's attribute typing cannot express it.
+        units = cast(_DeclaresPipelineUnits, model).pipeline_units()
+        return [u if isinstance(u, Unit) else Unit(u) for u in units]
     if isinstance(model, ResNet):
         stem = [Unit(n) for n in ("conv1", "bn1", "relu", "maxpool")]
-        blocks = [Unit(f"layer{i}.{j}") for i in range(1, 5) for j in range(len(getattr(model, f"layer{i}")))]
+        blocks = [
+            Unit(f"layer{i}.{j}")
+            for i in range(1, 5)
+            for j in range(len(getattr(model, f"layer{i}")))
+        ]
         return stem + blocks + [Unit("avgpool"), Unit("fc", flatten=True)]
     if isinstance(model, SimpleCNN):
         features = [Unit(f"features.{i}") for i in range(len(model.features))]
         return features + [Unit("pool"), Unit("fc", flatten=True)]
     if isinstance(model, nn.Sequential):
         return [Unit(name) for name, _ in model.named_children()]
-    raise ConfigError(f"model.name={model_name!r} has no pipeline split: give the model a pipeline_units() "
-                      f"method (module names whose sequential application equals its forward)")
+    raise ConfigError(
+        f"model.name={model_name!r} has no pipeline split: give the model a pipeline_units() "
+        f"method (module names whose sequential application equals its forward)"
+    )
 
 
 def block_unit_indices(model: nn.Module, units: list[Unit]) -> list[int]:
@@ -64,4 +87,10 @@ def supports_tensor_parallel(model: nn.Module) -> bool:
     return hasattr(model, "apply_tensor_parallel")
 
 
-__all__ = ["Unit", "block_unit_indices", "parallel_blocks", "pipeline_units", "supports_tensor_parallel"]
+__all__ = [
+    "Unit",
+    "block_unit_indices",
+    "parallel_blocks",
+    "pipeline_units",
+    "supports_tensor_parallel",
+]

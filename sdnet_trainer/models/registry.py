@@ -30,15 +30,20 @@ GPT_NAME = "gpt"
 
 
 def available_models() -> list[str]:
-    return sorted([*OWN_MODELS, GPT_NAME]) + torchvision.models.list_models(module=torchvision.models)
+    return sorted([*OWN_MODELS, GPT_NAME]) + torchvision.models.list_models(
+        module=torchvision.models
+    )
 
 
 def build_model(cfg: ModelConfig) -> nn.Module:
+    model: nn.Module
     if cfg.name == GPT_NAME:
         model = _gpt_model(cfg)
     elif cfg.name in OWN_MODELS:
         if cfg.weights is not None:
-            raise ConfigError(f"model.weights={cfg.weights!r}: model.name={cfg.name!r} has no pretrained weights")
+            raise ConfigError(
+                f"model.weights={cfg.weights!r}: model.name={cfg.name!r} has no pretrained weights"
+            )
         model = OWN_MODELS[cfg.name](num_classes=cfg.num_classes, **cfg.kwargs)
     else:
         model = _torchvision_model(cfg)
@@ -50,19 +55,25 @@ def build_model(cfg: ModelConfig) -> nn.Module:
 def _gpt_model(cfg: ModelConfig) -> GPT:
     """``GPT(**model.gpt)``, with ``model.kwargs`` overriding single sizes."""
     if cfg.weights is not None:
-        raise ConfigError(f"model.weights={cfg.weights!r}: model.name={cfg.name!r} has no pretrained weights")
+        raise ConfigError(
+            f"model.weights={cfg.weights!r}: model.name={cfg.name!r} has no pretrained weights"
+        )
     sizes = _as_dict(cfg.gpt)
     # The schema rejects unknown keys in model.gpt, but model.kwargs is a free-form dict.
     unknown = sorted(set(cfg.kwargs) - set(sizes))
     if unknown:
-        raise ConfigError(f"model.kwargs has {unknown}, which model.name={cfg.name!r} does not take; "
-                          f"it takes the keys of model.gpt: {', '.join(sizes)}")
+        raise ConfigError(
+            f"model.kwargs has {unknown}, which model.name={cfg.name!r} does not take; "
+            f"it takes the keys of model.gpt: {', '.join(sizes)}"
+        )
     return GPT(**{**sizes, **cfg.kwargs})
 
 
 def _as_dict(section: Any) -> dict[str, Any]:
     # The schema's dataclass normally; a DictConfig or dict when a caller builds the config by hand.
-    return dataclasses.asdict(section) if dataclasses.is_dataclass(section) else dict(section)
+    if dataclasses.is_dataclass(section) and not isinstance(section, type):
+        return dataclasses.asdict(section)
+    return dict(section)
 
 
 def _torchvision_model(cfg: ModelConfig) -> nn.Module:
@@ -74,19 +85,25 @@ def _torchvision_model(cfg: ModelConfig) -> nn.Module:
     try:
         # weights=None builds a randomly initialised model; a weights name loads (and on first use
         # downloads) torchvision's pretrained checkpoint, whose head must match num_classes.
-        return torchvision.models.get_model(cfg.name, weights=cfg.weights, num_classes=cfg.num_classes,
-                                            **cfg.kwargs)
+        return torchvision.models.get_model(
+            cfg.name, weights=cfg.weights, num_classes=cfg.num_classes, **cfg.kwargs
+        )
     except (ValueError, TypeError, KeyError) as err:
-        raise ConfigError(f"model.name={cfg.name!r} with model.weights={cfg.weights!r}, "
-                          f"model.num_classes={cfg.num_classes}, model.kwargs={dict(cfg.kwargs)}: {err}") from err
+        raise ConfigError(
+            f"model.name={cfg.name!r} with model.weights={cfg.weights!r}, "
+            f"model.num_classes={cfg.num_classes}, model.kwargs={dict(cfg.kwargs)}: {err}"
+        ) from err
 
 
 def _use_cifar_stem(model: nn.Module, name: str) -> None:
     """3x3 stride-1 first conv and no max-pool: 32x32 inputs keep their resolution into layer1."""
     conv1 = getattr(model, "conv1", None)
     if not isinstance(conv1, nn.Conv2d) or not hasattr(model, "maxpool"):
-        raise ConfigError(f"model.cifar_stem=true needs a ResNet-style model (conv1 + maxpool); "
-                          f"model.name={name!r} has none")
-    model.conv1 = nn.Conv2d(conv1.in_channels, conv1.out_channels, kernel_size=3, stride=1, padding=1,
-                            bias=False)
+        raise ConfigError(
+            f"model.cifar_stem=true needs a ResNet-style model (conv1 + maxpool); "
+            f"model.name={name!r} has none"
+        )
+    model.conv1 = nn.Conv2d(
+        conv1.in_channels, conv1.out_channels, kernel_size=3, stride=1, padding=1, bias=False
+    )
     model.maxpool = nn.Identity()

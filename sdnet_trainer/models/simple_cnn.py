@@ -14,7 +14,11 @@ class SimpleCNN(nn.Module):
         layers: list[nn.Module] = []
         channels = in_channels
         for out in (width, 2 * width, 4 * width):
-            layers += [nn.Conv2d(channels, out, 3, padding=1), nn.ReLU(inplace=True), nn.MaxPool2d(2)]
+            layers += [
+                nn.Conv2d(channels, out, 3, padding=1),
+                nn.ReLU(inplace=True),
+                nn.MaxPool2d(2),
+            ]
             channels = out
         self.features = nn.Sequential(*layers)
         self.pool = nn.AdaptiveAvgPool2d(1)

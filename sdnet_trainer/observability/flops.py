@@ -29,6 +29,8 @@ from torch import nn
 from torch.utils._pytree import tree_flatten, tree_map
 from torch.utils.flop_counter import FlopCounterMode
 
+from sdnet_trainer.precision import DTYPES
+
 logger = logging.getLogger(__name__)
 
 
@@ -39,9 +41,14 @@ def count_flops(fn: Callable[[], Any]) -> int:
     return counter.get_total_flops()
 
 
-def train_flops_per_sample(model_builder: Callable[[], nn.Module], example_batch: Any,
-                           loss_fn: Callable[[nn.Module, Any], torch.Tensor], *,
-                           batch_size: int | None = None, device: str = "auto") -> float:
+def train_flops_per_sample(
+    model_builder: Callable[[], nn.Module],
+    example_batch: Any,
+    loss_fn: Callable[[nn.Module, Any], torch.Tensor],
+    *,
+    batch_size: int | None = None,
+    device: str = "auto",
+) -> float:
     """Forward + backward FLOPs of one micro-batch, divided by its number of samples.
 
     ``model_builder()`` returns a fresh bare model (no DDP or other wrapper); ``loss_fn(model,
@@ -58,17 +65,29 @@ def train_flops_per_sample(model_builder: Callable[[], nn.Module], example_batch
         raise ValueError(f"device={device!r}: expected auto, meta or cpu")
     if device in ("auto", "meta"):
         try:
-            return _train_flops(model_builder, example_batch, loss_fn, torch.device("meta")) / batch_size
-        except Exception as err:  # any operator without a meta kernel, .item(), data-dependent shapes
+            return (
+                _train_flops(model_builder, example_batch, loss_fn, torch.device("meta"))
+                / batch_size
+            )
+        except (
+            Exception
+        ) as err:  # any operator without a meta kernel, .item(), data-dependent shapes
             if device == "meta":
                 raise
-            logger.info("counting FLOPs on a CPU copy of the model: the meta device cannot run it (%s: %s)",
-                        type(err).__name__, err)
+            logger.info(
+                "counting FLOPs on a CPU copy of the model: the meta device cannot run it (%s: %s)",
+                type(err).__name__,
+                err,
+            )
     return _train_flops(model_builder, example_batch, loss_fn, torch.device("cpu")) / batch_size
 
 
-def _train_flops(model_builder: Callable[[], nn.Module], batch: Any,
-                 loss_fn: Callable[[nn.Module, Any], torch.Tensor], device: torch.device) -> int:
+def _train_flops(
+    model_builder: Callable[[], nn.Module],
+    batch: Any,
+    loss_fn: Callable[[nn.Module, Any], torch.Tensor],
+    device: torch.device,
+) -> int:
     # The device context also covers tensors the forward creates without naming a device (masks,
     # position indices), which would otherwise land on the CPU next to meta activations.
     with torch.device(device):
@@ -131,16 +150,30 @@ PEAK_TFLOPS: dict[str, dict[str, float]] = {
 # torch.cuda.get_device_name() -> PEAK_TFLOPS key; first match wins, so variants come before the
 # plain name ("NVIDIA H100 PCIe" before "NVIDIA H100 80GB HBM3", the SXM part).
 _DEVICE_PATTERNS: list[tuple[str, str]] = [
-    (r"H100.*PCIe", "H100 PCIe"), (r"H100.*NVL", "H100 NVL"), (r"H100|GH200", "H100 SXM"),
-    (r"H200.*NVL", "H200 NVL"), (r"H200", "H200"), (r"B200", "B200"),
-    (r"A100", "A100"), (r"A10G", "A10G"), (r"\bA10\b", "A10"),
-    (r"L40S", "L40S"), (r"\bL40\b", "L40"), (r"\bL4\b", "L4"),
-    (r"V100S", "V100S PCIe"), (r"V100.*PCIE", "V100 PCIe"), (r"V100", "V100 SXM2"), (r"\bT4\b", "T4"),
-    (r"RTX 4090", "RTX 4090"), (r"RTX 3090(?! Ti)", "RTX 3090"),
-    (r"MI300X", "MI300X"), (r"MI325X", "MI325X"), (r"MI250X", "MI250X"),
+    (r"H100.*PCIe", "H100 PCIe"),
+    (r"H100.*NVL", "H100 NVL"),
+    (r"H100|GH200", "H100 SXM"),
+    (r"H200.*NVL", "H200 NVL"),
+    (r"H200", "H200"),
+    (r"B200", "B200"),
+    (r"A100", "A100"),
+    (r"A10G", "A10G"),
+    (r"\bA10\b", "A10"),
+    (r"L40S", "L40S"),
+    (r"\bL40\b", "L40"),
+    (r"\bL4\b", "L4"),
+    (r"V100S", "V100S PCIe"),
+    (r"V100.*PCIE", "V100 PCIe"),
+    (r"V100", "V100 SXM2"),
+    (r"\bT4\b", "T4"),
+    (r"RTX 4090", "RTX 4090"),
+    (r"RTX 3090(?! Ti)", "RTX 3090"),
+    (r"MI300X", "MI300X"),
+    (r"MI325X", "MI325X"),
+    (r"MI250X", "MI250X"),
 ]
 
-_DTYPE_KEYS = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32"}
+_DTYPE_KEYS = {dtype: key for key, dtype in DTYPES.items()}
 
 
 def device_model(name: str) -> str | None:
@@ -151,8 +184,13 @@ def device_model(name: str) -> str | None:
     return None
 
 
-def peak_tflops(device: torch.device, dtype: torch.dtype, override: float | None = None, *,
-                device_name: str | None = None) -> float | None:
+def peak_tflops(
+    device: torch.device,
+    dtype: torch.dtype,
+    override: float | None = None,
+    *,
+    device_name: str | None = None,
+) -> float | None:
     """Dense peak TFLOPs of one ``device`` for matmuls in ``dtype`` (the autocast dtype, or
     float32 without autocast); ``override`` (``logging.peak_tflops``) wins. None on the CPU or for
     an unknown device or dtype, so no MFU is logged rather than a wrong one. ``device_name``
@@ -176,9 +214,48 @@ def mfu(flops_per_s: float, peak_tflops_per_device: float, world_size: int) -> f
     """Model FLOPs utilisation: achieved FLOPs/s of the whole job over the peak of all its
     devices (a fraction in [0, 1])."""
     if peak_tflops_per_device <= 0 or world_size < 1:
-        raise ValueError(f"peak_tflops_per_device={peak_tflops_per_device} and world_size={world_size} "
-                         f"must be positive")
+        raise ValueError(
+            f"peak_tflops_per_device={peak_tflops_per_device} and world_size={world_size} "
+            f"must be positive"
+        )
     return flops_per_s / (peak_tflops_per_device * 1e12 * world_size)
 
 
-__all__ = ["PEAK_TFLOPS", "count_flops", "device_model", "mfu", "peak_tflops", "train_flops_per_sample"]
+def run_flops(
+    model_builder: Callable[[], nn.Module],
+    example_batch: Any,
+    loss_fn: Callable[[nn.Module, Any], torch.Tensor],
+    *,
+    device: torch.device,
+    dtype: torch.dtype,
+    peak_override: float | None,
+) -> tuple[float | None, float | None]:
+    """(FLOPs per sample, device peak TFLOPs) for a run's MFU figures; (None, None) when the
+    counter cannot run the model (a custom model or batch), with a warning."""
+    try:
+        flops = train_flops_per_sample(model_builder, example_batch, loss_fn)
+    except Exception as err:  # no FLOPs metrics rather than no run
+        logger.warning(
+            "model FLOPs not counted (%s: %s); set logging.flops=false to skip",
+            type(err).__name__,
+            err,
+        )
+        return None, None
+    peak = peak_tflops(device, dtype, peak_override)
+    logger.info(
+        "model FLOPs: %.3g per sample (forward + backward)%s",
+        flops,
+        f"; device peak {peak:g} TFLOPs" if peak else "",
+    )
+    return flops, peak
+
+
+__all__ = [
+    "PEAK_TFLOPS",
+    "count_flops",
+    "device_model",
+    "mfu",
+    "peak_tflops",
+    "run_flops",
+    "train_flops_per_sample",
+]

@@ -10,8 +10,20 @@ import logging
 import sys
 from pathlib import Path
 
+from sdnet_trainer.config.checks import check_choice, check_positive
+from sdnet_trainer.config.schema import Config
+
 _FORMAT = "[%(asctime)s][%(name)s][%(levelname)s] %(message)s"
 LOG_FILE = "train.log"
+PROGRESS = ("auto", "on", "off")
+LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR")
+
+
+def validate_logging(cfg: Config) -> None:
+    """``logging.*``, checked before launch."""
+    check_positive("logging.log_every_n_steps", cfg.logging.log_every_n_steps)
+    check_choice("logging.progress_bar", cfg.logging.progress_bar, PROGRESS)
+    check_choice("logging.level", cfg.logging.level.upper(), LOG_LEVELS)
 
 
 def setup_logging(output_dir: str | Path | None, *, rank: int, level: str = "INFO") -> None:

@@ -26,11 +26,20 @@ def _local_bytes(tensors: Iterable[torch.Tensor]) -> int:
 def training_state_bytes(model: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, int]:
     params = [p for p in model.parameters()]
     # ZeRO-1 exposes every parameter in param_groups but keeps state only for its own partition.
-    local_optimizer = optimizer.optim if isinstance(optimizer, ZeroRedundancyOptimizer) else optimizer
-    state = [v for s in local_optimizer.state.values() for v in s.values()
-             if isinstance(v, torch.Tensor) and v.dim() > 0]  # not the scalar step counters
-    return {"params": _local_bytes(params), "grads": _local_bytes(p for p in params if p.requires_grad),
-            "optim": _local_bytes(state)}
+    local_optimizer = (
+        optimizer.optim if isinstance(optimizer, ZeroRedundancyOptimizer) else optimizer
+    )
+    state = [
+        v
+        for s in local_optimizer.state.values()
+        for v in s.values()
+        if isinstance(v, torch.Tensor) and v.dim() > 0
+    ]  # not the scalar step counters
+    return {
+        "params": _local_bytes(params),
+        "grads": _local_bytes(p for p in params if p.requires_grad),
+        "optim": _local_bytes(state),
+    }
 
 
 __all__ = ["training_state_bytes"]

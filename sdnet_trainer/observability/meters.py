@@ -17,7 +17,8 @@ class StepMeter:
 
     def __init__(self) -> None:
         self.total_seconds = 0.0
-        self.total_samples = 0
+        # Samples per rank: a fraction where ranks share samples (tensor and pipeline peers).
+        self.total_samples: float = 0
         self.total_steps = 0
         self._reset_window()
 
@@ -27,7 +28,7 @@ class StepMeter:
         self._compute = 0.0
         self._optimizer = 0.0
         self._steps = 0
-        self._samples = 0
+        self._samples: float = 0
 
     def add_data_wait(self, seconds: float) -> None:
         self._data_wait += seconds
@@ -39,7 +40,7 @@ class StepMeter:
         self._compute += compute
         self._optimizer += optimizer
 
-    def step_done(self, *, samples: int, seconds: float) -> None:
+    def step_done(self, *, samples: float, seconds: float) -> None:
         self._steps += 1
         self._samples += samples
         self._seconds += seconds
@@ -50,9 +51,13 @@ class StepMeter:
     def flush(self) -> dict[str, float]:
         """Mean step time, mean data wait per step and samples/s of the window; starts a new one."""
         steps = max(self._steps, 1)
-        out = {"step_s": self._seconds / steps, "data_wait_s": self._data_wait / steps,
-               "fwd_bwd_s": self._compute / steps, "optimizer_s": self._optimizer / steps,
-               "samples_per_s": self._samples / self._seconds if self._seconds > 0 else 0.0}
+        out = {
+            "step_s": self._seconds / steps,
+            "data_wait_s": self._data_wait / steps,
+            "fwd_bwd_s": self._compute / steps,
+            "optimizer_s": self._optimizer / steps,
+            "samples_per_s": self._samples / self._seconds if self._seconds > 0 else 0.0,
+        }
         self._reset_window()
         return out
 

@@ -33,7 +33,9 @@ class StepProfiler:
     plugin or https://ui.perfetto.dev).
     """
 
-    def __init__(self, cfg: ProfileConfig, *, output_dir: Path, rank: int, device: torch.device) -> None:
+    def __init__(
+        self, cfg: ProfileConfig, *, output_dir: Path, rank: int, device: torch.device
+    ) -> None:
         self.cfg = cfg
         self.rank = rank
         self.device = device
@@ -57,17 +59,31 @@ class StepProfiler:
             activities.append(ProfilerActivity.CUDA)
         self._profiler = profile(
             activities=activities,
-            schedule=schedule(wait=cfg.wait, warmup=cfg.warmup, active=cfg.active, repeat=cfg.repeat),
-            on_trace_ready=tensorboard_trace_handler(str(self.trace_dir), worker_name=f"rank{self.rank}"),
-            record_shapes=cfg.record_shapes, profile_memory=cfg.profile_memory, with_stack=cfg.with_stack)
+            schedule=schedule(
+                wait=cfg.wait, warmup=cfg.warmup, active=cfg.active, repeat=cfg.repeat
+            ),
+            on_trace_ready=tensorboard_trace_handler(
+                str(self.trace_dir), worker_name=f"rank{self.rank}"
+            ),
+            record_shapes=cfg.record_shapes,
+            profile_memory=cfg.profile_memory,
+            with_stack=cfg.with_stack,
+        )
         self._profiler.__enter__()
         if cfg.memory_snapshot and self.device.type != "cuda":
-            logger.info("profile.memory_snapshot skipped: the CUDA allocator's history needs a CUDA device "
-                        "(this run is on %s)", self.device)
+            logger.info(
+                "profile.memory_snapshot skipped: the CUDA allocator's history needs a CUDA device "
+                "(this run is on %s)",
+                self.device,
+            )
         self._maybe_record_memory()
-        logger.info("profiling steps %d-%d%s; traces in %s", cfg.wait + cfg.warmup + 1,
-                    cfg.wait + cfg.warmup + cfg.active,
-                    f" (x{cfg.repeat})" if cfg.repeat != 1 else "", self.trace_dir)
+        logger.info(
+            "profiling steps %d-%d%s; traces in %s",
+            cfg.wait + cfg.warmup + 1,
+            cfg.wait + cfg.warmup + cfg.active,
+            f" (x{cfg.repeat})" if cfg.repeat != 1 else "",
+            self.trace_dir,
+        )
         return self
 
     def step(self) -> None:
@@ -87,8 +103,12 @@ class StepProfiler:
         self._stop_memory_history()
         self._table = self._make_table(profiler)
         if self.rank == 0 and self._table is not None:
-            logger.info("top %d operators by self %s time (rank 0, last active window):\n%s", self.cfg.top_k,
-                        "CUDA" if self.device.type == "cuda" else "CPU", self._table)
+            logger.info(
+                "top %d operators by self %s time (rank 0, last active window):\n%s",
+                self.cfg.top_k,
+                "CUDA" if self.device.type == "cuda" else "CPU",
+                self._table,
+            )
 
     def summary_table(self) -> str | None:
         """The operator table of the last recorded window; None when disabled or nothing was
@@ -129,8 +149,11 @@ class StepProfiler:
         path = self.trace_dir / f"memory_rank{self.rank}.pickle"
         try:
             torch.cuda.memory._dump_snapshot(str(path))
-            logger.info("CUDA memory snapshot of rank %d: %s (drag it onto https://pytorch.org/memory_viz)",
-                        self.rank, path)
+            logger.info(
+                "CUDA memory snapshot of rank %d: %s (drag it onto https://pytorch.org/memory_viz)",
+                self.rank,
+                path,
+            )
         finally:
             torch.cuda.memory._record_memory_history(enabled=None)
 

@@ -15,8 +15,11 @@ def progress_enabled(mode: str, *, is_main: bool) -> bool:
 
 class ProgressBar:
     def __init__(self, *, total: int, initial: int, enabled: bool) -> None:
-        self._bar = tqdm(total=total, initial=initial, unit="step", dynamic_ncols=True,
-                         file=sys.stderr) if enabled else None
+        self._bar = (
+            tqdm(total=total, initial=initial, unit="step", dynamic_ncols=True, file=sys.stderr)
+            if enabled
+            else None
+        )
 
     def update(self, step: int, postfix: dict[str, str] | None = None) -> None:
         if self._bar is None:

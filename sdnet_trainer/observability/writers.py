@@ -13,7 +13,9 @@ class MetricsWriter:
     """``write(step, {"train/loss": 0.3, ...})`` on every rank; only an enabled writer (rank 0)
     touches the disk. One JSON object per line makes runs easy to compare and plot."""
 
-    def __init__(self, output_dir: str | Path, *, enabled: bool, tensorboard: bool, jsonl: bool) -> None:
+    def __init__(
+        self, output_dir: str | Path, *, enabled: bool, tensorboard: bool, jsonl: bool
+    ) -> None:
         self._tb = None
         self._jsonl = None
         if not enabled:
@@ -25,7 +27,8 @@ class MetricsWriter:
 
             self._tb = SummaryWriter(log_dir=str(output_dir / TENSORBOARD_DIR))
         if jsonl:
-            self._jsonl = open(output_dir / METRICS_FILE, "a", buffering=1)
+            # Open for the whole run, one line per write; close() closes it.
+            self._jsonl = open(output_dir / METRICS_FILE, "a", buffering=1)  # noqa: SIM115
 
     def write(self, step: int, metrics: dict[str, float]) -> None:
         if self._tb is not None:

@@ -50,17 +50,24 @@ def trained_state(rank: int) -> dict[str, Any]:
     model(torch.ones(4, WIDTH)).square().mean().backward()
     optimizer.step()
     model_sd, optim_sd = get_state_dict(model, optimizer)
-    return {"model": model_sd, "optim": optim_sd,
-            f"rng/rank{rank}": torch.Generator().manual_seed(100 + rank).get_state(),
-            "counters": {"step": 7, "epoch": 1, "samples": 7 * 64}}
+    return {
+        "model": model_sd,
+        "optim": optim_sd,
+        f"rng/rank{rank}": torch.Generator().manual_seed(100 + rank).get_state(),
+        "counters": {"step": 7, "epoch": 1, "samples": 7 * 64},
+    }
 
 
 def empty_state(rank: int) -> dict[str, Any]:
     """Same structure as ``trained_state``, other values: what a fresh process loads into."""
     model, optimizer = model_and_optimizer(seed=1)
     model_sd, optim_sd = get_state_dict(model, optimizer)
-    return {"model": model_sd, "optim": optim_sd, f"rng/rank{rank}": torch.zeros(5056, dtype=torch.uint8),
-            "counters": {"step": 0, "epoch": 0, "samples": 0}}
+    return {
+        "model": model_sd,
+        "optim": optim_sd,
+        f"rng/rank{rank}": torch.zeros(5056, dtype=torch.uint8),
+        "counters": {"step": 0, "epoch": 0, "samples": 0},
+    }
 
 
 def tensors(state: dict[str, Any], prefix: str = "") -> dict[str, torch.Tensor]:
@@ -120,10 +127,12 @@ def _dying_write_data(self, plan, planner):
 
 def roundtrip(directory: Path, rank: int, world_size: int) -> None:
     directory.mkdir(exist_ok=True)
-    sync = CheckpointManager(directory / "sync", keep_last=3, async_save=False, rank=rank,
-                             world_size=world_size)
-    asyn = CheckpointManager(directory / "async", keep_last=3, async_save=True, rank=rank,
-                             world_size=world_size)
+    sync = CheckpointManager(
+        directory / "sync", keep_last=3, async_save=False, rank=rank, world_size=world_size
+    )
+    asyn = CheckpointManager(
+        directory / "async", keep_last=3, async_save=True, rank=rank, world_size=world_size
+    )
     state = trained_state(rank)
     torch.save(tensors(state), directory / f"expected_rank{rank}.pt")
     sync.save(1, state, meta={"kind": "sync"})
@@ -146,7 +155,10 @@ def roundtrip(directory: Path, rank: int, world_size: int) -> None:
         loaded = empty_state(rank)
         manager.load(checkpoint, loaded)
         assert_same(loaded, reference)
-        print(f"rank {rank}: {checkpoint.meta['kind']} checkpoint step {checkpoint.step} loaded", flush=True)
+        print(
+            f"rank {rank}: {checkpoint.meta['kind']} checkpoint step {checkpoint.step} loaded",
+            flush=True,
+        )
     # Rank 0 resolves checkpoint.resume and every rank follows, errors included.
     assert sync.resolve_resume("auto").path == directory / "sync" / "step_00000001"
     try:
@@ -160,8 +172,13 @@ def roundtrip(directory: Path, rank: int, world_size: int) -> None:
 
 
 def kill(directory: Path, rank: int, world_size: int) -> None:
-    manager = CheckpointManager(directory, keep_last=3, async_save=False, rank=rank, world_size=world_size)
-    state = {"weight": torch.full((WIDTH, WIDTH), 1.0), f"rng/rank{rank}": torch.full((8,), float(rank))}
+    manager = CheckpointManager(
+        directory, keep_last=3, async_save=False, rank=rank, world_size=world_size
+    )
+    state = {
+        "weight": torch.full((WIDTH, WIDTH), 1.0),
+        f"rng/rank{rank}": torch.full((8,), float(rank)),
+    }
     manager.save(1, state, meta={"value": 1})
     if rank == 1:
         FileSystemWriter.write_data = _dying_write_data

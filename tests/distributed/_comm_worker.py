@@ -30,7 +30,11 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
-from torch.distributed.checkpoint.state_dict import get_state_dict, set_model_state_dict, set_optimizer_state_dict
+from torch.distributed.checkpoint.state_dict import (
+    get_state_dict,
+    set_model_state_dict,
+    set_optimizer_state_dict,
+)
 from torch.nn.parallel import DistributedDataParallel
 
 from sdnet_trainer.checkpoint import CheckpointManager
@@ -84,8 +88,9 @@ def task(rank: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Ten
     return (*draw(SAMPLES, 100 + rank), *draw(512, 99))
 
 
-def build(cfg: CommConfig, *, bucket_cap_mb: float = 25.0) -> tuple[DistributedDataParallel, GradientComm,
-                                                                    torch.optim.Optimizer]:
+def build(
+    cfg: CommConfig, *, bucket_cap_mb: float = 25.0
+) -> tuple[DistributedDataParallel, GradientComm, torch.optim.Optimizer]:
     torch.manual_seed(0)
     model = DistributedDataParallel(Net(), bucket_cap_mb=bucket_cap_mb)
     comm = GradientComm(model, cfg)
@@ -139,7 +144,7 @@ def eval_loss(model: DistributedDataParallel, x: torch.Tensor, y: torch.Tensor) 
 
 def train_step(model, comm, optimizer, x, y, step: int) -> float:
     start = (step * BATCH) % SAMPLES
-    xb, yb = x[start:start + BATCH], y[start:start + BATCH]
+    xb, yb = x[start : start + BATCH], y[start : start + BATCH]
     loss = F.cross_entropy(model(xb), yb)
     loss.backward()
     optimizer.step()
@@ -176,8 +181,14 @@ def training(x, y, x_val, y_val) -> dict[str, Any]:
     runs.update({name: (VARIANTS[variant], cap) for name, (variant, cap) in SMALL_BUCKETS.items()})
     for name, (cfg, bucket_cap_mb) in runs.items():
         model, comm, optimizer = build(cfg, bucket_cap_mb=bucket_cap_mb)
-        run: dict[str, Any] = {"val_loss": [eval_loss(model, x_val, y_val)], "payload": [], "predicted": [],
-                               "gap": [], "synchronized": [], "steady_bytes": comm.bytes_per_step()}
+        run: dict[str, Any] = {
+            "val_loss": [eval_loss(model, x_val, y_val)],
+            "payload": [],
+            "predicted": [],
+            "gap": [],
+            "synchronized": [],
+            "steady_bytes": comm.bytes_per_step(),
+        }
         with PayloadCounter() as counter:
             for step in range(1, STEPS + 1):
                 train_step(model, comm, optimizer, x, y, step - 1)
@@ -187,7 +198,11 @@ def training(x, y, x_val, y_val) -> dict[str, Any]:
                     run["gap"].append(replica_gap(model))
                     run["synchronized"].append(comm.synchronized_after(step))
         run["val_loss"].append(eval_loss(model, x_val, y_val))
-        run["state"] = {k: v for k, v in comm.state_dict().items() if k in ("hook_iter", "averager_step", "iter")}
+        run["state"] = {
+            k: v
+            for k, v in comm.state_dict().items()
+            if k in ("hook_iter", "averager_step", "iter")
+        }
         run["buckets"] = len(comm._layouts)
         results[name] = run
     return results
@@ -201,10 +216,13 @@ def resume(x, y, out_dir: Path) -> dict[str, Any]:
     for step in range(RESUME_AT):
         train_step(model, comm, optimizer, x, y, step)
     trained_layout = dict(comm._layouts)
-    manager = CheckpointManager(out_dir / "ckpt", keep_last=1, async_save=False, rank=rank,
-                                world_size=dist.get_world_size())
+    manager = CheckpointManager(
+        out_dir / "ckpt", keep_last=1, async_save=False, rank=rank, world_size=dist.get_world_size()
+    )
     model_sd, optim_sd = get_state_dict(model, optimizer)
-    manager.save(RESUME_AT, {"model": model_sd, "optim": optim_sd, f"comm/rank{rank}": comm.state_dict()})
+    manager.save(
+        RESUME_AT, {"model": model_sd, "optim": optim_sd, f"comm/rank{rank}": comm.state_dict()}
+    )
     for step in range(RESUME_AT, RESUME_AT + RESUME_STEPS):
         train_step(model, comm, optimizer, x, y, step)
     uninterrupted = flat_params(model)
@@ -214,13 +232,20 @@ def resume(x, y, out_dir: Path) -> dict[str, Any]:
     # does depend on the restored memories).
     without, _ = resume_from(manager, cfg, x, y, load_comm=False)
     manager.close()
-    return {"uninterrupted": uninterrupted, "resumed": resumed, "resumed_without_comm_state": without,
-            "trained_layout": trained_layout, "first_resumed_layout": layouts[0],
-            "later_resumed_layout": layouts[-1], "iter": comm._powersgd.iter}
+    return {
+        "uninterrupted": uninterrupted,
+        "resumed": resumed,
+        "resumed_without_comm_state": without,
+        "trained_layout": trained_layout,
+        "first_resumed_layout": layouts[0],
+        "later_resumed_layout": layouts[-1],
+        "iter": comm._powersgd.iter,
+    }
 
 
-def resume_from(manager: CheckpointManager, cfg: CommConfig, x, y, *, load_comm: bool
-                ) -> tuple[torch.Tensor, list[dict[int, tuple[int, ...]]]]:
+def resume_from(
+    manager: CheckpointManager, cfg: CommConfig, x, y, *, load_comm: bool
+) -> tuple[torch.Tensor, list[dict[int, tuple[int, ...]]]]:
     """Fresh model, DDP wrapper, GradientComm and optimizer (as in a new process), loaded from the
     latest checkpoint, trained RESUME_STEPS steps: the final parameters and the bucket layouts
     the hook saw after each step."""
@@ -249,8 +274,11 @@ def main() -> None:
     dist.init_process_group("gloo")
     try:
         x, y, x_val, y_val = task(dist.get_rank())
-        results = {"gradients": gradients(x, y), "training": training(x, y, x_val, y_val),
-                   "resume": resume(x, y, out_dir)}
+        results = {
+            "gradients": gradients(x, y),
+            "training": training(x, y, x_val, y_val),
+            "resume": resume(x, y, out_dir),
+        }
         if dist.get_rank() == 0:
             torch.save(results, out_dir / "results.pt")
         dist.barrier()

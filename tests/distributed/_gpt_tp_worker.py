@@ -38,7 +38,9 @@ def full(t: torch.Tensor) -> torch.Tensor:
     return t.full_tensor() if isinstance(t, DTensor) else t
 
 
-def train_step(model: GPT, tokens: torch.Tensor, targets: torch.Tensor, *, loss_parallel: bool) -> dict:
+def train_step(
+    model: GPT, tokens: torch.Tensor, targets: torch.Tensor, *, loss_parallel: bool
+) -> dict:
     """One forward/backward/SGD step; returns full-tensor logits, loss, grads and new params.
 
     Clipping and the (foreach) optimizer step are there to show that every parameter is a
@@ -53,8 +55,13 @@ def train_step(model: GPT, tokens: torch.Tensor, targets: torch.Tensor, *, loss_
     torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm=0.5)
     optimizer.step()
     params = {name: full(p.detach()).clone() for name, p in model.named_parameters()}
-    return {"logits": full(logits.detach()), "logits_layout": layout, "loss": full(loss.detach()),
-            "grads": grads, "params": params}
+    return {
+        "logits": full(logits.detach()),
+        "logits_layout": layout,
+        "loss": full(loss.detach()),
+        "grads": grads,
+        "params": params,
+    }
 
 
 def max_diff(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
@@ -62,7 +69,9 @@ def max_diff(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
     return max((a[k] - b[k]).abs().max().item() for k in a)
 
 
-def pruned_stage_error(mesh, inputs: torch.Tensor, logits: torch.Tensor, *, sequence_parallel: bool) -> float:
+def pruned_stage_error(
+    mesh, inputs: torch.Tensor, logits: torch.Tensor, *, sequence_parallel: bool
+) -> float:
     """A last pipeline stage (embed and blocks.0 pruned to None, as the pipeline split leaves it)
     sharded after the split: fed the reference's hidden state after blocks.0 (this rank's slice
     of the sequence under sequence parallel), it must give the reference logits."""
@@ -83,7 +92,8 @@ def pruned_stage_error(mesh, inputs: torch.Tensor, logits: torch.Tensor, *, sequ
 
 
 def main(out_path: str) -> None:
-    # DTensor's random ops say on every call that their CPU support is partial (dropout runs locally).
+    # DTensor's random ops say on every call that their CPU support is partial (dropout runs
+    # locally).
     warnings.filterwarnings("ignore", message="DTensor random operators")
     dist.init_process_group("gloo")
     mesh = init_device_mesh("cpu", (dist.get_world_size(),))
@@ -98,11 +108,18 @@ def main(out_path: str) -> None:
     for loss_parallel, sequence_parallel in itertools.product([False, True], repeat=2):
         torch.manual_seed(0)
         model = GPT(**SIZES)
-        model.apply_tensor_parallel(mesh, loss_parallel=loss_parallel, sequence_parallel=sequence_parallel)
+        model.apply_tensor_parallel(
+            mesh, loss_parallel=loss_parallel, sequence_parallel=sequence_parallel
+        )
         lengths = []
-        model.blocks[0].register_forward_pre_hook(lambda module, args: lengths.append(args[0].shape[1]))
-        sharded = {name for name, p in model.named_parameters()
-                   if isinstance(p, DTensor) and p.to_local().shape != p.shape}
+        model.blocks[0].register_forward_pre_hook(
+            lambda module, args, lengths=lengths: lengths.append(args[0].shape[1])
+        )
+        sharded = {
+            name
+            for name, p in model.named_parameters()
+            if isinstance(p, DTensor) and p.to_local().shape != p.shape
+        }
         plain = [name for name, p in model.named_parameters() if not isinstance(p, DTensor)]
         out = train_step(model, inputs, targets, loss_parallel=loss_parallel)
         results[f"loss_parallel={loss_parallel},sequence_parallel={sequence_parallel}"] = {
@@ -119,7 +136,8 @@ def main(out_path: str) -> None:
         }
     for sequence_parallel in (False, True):
         results[f"pipeline_stage,sequence_parallel={sequence_parallel}"] = pruned_stage_error(
-            mesh, inputs, reference["logits"], sequence_parallel=sequence_parallel)
+            mesh, inputs, reference["logits"], sequence_parallel=sequence_parallel
+        )
     # Dropout is allowed with sequence parallel: each rank drops in its own slice of the sequence.
     torch.manual_seed(0)
     model = GPT(**SIZES, dropout=0.1).train()

@@ -2,8 +2,8 @@
 
     _health_worker.py OUT_DIR
 
-Rank 0 blocks in an all_reduce that rank 1 never joins. The process group's timeout is 300 s, so only the watchdog (2 s) can
-end the run.
+Rank 0 blocks in an all_reduce that rank 1 never joins. The process group's timeout is 300 s, so
+only the watchdog (2 s) can end the run.
 """
 
 from __future__ import annotations
@@ -29,8 +29,9 @@ def straggle_in_forward(seconds: float) -> None:
 def hang(out_dir: Path, rank: int) -> None:
     phase = PhaseTracker()
     dist.barrier()
-    watchdog = Watchdog(HANG_TIMEOUT_S, rank=rank, log_file=hang_log_path(out_dir, rank),
-                        describe=phase.describe)
+    watchdog = Watchdog(
+        HANG_TIMEOUT_S, rank=rank, log_file=hang_log_path(out_dir, rank), describe=phase.describe
+    )
     watchdog.start()
     print(f"rank {rank} armed at {time.monotonic():.3f}", flush=True)
     if rank == 0:

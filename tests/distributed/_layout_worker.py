@@ -1,7 +1,7 @@
 """Runs several parallel layouts in one process group, through the real Trainer.
 
     torchrun --standalone --nproc_per_node=N tests/distributed/_layout_worker.py OUT CASES_JSON
-    python tests/distributed/_layout_worker.py OUT CASES_JSON          (the single-process reference)
+    python tests/distributed/_layout_worker.py OUT CASES_JSON    (the single-process reference)
 
 CASES_JSON maps a case name to its config overrides. Each case trains with ``LayoutRecorder`` and
 rank 0 saves ``OUT/<name>.pt``: the global loss and gradient norm of every step, the full final
@@ -20,11 +20,12 @@ import torch
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
 from sdnet_trainer import Trainer
-from sdnet_trainer.config import compose, validate
+from sdnet_trainer.config import compose
 from sdnet_trainer.config.schema import DistConfig
 from sdnet_trainer.distributed import all_reduce_sum, distributed_session
 from sdnet_trainer.distributed.ops import all_gather_objects
 from sdnet_trainer.observability.memory import training_state_bytes
+from sdnet_trainer.preflight import validate
 
 
 class LayoutRecorder(Trainer):
@@ -35,11 +36,15 @@ class LayoutRecorder(Trainer):
 
     def train_step(self):
         out = super().train_step()
-        pair = torch.stack([out["loss"].detach().float() * self.metric_weight,
-                            torch.tensor(self.metric_weight, device=self.device)])
+        pair = torch.stack(
+            [
+                out.loss.detach().float() * self.metric_weight,
+                torch.tensor(self.metric_weight, device=self.device),
+            ]
+        )
         loss, weight = all_reduce_sum(pair).tolist()
         self.losses.append(loss / weight)
-        self.grad_norms.append(float(out["grad_norm"]))
+        self.grad_norms.append(float(out.grad_norm))
         return out
 
     def record(self, metrics: dict[str, float]) -> dict:
@@ -48,8 +53,13 @@ class LayoutRecorder(Trainer):
         params = {}
         for part in all_gather_objects(local):  # pipeline stages hold different names
             params.update(part)
-        return {"losses": self.losses, "grad_norms": self.grad_norms, "metrics": metrics, "params": params,
-                "state_bytes": all_gather_objects(training_state_bytes(self.model, self.optimizer))}
+        return {
+            "losses": self.losses,
+            "grad_norms": self.grad_norms,
+            "metrics": metrics,
+            "params": params,
+            "state_bytes": all_gather_objects(training_state_bytes(self.model, self.optimizer)),
+        }
 
 
 def main(out: Path, cases: dict[str, list[str]]) -> None:

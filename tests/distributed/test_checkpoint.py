@@ -34,7 +34,9 @@ WORKER = Path(worker.__file__)
 
 
 def manager(directory: Path, *, keep_last: int = 3, async_save: bool = False) -> CheckpointManager:
-    return CheckpointManager(directory, keep_last=keep_last, async_save=async_save, rank=0, world_size=1)
+    return CheckpointManager(
+        directory, keep_last=keep_last, async_save=async_save, rank=0, world_size=1
+    )
 
 
 def listing(directory: Path) -> list[str]:
@@ -48,22 +50,31 @@ def checkpoint_bytes(path: Path) -> int:
 # ---------------------------------------------------------------------- round trip
 
 
-def _training_state(seed: int, *, lr: float) -> tuple[nn.Module, torch.optim.Optimizer, object, object]:
+def _training_state(
+    seed: int, *, lr: float
+) -> tuple[nn.Module, torch.optim.Optimizer, object, object]:
     torch.manual_seed(seed)
     model = nn.Sequential(nn.Linear(6, 5), nn.ReLU(), nn.Linear(5, 3))
     optimizer = torch.optim.SGD(model.parameters(), lr=lr, momentum=0.9, weight_decay=1e-4)
-    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 0.5 ** step)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 0.5**step)
     scaler = torch.amp.GradScaler("cpu", init_scale=2.0 ** (10 + seed), growth_interval=7 + seed)
     return model, optimizer, scheduler, scaler
 
 
 def _full_state(model, optimizer, scheduler, scaler, *, step: int) -> dict:
     model_sd, optim_sd = get_state_dict(model, optimizer)
-    return {"model": model_sd, "optim": optim_sd, "sched": scheduler.state_dict(),
-            "scaler": scaler.state_dict(), "step": step,
-            # Per-rank generator states, nested as the Trainer stores them (a 0-dim tensor too).
-            "rng/rank0": {"torch": torch.get_rng_state(),
-                          "gauss": torch.tensor(0.25 + step, dtype=torch.float64)}}
+    return {
+        "model": model_sd,
+        "optim": optim_sd,
+        "sched": scheduler.state_dict(),
+        "scaler": scaler.state_dict(),
+        "step": step,
+        # Per-rank generator states, nested as the Trainer stores them (a 0-dim tensor too).
+        "rng/rank0": {
+            "torch": torch.get_rng_state(),
+            "gauss": torch.tensor(0.25 + step, dtype=torch.float64),
+        },
+    }
 
 
 @pytest.mark.parametrize("async_save", [False, True])
@@ -90,17 +101,25 @@ def test_single_process_round_trip_is_exact(tmp_path, async_save):
     for key in ("sched", "scaler", "step"):
         assert target[key] == saved[key] and repr(target[key]) == repr(saved[key]), key
     assert target["optim"]["param_groups"] == saved["optim"]["param_groups"]
-    assert latest.has_key("rng/rank0") and latest.has_key("rng/rank0.gauss") and not latest.has_key("rng")
+    assert (
+        latest.has_key("rng/rank0")
+        and latest.has_key("rng/rank0.gauss")
+        and not latest.has_key("rng")
+    )
     for key in ("torch", "gauss"):
         assert torch.equal(target["rng/rank0"][key], saved["rng/rank0"][key])
     # ...and into live objects: parameters, momentum buffers, schedule, scaler.
     model2, optimizer2, scheduler2, scaler2 = fresh
-    set_state_dict(model2, optimizer2, model_state_dict=target["model"], optim_state_dict=target["optim"])
+    set_state_dict(
+        model2, optimizer2, model_state_dict=target["model"], optim_state_dict=target["optim"]
+    )
     scheduler2.load_state_dict(target["sched"])
     scaler2.load_state_dict(target["scaler"])
     for p, q in zip(model.parameters(), model2.parameters()):
         assert torch.equal(p, q)
-        assert torch.equal(optimizer.state[p]["momentum_buffer"], optimizer2.state[q]["momentum_buffer"])
+        assert torch.equal(
+            optimizer.state[p]["momentum_buffer"], optimizer2.state[q]["momentum_buffer"]
+        )
     assert scheduler2.get_last_lr() == scheduler.get_last_lr() and scheduler2.last_epoch == 3
     assert scaler2.get_scale() == scaler.get_scale() and scaler2.get_growth_interval() == 7
 
@@ -186,8 +205,12 @@ def damaged(tmp_path) -> dict[str, Path]:
     shard = tmp_path / "step_00000003" / "__0_0.distcp"
     size = shard.stat().st_size
     shard.write_bytes(shard.read_bytes()[: size // 2])
-    return {"dir": tmp_path, "no_manifest": tmp_path / "step_00000002",
-            "truncated": tmp_path / "step_00000003", "size": size}
+    return {
+        "dir": tmp_path,
+        "no_manifest": tmp_path / "step_00000002",
+        "truncated": tmp_path / "step_00000003",
+        "size": size,
+    }
 
 
 def test_incomplete_checkpoints_are_skipped_with_the_reason(damaged, caplog):
@@ -196,8 +219,10 @@ def test_incomplete_checkpoints_are_skipped_with_the_reason(damaged, caplog):
     assert [c.step for c in found] == [1]
     warnings = "\n".join(r.getMessage() for r in caplog.records)
     assert f"{damaged['no_manifest']}: no manifest.json" in warnings
-    assert f"{damaged['truncated']}: __0_0.distcp is {damaged['size'] // 2} bytes, manifest.json " \
-           f"says {damaged['size']}" in warnings
+    assert (
+        f"{damaged['truncated']}: __0_0.distcp is {damaged['size'] // 2} bytes, manifest.json "
+        f"says {damaged['size']}" in warnings
+    )
     assert "staging" not in warnings  # staging folders are not checkpoints: ignored silently
     assert manager(damaged["dir"]).resolve_resume("auto").step == 1
 
@@ -206,19 +231,30 @@ def test_resume_path_must_be_a_complete_checkpoint(damaged):
     ckpts = manager(damaged["dir"])
     with pytest.raises(ConfigError) as missing:
         ckpts.resolve_resume(str(damaged["no_manifest"]))
-    assert re.search(rf"checkpoint\.resume=.*{damaged['no_manifest']}.*no manifest\.json", str(missing.value))
+    assert re.search(
+        rf"checkpoint\.resume=.*{damaged['no_manifest']}.*no manifest\.json", str(missing.value)
+    )
     with pytest.raises(ConfigError) as truncated:
         ckpts.resolve_resume(str(damaged["truncated"]))
     message = str(truncated.value)
     assert "checkpoint.resume" in message and str(damaged["truncated"]) in message
-    assert f"__0_0.distcp is {damaged['size'] // 2} bytes, manifest.json says {damaged['size']}" in message
+    assert (
+        f"__0_0.distcp is {damaged['size'] // 2} bytes, manifest.json says {damaged['size']}"
+        in message
+    )
     with pytest.raises(ConfigError, match=r"checkpoint\.resume=.*does not exist"):
         ckpts.resolve_resume(str(damaged["dir"] / "step_00000777"))
-    with pytest.raises(ConfigError, match=r"checkpoint\.resume=.*checkpoint directory, not a checkpoint"):
-        ckpts.resolve_resume(str(damaged["dir"]))
+    # A checkpoint directory stands for its newest valid checkpoint (the rule export follows too).
+    assert ckpts.resolve_resume(str(damaged["dir"])).path == damaged["dir"] / "step_00000001"
     (damaged["dir"] / "step_00000001" / MANIFEST).write_text("{not json")
     with pytest.raises(ConfigError, match=r"checkpoint\.resume=.*unreadable manifest\.json"):
         ckpts.resolve_resume(str(damaged["dir"] / "step_00000001"))
+    with pytest.raises(
+        ConfigError,
+        match=r"checkpoint\.resume=.*holds no usable checkpoint \(step_00000003: .*"
+        r"step_00000002: no manifest\.json.*; step_00000001: unreadable",
+    ):
+        ckpts.resolve_resume(str(damaged["dir"]))
     assert ckpts.resolve_resume("auto") is None  # nothing valid left
 
 
@@ -274,7 +310,9 @@ def test_safe_planner_refuses_pickled_objects(tmp_path):
         ckpts.load(checkpoint, {"w": torch.zeros(2), "obj": None})
     assert UNPICKLED == []
     # DCP's default planner would have run it: the guard is what stops it.
-    dcp.load({"obj": None}, checkpoint_id=checkpoint.path, planner=DefaultLoadPlanner(), no_dist=True)
+    dcp.load(
+        {"obj": None}, checkpoint_id=checkpoint.path, planner=DefaultLoadPlanner(), no_dist=True
+    )
     assert UNPICKLED == ["payload"]
 
 
@@ -305,7 +343,9 @@ def test_unreadable_shard_names_the_checkpoint(tmp_path):
 def test_async_save_error_is_logged_and_raised_by_wait(tmp_path, caplog):
     ckpts = manager(tmp_path, async_save=True)
     with caplog.at_level(logging.ERROR, logger="sdnet_trainer.checkpoint"):
-        ckpts.save(1, {"w": torch.ones(2), "fn": lambda: None})  # not picklable: fails in the writer
+        ckpts.save(
+            1, {"w": torch.ones(2), "fn": lambda: None}
+        )  # not picklable: fails in the writer
         with pytest.raises(Exception, match="pickle"):
             ckpts.wait()
     assert "async checkpoint of step 1 failed" in caplog.text
@@ -365,9 +405,14 @@ def test_replicated_tensors_are_saved_once(two_ranks, tmp_path):
     two_rank = checkpoint_bytes(two_ranks["dir"] / "roundtrip" / "sync" / "step_00000001")
     manager(tmp_path).save(1, worker.trained_state(0))
     one_rank = checkpoint_bytes(tmp_path / "step_00000001")
-    replicated = sum(t.numel() * t.element_size() for k, t in worker.tensors(worker.trained_state(0)).items()
-                     if not k.startswith("rng/"))
-    print(f"checkpoint bytes: 1 rank {one_rank}, 2 ranks {two_rank}, replicated tensors {replicated}")
+    replicated = sum(
+        t.numel() * t.element_size()
+        for k, t in worker.tensors(worker.trained_state(0)).items()
+        if not k.startswith("rng/")
+    )
+    print(
+        f"checkpoint bytes: 1 rank {one_rank}, 2 ranks {two_rank}, replicated tensors {replicated}"
+    )
     # Two ranks add one RNG state and a second shard file, not a second copy of the model.
     assert one_rank < two_rank < one_rank + replicated // 4
 
@@ -388,6 +433,9 @@ def test_rank_killed_during_save_leaves_the_previous_checkpoint(two_ranks, caplo
     ckpts.save(2, {"weight": torch.full((2,), 2.0)})
     assert listing(directory) == ["step_00000001", "step_00000002"]
     assert sorted(p.name for p in (directory / "step_00000002").iterdir()) == [
-        ".metadata", "__0_0.distcp", MANIFEST]
+        ".metadata",
+        "__0_0.distcp",
+        MANIFEST,
+    ]
     metadata = FileSystemReader(directory / "step_00000002").read_metadata()
     assert metadata.state_dict_metadata.keys() == {"weight"}

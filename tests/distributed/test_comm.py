@@ -14,7 +14,13 @@ from pathlib import Path
 import pytest
 import torch
 
-from sdnet_trainer.config.schema import CommConfig, Config, LocalSGDConfig, ParallelConfig, PowerSGDConfig
+from sdnet_trainer.config.schema import (
+    CommConfig,
+    Config,
+    LocalSGDConfig,
+    ParallelConfig,
+    PowerSGDConfig,
+)
 from sdnet_trainer.distributed.comm import batched_powersgd_works, validate_comm
 from sdnet_trainer.errors import ConfigError
 from tests.distributed import _comm_worker as worker
@@ -131,7 +137,11 @@ def test_bytes_per_step_is_the_payload_handed_to_all_reduce(results):
     # matrices and the raw biases (compressing a vector would save nothing).
     psgd = runs["powersgd"]
     start = worker.VARIANTS["powersgd"].powersgd.start_iter
-    factors = (worker.CLASSES + worker.HIDDEN) + (worker.HIDDEN + worker.HIDDEN) + (worker.HIDDEN + worker.IN)
+    factors = (
+        (worker.CLASSES + worker.HIDDEN)
+        + (worker.HIDDEN + worker.HIDDEN)
+        + (worker.HIDDEN + worker.IN)
+    )
     biases = worker.CLASSES + 2 * worker.HIDDEN
     assert psgd["steady_bytes"] == 4 * (factors + biases)
     assert psgd["payload"] == [full] * start + [psgd["steady_bytes"]] * (worker.STEPS - start)
@@ -140,11 +150,11 @@ def test_bytes_per_step_is_the_payload_handed_to_all_reduce(results):
     local = runs["local_sgd"]
     cfg = worker.VARIANTS["local_sgd"].local_sgd
     assert local["steady_bytes"] == full / cfg.period
-    after = local["payload"][cfg.start_step:]
+    after = local["payload"][cfg.start_step :]
     whole_periods = len(after) // cfg.period * cfg.period
     assert sum(after[:whole_periods]) / whole_periods == local["steady_bytes"]
-    assert local["payload"][:cfg.start_step] == [full] * cfg.start_step
-    assert local["predicted"][:cfg.start_step] == [full] * cfg.start_step
+    assert local["payload"][: cfg.start_step] == [full] * cfg.start_step
+    assert local["predicted"][: cfg.start_step] == [full] * cfg.start_step
 
 
 # ---------------------------------------------------------------------- resume
@@ -158,7 +168,9 @@ def test_powersgd_resumes_exactly_although_ddp_reorders_its_buckets(results):
     assert resume["later_resumed_layout"] == resume["trained_layout"]
     assert torch.equal(resume["resumed"], resume["uninterrupted"])
     # Without the comm state (error feedback, warm-start Q, counter) the run goes elsewhere.
-    assert not torch.allclose(resume["resumed_without_comm_state"], resume["uninterrupted"], rtol=0, atol=1e-4)
+    assert not torch.allclose(
+        resume["resumed_without_comm_state"], resume["uninterrupted"], rtol=0, atol=1e-4
+    )
     assert resume["iter"] == worker.RESUME_AT + worker.RESUME_STEPS
 
 
@@ -171,8 +183,11 @@ def _config(hook: str, **parallel) -> Config:
 
 @pytest.mark.parametrize("hook", ["fp16", "bf16", "powersgd", "local_sgd"])
 def test_hooks_need_ddp(hook):
-    with pytest.raises(ConfigError, match=f"comm.hook={hook} needs parallel.strategy=ddp or zero1; "
-                                          "FSDP reduces gradients itself"):
+    with pytest.raises(
+        ConfigError,
+        match=f"comm.hook={hook} needs parallel.strategy=ddp or zero1; "
+        "FSDP reduces gradients itself",
+    ):
         validate_comm(_config(hook, strategy="fsdp"), world_size=2)
     for degree in ({"tp": 2}, {"pp": 2}):
         with pytest.raises(ConfigError, match="parallel.tp|parallel.pp"):
@@ -193,19 +208,33 @@ def test_local_sgd_rejects_zero1_and_powersgd_accepts_it():
 def test_unknown_hook_and_bad_numbers():
     with pytest.raises(ConfigError, match="comm.hook='powerSGD' is not one of"):
         validate_comm(_config("powerSGD"), world_size=2)
-    bad = [CommConfig(hook="powersgd", powersgd=PowerSGDConfig(rank=0)),
-           CommConfig(hook="powersgd", powersgd=PowerSGDConfig(start_iter=1)),
-           CommConfig(hook="powersgd", powersgd=PowerSGDConfig(min_compression_rate=0)),
-           CommConfig(hook="local_sgd", local_sgd=LocalSGDConfig(period=0)),
-           CommConfig(hook="local_sgd", local_sgd=LocalSGDConfig(start_step=-1))]
-    keys = ["comm.powersgd.rank=0", "comm.powersgd.start_iter=1", "comm.powersgd.min_compression_rate=0",
-            "comm.local_sgd.period=0", "comm.local_sgd.start_step=-1"]
+    bad = [
+        CommConfig(hook="powersgd", powersgd=PowerSGDConfig(rank=0)),
+        CommConfig(hook="powersgd", powersgd=PowerSGDConfig(start_iter=1)),
+        CommConfig(hook="powersgd", powersgd=PowerSGDConfig(min_compression_rate=0)),
+        CommConfig(hook="local_sgd", local_sgd=LocalSGDConfig(period=0)),
+        CommConfig(hook="local_sgd", local_sgd=LocalSGDConfig(start_step=-1)),
+    ]
+    keys = [
+        "comm.powersgd.rank=0",
+        "comm.powersgd.start_iter=1",
+        "comm.powersgd.min_compression_rate=0",
+        "comm.local_sgd.period=0",
+        "comm.local_sgd.start_step=-1",
+    ]
     for comm, key in zip(bad, keys):
         with pytest.raises(ConfigError, match=key.replace(".", r"\.")):
             validate_comm(Config(comm=comm), world_size=2)
     # Without error feedback and warm start, PowerSGD may compress from the first step.
-    validate_comm(Config(comm=CommConfig(hook="powersgd", powersgd=PowerSGDConfig(
-        start_iter=0, use_error_feedback=False, warm_start=False))), world_size=2)
+    validate_comm(
+        Config(
+            comm=CommConfig(
+                hook="powersgd",
+                powersgd=PowerSGDConfig(start_iter=0, use_error_feedback=False, warm_start=False),
+            )
+        ),
+        world_size=2,
+    )
 
 
 def test_batched_powersgd_is_refused_while_torch_cannot_run_it():

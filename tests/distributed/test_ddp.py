@@ -71,12 +71,23 @@ def test_comm_hooks_through_the_trainer(tmp_path, reference, hook, bytes_per_par
     """comm.hook from the command line: the Trainer registers it on its DDP model, trains as the
     uncompressed single process does within 16-bit rounding, and logs the bytes it sends."""
     run_dir = tmp_path / hook
-    launch = run_cli(TINY + ["loop.max_steps=6", "loop.global_batch_size=32", f"comm.hook={hook}",
-                             f"hydra.run.dir={run_dir}"], cwd=tmp_path, nproc=2)
+    launch = run_cli(
+        TINY
+        + [
+            "loop.max_steps=6",
+            "loop.global_batch_size=32",
+            f"comm.hook={hook}",
+            f"hydra.run.dir={run_dir}",
+        ],
+        cwd=tmp_path,
+        nproc=2,
+    )
     assert launch.returncode == 0, launch.output
     rows = [r for r in read_jsonl(run_dir / "metrics.jsonl") if "train/loss" in r]
     # TINY logs every 2 steps: each row is the mean of two steps' losses.
-    expected = [sum(reference["losses"][i:i + 2]) / 2 for i in (0, 2, 4)]
-    assert [r["train/loss"] for r in rows] == pytest.approx(expected, rel=1e-2 if hook != "none" else 1e-4)
+    expected = [sum(reference["losses"][i : i + 2]) / 2 for i in (0, 2, 4)]
+    assert [r["train/loss"] for r in rows] == pytest.approx(
+        expected, rel=1e-2 if hook != "none" else 1e-4
+    )
     params = sum(v.numel() for v in reference["params"].values())
     assert rows[-1]["comm/bytes_per_step"] == params * bytes_per_param

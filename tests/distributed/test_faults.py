@@ -25,8 +25,13 @@ def test_killed_rank_restarts_resumes_and_ends_bitwise_equal(tmp_path):
     assert clean.returncode == 0, clean.output
     # Rank 1 is SIGKILLed right after step 5 (checkpoint at step 4); torchrun restarts both ranks,
     # which resume from step 4 on their own (checkpoint.resume=auto).
-    killed = run_cli(args + [f"hydra.run.dir={tmp_path / 'killed'}"], cwd=tmp_path, nproc=2,
-                     torchrun_args=("--max-restarts=1",), env={"SDNET_TEST_KILL": "1:5"})
+    killed = run_cli(
+        args + [f"hydra.run.dir={tmp_path / 'killed'}"],
+        cwd=tmp_path,
+        nproc=2,
+        torchrun_args=("--max-restarts=1",),
+        env={"SDNET_TEST_KILL": "1:5"},
+    )
     assert killed.returncode == 0, killed.output
     assert "resumed from" in killed.output and "step_00000004" in killed.output
     expected, got = _final(tmp_path / "clean"), _final(tmp_path / "killed")
@@ -39,12 +44,20 @@ def test_killed_rank_restarts_resumes_and_ends_bitwise_equal(tmp_path):
 def test_resume_on_another_world_size_visits_each_sample_once(tmp_path, first, second):
     args = COMMON + ["loop.max_steps=8", f"hydra.run.dir={tmp_path / 'run'}"]
     env = {"SDNET_TEST_DROPOUT": "0"}  # re-derived random streams would make dropout differ
-    reference = run_cli(COMMON + ["loop.max_steps=8", f"hydra.run.dir={tmp_path / 'ref'}"], cwd=tmp_path, env=env)
+    reference = run_cli(
+        COMMON + ["loop.max_steps=8", f"hydra.run.dir={tmp_path / 'ref'}"], cwd=tmp_path, env=env
+    )
     assert reference.returncode == 0, reference.output
     # Preempted during step 3: the ranks agree, save step 3 and exit with 143.
-    stopped = run_cli(args, cwd=tmp_path, nproc=first if first > 1 else None,
-                      env={**env, "SDNET_TEST_SIGTERM": "0:3"})
-    assert stopped.returncode != 0 and "SIGTERM: stopped at step 3" in stopped.output, stopped.output
+    stopped = run_cli(
+        args,
+        cwd=tmp_path,
+        nproc=first if first > 1 else None,
+        env={**env, "SDNET_TEST_SIGTERM": "0:3"},
+    )
+    assert stopped.returncode != 0 and "SIGTERM: stopped at step 3" in stopped.output, (
+        stopped.output
+    )
     resumed = run_cli(args, cwd=tmp_path, nproc=second if second > 1 else None, env=env)
     assert resumed.returncode == 0, resumed.output
     assert f"written by {first} ranks; random streams re-derived" in resumed.output
@@ -58,25 +71,41 @@ def test_resume_on_another_world_size_visits_each_sample_once(tmp_path, first, s
 
 
 def test_nonfinite_on_one_rank_aborts_every_rank_naming_the_step(tmp_path):
-    run = run_cli(COMMON + ["loop.max_steps=6", f"hydra.run.dir={tmp_path / 'run'}"], cwd=tmp_path, nproc=2,
-                  env={"SDNET_TEST_NAN": "1:3"})
+    run = run_cli(
+        COMMON + ["loop.max_steps=6", f"hydra.run.dir={tmp_path / 'run'}"],
+        cwd=tmp_path,
+        nproc=2,
+        env={"SDNET_TEST_NAN": "1:3"},
+    )
     assert run.returncode != 0
     assert "non-finite loss or gradients at step 3 on rank 1: loss" in run.output
     assert "exitcode  : 3" in run.output
 
 
 def test_nonfinite_skip_on_one_rank_skips_on_every_rank(tmp_path):
-    run = run_cli(COMMON + ["loop.max_steps=6", "health.nonfinite=skip", f"hydra.run.dir={tmp_path / 'run'}"],
-                  cwd=tmp_path, nproc=2, env={"SDNET_TEST_NAN": "1:3"})
+    run = run_cli(
+        COMMON + ["loop.max_steps=6", "health.nonfinite=skip", f"hydra.run.dir={tmp_path / 'run'}"],
+        cwd=tmp_path,
+        nproc=2,
+        env={"SDNET_TEST_NAN": "1:3"},
+    )
     assert run.returncode == 0, run.output
     rows = read_jsonl(tmp_path / "run" / "metrics.jsonl")
-    assert [r["train/nonfinite_steps"] for r in rows if r["step"] == 6 and "train/loss" in r] == [1.0]
+    assert [r["train/nonfinite_steps"] for r in rows if r["step"] == 6 and "train/loss" in r] == [
+        1.0
+    ]
 
 
 def test_hung_rank_ends_every_rank_with_stack_dumps(tmp_path):
     started = time.monotonic()
-    run = run_cli(COMMON + ["loop.max_steps=6", "health.hang_timeout_s=3", f"hydra.run.dir={tmp_path / 'run'}"],
-                  cwd=tmp_path, nproc=2, env={"SDNET_TEST_SLEEP": "1:3"}, timeout=120)
+    run = run_cli(
+        COMMON
+        + ["loop.max_steps=6", "health.hang_timeout_s=3", f"hydra.run.dir={tmp_path / 'run'}"],
+        cwd=tmp_path,
+        nproc=2,
+        env={"SDNET_TEST_SLEEP": "1:3"},
+        timeout=120,
+    )
     elapsed = time.monotonic() - started
     assert run.returncode != 0
     assert elapsed < 60, elapsed  # the process group's own timeout is 30 minutes

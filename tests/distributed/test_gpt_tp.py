@@ -36,7 +36,9 @@ def tp_results(tmp_path_factory) -> list[dict]:
 @pytest.mark.parametrize("loss_parallel,sequence_parallel", COMBINATIONS)
 def test_tensor_parallel_matches_single_process(tp_results, loss_parallel, sequence_parallel):
     for rank, ranks_results in enumerate(tp_results):
-        result = ranks_results[f"loss_parallel={loss_parallel},sequence_parallel={sequence_parallel}"]
+        result = ranks_results[
+            f"loss_parallel={loss_parallel},sequence_parallel={sequence_parallel}"
+        ]
         assert result["logits"] < 1e-5, (rank, result)
         assert result["loss"] < 1e-5, (rank, result)
         assert result["grads"] < 1e-6, (rank, result)
@@ -44,10 +46,16 @@ def test_tensor_parallel_matches_single_process(tp_results, loss_parallel, seque
         # Every parameter is a DTensor (clipping and foreach optimizers refuse a mix) and the big
         # matrices are really split, not replicated.
         assert result["plain_params"] == []
-        assert {"embed.tok.weight", "head.weight", "blocks.0.attn.wq.weight", "blocks.1.mlp.w2.weight"} \
-            <= set(result["sharded_params"])
+        assert {
+            "embed.tok.weight",
+            "head.weight",
+            "blocks.0.attn.wq.weight",
+            "blocks.1.mlp.w2.weight",
+        } <= set(result["sharded_params"])
         # Sequence parallel splits the residual stream: each rank's blocks see half of the tokens.
-        assert result["block_input_length"] == (worker.LENGTH // 2 if sequence_parallel else worker.LENGTH)
+        assert result["block_input_length"] == (
+            worker.LENGTH // 2 if sequence_parallel else worker.LENGTH
+        )
         # Logits: a plain full tensor, or a DTensor sharded over the vocabulary for loss_parallel.
         assert result["logits_layout"] == ("(Shard(dim=2),)" if loss_parallel else None)
 
@@ -62,5 +70,8 @@ def test_tensor_parallel_on_a_pruned_pipeline_stage(tp_results, sequence_paralle
 def test_dropout_runs_under_sequence_parallel(tp_results):
     # Dropout changes the loss but not its scale; mostly: the dropout ops accept the sharded stream.
     for ranks_results in tp_results:
-        loss, reference = ranks_results["dropout_sequence_parallel_loss"], ranks_results["reference_loss"]
+        loss, reference = (
+            ranks_results["dropout_sequence_parallel_loss"],
+            ranks_results["reference_loss"],
+        )
         assert loss != reference and loss == pytest.approx(reference, rel=0.2)

@@ -46,7 +46,9 @@ def health_run(tmp_path_factory) -> HealthRun:
 
 def _exit_codes(output: str) -> dict[int, int]:
     """Per-rank exit codes from torchrun's failure summary."""
-    blocks = re.findall(r"rank\s*:\s*(\d+) \(local_rank: \d+\)\s*\n\s*exitcode\s*:\s*(-?\d+)", output)
+    blocks = re.findall(
+        r"rank\s*:\s*(\d+) \(local_rank: \d+\)\s*\n\s*exitcode\s*:\s*(-?\d+)", output
+    )
     return {int(rank): int(code) for rank, code in blocks}
 
 
@@ -61,8 +63,11 @@ def test_watchdog_ends_every_rank_of_a_hung_group(health_run):
     assert health_run.wall_s < PG_TIMEOUT_S / 5, output
 
     rank0 = (health_run.out_dir / "hang_rank0.log").read_text()
-    assert re.search(r"watchdog: rank 0 made no progress for [\d.]+ s .*"
-                     r"in 'all_reduce of the gradients' of step 3", rank0), rank0
+    assert re.search(
+        r"watchdog: rank 0 made no progress for [\d.]+ s .*"
+        r"in 'all_reduce of the gradients' of step 3",
+        rank0,
+    ), rank0
     assert re.search(r"line \d+ in all_reduce\n", rank0), rank0  # the main thread's stack
     # Rank 1's stacks, dumped on torchrun's SIGTERM (or by its own watchdog had that come first).
     rank1 = (health_run.out_dir / "hang_rank1.log").read_text()

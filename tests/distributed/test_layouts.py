@@ -22,27 +22,61 @@ from sdnet_trainer.export import main as export_main
 from tests.support import REPO, run_cli
 
 WORKER = REPO / "tests" / "distributed" / "_layout_worker.py"
-COMMON = ["data.train_size=256", "data.val_size=64", "loop.max_steps=5", "loop.global_batch_size=16",
-          "loop.eval_at_epoch_end=false", "logging.tensorboard=false", "logging.log_every_n_steps=5",
-          "checkpoint.save_on_exit=false"]
-# Clipping at 0.5 is active on every GPT step (norms 1-3): clipping by the global norm is checked too.
-GPT = COMMON + ["model=gpt_tiny", "model.gpt.n_layers=4", "data=tokens", "optim=sgd", "optim.lr=0.2",
-                "optim.momentum=0.9", "optim.clip_grad_norm=0.5"]
-RESNET = COMMON + ["model=resnet18", "model.cifar_stem=true", "data.image_size=16", "optim=sgd", "optim.lr=0.002",
-                   "optim.momentum=0.9"]
+COMMON = [
+    "data.train_size=256",
+    "data.val_size=64",
+    "loop.max_steps=5",
+    "loop.global_batch_size=16",
+    "loop.eval_at_epoch_end=false",
+    "logging.tensorboard=false",
+    "logging.log_every_n_steps=5",
+    "checkpoint.save_on_exit=false",
+]
+# Clipping at 0.5 is active on every GPT step (norms 1-3): clipping by the global norm is checked
+# too.
+GPT = COMMON + [
+    "model=gpt_tiny",
+    "model.gpt.n_layers=4",
+    "data=tokens",
+    "optim=sgd",
+    "optim.lr=0.2",
+    "optim.momentum=0.9",
+    "optim.clip_grad_norm=0.5",
+]
+RESNET = COMMON + [
+    "model=resnet18",
+    "model.cifar_stem=true",
+    "data.image_size=16",
+    "optim=sgd",
+    "optim.lr=0.002",
+    "optim.momentum=0.9",
+]
 SAVE = ["checkpoint.save_on_exit=true"]
 
-SCHEDULES = {"GPipe": 1, "1F1B": 1, "Interleaved1F1B": 2, "LoopedBFS": 2, "InterleavedZeroBubble": 2,
-             "ZBVZeroBubble": 2, "DualPipeV": 2}
+SCHEDULES = {
+    "GPipe": 1,
+    "1F1B": 1,
+    "Interleaved1F1B": 2,
+    "LoopedBFS": 2,
+    "InterleavedZeroBubble": 2,
+    "ZBVZeroBubble": 2,
+    "DualPipeV": 2,
+}
 
 
 def _pipeline(schedule: str, microbatches: int) -> list[str]:
-    return ["parallel.pp=2", f"parallel.pipeline.schedule={schedule}",
-            f"parallel.pipeline.stages_per_rank={SCHEDULES[schedule]}", f"parallel.pipeline.microbatches={microbatches}"]
+    return [
+        "parallel.pp=2",
+        f"parallel.pipeline.schedule={schedule}",
+        f"parallel.pipeline.stages_per_rank={SCHEDULES[schedule]}",
+        f"parallel.pipeline.microbatches={microbatches}",
+    ]
 
 
-RESNET_SPLITS = {1: ["parallel.pipeline.split_points=[layer3]"],
-                 2: ["parallel.pipeline.split_points=[layer2,layer3,layer4]"]}
+RESNET_SPLITS = {
+    1: ["parallel.pipeline.split_points=[layer3]"],
+    2: ["parallel.pipeline.split_points=[layer2,layer3,layer4]"],
+}
 
 # name -> (world size, overrides, reference). Every GPT layout is compared with one process on
 # the whole batch; ResNet layouts with one process over the same 4 micro-batches of 4.
@@ -52,13 +86,23 @@ WORLD4 = {
     "gpt_hsdp": GPT + ["parallel=fsdp", "parallel.dp_replicate=2", "parallel.dp_shard=2"],
     "gpt_fsdp_accum": GPT + ["parallel=fsdp", "loop.grad_accum_steps=2"],
     # compile (aot_eager: no code generation) and activation checkpointing per block, under FSDP2.
-    "gpt_fsdp_compiled_ac": GPT + ["parallel=fsdp", "compile=on", "compile.backend=aot_eager",
-                                   "model.activation_checkpointing=true"],
+    "gpt_fsdp_compiled_ac": GPT
+    + [
+        "parallel=fsdp",
+        "compile=on",
+        "compile.backend=aot_eager",
+        "model.activation_checkpointing=true",
+    ],
     "gpt_zero1": GPT + ["parallel=zero1"] + SAVE,  # its optimizer state is saved by parameter name
     "gpt_tp": GPT + ["parallel.tp=4"],
     "gpt_fsdp_tp": GPT + ["parallel=fsdp", "parallel.tp=2"],
-    "gpt_fsdp_tp_loss_seq": GPT + ["parallel=fsdp", "parallel.tp=2", "parallel.tensor_parallel.loss_parallel=true",
-                                   "parallel.tensor_parallel.sequence_parallel=true"],
+    "gpt_fsdp_tp_loss_seq": GPT
+    + [
+        "parallel=fsdp",
+        "parallel.tp=2",
+        "parallel.tensor_parallel.loss_parallel=true",
+        "parallel.tensor_parallel.sequence_parallel=true",
+    ],
     "gpt_ddp_pp": GPT + _pipeline("1F1B", 2),
     "gpt_fsdp_pp": GPT + ["parallel=fsdp"] + _pipeline("1F1B", 2),
     "resnet_fsdp": RESNET + ["parallel=fsdp"],
@@ -82,10 +126,14 @@ def _single(out) -> dict[str, list[str]]:
     def reload(name: str, base: list[str]) -> list[str]:
         return base + [f"checkpoint.resume={out / name / 'checkpoints' / 'step_00000005'}"]
 
-    return {"gpt_ref": GPT, "resnet_ref": RESNET + ["loop.grad_accum_steps=4"],
-            "gpt_from_fsdp2": reload("gpt_fsdp2_saved", GPT), "gpt_from_pp": reload("gpt_pp_saved", GPT),
-            "gpt_from_zero1": reload("gpt_zero1", GPT),
-            "resnet_from_pp": reload("resnet_pp_saved", RESNET + ["loop.grad_accum_steps=4"])}
+    return {
+        "gpt_ref": GPT,
+        "resnet_ref": RESNET + ["loop.grad_accum_steps=4"],
+        "gpt_from_fsdp2": reload("gpt_fsdp2_saved", GPT),
+        "gpt_from_pp": reload("gpt_pp_saved", GPT),
+        "gpt_from_zero1": reload("gpt_zero1", GPT),
+        "resnet_from_pp": reload("resnet_pp_saved", RESNET + ["loop.grad_accum_steps=4"]),
+    }
 
 
 def _launch(out, cases: dict[str, list[str]], nproc: int | None, timeout: float = 420) -> None:
@@ -114,14 +162,18 @@ def _reference(name: str) -> str:
 
 
 def _trained_params(record: dict) -> dict[str, torch.Tensor]:
-    return {k: v for k, v in record["params"].items() if "running_" not in k and "num_batches" not in k}
+    return {
+        k: v for k, v in record["params"].items() if "running_" not in k and "num_batches" not in k
+    }
 
 
 # BatchNorm over micro-batches of 4 is ill-conditioned: the rounding differences of another
 # reduction order (1e-7 after one step) grow to ~1e-4 in 5 steps. A wiring error (a missing
 # reduction, wrong samples, a stage left out) shows at 1e-1.
-TOLERANCE = {"gpt": {"rel": 1e-5, "norm": 1e-4, "params": 1e-5},
-             "resnet": {"rel": 2e-3, "norm": 5e-3, "params": 5e-4}}
+TOLERANCE = {
+    "gpt": {"rel": 1e-5, "norm": 1e-4, "params": 1e-5},
+    "resnet": {"rel": 2e-3, "norm": 5e-3, "params": 5e-4},
+}
 
 
 def _assert_same_training(run: dict, ref: dict, family: str) -> None:
@@ -135,12 +187,16 @@ def _assert_same_training(run: dict, ref: dict, family: str) -> None:
         torch.testing.assert_close(params[name], value, rtol=1e-4, atol=tol["params"], msg=name)
 
 
-@pytest.mark.parametrize("name", sorted(WORLD4) + sorted(n for n in WORLD2 if not n.endswith("_saved")))
+@pytest.mark.parametrize(
+    "name", sorted(WORLD4) + sorted(n for n in WORLD2 if not n.endswith("_saved"))
+)
 def test_layout_matches_single_process(runs, name):
     run, ref = runs[name], runs[_reference(name)]
     assert len(run["losses"]) == 5 and run["losses"][-1] < run["losses"][0]  # it trained
     if name.startswith("gpt"):
-        assert min(ref["grad_norms"]) > 0.5  # optim.clip_grad_norm=0.5 scaled every step's gradients
+        assert (
+            min(ref["grad_norms"]) > 0.5
+        )  # optim.clip_grad_norm=0.5 scaled every step's gradients
     _assert_same_training(run, ref, name.split("_")[0])
     if name.startswith("gpt") or name in WORLD2:
         # Evaluation over sharded / pipelined models equals the single process's. Not for ResNets
@@ -148,8 +204,15 @@ def test_layout_matches_single_process(runs, name):
         assert run["metrics"]["val/loss"] == pytest.approx(ref["metrics"]["val/loss"], rel=1e-4)
 
 
-@pytest.mark.parametrize("saved, loaded", [("gpt_fsdp2_saved", "gpt_from_fsdp2"), ("gpt_pp_saved", "gpt_from_pp"),
-                                           ("resnet_pp_saved", "resnet_from_pp"), ("gpt_zero1", "gpt_from_zero1")])
+@pytest.mark.parametrize(
+    "saved, loaded",
+    [
+        ("gpt_fsdp2_saved", "gpt_from_fsdp2"),
+        ("gpt_pp_saved", "gpt_from_pp"),
+        ("resnet_pp_saved", "resnet_from_pp"),
+        ("gpt_zero1", "gpt_from_zero1"),
+    ],
+)
 def test_checkpoint_loads_across_layouts(runs, saved, loaded):
     """Written by FSDP on 2 ranks, a 2-stage pipeline or ZeRO-1 on 4 ranks (optimizer state
     sharded by parameter), read by one process without any of them (model and optimizer state
@@ -184,8 +247,12 @@ def test_fsdp_holds_a_quarter_of_the_training_state(runs, name):
 def test_zero1_shards_only_the_optimizer_state(runs, name):
     full = runs[_reference(name)]["state_bytes"][0]
     ranks = runs[name]["state_bytes"]
-    largest = max(v.numel() * v.element_size() for v in _trained_params(runs[_reference(name)]).values())
-    assert sum(r["optim"] for r in ranks) == full["optim"]  # every parameter's state on one rank only
+    largest = max(
+        v.numel() * v.element_size() for v in _trained_params(runs[_reference(name)]).values()
+    )
+    assert (
+        sum(r["optim"] for r in ranks) == full["optim"]
+    )  # every parameter's state on one rank only
     for rank_bytes in ranks:
         assert rank_bytes["params"] == full["params"] and rank_bytes["grads"] == full["grads"]
         # Whole parameters are assigned to ranks, so a rank can exceed 1/N by one parameter.
@@ -198,8 +265,17 @@ def test_export_consolidates_sharded_and_pipelined_checkpoints(runs, layout_dir,
     one full state dict, loadable with weights_only=True, equal to the trained weights."""
     checkpoint = layout_dir / saved / "checkpoints" / "step_00000005"
     # The worker's recording Trainer subclass runs as a script; its model is the stock one.
-    assert export_main([f"checkpoint={checkpoint}", "format=pt", f"out={tmp_path}",
-                        "trainer=sdnet_trainer.Trainer"]) == 0
+    assert (
+        export_main(
+            [
+                f"checkpoint={checkpoint}",
+                "format=pt",
+                f"out={tmp_path}",
+                "trainer=sdnet_trainer.Trainer",
+            ]
+        )
+        == 0
+    )
     weights = torch.load(tmp_path / "model.pt", weights_only=True)
     writer = runs[saved]["params"]
     assert weights.keys() == writer.keys()

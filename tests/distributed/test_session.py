@@ -27,10 +27,12 @@ def one_rank_env(monkeypatch):
 
 
 def test_group_is_destroyed_when_training_raises(one_rank_env):
-    with pytest.raises(RuntimeError, match="boom"):
-        with distributed_session(DistConfig(device="cpu", timeout_s=60)) as env:
-            assert dist.is_initialized() and env.backend == "gloo" and env.world_size == 1
-            raise RuntimeError("boom")
+    with (
+        pytest.raises(RuntimeError, match="boom"),
+        distributed_session(DistConfig(device="cpu", timeout_s=60)) as env,
+    ):
+        assert dist.is_initialized() and env.backend == "gloo" and env.world_size == 1
+        raise RuntimeError("boom")
     assert not dist.is_initialized()
 
 

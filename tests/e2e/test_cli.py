@@ -15,8 +15,11 @@ def _only_run_dir(root):
 
 
 def test_quickstart_under_torchrun_trains_and_logs(tmp_path):
-    launch = run_cli(["+recipe=quickstart", "loop.max_steps=100", "loop.eval_every_n_steps=50"],
-                     cwd=tmp_path, nproc=2)
+    launch = run_cli(
+        ["+recipe=quickstart", "loop.max_steps=100", "loop.eval_every_n_steps=50"],
+        cwd=tmp_path,
+        nproc=2,
+    )
     assert launch.returncode == 0, launch.output
     run_dir = _only_run_dir(tmp_path / "outputs" / "quickstart")  # the predictable default path
 
@@ -28,9 +31,21 @@ def test_quickstart_under_torchrun_trains_and_logs(tmp_path):
     events = EventAccumulator(str(run_dir / "tensorboard"))
     events.Reload()
     tags = set(events.Tags()["scalars"])
-    expected = {"train/loss", "train/lr", "train/grad_norm", "perf/samples_per_s", "perf/samples_per_s_rank0",
-                "perf/samples_per_s_rank1", "perf/step_s", "perf/data_wait_s", "perf/peak_memory_mb",
-                "val/loss", "val/top1", "val/top5", "summary/samples_per_s"}
+    expected = {
+        "train/loss",
+        "train/lr",
+        "train/grad_norm",
+        "perf/samples_per_s",
+        "perf/samples_per_s_rank0",
+        "perf/samples_per_s_rank1",
+        "perf/step_s",
+        "perf/data_wait_s",
+        "perf/peak_memory_mb",
+        "val/loss",
+        "val/top1",
+        "val/top5",
+        "summary/samples_per_s",
+    }
     assert expected <= tags, expected - tags
     assert [e.step for e in events.Scalars("train/loss")] == [25, 50, 75, 100]
     assert events.Scalars("train/loss")[-1].value == pytest.approx(losses[-1])
@@ -51,7 +66,11 @@ def test_single_process_cli_from_any_directory(tmp_path):
 
 @pytest.mark.parametrize("route", ["script", "config"])
 def test_trainer_subclass_trains_through_the_cli(tmp_path, route):
-    overrides = ["+recipe=custom_spirals", "loop.max_steps=200", f"hydra.run.dir={tmp_path / 'run'}"]
+    overrides = [
+        "+recipe=custom_spirals",
+        "loop.max_steps=200",
+        f"hydra.run.dir={tmp_path / 'run'}",
+    ]
     script = REPO / "recipes" / "custom_model.py" if route == "script" else None
     launch = run_cli(overrides, cwd=tmp_path, nproc=2, script=script)
     assert launch.returncode == 0, launch.output
@@ -59,14 +78,17 @@ def test_trainer_subclass_trains_through_the_cli(tmp_path, route):
     assert last_metric(rows, "val/top1") > 80.0  # three classes: chance is 33%
 
 
-@pytest.mark.parametrize("args, needle", [
-    (["optim.lrr=0.1"], "optim.lrr"),
-    (["+optim.lrr=0.1"], "unknown config key optim.lrr"),
-    (["loop.max_steps=many"], "loop.max_steps"),
-    (["data=imagefolder", "data.root=/no/such/folder", "model.num_classes=1000"], "data.root"),
-    (["trainer._target_=no.such.Trainer"], "trainer._target_"),
-    (["loop.seed=${nope}"], "loop.seed"),
-])
+@pytest.mark.parametrize(
+    "args, needle",
+    [
+        (["optim.lrr=0.1"], "optim.lrr"),
+        (["+optim.lrr=0.1"], "unknown config key optim.lrr"),
+        (["loop.max_steps=many"], "loop.max_steps"),
+        (["data=imagefolder", "data.root=/no/such/folder", "model.num_classes=1000"], "data.root"),
+        (["trainer._target_=no.such.Trainer"], "trainer._target_"),
+        (["loop.seed=${nope}"], "loop.seed"),
+    ],
+)
 def test_bad_input_fails_with_the_key_named(tmp_path, args, needle):
     launch = run_cli(args + [f"hydra.run.dir={tmp_path / 'run'}"], cwd=tmp_path)
     assert launch.returncode != 0
@@ -75,8 +97,11 @@ def test_bad_input_fails_with_the_key_named(tmp_path, args, needle):
 
 
 def test_bad_batch_split_stops_every_rank_before_the_process_group(tmp_path):
-    launch = run_cli(TINY + ["loop.global_batch_size=33", f"hydra.run.dir={tmp_path / 'run'}"],
-                     cwd=tmp_path, nproc=2)
+    launch = run_cli(
+        TINY + ["loop.global_batch_size=33", f"hydra.run.dir={tmp_path / 'run'}"],
+        cwd=tmp_path,
+        nproc=2,
+    )
     assert launch.returncode != 0
     message = "config error: loop.global_batch_size=33 is not divisible by world size (2)"
     assert message in launch.output
@@ -88,8 +113,10 @@ def test_bad_batch_split_stops_every_rank_before_the_process_group(tmp_path):
 def test_help_and_cfg_job(tmp_path):
     help_text = run_cli(["--help"], cwd=tmp_path)
     assert help_text.returncode == 0
-    assert ("recipe: custom_spirals, gpt_fsdp, gpt_pipeline, gpt_tp_fsdp, quickstart, resnet152, resnet152_fsdp, "
-            "resnet152_pipeline, resnet18_cifar10") in help_text.output
+    assert (
+        "recipe: custom_spirals, gpt_fsdp, gpt_pipeline, gpt_tp_fsdp, quickstart, resnet152, "
+        "resnet152_fsdp, resnet152_pipeline, resnet18_cifar10"
+    ) in help_text.output
     assert "precision: bf16, fp16, fp32" in help_text.output
     cfg = run_cli(["+recipe=resnet152", "optim.lr=0.2", "--cfg", "job"], cwd=tmp_path)
     assert cfg.returncode == 0 and "name: resnet152" in cfg.output and "lr: 0.2" in cfg.output
@@ -101,16 +128,36 @@ def test_gpt_pipeline_recipe_trains_under_torchrun(tmp_path):
     token data; metrics reported from the last stage; the profiler and MFU (with a given device
     peak, as CPUs have none in the table) wired on every rank."""
     run_dir = tmp_path / "run"
-    launch = run_cli(["+recipe=gpt_pipeline", "model=gpt_tiny", "loop.max_steps=60", "loop.eval_every_n_steps=60",
-                      "logging.log_every_n_steps=20", "profile=on", "logging.peak_tflops=0.5",
-                      f"hydra.run.dir={run_dir}"], cwd=tmp_path, nproc=2)
+    launch = run_cli(
+        [
+            "+recipe=gpt_pipeline",
+            "model=gpt_tiny",
+            "loop.max_steps=60",
+            "loop.eval_every_n_steps=60",
+            "logging.log_every_n_steps=20",
+            "profile=on",
+            "logging.peak_tflops=0.5",
+            f"hydra.run.dir={run_dir}",
+        ],
+        cwd=tmp_path,
+        nproc=2,
+    )
     assert launch.returncode == 0, launch.output
     rows = read_jsonl(run_dir / "metrics.jsonl")
     losses = [r["train/loss"] for r in rows if "train/loss" in r]
-    assert len(losses) == 3 and losses[-1] < losses[0] - 1.0, losses  # from ln(64) = 4.2 toward ~1.2
+    assert len(losses) == 3 and losses[-1] < losses[0] - 1.0, (
+        losses
+    )  # from ln(64) = 4.2 toward ~1.2
     assert last_metric(rows, "val/loss") < 2.5
-    assert last_metric(rows, "perf/tokens_per_s") == pytest.approx(last_metric(rows, "perf/samples_per_s") * 32)
-    assert last_metric(rows, "perf/mfu") == pytest.approx(last_metric(rows, "perf/tflops_per_s") / (0.5 * 2))
-    assert sorted(p.name.split(".")[0] for p in (run_dir / "profile").glob("*.pt.trace.json")) == ["rank0", "rank1"]
+    assert last_metric(rows, "perf/tokens_per_s") == pytest.approx(
+        last_metric(rows, "perf/samples_per_s") * 32
+    )
+    assert last_metric(rows, "perf/mfu") == pytest.approx(
+        last_metric(rows, "perf/tflops_per_s") / (0.5 * 2)
+    )
+    assert sorted(p.name.split(".")[0] for p in (run_dir / "profile").glob("*.pt.trace.json")) == [
+        "rank0",
+        "rank1",
+    ]
     log = (run_dir / "train.log").read_text()
     assert "pp 2 x dp_replicate 1 x dp_shard 1 x tp 1" in log and "top 15 operators" in log

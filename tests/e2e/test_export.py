@@ -16,21 +16,39 @@ from sdnet_trainer.data import build_datasets
 from tests.support import REPO, TINY, cli_env, last_metric, read_jsonl, run_cli
 
 onnxruntime = pytest.importorskip("onnxruntime", reason="the export extra is not installed")
-safetensors_torch = pytest.importorskip("safetensors.torch", reason="the export extra is not installed")
+safetensors_torch = pytest.importorskip(
+    "safetensors.torch", reason="the export extra is not installed"
+)
 
 STEPS = 4
 
 
 def _export(args: list[str], *, timeout: float = 120) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "sdnet_trainer.export", *args], cwd=REPO, env=cli_env(),
-                          capture_output=True, text=True, timeout=timeout)
+    return subprocess.run(
+        [sys.executable, "-m", "sdnet_trainer.export", *args],
+        cwd=REPO,
+        env=cli_env(),
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
 
 
 @pytest.fixture(scope="module")
 def run_dir(tmp_path_factory):
     run_dir = tmp_path_factory.mktemp("export") / "run"
-    launch = run_cli(TINY + [f"loop.max_steps={STEPS}", "loop.global_batch_size=32", "checkpoint.every_n_steps=2",
-                             f"hydra.run.dir={run_dir}"], cwd=run_dir.parent, nproc=2, timeout=120)
+    launch = run_cli(
+        TINY
+        + [
+            f"loop.max_steps={STEPS}",
+            "loop.global_batch_size=32",
+            "checkpoint.every_n_steps=2",
+            f"hydra.run.dir={run_dir}",
+        ],
+        cwd=run_dir.parent,
+        nproc=2,
+        timeout=120,
+    )
     assert launch.returncode == 0, launch.output
     return run_dir
 
@@ -38,15 +56,22 @@ def run_dir(tmp_path_factory):
 @pytest.fixture(scope="module")
 def exported(run_dir):
     """Every format at once, from the checkpoint directory (its newest checkpoint is step 4)."""
-    done = _export([f"checkpoint={run_dir / 'checkpoints'}", "format=all", f"out={run_dir / 'export'}"])
+    done = _export(
+        [f"checkpoint={run_dir / 'checkpoints'}", "format=all", f"out={run_dir / 'export'}"]
+    )
     assert done.returncode == 0, done.stdout + done.stderr
-    assert "onnx: outputs match PyTorch" in done.stdout and "torch_export: outputs match PyTorch" in done.stdout
+    assert (
+        "onnx: outputs match PyTorch" in done.stdout
+        and "torch_export: outputs match PyTorch" in done.stdout
+    )
     return run_dir / "export"
 
 
 def _rebuilt_model(out):
     """A fresh model from the exported config.yaml, as a user without the run directory would."""
-    cfg = OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(Config), OmegaConf.load(out / "config.yaml")))
+    cfg = OmegaConf.to_object(
+        OmegaConf.merge(OmegaConf.structured(Config), OmegaConf.load(out / "config.yaml"))
+    )
     return cfg, Trainer(cfg, output_dir=out).build_model().eval()
 
 
@@ -61,8 +86,13 @@ def _val_loss(model, cfg) -> float:
 
 
 def test_pt_reproduces_the_runs_final_validation_loss(run_dir, exported):
-    assert {p.name for p in exported.iterdir()} == {"model.pt", "model.safetensors", "model.onnx", "model.pt2",
-                                                    "config.yaml"}  # no staging leftovers
+    assert {p.name for p in exported.iterdir()} == {
+        "model.pt",
+        "model.safetensors",
+        "model.onnx",
+        "model.pt2",
+        "config.yaml",
+    }  # no staging leftovers
     cfg, model = _rebuilt_model(exported)
     assert cfg.loop.max_steps == STEPS and cfg.model.name == "simple_cnn"
     model.load_state_dict(torch.load(exported / "model.pt", weights_only=True), strict=True)
@@ -81,8 +111,12 @@ def test_safetensors_holds_the_same_tensors_as_pt(exported):
 def test_onnx_runs_in_onnxruntime_with_another_batch_size(exported):
     cfg, model = _rebuilt_model(exported)
     model.load_state_dict(torch.load(exported / "model.pt", weights_only=True))
-    images = torch.randn(3, cfg.data.channels, cfg.data.image_size, cfg.data.image_size)  # exported at 2
-    session = onnxruntime.InferenceSession(str(exported / "model.onnx"), providers=["CPUExecutionProvider"])
+    images = torch.randn(
+        3, cfg.data.channels, cfg.data.image_size, cfg.data.image_size
+    )  # exported at 2
+    session = onnxruntime.InferenceSession(
+        str(exported / "model.onnx"), providers=["CPUExecutionProvider"]
+    )
     (logits,) = session.run(None, {session.get_inputs()[0].name: images.numpy()})
     with torch.no_grad():
         np.testing.assert_allclose(logits, model(images).numpy(), rtol=1e-4, atol=1e-5)

@@ -51,14 +51,17 @@ def _assert_same_training(run: dict, reference: dict) -> None:
         assert run["metrics"][key] == pytest.approx(reference["metrics"][key], rel=1e-5)
 
 
-def _start_agent(cmd: list[str], *, cwd, log, env: dict[str, str] | None = None) -> subprocess.Popen:
+def _start_agent(
+    cmd: list[str], *, cwd, log, env: dict[str, str] | None = None
+) -> subprocess.Popen:
     """One "node": its own session (so its whole process tree can be killed), output to ``log``
     (a file: a pipe nobody reads while the other agent is awaited could fill and block)."""
     # An SDNET_RUN_ID from the calling shell would name the run instead of the launch under test.
     full_env = {k: v for k, v in {**cli_env(), **(env or {})}.items() if k != "SDNET_RUN_ID"}
     with open(log, "w") as out:
-        return subprocess.Popen(cmd, cwd=cwd, env=full_env, stdout=out, stderr=subprocess.STDOUT,
-                                start_new_session=True)
+        return subprocess.Popen(
+            cmd, cwd=cwd, env=full_env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True
+        )
 
 
 def _wait_all(procs: list[subprocess.Popen], logs: list) -> None:
@@ -82,9 +85,21 @@ def _wait_all(procs: list[subprocess.Popen], logs: list) -> None:
 def test_two_agents_with_c10d_rendezvous_train_like_one_agent(tmp_path, one_agent):
     rdzv_id = f"sdnet-{uuid.uuid4().hex[:8]}"
     endpoint = f"127.0.0.1:{_free_port()}"
-    agent = [sys.executable, "-m", "torch.distributed.run", "--nnodes=2", "--nproc_per_node=1",
-             "--rdzv-backend=c10d", f"--rdzv-endpoint={endpoint}", f"--rdzv-id={rdzv_id}",
-             "-m", "sdnet_trainer", *COMMON, f"run.root={tmp_path / 'outputs'}", "run.name=multinode"]
+    agent = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--nnodes=2",
+        "--nproc_per_node=1",
+        "--rdzv-backend=c10d",
+        f"--rdzv-endpoint={endpoint}",
+        f"--rdzv-id={rdzv_id}",
+        "-m",
+        "sdnet_trainer",
+        *COMMON,
+        f"run.root={tmp_path / 'outputs'}",
+        "run.name=multinode",
+    ]
     logs = [tmp_path / f"node{rank}.log" for rank in range(2)]
     _wait_all([_start_agent(agent, cwd=tmp_path, log=log) for log in logs], logs)
 
@@ -100,14 +115,37 @@ def test_static_rendezvous_from_operator_environment_trains_like_one_agent(tmp_p
     (scripts/k8s/pytorchjob.yaml): PET_* variables that torchrun reads as its options, and the
     operator's own RANK/WORLD_SIZE per pod, which torchrun replaces for its workers."""
     port = _free_port()
-    agent = [sys.executable, "-m", "torch.distributed.run", "-m", "sdnet_trainer", *COMMON,
-             f"run.root={tmp_path / 'outputs'}", "run.name=static", "run.id=job-1"]
-    node_env = {"PET_NNODES": "2", "PET_NPROC_PER_NODE": "1", "PET_MASTER_ADDR": "127.0.0.1",
-                "PET_MASTER_PORT": str(port), "WORLD_SIZE": "2"}
+    agent = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "-m",
+        "sdnet_trainer",
+        *COMMON,
+        f"run.root={tmp_path / 'outputs'}",
+        "run.name=static",
+        "run.id=job-1",
+    ]
+    node_env = {
+        "PET_NNODES": "2",
+        "PET_NPROC_PER_NODE": "1",
+        "PET_MASTER_ADDR": "127.0.0.1",
+        "PET_MASTER_PORT": str(port),
+        "WORLD_SIZE": "2",
+    }
     logs = [tmp_path / f"node{rank}.log" for rank in range(2)]
-    _wait_all([_start_agent(agent, cwd=tmp_path, log=logs[rank],
-                            env={**node_env, "PET_NODE_RANK": str(rank), "RANK": str(rank)})
-               for rank in range(2)], logs)
+    _wait_all(
+        [
+            _start_agent(
+                agent,
+                cwd=tmp_path,
+                log=logs[rank],
+                env={**node_env, "PET_NODE_RANK": str(rank), "RANK": str(rank)},
+            )
+            for rank in range(2)
+        ],
+        logs,
+    )
 
     run_dir = tmp_path / "outputs" / "static" / "job-1"
     assert "world size 2" in (run_dir / "train.log").read_text()
@@ -117,9 +155,18 @@ def test_static_rendezvous_from_operator_environment_trains_like_one_agent(tmp_p
 def test_submitit_tasks_without_torchrun_train_like_one_agent(tmp_path, one_agent):
     pytest.importorskip("submitit")  # the `slurm` extra: hydra-submitit-launcher
     sweep_dir = tmp_path / "sweep"
-    launch = run_cli(["-m", "hydra/launcher=submitit_local", "hydra.launcher.tasks_per_node=2",
-                      "hydra.launcher.timeout_min=3", f"hydra.sweep.dir={sweep_dir}", *COMMON],
-                     cwd=tmp_path, timeout=AGENT_TIMEOUT_S)
+    launch = run_cli(
+        [
+            "-m",
+            "hydra/launcher=submitit_local",
+            "hydra.launcher.tasks_per_node=2",
+            "hydra.launcher.timeout_min=3",
+            f"hydra.sweep.dir={sweep_dir}",
+            *COMMON,
+        ],
+        cwd=tmp_path,
+        timeout=AGENT_TIMEOUT_S,
+    )
     assert launch.returncode == 0, launch.output
     # submitit started two plain processes; sdnet_trainer.distributed.launchers gave them ranks.
     assert "world size 2" in (sweep_dir / "0" / "train.log").read_text()

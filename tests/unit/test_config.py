@@ -6,12 +6,23 @@ import pytest
 from hydra.errors import ConfigCompositionException
 from omegaconf.errors import ValidationError
 
-from sdnet_trainer.config import BatchLayout, batch_layout, compose, recipe_names, validate
+from sdnet_trainer.batching import BatchLayout, batch_layout
+from sdnet_trainer.config import compose, recipe_names
 from sdnet_trainer.config.resolvers import rank0_only, run_id
 from sdnet_trainer.errors import ConfigError
+from sdnet_trainer.preflight import validate
 
-RECIPES = ["custom_spirals", "gpt_fsdp", "gpt_pipeline", "gpt_tp_fsdp", "quickstart", "resnet152", "resnet152_fsdp",
-           "resnet152_pipeline", "resnet18_cifar10"]
+RECIPES = [
+    "custom_spirals",
+    "gpt_fsdp",
+    "gpt_pipeline",
+    "gpt_tp_fsdp",
+    "quickstart",
+    "resnet152",
+    "resnet152_fsdp",
+    "resnet152_pipeline",
+    "resnet18_cifar10",
+]
 # Recipes with pipeline stages or tensor-parallel groups need that many ranks at least.
 MODEL_PARALLEL = {"gpt_pipeline", "gpt_tp_fsdp", "resnet152_pipeline"}
 
@@ -29,8 +40,10 @@ def test_every_recipe_is_registered():
     assert sorted(recipe_names()) == RECIPES
 
 
-@pytest.mark.parametrize("recipe, world_size", [(r, w) for r in RECIPES for w in (1, 2, 4)
-                                                if w > 1 or r not in MODEL_PARALLEL])
+@pytest.mark.parametrize(
+    "recipe, world_size",
+    [(r, w) for r in RECIPES for w in (1, 2, 4) if w > 1 or r not in MODEL_PARALLEL],
+)
 def test_every_recipe_composes_and_validates(recipe, world_size):
     cfg = compose([f"+recipe={recipe}"])
     validate(cfg, world_size=world_size)
@@ -41,14 +54,22 @@ def test_resnet152_recipe_is_what_it_says():
     cfg = compose(["+recipe=resnet152"])
     assert (cfg.model.name, cfg.model.num_classes, cfg.data.image_size) == ("resnet152", 1000, 224)
     assert (cfg.optim.name, cfg.optim.nesterov, cfg.loss.label_smoothing) == ("SGD", True, 0.1)
-    assert (cfg.sched.name, cfg.precision.dtype, cfg.optim.clip_grad_norm) == ("cosine", "bf16", 1.0)
+    assert (cfg.sched.name, cfg.precision.dtype, cfg.optim.clip_grad_norm) == (
+        "cosine",
+        "bf16",
+        1.0,
+    )
     assert cfg.sched.warmup_steps > 0 and cfg.parallel.strategy == "ddp"
 
 
 def test_resnet18_cifar10_recipe_is_what_it_says():
     cfg = compose(["+recipe=resnet18_cifar10", "data.root=/data/cifar"])
     assert (cfg.model.name, cfg.model.cifar_stem, cfg.data.name, cfg.optim.name) == (
-        "resnet18", True, "cifar10", "SGD")
+        "resnet18",
+        True,
+        "cifar10",
+        "SGD",
+    )
 
 
 def test_command_line_overrides_win_over_the_recipe():
@@ -62,7 +83,9 @@ def test_misspelled_key_fails_at_compose_naming_the_key():
     assert "optim.lrr" in _error_text(excinfo)
     assert "Key 'lrr' not in 'OptimConfig'" in _error_text(excinfo)
     # Appending (which lifts Hydra's struct flag) does not get past the schema either.
-    with pytest.raises(ConfigError, match=r"unknown config key optim.lrr .*did you mean optim.lr\?"):
+    with pytest.raises(
+        ConfigError, match=r"unknown config key optim.lrr .*did you mean optim.lr\?"
+    ):
         compose(["+optim.lrr=0.1"])
     compose(["+optim.kwargs.foreach=true"])  # free-form dicts take new keys
 
@@ -81,7 +104,9 @@ def test_unknown_group_option_lists_the_choices():
     assert "precision" in text and "bf16" in text
 
 
-@pytest.mark.parametrize("world_size, accum, expected", [(1, 1, 64), (2, 1, 32), (2, 2, 16), (4, 4, 4)])
+@pytest.mark.parametrize(
+    "world_size, accum, expected", [(1, 1, 64), (2, 1, 32), (2, 2, 16), (4, 4, 4)]
+)
 def test_micro_batch_split(world_size, accum, expected):
     cfg = compose([f"loop.grad_accum_steps={accum}"])
     assert batch_layout(cfg, world_size).micro_batch_size == expected
@@ -90,10 +115,22 @@ def test_micro_batch_split(world_size, accum, expected):
 def test_elastic_batch_policies():
     keep_global = compose(["elastic=on", "loop.micro_batch_size=8", "loop.global_batch_size=64"])
     assert [batch_layout(keep_global, w) for w in (1, 2, 4)] == [
-        BatchLayout(64, 8, 8), BatchLayout(64, 4, 8), BatchLayout(64, 2, 8)]  # accumulation follows
-    keep_rank = compose(["elastic=on", "elastic.batch_policy=keep_per_rank", "loop.micro_batch_size=8",
-                         "loop.grad_accum_steps=2"])
-    assert [batch_layout(keep_rank, w) for w in (1, 3)] == [BatchLayout(16, 2, 8), BatchLayout(48, 2, 8)]
+        BatchLayout(64, 8, 8),
+        BatchLayout(64, 4, 8),
+        BatchLayout(64, 2, 8),
+    ]  # accumulation follows
+    keep_rank = compose(
+        [
+            "elastic=on",
+            "elastic.batch_policy=keep_per_rank",
+            "loop.micro_batch_size=8",
+            "loop.grad_accum_steps=2",
+        ]
+    )
+    assert [batch_layout(keep_rank, w) for w in (1, 3)] == [
+        BatchLayout(16, 2, 8),
+        BatchLayout(48, 2, 8),
+    ]
 
 
 def test_batch_not_divisible_names_the_keys_and_numbers():
@@ -105,27 +142,30 @@ def test_batch_not_divisible_names_the_keys_and_numbers():
     assert "(2)" in message and "= 6" in message
 
 
-@pytest.mark.parametrize("overrides, key", [
-    (["loop.max_epochs=2"], "loop.max_steps"),  # both set
-    (["optim.clip_grad_norm=1", "optim.clip_grad_value=1"], "optim.clip_grad_value"),
-    (["model.num_classes=5"], "data.num_classes=10"),
-    (["optim.name=Adamm"], "did you mean 'Adam'"),
-    (["optim.name=torch.nn.Linear"], "not a torch.optim.Optimizer"),
-    (["precision.dtype=bf61"], "precision.dtype='bf61'"),
-    (["sched.name=cosin"], "did you mean 'cosine'"),
-    (["sched.name=multistep", "sched.milestones=[5,3]"], "sched.milestones"),
-    (["loss.label_smoothing=1.5"], "loss.label_smoothing"),
-    (["dist.backend=nccl", "dist.device=cpu"], "dist.backend=nccl"),
-    (["parallel.sync_batchnorm=true", "dist.device=cpu"], "parallel.sync_batchnorm"),
-    (["loop.max_steps=0"], "loop.max_steps=0"),
-    (["logging.progress_bar=maybe"], "logging.progress_bar"),
-    (["health.nonfinite=ignore"], "health.nonfinite='ignore'"),
-    (["checkpoint.keep_last=0"], "checkpoint.keep_last=0"),
-    (["elastic.batch_policy=keep_all"], "elastic.batch_policy"),
-    (["elastic=on", "elastic.batch_policy=keep_per_rank"], "needs loop.micro_batch_size"),
-    (["loop.micro_batch_size=16", "loop.grad_accum_steps=1"], "needs loop.grad_accum_steps=4"),
-    (["elastic=on", "loop.micro_batch_size=24"], "x loop.micro_batch_size (24)"),
-])
+@pytest.mark.parametrize(
+    "overrides, key",
+    [
+        (["loop.max_epochs=2"], "loop.max_steps"),  # both set
+        (["optim.clip_grad_norm=1", "optim.clip_grad_value=1"], "optim.clip_grad_value"),
+        (["model.num_classes=5"], "data.num_classes=10"),
+        (["optim.name=Adamm"], "did you mean 'Adam'"),
+        (["optim.name=torch.nn.Linear"], "not a torch.optim.Optimizer"),
+        (["precision.dtype=bf61"], "precision.dtype='bf61'"),
+        (["sched.name=cosin"], "did you mean 'cosine'"),
+        (["sched.name=multistep", "sched.milestones=[5,3]"], "sched.milestones"),
+        (["loss.label_smoothing=1.5"], "loss.label_smoothing"),
+        (["dist.backend=nccl", "dist.device=cpu"], "dist.backend=nccl"),
+        (["parallel.sync_batchnorm=true", "dist.device=cpu"], "parallel.sync_batchnorm"),
+        (["loop.max_steps=0"], "loop.max_steps=0"),
+        (["logging.progress_bar=maybe"], "logging.progress_bar"),
+        (["health.nonfinite=ignore"], "health.nonfinite='ignore'"),
+        (["checkpoint.keep_last=0"], "checkpoint.keep_last=0"),
+        (["elastic.batch_policy=keep_all"], "elastic.batch_policy"),
+        (["elastic=on", "elastic.batch_policy=keep_per_rank"], "needs loop.micro_batch_size"),
+        (["loop.micro_batch_size=16", "loop.grad_accum_steps=1"], "needs loop.grad_accum_steps=4"),
+        (["elastic=on", "loop.micro_batch_size=24"], "x loop.micro_batch_size (24)"),
+    ],
+)
 def test_invalid_combinations_name_the_key(overrides, key):
     cfg = compose(overrides)
     with pytest.raises(ConfigError, match=None) as excinfo:

@@ -17,13 +17,14 @@ from sdnet_trainer.data import (
 )
 from sdnet_trainer.errors import ConfigError
 
-
 # --------------------------------------------------------------------------------------------
 # Synthetic images
 # --------------------------------------------------------------------------------------------
 
 
-def _synthetic(size: int = 200, *, split: str = "train", seed: int = 7, **overrides) -> SyntheticImages:
+def _synthetic(
+    size: int = 200, *, split: str = "train", seed: int = 7, **overrides
+) -> SyntheticImages:
     kwargs = dict(image_size=16, channels=3, num_classes=5, seed=seed, signal=1.0, noise=1.0)
     kwargs.update(overrides)
     return SyntheticImages(size, split=split, **kwargs)
@@ -82,8 +83,9 @@ def test_synthetic_labels_balanced_and_shuffled():
 def test_synthetic_train_and_val_share_prototypes():
     train, val = _synthetic(500, split="train"), _synthetic(500, split="val")
     # Different noise streams per split (signal=0 leaves only the noise)...
-    assert not torch.equal(_synthetic(signal=0.0, split="train")[0][0],
-                           _synthetic(signal=0.0, split="val")[0][0])
+    assert not torch.equal(
+        _synthetic(signal=0.0, split="train")[0][0], _synthetic(signal=0.0, split="val")[0][0]
+    )
     # ...but the same class prototypes: class c's val mean is nearest to class c's train mean.
     m_tr = _class_means(*_stack(train), 5).flatten(1)
     m_va = _class_means(*_stack(val), 5).flatten(1)
@@ -172,8 +174,9 @@ def test_global_sampler_len_and_properties():
 def test_global_sampler_drop_last_false_pads_full_steps():
     size, world, m, accum = 50, 2, 4, 2
     per_rank = _rank_batches(size, world=world, m=m, accum=accum, drop_last=False)
-    sampler = GlobalBatchSampler(size, micro_batch_size=m, world_size=world, rank=0,
-                                 grad_accum_steps=accum, drop_last=False)
+    sampler = GlobalBatchSampler(
+        size, micro_batch_size=m, world_size=world, rank=0, grad_accum_steps=accum, drop_last=False
+    )
     assert sampler.steps_per_epoch == 4  # ceil(50 / 16)
     assert all(len(b) == m for batches in per_rank for b in batches)
     union = [i for batches in per_rank for b in batches for i in b]
@@ -215,7 +218,9 @@ def test_global_sampler_no_shuffle_is_arange():
     per_rank = _rank_batches(40, world=2, m=2, accum=2, shuffle=False)
     single = _rank_batches(40, world=1, m=4, accum=2, shuffle=False)[0]
     assert [i for b in single for i in b] == list(range(40))
-    assert [i for j in range(len(single)) for r in range(2) for i in per_rank[r][j]] == list(range(40))
+    assert [i for j in range(len(single)) for r in range(2) for i in per_rank[r][j]] == list(
+        range(40)
+    )
 
 
 def test_global_sampler_too_small_dataset():
@@ -278,8 +283,13 @@ def _image_tree(root: Path, classes=("cat", "dog")) -> Path:
 
 
 def _folder_cfg(root, **overrides) -> DataConfig:
-    return DataConfig(name="imagefolder", root=None if root is None else str(root),
-                      image_size=16, num_classes=2, **overrides)
+    return DataConfig(
+        name="imagefolder",
+        root=None if root is None else str(root),
+        image_size=16,
+        num_classes=2,
+        **overrides,
+    )
 
 
 def test_imagefolder_loads(tmp_path):
@@ -371,8 +381,11 @@ def test_build_loader_eval_keeps_tail_and_validates_arguments():
     ds = _synthetic(10, image_size=8)
     cfg = DataConfig(num_workers=0)
     loader = build_loader(
-        ds, cfg=cfg, device_type="cpu",
-        sampler=ShardedEvalSampler(len(ds), world_size=1, rank=0), batch_size=4,
+        ds,
+        cfg=cfg,
+        device_type="cpu",
+        sampler=ShardedEvalSampler(len(ds), world_size=1, rank=0),
+        batch_size=4,
     )
     assert [len(y) for _, y in loader] == [4, 4, 2]
     batch_sampler = GlobalBatchSampler(10, micro_batch_size=2, world_size=1, rank=0)
@@ -381,14 +394,18 @@ def test_build_loader_eval_keeps_tail_and_validates_arguments():
     with pytest.raises(ValueError):
         build_loader(ds, cfg=cfg, device_type="cpu", batch_size=2)
     with pytest.raises(ConfigError, match="data.num_workers"):
-        build_loader(ds, cfg=DataConfig(num_workers=-1), device_type="cpu", batch_sampler=batch_sampler)
+        build_loader(
+            ds, cfg=DataConfig(num_workers=-1), device_type="cpu", batch_sampler=batch_sampler
+        )
 
 
 def test_global_sampler_resumes_by_sample_position_with_another_global_batch():
     # 3 steps at world size 2 (G=16), then the rest of the epoch at world size 1 (G=8): every
     # sample of the epoch is visited exactly once, in the uninterrupted order.
     n = 64
-    before = [GlobalBatchSampler(n, micro_batch_size=8, world_size=2, rank=r, seed=3) for r in range(2)]
+    before = [
+        GlobalBatchSampler(n, micro_batch_size=8, world_size=2, rank=r, seed=3) for r in range(2)
+    ]
     seen = []
     iters = [iter(s) for s in before]
     for _ in range(3):

@@ -19,7 +19,9 @@ HAND_WRITTEN = ["docs/troubleshooting.md", "docs/subclassing.md"]
 
 @pytest.fixture(scope="module")
 def generator():
-    spec = importlib.util.spec_from_file_location("gen_config_docs", REPO / "scripts" / "gen_config_docs.py")
+    spec = importlib.util.spec_from_file_location(
+        "gen_config_docs", REPO / "scripts" / "gen_config_docs.py"
+    )
     module = importlib.util.module_from_spec(spec)
     sys.modules[spec.name] = module  # its dataclasses look their module up there
     spec.loader.exec_module(module)
@@ -30,8 +32,11 @@ def test_configuration_reference_is_current(generator):
     expected = generator.render()
     current = generator.OUTPUT.read_text() if generator.OUTPUT.exists() else ""
     if current != expected:
-        pytest.fail(f"docs/configuration.md is stale: run python scripts/gen_config_docs.py\n"
-                    f"{generator.stale_summary(current, expected)}", pytrace=False)
+        pytest.fail(
+            f"docs/configuration.md is stale: run python scripts/gen_config_docs.py\n"
+            f"{generator.stale_summary(current, expected)}",
+            pytrace=False,
+        )
 
 
 def _leaf_keys(node, prefix=""):
@@ -47,9 +52,16 @@ def test_the_reference_lists_every_key_of_the_schema(generator):
     schema = OmegaConf.to_container(OmegaConf.structured(Config), resolve=False)
     assert sorted(documented) == sorted(_leaf_keys(schema))
     by_name = {key.name: key for section in generator.walk(Config) for key in section.keys}
-    assert by_name["loop.max_steps"].type == "Optional[int]" and by_name["loop.max_steps"].default == "100"
-    assert by_name["model.gpt.seq_len"].doc.startswith("the context length")  # a comment on the field's line
-    assert "(plain all-reduce" in by_name["comm.powersgd.rank"].doc  # a comment block over several lines
+    assert (
+        by_name["loop.max_steps"].type == "Optional[int]"
+        and by_name["loop.max_steps"].default == "100"
+    )
+    assert by_name["model.gpt.seq_len"].doc.startswith(
+        "the context length"
+    )  # a comment on the field's line
+    assert (
+        "(plain all-reduce" in by_name["comm.powersgd.rank"].doc
+    )  # a comment block over several lines
 
 
 def test_check_mode_reports_a_stale_file(generator, tmp_path, monkeypatch, capsys):
@@ -61,14 +73,17 @@ def test_check_mode_reports_a_stale_file(generator, tmp_path, monkeypatch, capsy
 
 def _schema_has(path: list[str]) -> bool:
     node: object = Config
-    for i, part in enumerate(path):
+    for part in path:
         if not dataclasses.is_dataclass(node):
             return False
         fields = {f.name: f for f in dataclasses.fields(node)}
         if part not in fields:
             return False
-        default = fields[part].default_factory() if fields[part].default_factory is not dataclasses.MISSING \
+        default = (
+            fields[part].default_factory()
+            if fields[part].default_factory is not dataclasses.MISSING
             else fields[part].default
+        )
         if isinstance(default, dict):
             return True  # model.kwargs.width: a free-form dict takes any key
         node = type(default) if dataclasses.is_dataclass(default) else None
@@ -95,7 +110,11 @@ def test_hand_written_docs_name_only_real_keys(doc):
             continue  # a module path, a file name, an export argument, a hook's trainer.step
         checked += 1
         if len(path) == 1:
-            if path[0] in groups and value and not (REPO / "configs" / path[0] / f"{value}.yaml").exists():
+            if (
+                path[0] in groups
+                and value
+                and not (REPO / "configs" / path[0] / f"{value}.yaml").exists()
+            ):
                 wrong.append(f"{key}={value} (no configs/{path[0]}/{value}.yaml)")
         elif not _schema_has(path):
             wrong.append(key)

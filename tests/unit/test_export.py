@@ -13,20 +13,32 @@ from torch import nn
 from sdnet_trainer import Config, ConfigError, Trainer, compose
 from sdnet_trainer.checkpoint import CheckpointManager, read_checkpoint
 from sdnet_trainer.config.schema import DataConfig
-from sdnet_trainer.export import (EXIT_BAD_INPUT, EXTRA_HINT, ExportArgs, example_inputs, export, main,
-                                  trainer_class, training_config)
+from sdnet_trainer.export import (
+    EXIT_BAD_INPUT,
+    EXTRA_HINT,
+    ExportArgs,
+    example_inputs,
+    export,
+    main,
+    trainer_class,
+    training_config,
+)
 from sdnet_trainer.recipes.custom_model import SpiralTrainer
 
 pytest.importorskip("onnxruntime", reason="the export extra is not installed")
-safetensors_torch = pytest.importorskip("safetensors.torch", reason="the export extra is not installed")
+safetensors_torch = pytest.importorskip(
+    "safetensors.torch", reason="the export extra is not installed"
+)
 
 
 @pytest.fixture(scope="module")
 def spirals(tmp_path_factory):
     """A checkpoint of the custom_spirals recipe: a Trainer subclass with its own model and data."""
     run_dir = tmp_path_factory.mktemp("spirals")
-    trainer = SpiralTrainer(compose(["+recipe=custom_spirals", "loop.max_steps=2", "loop.eval_at_end=false"]),
-                            output_dir=run_dir)
+    trainer = SpiralTrainer(
+        compose(["+recipe=custom_spirals", "loop.max_steps=2", "loop.eval_at_end=false"]),
+        output_dir=run_dir,
+    )
     trainer.fit()
     expected = {k: v.detach().clone() for k, v in trainer.model.state_dict().items()}
     (checkpoint,) = (run_dir / "checkpoints").glob("step_*")
@@ -48,7 +60,8 @@ def test_a_script_trainer_is_found_through_the_config(spirals):
     checkpoint, _ = spirals
     ckpt = read_checkpoint(checkpoint)
     cfg = training_config(ckpt)
-    # launch(SpiralTrainer) from `python recipes/custom_model.py` records the class as __main__.SpiralTrainer.
+    # launch(SpiralTrainer) from `python recipes/custom_model.py` records the class as
+    # __main__.SpiralTrainer.
     ckpt.meta["trainer"] = "__main__.SpiralTrainer"
     assert trainer_class(ckpt, cfg, None) is SpiralTrainer
     ckpt.meta["trainer"] = "__main__.OtherTrainer"
@@ -61,7 +74,9 @@ class TiedTokenTrainer(Trainer):
 
     def build_model(self) -> nn.Module:
         data = self.cfg.data
-        model = nn.Sequential(nn.Embedding(data.vocab_size, 8), nn.Linear(8, data.vocab_size, bias=False))
+        model = nn.Sequential(
+            nn.Embedding(data.vocab_size, 8), nn.Linear(8, data.vocab_size, bias=False)
+        )
         model[1].weight = model[0].weight
         return model
 
@@ -69,18 +84,29 @@ class TiedTokenTrainer(Trainer):
 def test_tied_weights_and_token_inputs(tmp_path):
     cfg = Config(data=DataConfig(name="tokens", seq_len=6, vocab_size=11))
     model = TiedTokenTrainer(cfg, output_dir=tmp_path).build_model()
-    manager = CheckpointManager(tmp_path / "checkpoints", keep_last=1, async_save=False, rank=0, world_size=1)
+    manager = CheckpointManager(
+        tmp_path / "checkpoints", keep_last=1, async_save=False, rank=0, world_size=1
+    )
     # The tied tensor under one name only: loading must fill the other name from it.
-    manager.save(7, {"model": {"0.weight": model[0].weight.detach()}},
-                 meta={"config": OmegaConf.to_container(OmegaConf.structured(cfg)),
-                       "trainer": f"{__name__}.TiedTokenTrainer"})
+    manager.save(
+        7,
+        {"model": {"0.weight": model[0].weight.detach()}},
+        meta={
+            "config": OmegaConf.to_container(OmegaConf.structured(cfg)),
+            "trainer": f"{__name__}.TiedTokenTrainer",
+        },
+    )
     manager.close()
     out = tmp_path / "out"
-    result = export(ExportArgs(checkpoint=str(tmp_path / "checkpoints"), format="all", out=str(out)))
+    result = export(
+        ExportArgs(checkpoint=str(tmp_path / "checkpoints"), format="all", out=str(out))
+    )
     assert set(result.max_abs_diff) == {"onnx", "torch_export"}
     st = safetensors_torch.load_file(out / "model.safetensors")
     assert set(st) == {"0.weight", "1.weight"}
-    assert torch.equal(st["0.weight"], model[0].weight) and torch.equal(st["1.weight"], model[0].weight)
+    assert torch.equal(st["0.weight"], model[0].weight) and torch.equal(
+        st["1.weight"], model[0].weight
+    )
 
     (tokens,) = example_inputs(TiedTokenTrainer(cfg, output_dir=tmp_path))
     assert tokens.dtype == torch.int64 and tokens.shape == (2, 6) and int(tokens.max()) < 11
@@ -98,13 +124,19 @@ def test_corrupt_checkpoint_exits_2_naming_the_file(spirals, tmp_path, capsys):
     assert not (tmp_path / "out").exists()
 
 
-@pytest.mark.parametrize("args, needle", [
-    (["checkpoint=x", "formt=onnx"], "unknown key formt in 'formt=onnx'"),
-    (["checkpoint=x", "format=tflite"], "format='tflite': choose from pt, safetensors, onnx, torch_export, all"),
-    (["checkpoint=x", "opset=high"], "opset"),
-    (["format=pt"], "checkpoint=PATH is required"),
-    (["some/path"], "is not key=value"),
-])
+@pytest.mark.parametrize(
+    "args, needle",
+    [
+        (["checkpoint=x", "formt=onnx"], "unknown key formt in 'formt=onnx'"),
+        (
+            ["checkpoint=x", "format=tflite"],
+            "format='tflite': choose from pt, safetensors, onnx, torch_export, all",
+        ),
+        (["checkpoint=x", "opset=high"], "opset"),
+        (["format=pt"], "checkpoint=PATH is required"),
+        (["some/path"], "is not key=value"),
+    ],
+)
 def test_bad_arguments_exit_2(args, needle, capsys):
     assert main(args) == EXIT_BAD_INPUT
     assert needle in capsys.readouterr().err
@@ -119,9 +151,22 @@ def test_a_missing_optional_module_names_the_extra(monkeypatch, spirals, capsys)
 
 
 def test_gpt_exports_with_token_inputs(tmp_path):
-    cfg = compose(["model=gpt_tiny", "data=tokens", "loop.max_steps=1", "loop.global_batch_size=8",
-                   "loop.eval_at_end=false", "logging.tensorboard=false"])
+    cfg = compose(
+        [
+            "model=gpt_tiny",
+            "data=tokens",
+            "loop.max_steps=1",
+            "loop.global_batch_size=8",
+            "loop.eval_at_end=false",
+            "logging.tensorboard=false",
+        ]
+    )
     Trainer(cfg, output_dir=tmp_path).fit()
-    result = export(ExportArgs(checkpoint=str(tmp_path / "checkpoints"), format="onnx,torch_export",
-                               out=str(tmp_path / "out")))
+    result = export(
+        ExportArgs(
+            checkpoint=str(tmp_path / "checkpoints"),
+            format="onnx,torch_export",
+            out=str(tmp_path / "out"),
+        )
+    )
     assert result.max_abs_diff["onnx"] < 1e-4 and result.max_abs_diff["torch_export"] < 1e-5

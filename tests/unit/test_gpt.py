@@ -27,7 +27,9 @@ def _tiny(seed: int = 0, **overrides) -> GPT:
 
 
 def _tokens(batch: int, length: int, *, seed: int = 1) -> torch.Tensor:
-    return torch.randint(TINY["vocab_size"], (batch, length), generator=torch.Generator().manual_seed(seed))
+    return torch.randint(
+        TINY["vocab_size"], (batch, length), generator=torch.Generator().manual_seed(seed)
+    )
 
 
 def test_logits_shape_for_full_and_shorter_sequences():
@@ -80,7 +82,9 @@ def test_sequence_longer_than_the_context_or_uneven_for_sequence_parallel_is_a_c
     model = _tiny()
     with pytest.raises(ConfigError, match=r"17 tokens.*model\.gpt\.seq_len=16"):
         model(_tokens(1, 17))
-    model.embed.sequence_shards = 2  # as tensor parallelism with sequence parallel over 2 ranks sets it
+    model.embed.sequence_shards = (
+        2  # as tensor parallelism with sequence parallel over 2 ranks sets it
+    )
     with pytest.raises(ConfigError, match=r"parallel\.tp=2 .*7 tokens"):
         model(_tokens(1, 7))
 
@@ -97,7 +101,9 @@ def test_tensor_parallel_checks_heads_mlp_sequence_and_dropout():
     with pytest.raises(ConfigError, match=r"model\.gpt\.n_heads=3 .*parallel\.tp=2"):
         model.apply_tensor_parallel(_Mesh(), loss_parallel=False, sequence_parallel=False)
     model = GPT(vocab_size=10, seq_len=8, dim=24, n_layers=1, n_heads=4, mlp_ratio=1.5 + 1 / 24)
-    with pytest.raises(ConfigError, match=r"model\.gpt\.mlp_ratio=1\.54.* = 37 MLP channels .*parallel\.tp=2"):
+    with pytest.raises(
+        ConfigError, match=r"model\.gpt\.mlp_ratio=1\.54.* = 37 MLP channels .*parallel\.tp=2"
+    ):
         model.apply_tensor_parallel(_Mesh(), loss_parallel=False, sequence_parallel=False)
     model = GPT(vocab_size=10, seq_len=9, dim=24, n_layers=1, n_heads=4)
     with pytest.raises(ConfigError, match=r"model\.gpt\.seq_len=9 .*parallel\.tp=2"):
@@ -105,7 +111,9 @@ def test_tensor_parallel_checks_heads_mlp_sequence_and_dropout():
     # Dropout on the replicated residual stream would differ between ranks; under sequence
     # parallel each rank drops only in its own slice.
     model = GPT(vocab_size=10, seq_len=8, dim=24, n_layers=1, n_heads=4, dropout=0.1)
-    with pytest.raises(ConfigError, match=r"model\.gpt\.dropout=0\.1 with parallel\.tp=2 .*sequence_parallel"):
+    with pytest.raises(
+        ConfigError, match=r"model\.gpt\.dropout=0\.1 with parallel\.tp=2 .*sequence_parallel"
+    ):
         model.apply_tensor_parallel(_Mesh(), loss_parallel=False, sequence_parallel=False)
 
 

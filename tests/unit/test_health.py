@@ -20,8 +20,16 @@ from pathlib import Path
 import pytest
 import torch
 
-from sdnet_trainer.health import (EXIT_HANG, EXIT_NONFINITE, Heartbeat, NonFiniteError, PhaseTracker,
-                                  Watchdog, hang_log_path, nonfinite_tensor_names)
+from sdnet_trainer.health import (
+    EXIT_HANG,
+    EXIT_NONFINITE,
+    Heartbeat,
+    NonFiniteError,
+    PhaseTracker,
+    Watchdog,
+    hang_log_path,
+    nonfinite_tensor_names,
+)
 
 NAN, INF = float("nan"), float("inf")
 
@@ -30,7 +38,12 @@ NAN, INF = float("nan"), float("inf")
 
 
 def test_names_put_the_loss_first_then_gradients_in_order():
-    named = [("a", torch.ones(2)), ("b", torch.tensor([INF])), ("c", None), ("d", torch.tensor([NAN, 1.0]))]
+    named = [
+        ("a", torch.ones(2)),
+        ("b", torch.tensor([INF])),
+        ("c", None),
+        ("d", torch.tensor([NAN, 1.0])),
+    ]
     assert nonfinite_tensor_names(named, loss=torch.tensor(NAN)) == ["loss", "b", "d"]
     assert nonfinite_tensor_names(named, loss=torch.tensor(1.0)) == ["b", "d"]
     assert nonfinite_tensor_names(named) == ["b", "d"]
@@ -38,8 +51,15 @@ def test_names_put_the_loss_first_then_gradients_in_order():
 
 def test_names_stop_at_the_limit():
     named = [(f"layer{i}.weight", torch.tensor([NAN])) for i in range(20)]
-    assert nonfinite_tensor_names(iter(named), limit=3) == ["layer0.weight", "layer1.weight", "layer2.weight"]
-    assert nonfinite_tensor_names(named, loss=torch.tensor(INF), limit=2) == ["loss", "layer0.weight"]
+    assert nonfinite_tensor_names(iter(named), limit=3) == [
+        "layer0.weight",
+        "layer1.weight",
+        "layer2.weight",
+    ]
+    assert nonfinite_tensor_names(named, loss=torch.tensor(INF), limit=2) == [
+        "loss",
+        "layer0.weight",
+    ]
 
 
 def test_names_read_sparse_gradients():
@@ -122,8 +142,13 @@ def _child_gets_sigterm(log: Path) -> None:
     _terminated_while_waiting()
 
 
-CHILDREN = {"hangs": _child_hangs, "beats": _child_beats, "stops": _child_stops,
-            "holds_the_gil": _child_holds_the_gil, "gets_sigterm": _child_gets_sigterm}
+CHILDREN = {
+    "hangs": _child_hangs,
+    "beats": _child_beats,
+    "stops": _child_stops,
+    "holds_the_gil": _child_holds_the_gil,
+    "gets_sigterm": _child_gets_sigterm,
+}
 CHILD_TIMEOUT_S = 20.0
 
 
@@ -140,7 +165,9 @@ def children(tmp_path_factory) -> dict[str, Outcome]:
     root = tmp_path_factory.mktemp("watchdog")
     fork = multiprocessing.get_context("fork")
     started = time.monotonic()
-    procs = {name: fork.Process(target=fn, args=(root / f"{name}.log",)) for name, fn in CHILDREN.items()}
+    procs = {
+        name: fork.Process(target=fn, args=(root / f"{name}.log",)) for name, fn in CHILDREN.items()
+    }
     for proc in procs.values():
         proc.start()
     exited: dict[str, float] = {}
@@ -153,8 +180,10 @@ def children(tmp_path_factory) -> dict[str, Outcome]:
         if proc.exitcode is None:
             proc.kill()
         proc.join()
-    return {name: Outcome(proc.exitcode, exited.get(name, math.inf), _read(root / f"{name}.log"))
-            for name, proc in procs.items()}
+    return {
+        name: Outcome(proc.exitcode, exited.get(name, math.inf), _read(root / f"{name}.log"))
+        for name, proc in procs.items()
+    }
 
 
 def _read(path: Path) -> str:
@@ -210,7 +239,9 @@ def test_watchdog_in_process_start_stop_is_idempotent(tmp_path):
         watchdog.beat()
     assert not watchdog.running
     watchdog.stop()
-    assert log.name == "hang_rank1.log" and "watchdog armed on rank 1: timeout 30 s" in log.read_text()
+    assert (
+        log.name == "hang_rank1.log" and "watchdog armed on rank 1: timeout 30 s" in log.read_text()
+    )
     assert Watchdog(0.5, rank=0, log_file=None).check_every_s == 0.05
     with pytest.raises(ValueError):
         Watchdog(0, rank=0, log_file=None)
@@ -240,7 +271,8 @@ def test_heartbeat_logs_at_most_once_per_interval(caplog):
     records = [r for r in caplog.records if r.name == "sdnet_trainer.health"]
     assert [r.levelno for r in records] == [logging.WARNING] * 3
     assert [r.getMessage() for r in records] == [
-        f"heartbeat rank 3 step {step} step_time 0.123s data_wait 0.005s" for step in (2, 5, 7)]
+        f"heartbeat rank 3 step {step} step_time 0.123s data_wait 0.005s" for step in (2, 5, 7)
+    ]
 
 
 def test_heartbeat_rejects_a_non_positive_interval():

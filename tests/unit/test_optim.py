@@ -18,16 +18,23 @@ def _model() -> nn.Module:
 
 
 def test_sgd_gets_momentum_and_nesterov():
-    opt = build_optimizer(_model(), OptimConfig(name="SGD", lr=0.1, momentum=0.9, nesterov=True,
-                                                weight_decay=1e-4))
+    opt = build_optimizer(
+        _model(), OptimConfig(name="SGD", lr=0.1, momentum=0.9, nesterov=True, weight_decay=1e-4)
+    )
     group = opt.param_groups[0]
     assert isinstance(opt, torch.optim.SGD)
-    assert (group["lr"], group["momentum"], group["nesterov"], group["weight_decay"]) == (0.1, 0.9, True, 1e-4)
+    assert (group["lr"], group["momentum"], group["nesterov"], group["weight_decay"]) == (
+        0.1,
+        0.9,
+        True,
+        1e-4,
+    )
 
 
 def test_adamw_gets_betas_and_extra_kwargs():
-    opt = build_optimizer(_model(), OptimConfig(name="AdamW", lr=1e-3, betas=[0.8, 0.95],
-                                                kwargs={"amsgrad": True}))
+    opt = build_optimizer(
+        _model(), OptimConfig(name="AdamW", lr=1e-3, betas=[0.8, 0.95], kwargs={"amsgrad": True})
+    )
     assert isinstance(opt, torch.optim.AdamW)
     assert opt.param_groups[0]["betas"] == (0.8, 0.95) and opt.param_groups[0]["amsgrad"] is True
 
@@ -53,8 +60,10 @@ def test_no_decay_for_norm_and_bias():
 
 
 def test_warmup_then_cosine():
-    f = lr_multiplier(SchedConfig(name="cosine", warmup_steps=10, warmup_start_factor=0.1,
-                                  min_lr_ratio=0.01), total_steps=111)
+    f = lr_multiplier(
+        SchedConfig(name="cosine", warmup_steps=10, warmup_start_factor=0.1, min_lr_ratio=0.01),
+        total_steps=111,
+    )
     assert f(0) == pytest.approx(0.1)
     assert f(5) == pytest.approx(0.55)
     assert f(10) == pytest.approx(1.0)
@@ -67,7 +76,9 @@ def test_warmup_then_cosine():
 def test_step_multistep_constant():
     step = lr_multiplier(SchedConfig(name="step", step_size=10, gamma=0.5), total_steps=100)
     assert [step(s) for s in (0, 9, 10, 25)] == [1.0, 1.0, 0.5, 0.25]
-    multi = lr_multiplier(SchedConfig(name="multistep", milestones=[3, 7], gamma=0.1), total_steps=10)
+    multi = lr_multiplier(
+        SchedConfig(name="multistep", milestones=[3, 7], gamma=0.1), total_steps=10
+    )
     assert [multi(s) for s in (2, 3, 6, 7)] == pytest.approx([1.0, 0.1, 0.1, 0.01])
     assert lr_multiplier(SchedConfig(name="constant"), total_steps=10)(9) == 1.0
 

@@ -21,7 +21,9 @@ def _train(profiler: StepProfiler, steps: int) -> None:
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
     with profiler:
         for _ in range(steps):
-            nn.functional.cross_entropy(model(torch.randn(4, 8)), torch.zeros(4, dtype=torch.long)).backward()
+            nn.functional.cross_entropy(
+                model(torch.randn(4, 8)), torch.zeros(4, dtype=torch.long)
+            ).backward()
             optimizer.step()
             optimizer.zero_grad()
             profiler.step()
@@ -47,10 +49,15 @@ def test_a_window_of_steps_gives_a_trace_per_rank_and_a_table_of_aten_ops(tmp_pa
     names = {event.get("name") for event in _events(traces[0])}
     assert "aten::addmm" in names  # the Linear layers' forward
     # Only the active steps, 2 and 3 (0-based): step 0 waited, step 1 warmed up, 4 and 5 came after.
-    assert {n for n in names if n and n.startswith("ProfilerStep#")} == {"ProfilerStep#2", "ProfilerStep#3"}
+    assert {n for n in names if n and n.startswith("ProfilerStep#")} == {
+        "ProfilerStep#2",
+        "ProfilerStep#3",
+    }
     table = profiler.summary_table()
     assert table is not None and "aten::" in table and "Self CPU" in table
-    assert len([line for line in table.splitlines() if line.strip().startswith("aten::")]) <= cfg.top_k
+    assert (
+        len([line for line in table.splitlines() if line.strip().startswith("aten::")]) <= cfg.top_k
+    )
     assert "top 5 operators by self CPU time" in caplog.text
     assert "memory" not in caplog.text  # memory_snapshot is off
 

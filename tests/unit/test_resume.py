@@ -9,8 +9,13 @@ from sdnet_trainer import compose
 from tests.support import TINY, FaultTrainer, seen_samples
 
 # 256 samples / global batch 32 = 8 steps per epoch; 14 steps cross an epoch boundary.
-COMMON = TINY + ["loop.max_steps=14", "loop.global_batch_size=32", "loop.eval_at_end=false",
-                 "sched=cosine", "sched.warmup_steps=3"]
+COMMON = TINY + [
+    "loop.max_steps=14",
+    "loop.global_batch_size=32",
+    "loop.eval_at_end=false",
+    "sched=cosine",
+    "sched.warmup_steps=3",
+]
 
 
 def _params(trainer) -> dict[str, torch.Tensor]:
@@ -26,18 +31,20 @@ def reference(tmp_path_factory):
 
 @pytest.mark.parametrize("async_save", [False, True])
 @pytest.mark.parametrize("stop_at", [3, 8, 11])  # mid-epoch, at the epoch's end, mid-epoch 2
-def test_sigterm_then_resume_is_bitwise_equal(tmp_path, monkeypatch, reference, stop_at, async_save):
+def test_sigterm_then_resume_is_bitwise_equal(
+    tmp_path, monkeypatch, reference, stop_at, async_save
+):
     cfg = compose(COMMON + [f"checkpoint.async_save={async_save}"])
     monkeypatch.setenv("SDNET_TEST_SIGTERM", f"0:{stop_at}")
     first = FaultTrainer(cfg, output_dir=tmp_path)
     with pytest.raises(SystemExit) as stopped:
         first.fit()
-    assert stopped.value.code == 143 and first.step == stop_at
+    assert stopped.value.code == 143 and first.state.step == stop_at
     monkeypatch.delenv("SDNET_TEST_SIGTERM")
 
     second = FaultTrainer(cfg, output_dir=tmp_path)
     second.fit()
-    assert second.step == 14
+    assert second.state.step == 14
     params, losses = reference
     assert first.losses + second.losses == losses  # bitwise, step by step
     for name, value in params.items():
@@ -53,19 +60,30 @@ def test_nonfinite_skip_leaves_the_step_untouched(tmp_path, monkeypatch):
     class Snapshots(FaultTrainer):
         def train_step(self):
             before = _params(self)
-            momentum = {k: v["momentum_buffer"].clone() for k, v in enumerate(self.optimizer.state.values())}
+            momentum = {
+                k: v["momentum_buffer"].clone() for k, v in enumerate(self.optimizer.state.values())
+            }
             out = super().train_step()
-            if self.step + 1 == 3:
-                self.at_nan = (before, _params(self), momentum,
-                               {k: v["momentum_buffer"].clone() for k, v in enumerate(self.optimizer.state.values())})
+            if self.state.step + 1 == 3:
+                self.at_nan = (
+                    before,
+                    _params(self),
+                    momentum,
+                    {
+                        k: v["momentum_buffer"].clone()
+                        for k, v in enumerate(self.optimizer.state.values())
+                    },
+                )
             return out
 
-    trainer = Snapshots(compose(COMMON + ["health.nonfinite=skip", "loop.max_steps=5"]), output_dir=tmp_path)
+    trainer = Snapshots(
+        compose(COMMON + ["health.nonfinite=skip", "loop.max_steps=5"]), output_dir=tmp_path
+    )
     trainer.fit()
     before, after, momentum_before, momentum_after = trainer.at_nan
     assert all(torch.equal(before[k], after[k]) for k in before)
     assert all(torch.equal(momentum_before[k], momentum_after[k]) for k in momentum_before)
-    assert trainer.nonfinite_steps == 1 and trainer.step == 5
+    assert trainer.state.nonfinite_steps == 1 and trainer.state.step == 5
     assert trainer.scheduler.last_epoch == 5  # the schedule follows the step count, skips included
 
 
@@ -82,11 +100,15 @@ def test_explicit_resume_path_and_none(tmp_path, monkeypatch):
     FaultTrainer(cfg, output_dir=tmp_path / "a").fit()
     step2 = tmp_path / "a" / "checkpoints" / "step_00000002"
     assert step2.is_dir()
-    resumed = FaultTrainer(compose(COMMON + ["loop.max_steps=4", f"checkpoint.resume={step2}"]),
-                           output_dir=tmp_path / "b")
+    resumed = FaultTrainer(
+        compose(COMMON + ["loop.max_steps=4", f"checkpoint.resume={step2}"]),
+        output_dir=tmp_path / "b",
+    )
     resumed.fit()
     assert len(resumed.losses) == 2  # steps 3 and 4 only
-    fresh = FaultTrainer(compose(COMMON + ["loop.max_steps=4", "checkpoint.resume=none"]), output_dir=tmp_path / "a")
+    fresh = FaultTrainer(
+        compose(COMMON + ["loop.max_steps=4", "checkpoint.resume=none"]), output_dir=tmp_path / "a"
+    )
     fresh.fit()
     assert len(fresh.losses) == 4
 
@@ -107,26 +129,35 @@ def test_resume_with_parameters_that_never_had_gradients(tmp_path):
 
     cfg = compose(COMMON + ["loop.max_steps=4", "checkpoint.every_n_steps=2"])
     WithUnusedBranch(cfg, output_dir=tmp_path / "a").fit()
-    resumed = WithUnusedBranch(compose(COMMON + ["loop.max_steps=4", "checkpoint.resume="
-                                                 f"{tmp_path / 'a' / 'checkpoints' / 'step_00000002'}"]),
-                               output_dir=tmp_path / "b")
+    resumed = WithUnusedBranch(
+        compose(
+            COMMON
+            + [
+                "loop.max_steps=4",
+                f"checkpoint.resume={tmp_path / 'a' / 'checkpoints' / 'step_00000002'}",
+            ]
+        ),
+        output_dir=tmp_path / "b",
+    )
     resumed.fit()
-    assert resumed.step == 4 and len(resumed.losses) == 2
+    assert resumed.state.step == 4 and len(resumed.losses) == 2
 
 
 def test_resume_with_a_larger_global_batch_moves_to_the_next_epoch(tmp_path):
     # 7 steps of 32 leave 32 samples in the epoch: no full batch of 64, so the resumed run starts
     # epoch 1 rather than waiting for a batch that never comes.
     FaultTrainer(compose(COMMON + ["loop.max_steps=7"]), output_dir=tmp_path).fit()
-    resumed = FaultTrainer(compose(COMMON + ["loop.max_steps=9", "loop.global_batch_size=64"]),
-                           output_dir=tmp_path)
+    resumed = FaultTrainer(
+        compose(COMMON + ["loop.max_steps=9", "loop.global_batch_size=64"]), output_dir=tmp_path
+    )
     resumed.setup()
-    assert (resumed.step, resumed.epoch, resumed.epoch_sample) == (7, 1, 0)
+    assert (resumed.state.step, resumed.state.epoch, resumed.state.epoch_sample) == (7, 1, 0)
     resumed.close()
-    resumed = FaultTrainer(compose(COMMON + ["loop.max_steps=9", "loop.global_batch_size=64"]),
-                           output_dir=tmp_path)
+    resumed = FaultTrainer(
+        compose(COMMON + ["loop.max_steps=9", "loop.global_batch_size=64"]), output_dir=tmp_path
+    )
     resumed.fit()
-    assert resumed.step == 9 and len(resumed.seen) == 2 * 64
+    assert resumed.state.step == 9 and len(resumed.seen) == 2 * 64
 
 
 class _Jitter(torch.utils.data.Dataset):

@@ -31,7 +31,7 @@ def test_tokens_sample_is_inputs_and_targets_shifted_by_one():
     x, y = ds[5]
     assert x.dtype == y.dtype == torch.int64 and x.shape == y.shape == (24,)
     assert torch.equal(x[1:], y[:-1])
-    assert 0 <= int(x.min()) and int(torch.cat([x, y]).max()) < 40
+    assert int(x.min()) >= 0 and int(torch.cat([x, y]).max()) < 40
 
 
 def test_tokens_item_is_pure_function_of_seed_split_and_index():
@@ -77,13 +77,17 @@ def test_tokens_tiny_vocabulary_keeps_fewer_successors():
 
 
 def test_build_datasets_tokens_from_config():
-    cfg = DataConfig(name="tokens", seq_len=12, vocab_size=30, train_size=10, val_size=3, synthetic_seed=5)
+    cfg = DataConfig(
+        name="tokens", seq_len=12, vocab_size=30, train_size=10, val_size=3, synthetic_seed=5
+    )
     train, val = build_datasets(cfg)
     assert isinstance(train, MarkovTokens) and (len(train), len(val)) == (10, 3)
     assert train[0][0].shape == (12,) and val.split == "val" and train.seed == 5
 
 
-@pytest.mark.parametrize("key,value", [("train_size", 0), ("val_size", 0), ("seq_len", 0), ("vocab_size", 1)])
+@pytest.mark.parametrize(
+    "key,value", [("train_size", 0), ("val_size", 0), ("seq_len", 0), ("vocab_size", 1)]
+)
 def test_build_tokens_rejects_bad_sizes(key, value):
     with pytest.raises(ConfigError, match=rf"data\.{key}={value}"):
         build_datasets(DataConfig(name="tokens", **{key: value}))
@@ -93,7 +97,12 @@ def test_data_groups_take_their_sizes_from_model_gpt():
     cfg = compose(["model=gpt_tiny", "data=tokens"])
     assert (cfg.data.name, cfg.data.seq_len, cfg.data.vocab_size) == ("tokens", 32, 64)
     cfg = compose(["model=gpt_small", "data=text"])
-    assert (cfg.data.name, cfg.data.root, cfg.data.seq_len, cfg.data.vocab_size) == ("text", None, 128, 256)
+    assert (cfg.data.name, cfg.data.root, cfg.data.seq_len, cfg.data.vocab_size) == (
+        "text",
+        None,
+        128,
+        256,
+    )
 
 
 # --------------------------------------------------------------------------------------------
@@ -102,8 +111,13 @@ def test_data_groups_take_their_sizes_from_model_gpt():
 
 
 def _text_cfg(root: Path | str | None, *, seq_len: int = 8, **overrides) -> DataConfig:
-    return DataConfig(name="text", root=None if root is None else str(root), seq_len=seq_len, vocab_size=256,
-                      **overrides)
+    return DataConfig(
+        name="text",
+        root=None if root is None else str(root),
+        seq_len=seq_len,
+        vocab_size=256,
+        **overrides,
+    )
 
 
 def _bytes(ds: TextBytes) -> bytes:
@@ -113,7 +127,9 @@ def _bytes(ds: TextBytes) -> bytes:
 
 
 def test_text_file_windows_and_val_tail(tmp_path):
-    text = "".join(f"line {i}: héllo wörld\n" for i in range(40)).encode()  # 960 bytes, some multi-byte
+    text = "".join(
+        f"line {i}: héllo wörld\n" for i in range(40)
+    ).encode()  # 960 bytes, some multi-byte
     (tmp_path / "corpus.txt").write_bytes(text)
     train, val = build_datasets(_text_cfg(tmp_path / "corpus.txt", seq_len=16))
     assert isinstance(train, TextBytes)

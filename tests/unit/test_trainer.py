@@ -8,7 +8,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from sdnet_trainer import Trainer, compose
+from sdnet_trainer import HookBase, Trainer, compose
 from sdnet_trainer.data import build_datasets
 from tests.support import TINY, read_jsonl
 
@@ -27,7 +27,7 @@ def test_accumulation_equals_one_big_batch(tmp_path):
     common = ["loop.max_steps=4", "loop.global_batch_size=32", "loop.eval_at_end=false"]
     big, _ = _train(tmp_path / "a", common + ["loop.grad_accum_steps=1"])
     accum, _ = _train(tmp_path / "b", common + ["loop.grad_accum_steps=2"])
-    assert accum.micro_batch_size == 16 and big.micro_batch_size == 32
+    assert accum.layout.micro_batch_size == 16 and big.layout.micro_batch_size == 32
     for name, value in _params(big).items():
         torch.testing.assert_close(_params(accum)[name], value, rtol=1e-4, atol=1e-6)
 
@@ -40,26 +40,39 @@ class _InfAtStep(Trainer):
         self.before = [p.detach().clone() for p in self.model.parameters()]
         self.scale_before = self.precision.scaler.get_scale()
         out = super().train_step()
-        if self.step == 2:
-            self.at_inf = {"before": self.before, "after": [p.detach().clone() for p in self.model.parameters()],
-                           "scale_before": self.scale_before, "scale_after": self.precision.scaler.get_scale()}
+        if self.state.step == 2:
+            self.at_inf = {
+                "before": self.before,
+                "after": [p.detach().clone() for p in self.model.parameters()],
+                "scale_before": self.scale_before,
+                "scale_after": self.precision.scaler.get_scale(),
+            }
         return out
 
     def compute_loss(self, batch):
         loss = super().compute_loss(batch)
-        if self.step == 2:
+        if self.state.step == 2:
             loss.register_hook(lambda grad: grad * math.inf)
         return loss
 
 
 def test_fp16_grad_scaler_skips_the_step_on_inf_gradients(tmp_path):
-    trainer, _ = _train(tmp_path, ["precision=fp16", "loop.max_steps=4", "loop.eval_at_end=false",
-                                   "optim.momentum=0.0", "optim.weight_decay=0.0"], cls=_InfAtStep)
+    trainer, _ = _train(
+        tmp_path,
+        [
+            "precision=fp16",
+            "loop.max_steps=4",
+            "loop.eval_at_end=false",
+            "optim.momentum=0.0",
+            "optim.weight_decay=0.0",
+        ],
+        cls=_InfAtStep,
+    )
     seen = trainer.at_inf
     for before, after in zip(seen["before"], seen["after"]):
         assert torch.equal(before, after)  # the overflowing step changed nothing
     assert seen["scale_after"] == seen["scale_before"] / 2
-    assert trainer.skipped_steps == 1
+    assert trainer.state.skipped_steps == 1
     # The steps around it did train.
     assert not all(torch.equal(a, b) for a, b in zip(trainer.before, _params_list(trainer)))
 
@@ -88,28 +101,45 @@ def test_clip_by_norm_bounds_the_update(tmp_path, precision):
     # Plain SGD: the update is lr * clipped gradient, so its norm is lr * max_norm exactly. Under
     # fp16 this only holds if gradients are unscaled before clipping.
     lr, max_norm = 0.5, 1e-3
-    overrides = [f"precision={precision}", "loop.max_steps=1", "loop.eval_at_end=false", f"optim.lr={lr}",
-                 "optim.momentum=0.0", "optim.weight_decay=0.0", f"optim.clip_grad_norm={max_norm}"]
+    overrides = [
+        f"precision={precision}",
+        "loop.max_steps=1",
+        "loop.eval_at_end=false",
+        f"optim.lr={lr}",
+        "optim.momentum=0.0",
+        "optim.weight_decay=0.0",
+        f"optim.clip_grad_norm={max_norm}",
+    ]
     trainer = Trainer(compose(TINY + overrides), output_dir=tmp_path)
     trainer.setup()
     before = [p.detach().clone() for p in trainer.model.parameters()]
     trainer._batches = trainer._train_batches()
     out = trainer.train_step()
-    delta = torch.cat([(p.detach() - b).flatten() for p, b in zip(trainer.model.parameters(), before)])
-    assert out["grad_norm"] > 10 * max_norm  # clipping was active
+    delta = torch.cat(
+        [(p.detach() - b).flatten() for p, b in zip(trainer.model.parameters(), before)]
+    )
+    assert out.grad_norm > 10 * max_norm  # clipping was active
     assert delta.norm().item() == pytest.approx(lr * max_norm, rel=1e-3)
 
 
 def test_clip_by_value(tmp_path):
     lr, value = 1.0, 1e-4
-    overrides = ["loop.max_steps=1", "loop.eval_at_end=false", f"optim.lr={lr}", "optim.momentum=0.0",
-                 "optim.weight_decay=0.0", f"optim.clip_grad_value={value}"]
+    overrides = [
+        "loop.max_steps=1",
+        "loop.eval_at_end=false",
+        f"optim.lr={lr}",
+        "optim.momentum=0.0",
+        "optim.weight_decay=0.0",
+        f"optim.clip_grad_value={value}",
+    ]
     trainer = Trainer(compose(TINY + overrides), output_dir=tmp_path)
     trainer.setup()
     before = [p.detach().clone() for p in trainer.model.parameters()]
     trainer._batches = trainer._train_batches()
     trainer.train_step()
-    delta = torch.cat([(p.detach() - b).flatten() for p, b in zip(trainer.model.parameters(), before)])
+    delta = torch.cat(
+        [(p.detach() - b).flatten() for p, b in zip(trainer.model.parameters(), before)]
+    )
     assert delta.abs().max().item() == pytest.approx(lr * value, rel=1e-3)
 
 
@@ -127,15 +157,30 @@ def test_evaluate_matches_a_direct_computation(tmp_path):
 
 
 def test_max_epochs_and_what_gets_logged(tmp_path):
-    trainer, metrics = _train(tmp_path, ["loop.max_steps=null", "loop.max_epochs=2", "loop.global_batch_size=64",
-                                         "sched=cosine", "sched.warmup_steps=2", "loop.eval_at_epoch_end=true"])
-    assert trainer.steps_per_epoch == 256 // 64 and trainer.step == trainer.total_steps == 8
+    trainer, metrics = _train(
+        tmp_path,
+        [
+            "loop.max_steps=null",
+            "loop.max_epochs=2",
+            "loop.global_batch_size=64",
+            "sched=cosine",
+            "sched.warmup_steps=2",
+            "loop.eval_at_epoch_end=true",
+        ],
+    )
+    assert trainer.steps_per_epoch == 256 // 64 and trainer.state.step == trainer.total_steps == 8
     rows = read_jsonl(tmp_path / "metrics.jsonl")
     train_rows = [r for r in rows if "train/loss" in r]
     assert [r["step"] for r in train_rows] == [2, 4, 6, 8]  # logging.log_every_n_steps=2
     # lr logged after step s is the schedule's value for step s: warmup, then cosine to 0.
     assert [r["train/lr"] for r in train_rows] == pytest.approx(
-        [0.05, 0.05 * 0.5 * (1 + math.cos(math.pi * 2 / 5)), 0.05 * 0.5 * (1 + math.cos(math.pi * 4 / 5)), 0.0])
+        [
+            0.05,
+            0.05 * 0.5 * (1 + math.cos(math.pi * 2 / 5)),
+            0.05 * 0.5 * (1 + math.cos(math.pi * 4 / 5)),
+            0.0,
+        ]
+    )
     assert all(r["train/grad_norm"] > 0 for r in train_rows)
     assert [r["step"] for r in rows if "val/loss" in r] == [4, 8]  # end of epoch 1, and the end
     assert metrics["summary/steps"] == 8
@@ -161,9 +206,19 @@ def test_imagefolder_data_through_the_trainer(tmp_path):
             folder.mkdir(parents=True)
             for i in range(per_class):
                 Image.new("RGB", (20, 20), color).save(folder / f"{i}.png")
-    _, metrics = _train(tmp_path / "run", ["data=imagefolder", f"data.root={tmp_path / 'data'}",
-                                           "data.num_classes=2", "model.num_classes=2", "data.image_size=16",
-                                           "data.num_workers=0", "loop.global_batch_size=4", "loop.max_steps=3"])
+    _, metrics = _train(
+        tmp_path / "run",
+        [
+            "data=imagefolder",
+            f"data.root={tmp_path / 'data'}",
+            "data.num_classes=2",
+            "model.num_classes=2",
+            "data.image_size=16",
+            "data.num_workers=0",
+            "loop.global_batch_size=4",
+            "loop.max_steps=3",
+        ],
+    )
     assert 0.0 <= metrics["val/top1"] <= 100.0 and math.isfinite(metrics["val/loss"])
 
 
@@ -192,3 +247,46 @@ def test_rng_capture_and_restore_continue_every_stream():
     assert torch.equal(torch.rand(4), expected[0])
     assert (random.random(), random.gauss(0, 1)) == expected[1:]
     assert rng.derive_seed(7, rank=0, step=1) != rng.derive_seed(7, rank=1, step=0)
+
+
+class _Recorder(HookBase):
+    """A user hook: sees every step's state and result after the default hooks."""
+
+    def __init__(self, events: list):
+        self.events = events
+
+    def before_train(self, state):
+        self.events.append(("before", state.step))
+
+    def after_step(self, state, result):
+        self.events.append(("step", state.step, float(result.loss), result.nonfinite))
+
+    def after_train(self, state):
+        self.events.append(("after", state.step, dict(state.metrics)))
+
+    def close(self):
+        self.events.append(("close",))
+
+
+class _WithRecorder(Trainer):
+    def build_hooks(self):
+        self.events: list = []
+        return [*super().build_hooks(), _Recorder(self.events)]
+
+
+def test_a_user_hook_runs_after_the_default_hooks_in_declared_order(tmp_path):
+    trainer, metrics = _train(
+        tmp_path, ["loop.max_steps=3", "logging.log_every_n_steps=1"], cls=_WithRecorder
+    )
+    names = [type(hook).__name__ for hook in trainer.hooks]
+    assert names == ["EvalHook", "Checkpointer", "MetricsHook", "HeartbeatHook", "_Recorder"]
+    events = trainer.events
+    assert events[0] == ("before", 0) and events[-1] == ("close",)
+    assert [e[1] for e in events if e[0] == "step"] == [1, 2, 3]
+    # The step's loss is what MetricsHook logged for that step (one rank, one step per window).
+    logged = [r["train/loss"] for r in read_jsonl(tmp_path / "metrics.jsonl") if "train/loss" in r]
+    assert [e[2] for e in events if e[0] == "step"] == pytest.approx(logged, rel=1e-6)
+    after = events[-2]
+    # after_train runs after the final evaluation and the summary: the run's metrics are in.
+    assert after[0] == "after" and after[1] == 3 and after[2] == metrics
+    assert "val/loss" in metrics and "summary/steps" in metrics

@@ -1,0 +1,268 @@
+"""The run's checkpointing: which state is saved, when, and how a run resumes from it.
+
+``Checkpointer`` receives the stateful parts of a run (model, optimizer, schedule, counters,
+loss scaler, gradient-communication state, random streams), each with a ``state_dict`` /
+``load_state_dict`` pair, and owns everything else: when to save (every N steps, every N
+minutes by rank 0's clock, on a stop signal, at the end), synchronous or asynchronous saving,
+pruning (through ``CheckpointManager``, which owns the folder: staging, manifest, atomic
+commit, restricted reads) and resuming. The Trainer hands it the parts and calls it as a hook.
+
+Every part is one top-level entry of the DCP state dict. Model and optimizer go through torch's
+distributed state-dict helpers, so the same code serves DDP, FSDP, tensor and pipeline parallel
+and ZeRO-1, and a checkpoint loads into any layout and world size. Per-rank parts (random
+streams, PowerSGD's error feedback) are saved under ``NAME/rankR`` and restored only on the same
+world size; elsewhere their ``reset`` re-derives them.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Protocol
+
+from torch import nn
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
+    get_model_state_dict,
+    get_optimizer_state_dict,
+    set_model_state_dict,
+    set_optimizer_state_dict,
+)
+from torch.distributed.optim import ZeroRedundancyOptimizer
+from torch.optim import Optimizer
+
+from sdnet_trainer.checkpoint import Checkpoint, CheckpointManager
+from sdnet_trainer.config.schema import CheckpointConfig
+from sdnet_trainer.distributed.ddp import unwrap
+from sdnet_trainer.distributed.zero import (
+    load_zero_param_groups,
+    materialize_zero_state,
+    zero_state_dict,
+)
+from sdnet_trainer.health import PhaseTracker
+from sdnet_trainer.hooks import HookBase
+from sdnet_trainer.state import RunState, StepResult
+
+logger = logging.getLogger(__name__)
+
+
+class Stateful(Protocol):
+    def state_dict(self) -> Any: ...
+
+    def load_state_dict(self, state: Any) -> None: ...
+
+
+@dataclass(frozen=True)
+class Part:
+    """One entry of the checkpoint. ``per_rank``: saved under ``NAME/rankR`` and restored only
+    when the writer had the same world size; otherwise ``reset`` runs (after every other part is
+    loaded, so it may read the restored step). ``optional``: a checkpoint without it keeps the
+    live value (e.g. the fp16 loss scaler, absent from a bf16 run's checkpoint)."""
+
+    state: Stateful
+    per_rank: bool = False
+    optional: bool = False
+    reset: Callable[[], None] | None = None
+
+
+class ModelState:
+    """The model's weights through ``get_model_state_dict``: full names, sharded tensors kept
+    sharded (DTensors), so DCP reshards them for any layout."""
+
+    def __init__(self, model: nn.Module) -> None:
+        self.model = model
+
+    def state_dict(self) -> dict[str, Any]:
+        return get_model_state_dict(self.model)
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        set_model_state_dict(self.model, state)
+
+
+class OptimizerState:
+    """The optimizer state keyed by parameter name, the same form under every layout (ZeRO-1's
+    shards included, see distributed/zero.py)."""
+
+    def __init__(self, model: nn.Module, optimizer: Optimizer) -> None:
+        self.model = model
+        self.optimizer = optimizer
+
+    def state_dict(self) -> dict[str, Any]:
+        if isinstance(self.optimizer, ZeroRedundancyOptimizer):
+            return zero_state_dict(unwrap(self.model), self.optimizer)
+        untouched = not self.optimizer.state
+        state = get_optimizer_state_dict(self.model, self.optimizer)
+        if untouched:
+            # The helper materialises optimizer state with a zero-lr step (AdamW would then count
+            # step 1); keep the live optimizer as it was, the copy above is enough to save.
+            self.optimizer.state.clear()
+        return state
+
+    def load_request(self, checkpoint: Checkpoint, key: str) -> dict[str, Any]:
+        """The state dict for DCP to fill: live tensors of the right shapes, without entries the
+        checkpoint lacks (parameters that never had a gradient have no optimizer state)."""
+        if isinstance(self.optimizer, ZeroRedundancyOptimizer):
+            materialize_zero_state(self.optimizer)
+        state = self.state_dict()
+        per_param = state["state"]
+        for name in [n for n in per_param if not checkpoint.has_key(f"{key}.state.{n}")]:
+            del per_param[name]
+        return state
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        if isinstance(self.optimizer, ZeroRedundancyOptimizer):
+            load_zero_param_groups(self.optimizer, state["param_groups"])
+        else:
+            # Not strict: parameters without a gradient so far rightly have no optimizer state.
+            set_optimizer_state_dict(
+                self.model, self.optimizer, state, options=StateDictOptions(strict=False)
+            )
+
+
+class Checkpointer(HookBase):
+    """Saves and restores a run's parts; as a hook, decides when to save.
+
+    Every rank constructs one at the same point (the manager creates a process group) and calls
+    it collectively. ``meta`` travels in the manifest (the config and Trainer class: export
+    rebuilds the model from them without the run directory)."""
+
+    def __init__(
+        self,
+        cfg: CheckpointConfig,
+        *,
+        directory: str | Path,
+        parts: dict[str, Part],
+        rank: int,
+        world_size: int,
+        meta: dict[str, Any],
+        phase: PhaseTracker | None = None,
+    ) -> None:
+        self.cfg = cfg
+        self.parts = parts
+        self.rank = rank
+        self.world_size = world_size
+        self.meta = meta
+        self.phase = phase
+        self.manager = CheckpointManager(
+            directory,
+            keep_last=cfg.keep_last,
+            async_save=cfg.async_save,
+            rank=rank,
+            world_size=world_size,
+        )
+        self._last_save_time = time.monotonic()
+
+    def _key(self, name: str) -> str:
+        return f"{name}/rank{self.rank}" if self.parts[name].per_rank else name
+
+    # ------------------------------------------------------------------ when to save
+
+    def save_due(self) -> bool:
+        """Rank 0's clock says a timed checkpoint is due (``checkpoint.every_n_minutes``); the
+        ranks agree on it in the step's all-reduce, so all of them save at the same step."""
+        minutes = self.cfg.every_n_minutes
+        return (
+            self.rank == 0
+            and minutes is not None
+            and time.monotonic() - self._last_save_time >= 60 * minutes
+        )
+
+    def after_step(self, state: RunState, result: StepResult) -> None:
+        every = self.cfg.every_n_steps
+        periodic = every is not None and state.step % every == 0
+        on_stop = result.stop_requested and self.cfg.save_on_exit
+        if (periodic or result.save_due or on_stop) and state.step != state.last_checkpoint_step:
+            self.save(state)
+
+    def after_train(self, state: RunState) -> None:
+        if self.cfg.save_on_exit and state.step != state.last_checkpoint_step:
+            self.save(state)
+
+    def close(self) -> None:
+        """Wait for an async save in flight; release the manager's process group."""
+        self.manager.close()
+
+    # ------------------------------------------------------------------ saving and resuming
+
+    def save(self, state: RunState) -> None:
+        if self.phase is not None:
+            self.phase.enter("checkpoint save", step=state.step)
+        entries = {}
+        for name, part in self.parts.items():
+            value = part.state.state_dict()
+            if not (part.per_rank and value == {}):  # a comm hook without memory: nothing to keep
+                entries[self._key(name)] = value
+        self.manager.save(state.step, entries, meta=self.meta)
+        state.last_checkpoint_step = state.step
+        self._last_save_time = time.monotonic()
+
+    def resume(self, state: RunState) -> Checkpoint | None:
+        """Load ``checkpoint.resume`` (none, auto or a path) into the parts; None if nothing was
+        loaded. Collective."""
+        checkpoint = self.manager.resolve_resume(self.cfg.resume)
+        if checkpoint is None:
+            return None
+        same_world = checkpoint.world_size == self.world_size
+        request: dict[str, Any] = {}
+        later: list[Callable[[], None]] = []
+        for name, part in self.parts.items():
+            key = self._key(name)
+            present = checkpoint.has_key(key)
+            if (part.per_rank and not same_world) or (
+                not present and (part.per_rank or part.optional)
+            ):
+                if part.reset is not None:
+                    later.append(part.reset)
+                continue
+            load_request = getattr(part.state, "load_request", None)
+            request[key] = (
+                load_request(checkpoint, key) if load_request else part.state.state_dict()
+            )
+        self.manager.load(checkpoint, request)
+        for name, part in self.parts.items():
+            if (key := self._key(name)) in request:
+                part.state.load_state_dict(request[key])
+        for reset in later:
+            reset()
+        state.last_checkpoint_step = state.step
+        logger.info(
+            "resumed from %s: step %d, epoch %d, sample %d of the epoch (written by %d ranks%s)",
+            checkpoint.path,
+            state.step,
+            state.epoch,
+            state.epoch_sample,
+            checkpoint.world_size,
+            "" if same_world else "; random streams re-derived",
+        )
+        return checkpoint
+
+
+def run_parts(
+    *,
+    model: nn.Module,
+    optimizer: Optimizer,
+    scheduler: Stateful,
+    state: RunState,
+    scaler: Stateful | None,
+    comm: Stateful | None,
+    rng_state: Stateful,
+    rederive_rng: Callable[[], None],
+) -> dict[str, Part]:
+    """A training run's parts, in load order (the random streams last: nothing loaded after them
+    may draw from them). ``scaler`` is None without fp16 loss scaling, ``comm`` without DDP."""
+    parts = {
+        "model": Part(ModelState(model)),
+        "optim": Part(OptimizerState(model, optimizer)),
+        "scheduler": Part(scheduler),
+        "trainer": Part(state),  # the counters, under the entry name checkpoints have always used
+    }
+    if scaler is not None:
+        parts["scaler"] = Part(scaler, optional=True)  # absent when written without fp16
+    # Per rank: PowerSGD's error feedback and the random streams differ between ranks.
+    if comm is not None:
+        parts["comm"] = Part(comm, per_rank=True)
+    parts["rng"] = Part(rng_state, per_rank=True, reset=rederive_rng)
+    return parts

@@ -1,0 +1,49 @@
+"""Evaluation metrics: per-batch sums, and their reduction over batches and ranks.
+
+A batch contributes *sums* (loss, top-k hits) plus a ``count``; the reduction adds them over every
+batch and rank and divides by the total count, so the result is the exact mean over the whole
+validation set whatever the world size or the last batch's size.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch.distributed.tensor import DTensor
+
+from sdnet_trainer.distributed import all_reduce_sum
+from sdnet_trainer.distributed.ops import all_gather_objects
+
+
+def metric_sums(logits: torch.Tensor, targets: torch.Tensor) -> dict[str, torch.Tensor]:
+    """Loss, top-1 and top-5 hits summed over samples (over positions for sequence models)."""
+    if isinstance(logits, DTensor):  # vocabulary-sharded logits (tensor-parallel loss_parallel)
+        logits = logits.full_tensor()
+    logits = logits.float()
+    if logits.dim() == 3:
+        logits, targets = logits.flatten(0, 1), targets.flatten(0, 1)
+    top = logits.topk(min(5, logits.shape[1]), dim=1).indices.eq(targets[:, None])
+    return {
+        "loss": F.cross_entropy(logits, targets, reduction="sum"),
+        "top1": top[:, 0].sum(),
+        "top5": top.any(dim=1).sum(),
+        "count": torch.tensor(targets.shape[0], device=targets.device),
+    }
+
+
+def reduce_metric_sums(
+    totals: dict[str, torch.Tensor], *, weight: float, device: torch.device, agree_on_keys: bool
+) -> dict[str, float]:
+    """Means over all ranks of this rank's summed metrics, identical on every rank (collective).
+
+    ``weight`` is 0 on ranks whose sums must not count (earlier pipeline stages, tensor-parallel
+    copies); such ranks may hold no sums at all, so with ``agree_on_keys`` the ranks first agree
+    on the keys. ``top*`` keys become percentages."""
+    keys = sorted(totals)
+    if agree_on_keys:
+        keys = sorted(set().union(*all_gather_objects(keys)))
+    zero = torch.zeros((), dtype=torch.float64, device=device)
+    local = torch.stack([totals.get(k, zero) for k in keys])
+    values = dict(zip(keys, all_reduce_sum(local * weight).tolist(), strict=True))
+    count = values.pop("count")
+    return {k: (100.0 * v if k.startswith("top") else v) / count for k, v in values.items()}
