@@ -40,9 +40,9 @@ class StopSignals:
     def __exit__(self, *exc: object) -> None:
         signal.signal(signal.SIGTERM, self._previous)
 
-    @staticmethod
-    def exit(step: int, *, saved: bool) -> None:
-        """Leave the run after the ranks agreed on a stop signal."""
+    def exit(self, step: int, *, saved: bool) -> None:
+        """Leave the run after the ranks agreed on a stop signal (received here or on another
+        rank)."""
         logger.warning(
             "SIGTERM: stopped at step %d%s", step, " after saving a checkpoint" if saved else ""
         )

@@ -405,7 +405,7 @@ class Trainer:
                 for hook in self.hooks:
                     hook.after_step(self.state, result)
                 if result.stop_requested and not self._finished():
-                    StopSignals.exit(self.state.step, saved=self.cfg.checkpoint.save_on_exit)
+                    self.signals.exit(self.state.step, saved=self.cfg.checkpoint.save_on_exit)
             for hook in self.hooks:
                 hook.after_train(self.state)
         return self.state.metrics
