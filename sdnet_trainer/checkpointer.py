@@ -127,7 +127,10 @@ class Checkpointer(HookBase):
 
     Every rank constructs one at the same point (the manager creates a process group) and calls
     it collectively. ``meta`` travels in the manifest (the config and Trainer class: export
-    rebuilds the model from them without the run directory)."""
+    rebuilds the model from them without the run directory). ``run_id`` (``run.id``, the same on
+    every rank and across torchrun's restarts) makes ``directory`` this run's until ``close``:
+    another run saving there is refused with a ConfigError on every rank (see CheckpointManager).
+    """
 
     def __init__(
         self,
@@ -138,6 +141,7 @@ class Checkpointer(HookBase):
         rank: int,
         world_size: int,
         meta: dict[str, Any],
+        run_id: str,
         phase: PhaseTracker | None = None,
     ) -> None:
         self.cfg = cfg
@@ -152,6 +156,7 @@ class Checkpointer(HookBase):
             async_save=cfg.async_save,
             rank=rank,
             world_size=world_size,
+            run_id=run_id,
         )
         self._last_save_time = time.monotonic()
 
@@ -182,7 +187,8 @@ class Checkpointer(HookBase):
             self.save(state)
 
     def close(self) -> None:
-        """Wait for an async save in flight; release the manager's process group."""
+        """Wait for an async save in flight (raising its error); release the checkpoint
+        directory's lock and the manager's process group."""
         self.manager.close()
 
     # ------------------------------------------------------------------ saving and resuming

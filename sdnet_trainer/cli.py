@@ -6,7 +6,12 @@ with their own Trainer subclass call ``launch(MyTrainer)`` for the same behaviou
 
 Processes a scheduler started without torchrun (Hydra's submitit launcher, or ``srun python`` with
 SDNET_SLURM_TASKS=1) get torchrun's variables from the scheduler's first: see
-sdnet_trainer/distributed/launchers.py.
+sdnet_trainer/distributed/launchers.py. Under torchrun each worker first binds its life to the
+agent's (sdnet_trainer/signals.py).
+
+Exit codes: 2 config error, 3 non-finite abort (health.py), 4 hang (health.py), 5 checkpoint
+error, 130 SIGINT and 143 SIGTERM (signals.py). A failure of ours ends the process with one line
+and no traceback, on every rank that meets it.
 """
 
 from __future__ import annotations
@@ -14,6 +19,7 @@ from __future__ import annotations
 import logging
 import os
 import sys
+from collections.abc import Callable
 from pathlib import Path
 
 import hydra
@@ -21,6 +27,7 @@ from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig
 from omegaconf.errors import MissingMandatoryValue, OmegaConfBaseException
 
+from sdnet_trainer.checkpoint import CheckpointError
 from sdnet_trainer.config import CONFIG_MODULE, Config, to_config
 from sdnet_trainer.distributed import distributed_session, launched_world_size
 from sdnet_trainer.distributed.launchers import export_scheduler_env
@@ -29,20 +36,24 @@ from sdnet_trainer.errors import ConfigError
 from sdnet_trainer.health import EXIT_NONFINITE, NonFiniteError
 from sdnet_trainer.observability import setup_logging
 from sdnet_trainer.preflight import validate
+from sdnet_trainer.signals import EXIT_INTERRUPTED, die_with_launcher
 from sdnet_trainer.trainer import Trainer, resolve_trainer_class
 
 logger = logging.getLogger("sdnet_trainer")
 
 EXIT_CONFIG_ERROR = 2
+EXIT_CHECKPOINT = 5
+INTERRUPTED_OUTSIDE_LOOP = "SIGINT: interrupted outside the training loop, no checkpoint saved"
 
 
 def run(cfg: DictConfig, trainer_cls: type[Trainer] | None = None) -> dict[str, float]:
     """Validate ``cfg``, then train with ``trainer_cls`` (default: ``cfg.trainer._target_``).
 
     A ConfigError anywhere (validation, a missing data folder, an unknown model) ends the process
-    with exit code 2 and the message alone, after the process group is torn down.
+    with exit code 2 and the message alone, after the process group is torn down; a CheckpointError
+    (a save or a resume that failed) likewise with exit code 5.
     """
-    _export_scheduler_env()  # under submitit this function is the task itself: no main() ran here
+    _start_process()  # under submitit this function is the task itself: no main() ran here
     output_dir = Path(HydraConfig.get().runtime.output_dir)
     rank = int(os.environ.get("RANK", "0"))
     level = str(cfg.logging.level) if "logging" in cfg else "INFO"
@@ -67,11 +78,39 @@ def run(cfg: DictConfig, trainer_cls: type[Trainer] | None = None) -> dict[str, 
         # message left to rank 0 alone could be cut off. Ranks above 0 prefix their rank.
         logger.error("config error: %s", err)
         sys.exit(EXIT_CONFIG_ERROR)
+    except CheckpointError as err:
+        logger.error("checkpoint error: %s", _one_line(err))
+        sys.exit(EXIT_CHECKPOINT)
+    except KeyboardInterrupt:
+        # Inside the training loop SIGINT stops at the end of the step with a checkpoint
+        # (signals.py); before the loop or after it, it lands here.
+        logger.warning(INTERRUPTED_OUTSIDE_LOOP)
+        sys.exit(EXIT_INTERRUPTED)
+
+
+def _one_line(err: BaseException) -> str:
+    return " ".join(str(err).split())
+
+
+def _start_process() -> None:
+    """First thing in a worker: die with torchrun's agent, then map scheduler task variables to
+    torchrun's before anything reads RANK (the config's run directory included, which is why
+    main() does this before Hydra composes)."""
+    die_with_launcher()
+    _export_scheduler_env()
+
+
+def _interruptible(entry: Callable[[], object]) -> None:
+    """Ctrl-C while Hydra composes, before ``run`` takes over: one line, no traceback."""
+    try:
+        entry()
+    except KeyboardInterrupt:
+        print(INTERRUPTED_OUTSIDE_LOOP, file=sys.stderr)
+        sys.exit(EXIT_INTERRUPTED)
 
 
 def _export_scheduler_env() -> None:
-    """Map scheduler task variables to torchrun's before anything reads RANK (the config's run
-    directory included, which is why main() does this before Hydra composes)."""
+    """Map scheduler task variables to torchrun's (see ``_start_process``)."""
     try:
         export_scheduler_env()
     except ConfigError as err:
@@ -109,8 +148,8 @@ def _main(cfg: DictConfig) -> dict[str, float]:
 
 
 def main() -> None:
-    _export_scheduler_env()
-    _main()
+    _start_process()
+    _interruptible(_main)
 
 
 def launch(trainer_cls: type[Trainer]) -> None:
@@ -124,5 +163,5 @@ def launch(trainer_cls: type[Trainer]) -> None:
     def _task(cfg: DictConfig) -> dict[str, float]:
         return run(cfg, trainer_cls=trainer_cls)
 
-    _export_scheduler_env()
-    _task()
+    _start_process()
+    _interruptible(_task)

@@ -13,10 +13,30 @@ loop state. What serving and inference tools want is the model alone, whole, in 
     model.pt2           a ``torch.export`` program (``torch.export.load(path).module()``)
     config.yaml         the training config, so the network can be rebuilt for the weights
 
-The checkpoint carries the resolved training config and the name of the Trainer class that wrote
-it, so the export rebuilds the very same bare model (``Trainer.build_model``, custom subclasses
-included) and loads the weights through DCP, which reassembles them from any parallel layout and
-world size. Loading reads with the checkpoint module's restricted unpicklers.
+The checkpoint carries the resolved training config, from which a Trainer rebuilds the bare model
+(``Trainer.build_model``); the weights are loaded through DCP, which reassembles them from any
+parallel layout and world size. Loading reads with the checkpoint module's restricted unpicklers.
+
+A checkpoint is untrusted input: it may come from anywhere, and export reads it as data only.
+
+- The Trainer class. The checkpoint records the class that wrote it (its manifest's
+  ``meta.trainer``, and the config's ``trainer._target_``), but export never imports a class or
+  module the checkpoint names: it rebuilds with this package's ``sdnet_trainer.Trainer``, or with
+  the class named on the command line (``trainer=my_pkg.MyTrainer``). When the recorded class is
+  another one, export says so and how to rebuild with it; when ``sdnet_trainer.Trainer`` cannot
+  rebuild the checkpoint's model (a subclass with its own ``build_model``), the error names the
+  ``trainer=`` to pass.
+- The config. A stored config was written resolved, so it is read as plain data: nothing in it is
+  interpolated or passed to a resolver. A string holding ``${`` stays that literal text; it is
+  escaped (``\${``) wherever OmegaConf would interpret it, in ``config.yaml`` too, so loading the
+  exported file gives back the literal text as well.
+- The output folder (``out=``, default ``<checkpoint>/export``). Export creates it when absent and
+  writes only inside it: it refuses (exit 2, naming the path) an output folder that is a symbolic
+  link, and an existing file of the name of one it writes that is a link, not a regular file, or
+  was not written by an earlier export. Each export records the files it wrote in
+  ``export_manifest.json`` in the folder (merged with the earlier exports' entries); only files
+  listed there are replaced, and a foreign ``export_manifest.json`` is refused as well. To export
+  over other files, remove them or choose another ``out=``.
 
 Arguments, as ``key=value``:
 
@@ -24,30 +44,35 @@ Arguments, as ``key=value``:
     format=pt         pt | safetensors | onnx | torch_export | all, or several: format=pt,onnx
     out=DIR           default: <checkpoint>/export
     opset=N           ONNX opset version (default: the exporter's)
-    trainer=DOTTED    the Trainer class that rebuilds the model (default: the one that wrote it)
+    trainer=DOTTED    the Trainer class that rebuilds the model (default: sdnet_trainer.Trainer;
+                      the checkpoint's recorded class is never imported unless named here)
 
 ONNX and torch.export trace the model on an example batch (see ``example_inputs``) with a dynamic
 batch dimension where the model allows it, and check the exported program's outputs against
 PyTorch's on that batch. onnx and safetensors need the ``export`` extra.
 
-Exit codes: 0 done; 2 bad arguments or an unusable checkpoint (the message names the key and the
-values); 1 the model cannot be exported to a requested format or its exported output differs from
-PyTorch's.
+Exit codes: 0 done; 2 bad arguments, an unusable checkpoint or an output folder export will not
+write into (the message names the key, path and values); 1 the model cannot be exported to a
+requested format or its exported output differs from PyTorch's.
 
-Files are written to a staging folder and moved into place only once every requested format is
-written and checked, so a failed export leaves no half-written files behind.
+Files are written to a staging folder inside the output folder and moved into place by renames
+only once every requested format is written and checked, so a failed export leaves no
+half-written files behind.
 """
 
 from __future__ import annotations
 
 import difflib
 import importlib
+import json
 import logging
 import os
+import re
+import secrets
 import shutil
+import stat
 import sys
-import tempfile
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, fields
 from pathlib import Path
@@ -77,6 +102,16 @@ FILES = {
     "torch_export": "model.pt2",
 }
 CONFIG_FILE = "config.yaml"
+# Lists the files exports wrote into their output folder: the only files a later export replaces.
+EXPORT_MANIFEST = "export_manifest.json"
+MANIFEST_WRITER = "sdnet_trainer.export"
+_MANIFEST_MAX_BYTES = 1 << 20
+_STAGING_PREFIX = ".staging_export_"
+# The Trainer export rebuilds with unless trainer= names another, under the names it is recorded by.
+DEFAULT_TRAINER = "sdnet_trainer.Trainer"
+_DEFAULT_TRAINER_NAMES = frozenset(
+    {DEFAULT_TRAINER, f"{Trainer.__module__}.{Trainer.__qualname__}"}
+)
 # The optional packages each format imports; together they are the project's `export` extra.
 REQUIRES = {"safetensors": ("safetensors",), "onnx": ("onnx", "onnxscript", "onnxruntime")}
 EXTRA_HINT = "pip install 'sdnet_trainer[export]'"
@@ -103,8 +138,8 @@ class ExportArgs:
     out: Optional[str] = None
     # ONNX opset version; null: the exporter's default.
     opset: Optional[int] = None
-    # The Trainer class (dotted path) whose build_model rebuilds the network; null: the class
-    # recorded in the checkpoint.
+    # The Trainer class (dotted path) whose build_model rebuilds the network; null:
+    # sdnet_trainer.Trainer (the class recorded in the checkpoint is never imported implicitly).
     trainer: Optional[str] = None
 
 
@@ -187,7 +222,9 @@ def require_modules(names: Sequence[str]) -> None:
 
 
 def training_config(checkpoint: Checkpoint) -> Config:
-    """The typed training config the checkpoint was written with."""
+    """The typed training config the checkpoint was written with, read as data: every string that
+    holds ``${`` is escaped first (see ``escape_interpolations``), so no interpolation or resolver
+    named by the checkpoint runs and such a string keeps its literal text."""
     saved = checkpoint.meta.get("config")
     if not isinstance(saved, dict):
         raise ConfigError(
@@ -197,7 +234,10 @@ def training_config(checkpoint: Checkpoint) -> Config:
     try:
         # to_object of a structured Config is a Config instance.
         return cast(
-            Config, OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(Config), saved))
+            Config,
+            OmegaConf.to_object(
+                OmegaConf.merge(OmegaConf.structured(Config), escape_interpolations(saved))
+            ),
         )
     except OmegaConfBaseException as err:
         raise ConfigError(
@@ -206,25 +246,90 @@ def training_config(checkpoint: Checkpoint) -> Config:
         ) from None
 
 
+# Any run of backslashes right before "${": OmegaConf reads "\${" as a literal "${" and "\\" before
+# an interpolation as one backslash.
+_INTERPOLATION = re.compile(r"(\\*)\$\{")
+
+
+def escape_interpolations(value: Any) -> Any:
+    """``value`` (JSON-like data: dicts, lists, scalars) with every string escaped so that OmegaConf
+    gives back its literal text: ``${x}`` becomes ``\\${x}`` and the backslashes right before a
+    ``${`` are doubled. Strings without ``${`` are never interpreted and stay as they are."""
+    if isinstance(value, str):
+        return _INTERPOLATION.sub(lambda m: m[1] * 2 + "\\${", value) if "${" in value else value
+    if isinstance(value, dict):
+        return {key: escape_interpolations(item) for key, item in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [escape_interpolations(item) for item in value]
+    return value
+
+
+def config_yaml(cfg: Config) -> str:
+    """``cfg`` as YAML that OmegaConf loads back to the same values, ``${`` included (escaped)."""
+    data = OmegaConf.to_container(OmegaConf.structured(cfg), resolve=False, enum_to_str=True)
+    return OmegaConf.to_yaml(escape_interpolations(data))
+
+
+def recorded_trainer(checkpoint: Checkpoint, cfg: Config) -> str | None:
+    """The Trainer class the checkpoint says wrote it, as text (never imported), when it is not
+    this package's Trainer: its manifest's ``meta.trainer``, else the config's
+    ``trainer._target_``. A class of a script run directly (``__main__.Name``) is named by the
+    config's ``trainer._target_`` when that names a class of the same name."""
+    meta = checkpoint.meta.get("trainer")
+    target = cfg.trainer._target_ if isinstance(cfg.trainer._target_, str) else ""
+    recorded = meta if isinstance(meta, str) and meta else target
+    if not recorded or recorded in _DEFAULT_TRAINER_NAMES:
+        return None
+    name = recorded.rpartition(".")[2]
+    if (
+        recorded.startswith("__main__.")
+        and not target.startswith("__main__.")
+        and target.rpartition(".")[2] == name
+    ):
+        return target
+    return recorded
+
+
+def trainer_hint(recorded: str) -> str:
+    """The ``trainer=`` argument that rebuilds with the ``recorded`` class."""
+    if recorded.startswith("__main__."):
+        name = recorded.rpartition(".")[2]
+        return (
+            f"trainer=my_package.my_module.{name} (the checkpoint records {recorded!r}, a class "
+            f"of a script run directly: name it by an importable dotted path)"
+        )
+    return f"trainer={recorded}"
+
+
 def trainer_class(checkpoint: Checkpoint, cfg: Config, override: str | None) -> type[Trainer]:
-    """``trainer=`` if given, else the class recorded in the checkpoint (default: Trainer)."""
-    target = override or checkpoint.meta.get("trainer") or "sdnet_trainer.Trainer"
-    key = "trainer" if override else "the checkpoint's trainer"
-    if target.startswith("__main__."):
-        # Written by a script run directly (launch(MyTrainer)): its module has no importable name.
-        # The config names the same class when the recipe sets trainer._target_.
-        name = target.rpartition(".")[2]
-        if cfg.trainer._target_.rpartition(".")[2] != name:
-            raise ConfigError(
-                f"the checkpoint was written by {target}, a class of a script run directly; "
-                f"name it by an importable dotted path: trainer=my_package.my_module.{name}"
+    """The class named by ``trainer=`` if given, else ``sdnet_trainer.Trainer``: the class the
+    checkpoint records is information, never imported here. Logs the recorded class when it is
+    another one."""
+    recorded = recorded_trainer(checkpoint, cfg)
+    if override:
+        cls = resolve_trainer_class(override, key="trainer")
+        if recorded is not None and recorded != override:
+            logger.info(
+                "rebuilding the model with trainer=%s; the checkpoint records the Trainer class %r",
+                override,
+                recorded,
             )
-        target, key = cfg.trainer._target_, "the config's trainer._target_"
-    return resolve_trainer_class(target, key=key)
+        return cls
+    if recorded is not None:
+        logger.warning(
+            "the checkpoint records the Trainer class %r; export does not import classes a "
+            "checkpoint names and rebuilds the model with %s; to rebuild it with the recorded "
+            "class, pass %s",
+            recorded,
+            DEFAULT_TRAINER,
+            trainer_hint(recorded),
+        )
+    return Trainer
 
 
 def load_model(trainer: Trainer, checkpoint: Checkpoint) -> nn.Module:
-    """The bare model of ``trainer`` with the checkpoint's weights, in eval mode on the CPU."""
+    """The bare model of ``trainer`` with the checkpoint's weights, in eval mode on the CPU. Every
+    model entry of the checkpoint must have its place in the model, and the other way round."""
     model = trainer.build_model()
     state = model.state_dict()
     # A tied weight (an embedding shared with the output layer) is one tensor under two names;
@@ -234,6 +339,14 @@ def load_model(trainer: Trainer, checkpoint: Checkpoint) -> nn.Module:
         for name, value in state.items()
         if name not in _aliases(state) or checkpoint.has_key(f"model.{name}")
     }
+    what = f"the model {type(trainer).__name__}.build_model builds"
+    extra = _unmatched(checkpoint, state)
+    if extra:
+        more = f" and {len(extra) - 5} more" if len(extra) > 5 else ""
+        raise ConfigError(
+            f"checkpoint={str(checkpoint.path)!r} holds weights {what} has no place for: "
+            f"{', '.join(extra[:5])}{more}"
+        )
     manager = CheckpointManager(
         checkpoint.path.parent, keep_last=1, async_save=False, rank=0, world_size=1
     )
@@ -242,13 +355,23 @@ def load_model(trainer: Trainer, checkpoint: Checkpoint) -> nn.Module:
         manager.load(checkpoint, {"model": request})
     except CheckpointError as err:
         raise ConfigError(
-            f"checkpoint={str(checkpoint.path)!r} does not hold the weights of the model "
-            f"{type(trainer).__name__}.build_model builds: {err}"
+            f"checkpoint={str(checkpoint.path)!r} does not hold the weights of {what}: {err}"
         ) from None
     finally:
         manager.close()
     model.load_state_dict(state, strict=True)
     return model.eval()
+
+
+def _unmatched(checkpoint: Checkpoint, state: dict[str, Any]) -> list[str]:
+    """The checkpoint's model entries that are no entry of ``state`` (nor inside one)."""
+    keys = sorted(k[len("model.") :] for k in checkpoint._keys if k.startswith("model."))
+    unmatched = []
+    for key in keys:
+        parts = key.split(".")
+        if not any(".".join(parts[:i]) in state for i in range(1, len(parts) + 1)):
+            unmatched.append(key)
+    return unmatched
 
 
 def _aliases(state: dict[str, Any]) -> set[str]:
@@ -481,23 +604,37 @@ def export(args: ExportArgs) -> Exported:
     checkpoint = find_checkpoint(args.checkpoint, key="checkpoint")
     cfg = training_config(checkpoint)
     cls = trainer_class(checkpoint, cfg, args.trainer)
-    out = Path(args.out).expanduser().resolve() if args.out else checkpoint.path / "export"
-    # A Trainer that is never set up (no process group, data or optimizer): build_model and the
-    # example input read only its config.
-    trainer = cls(cfg)
-    model = load_model(trainer, checkpoint)
+    out = output_folder(args, checkpoint)
+    # Refuse an output folder export will not write into before the slow work.
+    _check_output(out, [FILES[fmt] for fmt in names] + [CONFIG_FILE])
+    try:
+        # A Trainer that is never set up (no process group, data or optimizer): build_model and
+        # the example input read only its config.
+        trainer = cls(cfg)
+        model = load_model(trainer, checkpoint)
+    except Exception as err:
+        recorded = recorded_trainer(checkpoint, cfg)
+        if args.trainer or recorded is None:
+            raise
+        detail = str(err).splitlines()[0] if str(err) else type(err).__name__
+        raise ConfigError(
+            f"{DEFAULT_TRAINER} cannot rebuild the model of checkpoint="
+            f"{str(checkpoint.path)!r} ({detail}); the checkpoint was written by {recorded!r}: "
+            f"to rebuild its model with that class, pass {trainer_hint(recorded)}"
+        ) from err
     inputs = example_inputs(trainer) if {"onnx", "torch_export"} & set(names) else ()
     logger.info(
-        "exporting step %d of %s (written by %s on %d rank(s)) as %s to %s",
+        "exporting step %d of %s (written on %d rank(s), rebuilt with %s.%s) as %s to %s",
         checkpoint.step,
         checkpoint.path,
-        cls.__name__,
         checkpoint.world_size,
+        cls.__module__,
+        cls.__qualname__,
         ", ".join(names),
         out,
     )
     diffs: dict[str, float] = {}
-    with _staging(out) as staging:
+    with _staging(out) as (folder, staging):
         for fmt in names:
             path = staging / FILES[fmt]
             if fmt == "pt":
@@ -509,38 +646,207 @@ def export(args: ExportArgs) -> Exported:
             else:
                 diffs[fmt] = write_torch_export(model, inputs, path)
         (staging / CONFIG_FILE).write_text(
-            f"# The training config of {checkpoint.path} (step {checkpoint.step}); "
+            f"# The training config of {str(checkpoint.path)!r} (step {checkpoint.step}); "
             f"{cls.__module__}.{cls.__qualname__}.build_model builds the network for these "
-            f"weights.\n" + OmegaConf.to_yaml(OmegaConf.structured(cfg))
+            f"weights.\n" + config_yaml(cfg)
         )
-        files = _publish(staging, out)
+        files = _publish(folder, out, staging, checkpoint)
     return Exported(out=out, files=files, max_abs_diff=diffs)
 
 
-@contextmanager
-def _staging(out: Path) -> Iterator[Path]:
-    """A fresh folder inside ``out`` (same filesystem, so the final moves are renames), always
-    removed."""
-    out.mkdir(parents=True, exist_ok=True)
-    staging = Path(tempfile.mkdtemp(prefix=".staging_export_", dir=out))
+# ---------------------------------------------------------------------- the output folder
+
+
+def output_folder(args: ExportArgs, checkpoint: Checkpoint) -> Path:
+    """``out=`` as an absolute path (its last part is not resolved: a link there is refused, not
+    followed), else ``<checkpoint>/export``."""
+    if args.out:
+        return Path(os.path.abspath(Path(args.out).expanduser()))
+    return checkpoint.path / "export"
+
+
+def _check_output(out: Path, names: Iterable[str]) -> None:
+    """Refuse an output folder that is a link or not a folder, or that holds a file of one of
+    ``names`` that export may not replace. An absent folder is fine: the export creates it."""
+    folder = _open_folder(out, create=False)
+    if folder is None:
+        return
     try:
-        yield staging
+        previous = _previous_exports(folder, out)
+        for name in [*names, EXPORT_MANIFEST]:
+            _check_target(folder, out, name, previous)
     finally:
-        shutil.rmtree(staging, ignore_errors=True)
+        os.close(folder)
 
 
-def _publish(staging: Path, out: Path) -> list[Path]:
-    """Move every staged file into ``out``, replacing an earlier export's file of the same name
-    (an ONNX model over 2 GB comes with its external data file, which moves along)."""
+def _open_folder(out: Path, *, create: bool) -> int | None:
+    """A descriptor of the folder ``out``, opened without following a link; None if it is absent
+    and not ``create``d."""
+    if out.is_symlink():
+        raise _link_error(out)
+    if create:
+        try:
+            out.parent.mkdir(parents=True, exist_ok=True)
+            os.mkdir(out)  # never follows a link: an existing name, link or not, fails
+        except FileExistsError:
+            pass
+        except OSError as err:
+            raise ConfigError(f"out: cannot create the output folder {out}: {err}") from None
+    try:
+        return os.open(out, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW)
+    except FileNotFoundError:
+        if create:
+            raise ConfigError(f"out: the output folder {out} vanished while exporting") from None
+        return None
+    except OSError as err:
+        if out.is_symlink():
+            raise _link_error(out) from None
+        raise ConfigError(
+            f"out: {out} is not a folder export can write into ({err.strerror}); pass "
+            f"out=<a folder>"
+        ) from None
+
+
+def _link_error(out: Path) -> ConfigError:
+    return ConfigError(
+        f"out: the output folder {out} is a symbolic link (to {os.readlink(out)!r}); export "
+        f"writes only into a real folder and never follows a link out of it: remove the link "
+        f"or pass out=<a folder>"
+    )
+
+
+def _same_folder(folder: int, out: Path) -> None:
+    """Refuse to go on when ``out`` no longer names the folder ``folder`` was opened on."""
+    try:
+        now = os.lstat(out)
+    except OSError:
+        now = None
+    opened = os.fstat(folder)
+    if (
+        now is None
+        or stat.S_ISLNK(now.st_mode)
+        or (now.st_dev, now.st_ino)
+        != (
+            opened.st_dev,
+            opened.st_ino,
+        )
+    ):
+        raise ConfigError(f"out: the output folder {out} was replaced while exporting")
+
+
+def _previous_exports(folder: int, out: Path) -> dict[str, Any]:
+    """The files earlier exports wrote into ``out``, by name, from its EXPORT_MANIFEST; refuses a
+    manifest that export did not write."""
+    path = out / EXPORT_MANIFEST
+    foreign = (
+        f"{path} was not written by {MANIFEST_WRITER}: export does not replace it; move it "
+        f"away or pass out=<another folder>"
+    )
+    try:
+        info = os.lstat(EXPORT_MANIFEST, dir_fd=folder)
+    except FileNotFoundError:
+        return {}
+    if not stat.S_ISREG(info.st_mode) or info.st_size > _MANIFEST_MAX_BYTES:
+        raise ConfigError(foreign)
+    try:
+        fd = os.open(EXPORT_MANIFEST, os.O_RDONLY | os.O_NOFOLLOW, dir_fd=folder)
+        with os.fdopen(fd, "rb") as file:
+            manifest = json.loads(file.read(_MANIFEST_MAX_BYTES + 1))
+    except (OSError, ValueError):
+        raise ConfigError(foreign) from None
+    if not isinstance(manifest, dict) or manifest.get("written_by") != MANIFEST_WRITER:
+        raise ConfigError(foreign)
+    files = manifest.get("files")
+    if not isinstance(files, dict):
+        raise ConfigError(foreign)
+    return {
+        name: entry
+        for name, entry in files.items()
+        if isinstance(name, str) and _plain_name(name) and isinstance(entry, dict)
+    }
+
+
+def _plain_name(name: str) -> bool:
+    return name not in ("", ".", "..") and "/" not in name and os.sep not in name
+
+
+def _check_target(folder: int, out: Path, name: str, previous: dict[str, Any]) -> None:
+    """Refuse to put a file named ``name`` into ``out`` over a link, a folder, or a file that no
+    earlier export wrote. EXPORT_MANIFEST itself was checked by ``_previous_exports``."""
+    try:
+        info = os.lstat(name, dir_fd=folder)
+    except FileNotFoundError:
+        return
+    path = out / name
+    if stat.S_ISLNK(info.st_mode):
+        raise ConfigError(
+            f"out: {path} is a symbolic link (to {os.readlink(name, dir_fd=folder)!r}); export "
+            f"neither writes through nor replaces links: remove it or pass out=<another folder>"
+        )
+    if not stat.S_ISREG(info.st_mode):
+        raise ConfigError(
+            f"out: {path} exists and is not a regular file; export does not replace it: remove "
+            f"it or pass out=<another folder>"
+        )
+    if name != EXPORT_MANIFEST and name not in previous:
+        raise ConfigError(
+            f"out: {path} exists and was not written by an earlier export (it is not listed in "
+            f"{out / EXPORT_MANIFEST}); export does not overwrite it: move it away or pass "
+            f"out=<another folder>"
+        )
+
+
+@contextmanager
+def _staging(out: Path) -> Iterator[tuple[int, Path]]:
+    """The output folder, created when absent (a descriptor of it), and a fresh staging folder
+    inside it (same filesystem, so the final moves are renames), always removed."""
+    folder = _open_folder(out, create=True)
+    assert folder is not None  # created
+    try:
+        name = f"{_STAGING_PREFIX}{secrets.token_hex(8)}"
+        try:
+            os.mkdir(name, 0o700, dir_fd=folder)
+        except OSError as err:
+            raise ConfigError(f"out: cannot write into the output folder {out}: {err}") from None
+        try:
+            _same_folder(folder, out)
+            yield folder, out / name
+        finally:
+            try:
+                _same_folder(folder, out)
+                shutil.rmtree(out / name, ignore_errors=True)
+            except ConfigError:
+                pass  # out names another folder now: leave its contents alone
+    finally:
+        os.close(folder)
+
+
+def _publish(folder: int, out: Path, staging: Path, checkpoint: Checkpoint) -> list[Path]:
+    """Move every staged file into ``out`` (the folder open as ``folder``), replacing only files
+    an earlier export wrote, after every check passed; EXPORT_MANIFEST first, listing them (an
+    ONNX model over 2 GB comes with its external data file, which moves along)."""
+    _same_folder(folder, out)
+    names = sorted(os.listdir(staging))
+    previous = _previous_exports(folder, out)
+    for name in names:
+        if not stat.S_ISREG(os.lstat(staging / name).st_mode):
+            raise ExportError(f"the exporters wrote {name!r}, which is not a regular file")
+        _check_target(folder, out, name, previous)
+    _check_target(folder, out, EXPORT_MANIFEST, previous)
+    entries = dict(previous)
+    for name in names:
+        entries[name] = {"checkpoint": str(checkpoint.path), "step": checkpoint.step}
+    manifest = {"written_by": MANIFEST_WRITER, "files": dict(sorted(entries.items()))}
+    (staging / EXPORT_MANIFEST).write_text(json.dumps(manifest, indent=2) + "\n")
     umask = os.umask(0)
     os.umask(umask)
-    files = []
-    for path in sorted(staging.iterdir()):
-        target = out / path.name
-        os.chmod(path, 0o666 & ~umask)  # some writers create private files; these are for sharing
-        os.replace(path, target)
-        files.append(target)
-    return files
+    for name in [EXPORT_MANIFEST, *names]:
+        # Some writers create private files; these are for sharing.
+        os.chmod(staging / name, 0o666 & ~umask)
+    # Renames within the opened folder: never through a link that took the place of ``out``.
+    for name in [EXPORT_MANIFEST, *names]:
+        os.replace(f"{staging.name}/{name}", name, src_dir_fd=folder, dst_dir_fd=folder)
+    return [out / name for name in names]
 
 
 def main(argv: Sequence[str] | None = None) -> int:

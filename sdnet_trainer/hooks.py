@@ -143,7 +143,10 @@ class MetricsHook(HookBase):
     throughput, step time, data wait, peak memory), so per-rank stragglers show in TensorBoard.
     Between log points the loss stays on the device, so the loop adds no host synchronisation.
     ``comm_bytes(step)`` gives the bytes one rank hands to the gradient collectives per step;
-    ``loss_scale()`` the fp16 GradScaler's scale (None without loss scaling).
+    ``loss_scale()`` the fp16 GradScaler's scale (None without loss scaling); ``bad_samples()``
+    how many training samples this rank's loader replaced under ``data.on_bad_sample=skip`` (see
+    ``sdnet_trainer.data.skipped_samples``), logged at every log point, summed over the
+    data-parallel ranks, as ``data/skipped_samples`` (None: not logged).
     """
 
     def __init__(
@@ -158,6 +161,7 @@ class MetricsHook(HookBase):
         comm_bytes: Callable[[int], float] | None,
         loss_scale: Callable[[], float] | None,
         is_main: bool,
+        bad_samples: Callable[[], int] | None = None,
     ) -> None:
         self.figures = figures
         self.writer = writer
@@ -168,6 +172,7 @@ class MetricsHook(HookBase):
         self.lr = lr
         self.comm_bytes = comm_bytes
         self.loss_scale = loss_scale
+        self.bad_samples = bad_samples
         self.progress_bar = progress_enabled(cfg.progress_bar, is_main=is_main)
         self._loss_sum: torch.Tensor | None = None
         self._loss_steps = 0
@@ -199,21 +204,24 @@ class MetricsHook(HookBase):
         )
         self._loss_sum, self._loss_steps = None, 0
         weight = self.figures.metric_weight
-        ranks = all_gather_floats(
-            [
-                local_loss * weight if weight else 0.0,
-                weight,
-                window["samples_per_s"],
-                window["step_s"],
-                window["data_wait_s"],
-                window["fwd_bwd_s"],
-                window["optimizer_s"],
-                peak_memory_mb(self.device),
-            ],
-            device=self.device,
-        )
+        values = [
+            local_loss * weight if weight else 0.0,
+            weight,
+            window["samples_per_s"],
+            window["step_s"],
+            window["data_wait_s"],
+            window["fwd_bwd_s"],
+            window["optimizer_s"],
+            peak_memory_mb(self.device),
+        ]
+        if self.bad_samples is not None:
+            # Weighted like the loss: tensor-parallel peers and pipeline stages load the same
+            # samples, so each data-parallel rank counts once.
+            values.append(float(self.bad_samples()) * weight)
+        ranks = all_gather_floats(values, device=self.device)
+        columns = ranks.unbind(dim=1)
         loss, weights, samples_per_s, step_s, data_wait_s, fwd_bwd_s, optimizer_s, peak_mb = (
-            ranks.unbind(dim=1)
+            columns[:8]
         )
         metrics = {
             "train/loss": (loss.sum() / weights.sum()).item(),
@@ -235,6 +243,8 @@ class MetricsHook(HookBase):
         if self.loss_scale is not None:
             metrics["train/loss_scale"] = self.loss_scale()
             metrics["train/skipped_steps"] = float(state.skipped_steps)
+        if self.bad_samples is not None:
+            metrics["data/skipped_samples"] = columns[8].sum().item()
         for rank, value in enumerate(samples_per_s.tolist()):
             metrics[f"perf/samples_per_s_rank{rank}"] = value
         for rank, value in enumerate(step_s.tolist()):

@@ -40,7 +40,7 @@ from sdnet_trainer import rng
 from sdnet_trainer.batching import BatchLayout, batch_layout
 from sdnet_trainer.checkpointer import Checkpointer, run_parts
 from sdnet_trainer.config import Config
-from sdnet_trainer.data import LM_DATASETS, GlobalBatchSampler, build_datasets
+from sdnet_trainer.data import LM_DATASETS, GlobalBatchSampler, build_datasets, skipped_samples
 from sdnet_trainer.data.loader import eval_loader, shutdown_loader, to_device, train_loader
 from sdnet_trainer.distributed import DistEnv
 from sdnet_trainer.distributed.comm import GradientComm
@@ -206,6 +206,7 @@ class Trainer:
             comm_bytes=self.comm.bytes_per_step if self.comm is not None else None,
             loss_scale=self.precision.scaler.get_scale if self.precision.scaling else None,
             is_main=self.env.is_main,
+            bad_samples=skipped_samples(self.train_loader.dataset),
         )
         hooks = [
             ProfilerHook(profiler) if profiler.enabled else None,
@@ -383,11 +384,16 @@ class Trainer:
             "config": OmegaConf.to_container(OmegaConf.structured(cfg)),
         }
         directory = cfg.checkpoint.dir or self.output_dir / "checkpoints"
+        # The run id claims the directory for this run (torchrun's restarts keep it).
         self.checkpointer = Checkpointer(
             cfg.checkpoint, directory=directory, parts=parts, rank=env.rank,
-            world_size=env.world_size, meta=meta, phase=self.phase,
+            world_size=env.world_size, meta=meta, run_id=cfg.run.id, phase=self.phase,
         )  # fmt: skip
-        resumed = self.checkpointer.resume(self.state) is not None
+        try:
+            resumed = self.checkpointer.resume(self.state) is not None
+        except BaseException:
+            self.checkpointer.close()  # releases the directory for the next attempt
+            raise
         if resumed and self.epoch_shape.exhausted(self.state.epoch_sample):
             # A larger global batch than the writer's (elastic keep_per_rank, or a changed config)
             # may leave no full batch in the interrupted epoch: continue with the next one.

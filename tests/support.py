@@ -239,3 +239,137 @@ def _fault(name: str, rank: int) -> int | None:
 def seen_samples(run_dir: Path) -> list[int]:
     """Every dataset index trained on, over all ranks and all legs of a run."""
     return [i for path in sorted(run_dir.glob("seen_rank*.pt")) for i in torch.load(path)]
+
+
+# ---------------------------------------------------------------------- signals and launchers
+# Helpers for tests that act on a running launch from outside (signals, a killed torchrun agent)
+# and for checkpoint errors: tests/distributed/test_signals.py and test_faults.py.
+
+
+class SignalTrainer(FaultTrainer):
+    """FaultTrainer plus (environment variables):
+
+    - ``SDNET_TEST_STEP_DELAY``: sleep that many seconds in every step, so that a test acting
+      from outside (a signal, a kill) finds the run mid-training;
+    - ``SDNET_TEST_SIGNAL``: ``RANK:STEP:NAME``: that rank sends itself signal NAME (INT, TERM)
+      during that step;
+    - ``SDNET_TEST_CHECKPOINT_ERROR``: ``STEP``: the save of that step fails on every rank with
+      the CheckpointError of a full disk.
+    """
+
+    def setup(self) -> None:
+        super().setup()
+        fail_at = os.environ.get("SDNET_TEST_CHECKPOINT_ERROR")
+        if not fail_at:
+            return
+        from sdnet_trainer.checkpoint import CheckpointError
+
+        manager = self.checkpointer.manager
+        save = manager.save
+
+        def failing_save(step, state_dict, **kwargs):
+            if step == int(fail_at):
+                raise CheckpointError(
+                    f"cannot save step {step} to {manager.directory}: "
+                    "OSError: [Errno 28] No space left on device"
+                )
+            return save(step, state_dict, **kwargs)
+
+        manager.save = failing_save
+
+    def compute_loss(self, batch):
+        delay = float(os.environ.get("SDNET_TEST_STEP_DELAY", "0"))
+        if delay:
+            time.sleep(delay)
+        request = os.environ.get("SDNET_TEST_SIGNAL")
+        if request:
+            rank, step, name = request.split(":")
+            if (int(rank), int(step)) == (self.env.rank, self.state.step + 1):
+                os.kill(os.getpid(), signal.Signals[f"SIG{name}"])
+        return super().compute_loss(batch)
+
+
+def torchrun_command(
+    args: list[str], *, nproc: int, torchrun_args: tuple[str, ...] = ()
+) -> list[str]:
+    """``torchrun --standalone`` running ``-m sdnet_trainer`` (as run_cli builds it)."""
+    return [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        f"--nproc_per_node={nproc}",
+        *torchrun_args,
+        "-m",
+        "sdnet_trainer",
+        *args,
+    ]
+
+
+def start_command(
+    cmd: list[str], *, cwd: Path, log: Path, env: dict[str, str] | None = None
+) -> subprocess.Popen:
+    """Start ``cmd`` in a session of its own (its process group is the launcher's alone, as a
+    terminal's foreground job is), output to ``log``. The caller ends it: ``kill_processes``."""
+    with open(log, "wb") as out:
+        return subprocess.Popen(
+            cmd,
+            cwd=cwd,
+            env={**cli_env(), **(env or {})},
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
+
+
+def process_command(pid: int) -> str | None:
+    """The command line of a live (not zombie) process, or None."""
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+        if state in ("Z", "X"):
+            return None
+        return Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode()
+    except (OSError, IndexError):
+        return None
+
+
+def child_processes(pid: int) -> dict[int, str]:
+    """Live children of ``pid``: their command lines by pid."""
+    children = {}
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            stat = (entry / "stat").read_text()
+        except OSError:
+            continue
+        if int(stat.rsplit(")", 1)[1].split()[1]) == pid:
+            command = process_command(int(entry.name))
+            if command is not None:
+                children[int(entry.name)] = command
+    return children
+
+
+def kill_processes(processes: dict[int, str]) -> None:
+    """SIGKILL each process still running the command it was found with (a reused pid is not)."""
+    for pid, command in processes.items():
+        if process_command(pid) == command:
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+
+
+def wait_until(condition, *, timeout: float, what: str, every: float = 0.1) -> None:
+    deadline = time.monotonic() + timeout
+    while not condition():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out after {timeout} s waiting for {what}")
+        time.sleep(every)
+
+
+def checkpoint_names(directory: Path) -> set[str]:
+    """The committed checkpoint folders (``step_*``) in ``directory``."""
+    if not directory.is_dir():
+        return set()
+    return {path.name for path in directory.iterdir() if path.name.startswith("step_")}

@@ -57,6 +57,11 @@ class DataConfig:
     image_size: int = 32
     num_classes: int = 10
     channels: int = 3
+    # imagefolder: an image file that cannot be decoded (truncated, not an image). error: stop
+    # with its path; skip: log it once and load the next index that decodes in its place (the
+    # same one every time, so resuming stays exact), counted as data/skipped_samples. CIFAR-10
+    # is read from pickled arrays, not per-image files, and is not affected.
+    on_bad_sample: str = "error"
     # synthetic only: dataset sizes, generator seed and how strongly the label shows in the image.
     train_size: int = 2048
     val_size: int = 512

@@ -11,9 +11,16 @@ from collections.abc import Callable
 
 from torch.utils.data import Dataset
 
-from sdnet_trainer.config.checks import check_positive
+from sdnet_trainer.config.checks import check_choice, check_positive
 from sdnet_trainer.config.schema import Config, DataConfig
-from sdnet_trainer.data.folders import build_cifar10, build_imagefolder
+from sdnet_trainer.data.folders import (
+    ON_BAD_SAMPLE,
+    BadSampleError,
+    CheckedImageFolder,
+    SkippedSamples,
+    build_cifar10,
+    build_imagefolder,
+)
 from sdnet_trainer.data.loader import build_loader, check_loader_options
 from sdnet_trainer.data.sampler import GlobalBatchSampler, ShardedEvalSampler
 from sdnet_trainer.data.synthetic import SyntheticImages, build_synthetic
@@ -57,17 +64,43 @@ def validate_data(cfg: Config) -> None:
             f"data.num_classes={data.num_classes}"
         )
     check_positive("data.image_size", data.image_size)
+    check_choice("data.on_bad_sample", data.on_bad_sample, ON_BAD_SAMPLE)
     check_loader_options(data)
+
+
+def skipped_samples(dataset: Dataset | None) -> Callable[[], int] | None:
+    """How many samples of ``dataset`` were replaced so far under ``data.on_bad_sample=skip``
+    (workers' loads included), as a callable for :class:`~sdnet_trainer.hooks.MetricsHook`; None
+    when the data set keeps no such count (another policy or data set).
+
+    ``dataset`` may be a wrapper: ``.dataset`` is followed (the training loader's per-sample
+    seeding, ``torch.utils.data.Subset``, a subclass's own wrappers), so
+    ``skipped_samples(trainer.train_loader.dataset)`` finds the count.
+    """
+    current: object = dataset
+    for _ in range(16):  # wrappers nest a few levels; a cycle must not loop forever
+        if current is None:
+            return None
+        counter = getattr(current, "skipped", None)
+        if isinstance(counter, SkippedSamples):
+            return counter
+        current = getattr(current, "dataset", None)
+    return None
 
 
 __all__ = [
     "LM_DATASETS",
+    "ON_BAD_SAMPLE",
+    "BadSampleError",
+    "CheckedImageFolder",
     "GlobalBatchSampler",
     "MarkovTokens",
     "ShardedEvalSampler",
+    "SkippedSamples",
     "SyntheticImages",
     "TextBytes",
     "build_datasets",
     "build_loader",
+    "skipped_samples",
     "validate_data",
 ]

@@ -2,16 +2,25 @@
 
 Every way the data can be missing or malformed becomes a :class:`ConfigError` naming ``data.root``
 and the path, raised before any training process spends time building a model.
+
+An image file that is there but cannot be decoded (truncated, not an image) only shows when it is
+loaded, mid-training and often in a DataLoader worker; ``data.on_bad_sample`` decides what happens
+then (:class:`CheckedImageFolder`): ``error`` stops with the file's path, ``skip`` loads the next
+file that decodes in its place and counts it (:class:`SkippedSamples`). CIFAR-10 is read from
+pickled arrays, not per-image files, so the policy does not apply to it.
 """
 
 from __future__ import annotations
 
 import logging
+import multiprocessing
 from pathlib import Path
+from typing import Any
 
 from torch.utils.data import Dataset
 from torchvision import datasets, transforms
 
+from sdnet_trainer.config.checks import check_choice
 from sdnet_trainer.config.schema import DataConfig
 from sdnet_trainer.errors import ConfigError
 
@@ -25,6 +34,9 @@ CIFAR10_STD = (0.2470, 0.2435, 0.2616)
 
 CIFAR10_IMAGE_SIZE = 32
 CIFAR10_NUM_CLASSES = 10
+
+# data.on_bad_sample: what an image file that cannot be decoded does.
+ON_BAD_SAMPLE = ("error", "skip")
 
 # The usual evaluation recipe resizes the short side to image_size / 0.875 (256 for 224) and then
 # center-crops image_size.
@@ -95,9 +107,140 @@ def _require_dir(path: Path, *, root: Path) -> None:
     )
 
 
-def _image_folder(split_dir: Path, *, transform: transforms.Compose) -> datasets.ImageFolder:
+class BadSampleError(ConfigError):
+    """A data file that cannot be decoded, under ``data.on_bad_sample=error``.
+
+    Raised in a DataLoader worker, it reaches the main process through torch's
+    ``ExceptionWrapper.reraise``, which builds a new ``BadSampleError`` from "Caught
+    BadSampleError in DataLoader worker process N." plus the worker's whole traceback. The
+    constructor keeps only the original one-line message, so the CLI's ``config error: ...`` line
+    names the file either way.
+    """
+
+    def __init__(self, message: str) -> None:
+        super().__init__(_original_message(str(message), type(self)))
+
+
+def _original_message(message: str, cls: type) -> str:
+    """``message`` itself, or, for torch's re-raised worker traceback, its last line without the
+    exception's qualified name."""
+    if "Original Traceback" not in message:
+        return message
+    prefix = f"{cls.__module__}.{cls.__qualname__}: "
+    lines = [line for line in message.splitlines() if line.strip()]
+    for line in reversed(lines):
+        if line.startswith(prefix):
+            return line[len(prefix) :]
+    return message
+
+
+class SkippedSamples:
+    """The samples replaced under ``data.on_bad_sample=skip``, shared with DataLoader workers.
+
+    Calling it gives how many sample loads were replaced so far, by this process and by its loader
+    workers (counted when loaded, so prefetched batches are included). It lives in shared memory
+    created with the data set, before any worker starts: forked workers inherit it, spawned ones
+    receive it with the data set. It also remembers which indices are known bad, so each bad file
+    is logged once per run and not decoded again.
+    """
+
+    def __init__(self, size: int) -> None:
+        context = multiprocessing.get_context()
+        self._count = context.Value("q", 0)
+        # Guarded by the count's lock for writes; a racing read at worst decodes a file again.
+        self._bad = context.RawArray("b", size)
+
+    def __call__(self) -> int:
+        return int(self._count.value)
+
+    def is_bad(self, index: int) -> bool:
+        return bool(self._bad[index])
+
+    def mark_bad(self, index: int) -> bool:
+        """Remember ``index`` as undecodable; True the first time it is marked in this run."""
+        with self._count.get_lock():
+            first = not self._bad[index]
+            self._bad[index] = 1
+        return first
+
+    def add(self) -> None:
+        with self._count.get_lock():
+            self._count.value += 1
+
+
+def _reason(err: BaseException, path: str) -> str:
+    """``Type: message``; PIL's "cannot identify image file <_io.BufferedReader name=...>" loses
+    the file object's repr, as the path is in the message already."""
+    text = str(err).replace(f"<_io.BufferedReader name={path!r}>", "").strip()
+    return f"{type(err).__name__}: {text}" if text else type(err).__name__
+
+
+class CheckedImageFolder(datasets.ImageFolder):
+    """An ImageFolder whose undecodable files follow ``data.on_bad_sample``.
+
+    ``error`` raises :class:`BadSampleError` naming the file and the reason. ``skip`` loads, in
+    place of sample ``i``, the first of ``i+1, i+2, ...`` (modulo the data set) that decodes, with
+    its own label: a function of the files alone, so every epoch, worker and resumed run gets the
+    same replacement. Each bad file is logged once (WARNING) and every replaced load is counted
+    in :attr:`skipped`.
+    """
+
+    def __init__(self, root: str, *, transform: Any, on_bad_sample: str = "error") -> None:
+        super().__init__(root, transform=transform)
+        check_choice("data.on_bad_sample", on_bad_sample, ON_BAD_SAMPLE)
+        self.on_bad_sample = on_bad_sample
+        self.skipped = SkippedSamples(len(self.samples)) if on_bad_sample == "skip" else None
+
+    def __getitem__(self, index: int) -> tuple[Any, Any]:
+        size = len(self.samples)
+        start = range(size)[index]  # IndexError out of range, like ImageFolder
+        for offset in range(size):
+            loaded = self._load((start + offset) % size)
+            if loaded is None:
+                continue
+            if offset and self.skipped is not None:
+                self.skipped.add()
+            sample, target = loaded
+            if self.transform is not None:
+                sample = self.transform(sample)
+            if self.target_transform is not None:
+                target = self.target_transform(target)
+            return sample, target
+        raise BadSampleError(
+            f"data: none of the {size} files under {self.root} can be decoded "
+            f"(data.on_bad_sample=skip); check data.root"
+        )
+
+    def _load(self, index: int) -> tuple[Any, Any] | None:
+        """(image, label) of ``index``; None when it is a known or newly found bad file (skip)."""
+        skipped = self.skipped
+        if skipped is not None and skipped.is_bad(index):
+            return None
+        path, target = self.samples[index]
+        try:
+            return self.loader(path), target
+        except Exception as err:  # PIL raises OSError, SyntaxError, ValueError, ... for bad files
+            reason = _reason(err, path)
+            if skipped is None:
+                raise BadSampleError(
+                    f"data: cannot decode {path} ({reason}); fix or remove the file, or set "
+                    f"data.on_bad_sample=skip"
+                ) from err
+            if skipped.mark_bad(index):
+                logger.warning(
+                    "data: skipping %s (%s): it cannot be decoded; the next file that decodes "
+                    "is loaded in its place (data.on_bad_sample=skip)",
+                    path,
+                    reason,
+                )
+            return None
+
+
+def _image_folder(
+    split_dir: Path, *, transform: transforms.Compose, on_bad_sample: str
+) -> CheckedImageFolder:
     try:
-        return datasets.ImageFolder(str(split_dir), transform=transform)
+        return CheckedImageFolder(str(split_dir), transform=transform, on_bad_sample=on_bad_sample)
     except FileNotFoundError as err:
         # torchvision raises this for "no class sub-folders" and for "a class folder without a
         # single image file"; both mean the folder tree is not what data.root should point to.
@@ -108,7 +251,7 @@ def _image_folder(split_dir: Path, *, transform: transforms.Compose) -> datasets
 
 
 def _check_classes(
-    cfg: DataConfig, train: datasets.ImageFolder, val: datasets.ImageFolder, *, root: Path
+    cfg: DataConfig, train: CheckedImageFolder, val: CheckedImageFolder, *, root: Path
 ) -> None:
     # ImageFolder numbers classes by sorted folder name, so differing folder sets silently
     # mislabel the validation split.
@@ -128,7 +271,8 @@ def _check_classes(
 
 
 def build_imagefolder(cfg: DataConfig) -> tuple[Dataset, Dataset]:
-    """(train, val) from ``root/train/<class>/*`` and ``root/val/<class>/*``."""
+    """(train, val) from ``root/train/<class>/*`` and ``root/val/<class>/*``; files that cannot be
+    decoded follow ``data.on_bad_sample`` (see :class:`CheckedImageFolder`)."""
     root = _require_root(cfg)
     _require_rgb(cfg)
     _require_dir(root, root=root)
@@ -136,8 +280,8 @@ def build_imagefolder(cfg: DataConfig) -> tuple[Dataset, Dataset]:
     _require_dir(train_dir, root=root)
     _require_dir(val_dir, root=root)
     train_tf, val_tf = imagenet_transforms(cfg.image_size)
-    train = _image_folder(train_dir, transform=train_tf)
-    val = _image_folder(val_dir, transform=val_tf)
+    train = _image_folder(train_dir, transform=train_tf, on_bad_sample=cfg.on_bad_sample)
+    val = _image_folder(val_dir, transform=val_tf, on_bad_sample=cfg.on_bad_sample)
     _check_classes(cfg, train, val, root=root)
     logger.info(
         "imagefolder %s: %d train / %d val images, %d classes",

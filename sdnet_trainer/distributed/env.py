@@ -22,6 +22,7 @@ from sdnet_trainer.config.checks import check_choice, check_positive
 from sdnet_trainer.config.schema import Config, DistConfig
 from sdnet_trainer.distributed.malloc import pin_malloc_thresholds
 from sdnet_trainer.errors import ConfigError
+from sdnet_trainer.signals import die_with_launcher
 
 logger = logging.getLogger(__name__)
 
@@ -62,31 +63,76 @@ def resolve_backend(cfg: DistConfig, device: torch.device) -> str:
     return "nccl" if device.type == "cuda" else "gloo"
 
 
+def local_rank_from_env() -> int:
+    """torchrun's LOCAL_RANK (0 without torchrun)."""
+    value = os.environ.get("LOCAL_RANK", "0")
+    try:
+        return int(value)
+    except ValueError:
+        raise ConfigError(f"LOCAL_RANK={value!r} is not an integer") from None
+
+
 def validate_dist(cfg: Config) -> None:
     """``dist.*`` and the options that need a particular device, checked before launch on the
-    machine that will run the ranks."""
+    machine that will run the ranks: the backend must suit the device ``dist.device`` resolves to
+    here, and a CUDA rank needs a GPU of its own."""
     dist_cfg = cfg.dist
     check_choice("dist.backend", dist_cfg.backend, BACKENDS)
     check_choice("dist.device", dist_cfg.device, DEVICES)
     check_positive("dist.timeout_s", dist_cfg.timeout_s)
-    if dist_cfg.backend == "nccl" and dist_cfg.device == "cpu":
-        raise ConfigError(
-            "dist.backend=nccl needs dist.device=cuda (or auto on a GPU machine); "
-            "use dist.backend=gloo for CPU training"
-        )
     if dist_cfg.device == "cuda" and not torch.cuda.is_available():
-        raise ConfigError("dist.device=cuda but torch.cuda.is_available() is False on this machine")
-    if cfg.parallel.sync_batchnorm and resolve_device(dist_cfg, local_rank=0).type != "cuda":
+        raise ConfigError(
+            "dist.device=cuda but this machine has no usable CUDA device "
+            "(torch.cuda.is_available() is False); use dist.device=cpu or auto"
+        )
+    local_rank = local_rank_from_env()
+    device = resolve_device(dist_cfg, local_rank)
+    if dist_cfg.backend == "nccl" and device.type != "cuda":
+        found = (
+            "dist.device=cpu"
+            if dist_cfg.device == "cpu"
+            else f"dist.device={dist_cfg.device} resolved to {device.type}: "
+            "torch.cuda.is_available() is False on this machine"
+        )
+        raise ConfigError(
+            f"dist.backend=nccl needs CUDA devices, but {found}; use dist.backend=gloo "
+            "(or auto) for CPU training"
+        )
+    backend = resolve_backend(dist_cfg, device)
+    if "RANK" in os.environ and not _backend_available(backend):  # a group will start
+        raise ConfigError(
+            f"dist.backend={dist_cfg.backend} means {backend} on {device.type}, but this torch "
+            f"build has no {backend} (torch.distributed.is_{backend}_available() is False)"
+        )
+    if device.type == "cuda":
+        count = torch.cuda.device_count()
+        if local_rank >= count:
+            visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+            shown = "" if visible is None else f", CUDA_VISIBLE_DEVICES={visible!r}"
+            raise ConfigError(
+                f"LOCAL_RANK={local_rank} needs GPU {local_rank}, but this machine shows "
+                f"{count} CUDA device(s){shown}: start at most {count} process(es) per node "
+                "(torchrun --nproc_per_node) or use dist.device=cpu"
+            )
+    if cfg.parallel.sync_batchnorm and device.type != "cuda":
         raise ConfigError(
             "parallel.sync_batchnorm=true needs CUDA devices (torch's SyncBatchNorm runs "
             "only on GPUs); on the CPU keep it false"
         )
 
 
+def _backend_available(backend: str) -> bool:
+    if not dist.is_available():
+        return False
+    return dist.is_nccl_available() if backend == "nccl" else dist.is_gloo_available()
+
+
 @contextmanager
 def distributed_session(cfg: DistConfig) -> Iterator[DistEnv]:
-    """Start the process group (when launched by torchrun) and always destroy it on the way out."""
-    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    """Start the process group (when launched by torchrun) and always destroy it on the way out.
+    Under torchrun the worker first binds its life to the agent's (``die_with_launcher``)."""
+    die_with_launcher()
+    local_rank = local_rank_from_env()
     device = resolve_device(cfg, local_rank)
     if device.type == "cuda":
         torch.cuda.set_device(device)

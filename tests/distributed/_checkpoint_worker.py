@@ -5,6 +5,8 @@
 1. DIR/roundtrip: every rank saves a replicated model + optimizer state and its own rng/rank{r},
    sync to sync/ (step 1) and async to async/ (step 2); then every rank loads both back and
    compares. Each rank also writes expected_rank{r}.pt for the test's single-process checks.
+   The sync manager belongs to run ``roundtrip`` (it holds the folder's lock): a manager of another
+   run on the same folder must be refused on every rank.
 2. DIR/kill: step 1 is committed; during the save of step 2 rank 1 SIGKILLs itself once rank 0
    has started writing its shard. The launch therefore fails: the test reads what is on disk.
 
@@ -29,11 +31,12 @@ from torch import nn
 from torch.distributed.checkpoint import FileSystemWriter
 from torch.distributed.checkpoint.state_dict import get_state_dict
 
-from sdnet_trainer.checkpoint import CheckpointManager
+from sdnet_trainer.checkpoint import LOCK, CheckpointManager
 from sdnet_trainer.errors import ConfigError
 
 # Big enough that saving the replicated tensors twice would show in the checkpoint's size.
 WIDTH = 256
+KILL_RUN = "kill-run"  # the run id of the killed save, which the test then plays again
 
 
 def model_and_optimizer(*, seed: int = 0) -> tuple[nn.Module, torch.optim.Optimizer]:
@@ -128,8 +131,27 @@ def _dying_write_data(self, plan, planner):
 def roundtrip(directory: Path, rank: int, world_size: int) -> None:
     directory.mkdir(exist_ok=True)
     sync = CheckpointManager(
-        directory / "sync", keep_last=3, async_save=False, rank=rank, world_size=world_size
+        directory / "sync",
+        keep_last=3,
+        async_save=False,
+        rank=rank,
+        world_size=world_size,
+        run_id="roundtrip",
     )
+    try:
+        CheckpointManager(
+            directory / "sync",
+            keep_last=3,
+            async_save=False,
+            rank=rank,
+            world_size=world_size,
+            run_id="second",
+        )
+    except ConfigError as exc:
+        assert "run 'roundtrip'" in str(exc) and LOCK in str(exc), exc
+        print(f"rank {rank}: second run refused", flush=True)
+    else:
+        raise AssertionError("a second run was given a folder that another run holds")
     asyn = CheckpointManager(
         directory / "async", keep_last=3, async_save=True, rank=rank, world_size=world_size
     )
@@ -173,7 +195,7 @@ def roundtrip(directory: Path, rank: int, world_size: int) -> None:
 
 def kill(directory: Path, rank: int, world_size: int) -> None:
     manager = CheckpointManager(
-        directory, keep_last=3, async_save=False, rank=rank, world_size=world_size
+        directory, keep_last=3, async_save=False, rank=rank, world_size=world_size, run_id=KILL_RUN
     )
     state = {
         "weight": torch.full((WIDTH, WIDTH), 1.0),

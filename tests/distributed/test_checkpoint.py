@@ -13,6 +13,7 @@ import pickle
 import re
 import shutil
 import threading
+import zlib
 from pathlib import Path
 
 import pytest
@@ -23,7 +24,7 @@ from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
-from sdnet_trainer.checkpoint import MANIFEST, CheckpointError, CheckpointManager
+from sdnet_trainer.checkpoint import LOCK, MANIFEST, CheckpointError, CheckpointManager
 from sdnet_trainer.errors import ConfigError
 from tests.distributed import _checkpoint_worker as worker
 from tests.support import run_cli
@@ -33,9 +34,11 @@ pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
 WORKER = Path(worker.__file__)
 
 
-def manager(directory: Path, *, keep_last: int = 3, async_save: bool = False) -> CheckpointManager:
+def manager(
+    directory: Path, *, keep_last: int = 3, async_save: bool = False, run_id: str | None = None
+) -> CheckpointManager:
     return CheckpointManager(
-        directory, keep_last=keep_last, async_save=async_save, rank=0, world_size=1
+        directory, keep_last=keep_last, async_save=async_save, rank=0, world_size=1, run_id=run_id
     )
 
 
@@ -155,7 +158,9 @@ def test_manifest_lists_every_file_with_its_size(tmp_path):
     on_disk = {p.name: p.stat().st_size for p in folder.iterdir() if p.name != MANIFEST}
     assert {f["name"]: f["bytes"] for f in manifest["files"]} == on_disk
     assert ".metadata" in on_disk and "__0_0.distcp" in on_disk
-    assert (manifest["format_version"], manifest["step"], manifest["world_size"]) == (1, 42, 1)
+    assert (manifest["format_version"], manifest["step"], manifest["world_size"]) == (2, 42, 1)
+    for entry in manifest["files"]:
+        assert entry["crc32"] == zlib.crc32((folder / entry["name"]).read_bytes()), entry
     assert manifest["meta"] == {"note": "x"} and manifest["created"] > 0
     with pytest.raises(ValueError, match="JSON"):
         ckpts.save(43, {"w": torch.ones(1)}, meta={"bad": object()})
@@ -174,11 +179,19 @@ def test_keep_last_keeps_the_newest(tmp_path, async_save):
     assert [c.step for c in manager(tmp_path).checkpoints()] == [30, 40]
 
 
-def test_stale_staging_of_earlier_steps_is_removed_after_a_commit(tmp_path):
-    (tmp_path / ".staging_step_00000005").mkdir()  # crashed saves
-    (tmp_path / ".staging_step_00000099").mkdir()  # a later step: not known to be stale
-    manager(tmp_path).save(7, {"w": torch.ones(2)})
-    assert listing(tmp_path) == [".staging_step_00000099", "step_00000007"]
+def test_only_this_runs_stale_staging_is_removed_after_a_commit(tmp_path):
+    ckpts = manager(tmp_path, run_id="run-a")
+    own = [ckpts.staging_dir(5), ckpts.staging_dir(99)]  # crashed saves of this run
+    others = [
+        ".staging_step_00000005.run-b-0123abcd",  # another run's: perhaps a save in progress
+        ".staging_step_00000003",  # unnamed: not known to be this run's
+    ]
+    for path in own + [tmp_path / name for name in others]:
+        path.mkdir()
+    (tmp_path / ".trash_step_00000001.0123abcd").mkdir()  # an interrupted deletion
+    ckpts.save(7, {"w": torch.ones(2)})
+    ckpts.close()
+    assert listing(tmp_path) == sorted(others + ["step_00000007"])
 
 
 def test_saving_a_step_again_replaces_it(tmp_path):
@@ -381,6 +394,15 @@ def test_two_ranks_save_sync_and_async_and_load_back(two_ranks):
         assert {"__0_0.distcp", "__1_0.distcp"} <= {f["name"] for f in manifest["files"]}
 
 
+def test_two_ranks_refuse_a_second_run_on_every_rank(two_ranks):
+    output = two_ranks["output"]
+    for rank in (0, 1):
+        # A manager of another run on the folder that run 'roundtrip' holds: one ConfigError on
+        # every rank, naming the holder (rank 0 decides and broadcasts).
+        assert f"rank {rank}: second run refused" in output, output
+    assert not (two_ranks["dir"] / "roundtrip" / "sync" / LOCK).exists()  # released on close
+
+
 @pytest.mark.parametrize("folder", ["sync", "async"])
 def test_one_process_loads_a_two_rank_checkpoint(two_ranks, folder):
     ckpts = manager(two_ranks["dir"] / "roundtrip" / folder)
@@ -420,9 +442,11 @@ def test_replicated_tensors_are_saved_once(two_ranks, tmp_path):
 def test_rank_killed_during_save_leaves_the_previous_checkpoint(two_ranks, caplog):
     assert two_ranks["returncode"] != 0  # rank 1 was SIGKILLed in the middle of step 2's save
     directory = two_ranks["dir"] / "kill"
-    staging = directory / ".staging_step_00000002"
+    # The same run, restarted: it owns the staging folder the killed save left behind.
+    ckpts = manager(directory, run_id=worker.KILL_RUN)
+    staging = ckpts.staging_dir(2)
+    assert [p for p in directory.iterdir() if p.name.startswith(".staging")] == [staging]
     assert (staging / "__0_0.distcp").exists()  # rank 0 had started writing step 2
-    ckpts = manager(directory)
     assert [c.step for c in ckpts.checkpoints()] == [1]
     checkpoint = ckpts.resolve_resume("auto")
     assert checkpoint.step == 1 and checkpoint.meta == {"value": 1}
@@ -431,6 +455,7 @@ def test_rank_killed_during_save_leaves_the_previous_checkpoint(two_ranks, caplo
     assert torch.equal(target["weight"], torch.ones(worker.WIDTH, worker.WIDTH))
     # The next save of step 2 starts from a clean staging folder.
     ckpts.save(2, {"weight": torch.full((2,), 2.0)})
+    ckpts.close()
     assert listing(directory) == ["step_00000001", "step_00000002"]
     assert sorted(p.name for p in (directory / "step_00000002").iterdir()) == [
         ".metadata",

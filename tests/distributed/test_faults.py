@@ -1,14 +1,33 @@
 """Real faults under torchrun (gloo, 2 processes): a killed rank, preemption and resume on another
-world size, non-finite losses, a hung rank. FaultTrainer (tests/support.py) injects them."""
+world size, non-finite losses, a hung rank, a killed torchrun agent, a backend without its device,
+a checkpoint that cannot be written. FaultTrainer and SignalTrainer (tests/support.py) inject
+them."""
 
 from __future__ import annotations
 
+import os
+import signal
+import sys
 import time
 
 import pytest
 import torch
 
-from tests.support import FINAL_STATE, TINY, read_jsonl, run_cli, seen_samples
+from sdnet_trainer.cli import EXIT_CHECKPOINT
+from tests.support import (
+    FINAL_STATE,
+    TINY,
+    checkpoint_names,
+    child_processes,
+    kill_processes,
+    process_command,
+    read_jsonl,
+    run_cli,
+    seen_samples,
+    start_command,
+    torchrun_command,
+    wait_until,
+)
 
 TARGET = "trainer._target_=tests.support.FaultTrainer"
 # 256 samples / global batch 32 = 8 steps per epoch.
@@ -114,3 +133,101 @@ def test_hung_rank_ends_every_rank_with_stack_dumps(tmp_path):
         assert "made no progress" in dumps[rank] and "of step 3" in dumps[rank]
         assert "most recent call first" in dumps[rank]
     assert "in compute_loss" in dumps[1]  # the hung rank sleeps inside its loss
+
+
+# ---------------------------------------------------------------------- the launcher and our exits
+
+SIGNALS = TINY + [
+    "trainer._target_=tests.support.SignalTrainer",
+    "loop.global_batch_size=32",
+    "loop.eval_at_end=false",
+    "sched=cosine",
+]
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="parent-death signal: Linux")
+def test_workers_die_with_a_killed_torchrun_agent(tmp_path):
+    run_dir = tmp_path / "run"
+    checkpoints = run_dir / "checkpoints"
+    args = SIGNALS + [
+        "loop.max_steps=1000",
+        "checkpoint.every_n_steps=1",
+        f"hydra.run.dir={run_dir}",
+    ]
+    log = tmp_path / "torchrun.log"
+    agent = start_command(
+        torchrun_command(args, nproc=2),
+        cwd=tmp_path,
+        log=log,
+        env={"SDNET_TEST_STEP_DELAY": "0.1"},
+    )
+    workers: dict[int, str] = {}
+    try:
+        wait_until(
+            lambda: len(checkpoint_names(checkpoints)) >= 2 or agent.poll() is not None,
+            timeout=180,
+            what="two checkpoints",
+        )
+        assert agent.poll() is None, log.read_text()
+        workers = {
+            pid: command
+            for pid, command in child_processes(agent.pid).items()
+            if "sdnet_trainer" in command
+        }
+        assert len(workers) == 2, workers
+        os.kill(agent.pid, signal.SIGKILL)
+        agent.wait(timeout=30)
+        at_kill = checkpoint_names(checkpoints)
+        wait_until(
+            lambda: all(process_command(pid) != command for pid, command in workers.items()),
+            timeout=10,
+            what="the workers to die with their agent",
+        )
+        time.sleep(2)  # orphans would commit a checkpoint every step, several a second
+        assert checkpoint_names(checkpoints) <= at_kill
+    finally:
+        if agent.poll() is None:
+            agent.kill()
+            agent.wait()
+        kill_processes(workers)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the case of a machine without GPUs")
+def test_nccl_without_gpus_is_a_config_error_on_every_rank(tmp_path):
+    run = run_cli(
+        TINY + ["dist.backend=nccl", "loop.max_steps=2", f"hydra.run.dir={tmp_path / 'run'}"],
+        cwd=tmp_path,
+        nproc=2,
+    )
+    assert run.returncode != 0
+    message = (
+        "config error: dist.backend=nccl needs CUDA devices, but dist.device=auto resolved to "
+        "cpu: torch.cuda.is_available() is False on this machine"
+    )
+    assert message in run.output, run.output
+    assert "exitcode  : 2" in run.output
+    assert "ProcessGroupNCCL" not in run.output and "sdnet_trainer/" not in run.output
+
+
+@pytest.mark.parametrize("nproc", [None, 2])
+def test_checkpoint_error_ends_every_rank_with_one_line(tmp_path, nproc):
+    run = run_cli(
+        SIGNALS
+        + ["loop.max_steps=6", "checkpoint.every_n_steps=2", f"hydra.run.dir={tmp_path / 'run'}"],
+        cwd=tmp_path,
+        nproc=nproc,
+        env={"SDNET_TEST_CHECKPOINT_ERROR": "4"},
+    )
+    lines = [line for line in run.output.splitlines() if "checkpoint error: " in line]
+    assert all(
+        line.endswith("OSError: [Errno 28] No space left on device")
+        and "cannot save step 4 to " in line
+        for line in lines
+    ), lines
+    assert "sdnet_trainer/" not in run.output  # no traceback through our code
+    if nproc is None:
+        assert run.returncode == EXIT_CHECKPOINT == 5
+        assert len(lines) == 1 and "Traceback" not in run.output
+    else:
+        assert run.returncode != 0 and "exitcode  : 5" in run.output
+        assert len(lines) == 2 and sum(line.startswith("[rank1]") for line in lines) == 1

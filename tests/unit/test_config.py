@@ -190,3 +190,44 @@ def test_rank0_only(monkeypatch):
     assert rank0_only(".hydra") == ".hydra"
     monkeypatch.setenv("RANK", "3")
     assert rank0_only(".hydra") is None
+
+
+# ---------------------------------------------------------------------- backend, device and GPUs
+
+
+def _dist_error(overrides) -> str:
+    from sdnet_trainer.distributed.env import validate_dist
+
+    with pytest.raises(ConfigError) as excinfo:
+        validate_dist(compose(overrides))
+    return str(excinfo.value)
+
+
+def test_nccl_on_a_machine_without_cuda_names_the_keys_and_the_device(monkeypatch):
+    monkeypatch.setattr("torch.cuda.is_available", lambda: False)
+    message = _dist_error(["dist.backend=nccl"])  # dist.device=auto finds no GPU
+    assert "dist.backend=nccl needs CUDA devices" in message
+    assert "dist.device=auto resolved to cpu" in message and "dist.backend=gloo" in message
+    assert "dist.device=cpu" in _dist_error(["dist.backend=nccl", "dist.device=cpu"])
+    message = _dist_error(["dist.device=cuda"])
+    assert "dist.device=cuda" in message and "is_available() is False" in message
+
+
+def test_local_rank_needs_a_gpu_of_its_own(monkeypatch):
+    from sdnet_trainer.distributed.env import validate_dist
+
+    monkeypatch.setattr("torch.cuda.is_available", lambda: True)
+    monkeypatch.setattr("torch.cuda.device_count", lambda: 2)
+    monkeypatch.delenv("RANK", raising=False)
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
+    monkeypatch.setenv("LOCAL_RANK", "2")
+    message = _dist_error([])  # dist.device=auto: CUDA
+    assert "LOCAL_RANK=2" in message and "shows 2 CUDA device(s)" in message
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "0,1")
+    assert "CUDA_VISIBLE_DEVICES='0,1'" in _dist_error(["dist.backend=nccl"])
+    monkeypatch.setenv("LOCAL_RANK", "1")
+    validate_dist(compose(["dist.backend=nccl"]))  # GPU 1 of 2
+    monkeypatch.setenv("LOCAL_RANK", "5")
+    validate_dist(compose(["dist.device=cpu"]))  # no GPU needed
+    monkeypatch.setenv("LOCAL_RANK", "one")
+    assert "LOCAL_RANK='one' is not an integer" in _dist_error([])

@@ -9,11 +9,13 @@ import torch
 
 from sdnet_trainer.config.schema import DataConfig
 from sdnet_trainer.data import (
+    CheckedImageFolder,
     GlobalBatchSampler,
     ShardedEvalSampler,
     SyntheticImages,
     build_datasets,
     build_loader,
+    skipped_samples,
 )
 from sdnet_trainer.errors import ConfigError
 
@@ -295,6 +297,9 @@ def _folder_cfg(root, **overrides) -> DataConfig:
 def test_imagefolder_loads(tmp_path):
     train, val = build_datasets(_folder_cfg(_image_tree(tmp_path)))
     assert (len(train), len(val)) == (4, 4)
+    # data.on_bad_sample (tests/unit/test_bad_samples.py): error by default, so nothing counted.
+    assert isinstance(train, CheckedImageFolder) and train.on_bad_sample == "error"
+    assert train.skipped is None and skipped_samples(train) is None
     for ds in (train, val):
         image, label = ds[0]
         assert image.shape == (3, 16, 16) and image.dtype == torch.float32

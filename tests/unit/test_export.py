@@ -10,7 +10,7 @@ import torch
 from omegaconf import OmegaConf
 from torch import nn
 
-from sdnet_trainer import Config, ConfigError, Trainer, compose
+from sdnet_trainer import Config, Trainer, compose
 from sdnet_trainer.checkpoint import CheckpointManager, read_checkpoint
 from sdnet_trainer.config.schema import DataConfig
 from sdnet_trainer.export import (
@@ -20,7 +20,9 @@ from sdnet_trainer.export import (
     example_inputs,
     export,
     main,
+    recorded_trainer,
     trainer_class,
+    trainer_hint,
     training_config,
 )
 from sdnet_trainer.recipes.custom_model import SpiralTrainer
@@ -45,9 +47,16 @@ def spirals(tmp_path_factory):
     return checkpoint, expected
 
 
+SPIRAL_TRAINER = "sdnet_trainer.recipes.custom_model.SpiralTrainer"
+
+
 def test_custom_trainer_exports_its_own_model(spirals, tmp_path):
     checkpoint, expected = spirals
-    result = export(ExportArgs(checkpoint=str(checkpoint), format="pt,onnx", out=str(tmp_path)))
+    result = export(
+        ExportArgs(
+            checkpoint=str(checkpoint), format="pt,onnx", out=str(tmp_path), trainer=SPIRAL_TRAINER
+        )
+    )
     assert [p.name for p in result.files] == ["config.yaml", "model.onnx", "model.pt"]
     assert result.max_abs_diff["onnx"] < 1e-4  # traced on the spiral points of its validation set
     state = torch.load(tmp_path / "model.pt", weights_only=True)
@@ -56,17 +65,29 @@ def test_custom_trainer_exports_its_own_model(spirals, tmp_path):
         assert torch.equal(state[name], value), name
 
 
-def test_a_script_trainer_is_found_through_the_config(spirals):
+def test_a_custom_model_needs_trainer_naming_the_recorded_class(spirals, tmp_path, capsys):
+    checkpoint, _ = spirals
+    # sdnet_trainer.Trainer cannot build the spiral MLP; the recorded class is not imported.
+    assert main([f"checkpoint={checkpoint}", f"out={tmp_path / 'out'}"]) == EXIT_BAD_INPUT
+    err = capsys.readouterr().err
+    assert f"pass trainer={SPIRAL_TRAINER}" in err
+    assert not (tmp_path / "out").exists()
+
+
+def test_a_script_trainer_is_named_through_the_config(spirals):
     checkpoint, _ = spirals
     ckpt = read_checkpoint(checkpoint)
     cfg = training_config(ckpt)
+    assert recorded_trainer(ckpt, cfg) == SPIRAL_TRAINER
+    # Never imported: export rebuilds with this package's Trainer unless trainer= names a class.
+    assert trainer_class(ckpt, cfg, None) is Trainer
+    assert trainer_class(ckpt, cfg, SPIRAL_TRAINER) is SpiralTrainer
     # launch(SpiralTrainer) from `python recipes/custom_model.py` records the class as
-    # __main__.SpiralTrainer.
+    # __main__.SpiralTrainer: the config's trainer._target_ names it.
     ckpt.meta["trainer"] = "__main__.SpiralTrainer"
-    assert trainer_class(ckpt, cfg, None) is SpiralTrainer
+    assert recorded_trainer(ckpt, cfg) == SPIRAL_TRAINER
     ckpt.meta["trainer"] = "__main__.OtherTrainer"
-    with pytest.raises(ConfigError, match="trainer=my_package.my_module.OtherTrainer"):
-        trainer_class(ckpt, cfg, None)
+    assert "trainer=my_package.my_module.OtherTrainer" in trainer_hint(recorded_trainer(ckpt, cfg))
 
 
 class TiedTokenTrainer(Trainer):
@@ -99,7 +120,12 @@ def test_tied_weights_and_token_inputs(tmp_path):
     manager.close()
     out = tmp_path / "out"
     result = export(
-        ExportArgs(checkpoint=str(tmp_path / "checkpoints"), format="all", out=str(out))
+        ExportArgs(
+            checkpoint=str(tmp_path / "checkpoints"),
+            format="all",
+            out=str(out),
+            trainer=f"{__name__}.TiedTokenTrainer",
+        )
     )
     assert set(result.max_abs_diff) == {"onnx", "torch_export"}
     st = safetensors_torch.load_file(out / "model.safetensors")
