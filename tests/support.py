@@ -66,20 +66,11 @@ def run_cli(
     """Run ``python -m sdnet_trainer`` (nproc None) or ``torchrun --standalone`` with ``nproc``
     processes; ``script`` replaces ``-m sdnet_trainer``. The whole process tree is killed on
     timeout. torchrun's --standalone picks a free port for its rendezvous."""
-    target = [str(script)] if script else ["-m", "sdnet_trainer"]
+    target = (str(script),) if script else ("-m", "sdnet_trainer")
     if nproc is None:
         cmd = [sys.executable, *target, *args]
     else:
-        cmd = [
-            sys.executable,
-            "-m",
-            "torch.distributed.run",
-            "--standalone",
-            f"--nproc_per_node={nproc}",
-            *torchrun_args,
-            *target,
-            *args,
-        ]
+        cmd = torchrun_command(args, nproc=nproc, torchrun_args=torchrun_args, target=target)
     return run_command(cmd, cwd=cwd, timeout=timeout, env=env)
 
 
@@ -290,9 +281,14 @@ class SignalTrainer(FaultTrainer):
 
 
 def torchrun_command(
-    args: list[str], *, nproc: int, torchrun_args: tuple[str, ...] = ()
+    args: list[str],
+    *,
+    nproc: int,
+    torchrun_args: tuple[str, ...] = (),
+    target: tuple[str, ...] = ("-m", "sdnet_trainer"),
 ) -> list[str]:
-    """``torchrun --standalone`` running ``-m sdnet_trainer`` (as run_cli builds it)."""
+    """``torchrun --standalone`` (a free port for its rendezvous) running ``target``, by default
+    ``-m sdnet_trainer``; run_cli launches the same command."""
     return [
         sys.executable,
         "-m",
@@ -300,8 +296,7 @@ def torchrun_command(
         "--standalone",
         f"--nproc_per_node={nproc}",
         *torchrun_args,
-        "-m",
-        "sdnet_trainer",
+        *target,
         *args,
     ]
 
