@@ -24,6 +24,12 @@ class BatchLayout:
     grad_accum_steps: int
     micro_batch_size: int
 
+    def describe(self, dp: int) -> str:
+        return (
+            f"global batch {self.global_batch_size} = {dp} data-parallel ranks x "
+            f"{self.grad_accum_steps} accumulation x {self.micro_batch_size} micro-batch"
+        )
+
 
 def batch_layout(cfg: Config, world_size: int) -> BatchLayout:
     """The batch split for ``world_size`` ranks; the batch rules live here alone.

@@ -23,6 +23,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol
 
+from omegaconf import OmegaConf
 from torch import nn
 from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
@@ -35,7 +36,7 @@ from torch.distributed.optim import ZeroRedundancyOptimizer
 from torch.optim import Optimizer
 
 from sdnet_trainer.checkpoint import Checkpoint, CheckpointManager
-from sdnet_trainer.config.schema import CheckpointConfig
+from sdnet_trainer.config.schema import CheckpointConfig, Config
 from sdnet_trainer.distributed.ddp import unwrap
 from sdnet_trainer.distributed.zero import (
     load_zero_param_groups,
@@ -272,3 +273,16 @@ def run_parts(
         parts["comm"] = Part(comm, per_rank=True)
     parts["rng"] = Part(rng_state, per_rank=True, reset=rederive_rng)
     return parts
+
+
+def run_meta(
+    cfg: Config, trainer_class: type, global_batch_size: int, world_size: int
+) -> dict[str, Any]:
+    """What a checkpoint records besides its parts: the layout that wrote it, and the resolved
+    config and Trainer class, from which export rebuilds the model without the run directory."""
+    return {
+        "global_batch_size": global_batch_size,
+        "world_size": world_size,
+        "trainer": f"{trainer_class.__module__}.{trainer_class.__qualname__}",
+        "config": OmegaConf.to_container(OmegaConf.structured(cfg)),
+    }

@@ -7,6 +7,10 @@ validation set whatever the world size or the last batch's size.
 
 from __future__ import annotations
 
+from collections.abc import Callable, Iterable
+from contextlib import AbstractContextManager
+from typing import Any
+
 import torch
 import torch.nn.functional as F
 from torch.distributed.tensor import DTensor
@@ -29,6 +33,35 @@ def metric_sums(logits: torch.Tensor, targets: torch.Tensor) -> dict[str, torch.
         "top5": top.any(dim=1).sum(),
         "count": torch.tensor(targets.shape[0], device=targets.device),
     }
+
+
+@torch.no_grad()
+def evaluate_batches(
+    batches: Iterable[Any],
+    eval_step: Callable[[Any], dict[str, torch.Tensor]],
+    *,
+    model: torch.nn.Module,
+    autocast: Callable[[], AbstractContextManager[Any]],
+    after_batch: Callable[[], None],
+    weight: float,
+    device: torch.device,
+    agree_on_keys: bool,
+) -> dict[str, float]:
+    """Run ``eval_step`` over every batch with ``model`` in eval mode (restored afterwards), add
+    up its sums and reduce them over ranks (see :func:`reduce_metric_sums`)."""
+    was_training = model.training
+    model.eval()
+    totals: dict[str, torch.Tensor] = {}
+    try:
+        for batch in batches:
+            with autocast():
+                sums = eval_step(batch)
+            after_batch()
+            for key, value in sums.items():
+                totals[key] = totals.get(key, 0) + value.detach().double()
+    finally:
+        model.train(was_training)
+    return reduce_metric_sums(totals, weight=weight, device=device, agree_on_keys=agree_on_keys)
 
 
 def reduce_metric_sums(

@@ -21,35 +21,34 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Generator, Iterator
+from collections.abc import Iterator
 from contextlib import contextmanager, nullcontext
 from pathlib import Path
 from typing import Any
 
 import torch
 from hydra.utils import get_class
-from omegaconf import OmegaConf
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.parallel import loss_parallel
 from torch.nn.parallel import DistributedDataParallel
-from torch.utils.data import DataLoader, Dataset, default_collate
+from torch.utils.data import Dataset
 
 from sdnet_trainer import rng
 from sdnet_trainer.batching import BatchLayout, batch_layout
-from sdnet_trainer.checkpointer import Checkpointer, run_parts
+from sdnet_trainer.checkpointer import Checkpointer, run_meta, run_parts
 from sdnet_trainer.config import Config
-from sdnet_trainer.data import LM_DATASETS, GlobalBatchSampler, build_datasets, skipped_samples
-from sdnet_trainer.data.loader import eval_loader, shutdown_loader, to_device, train_loader
+from sdnet_trainer.data import LM_DATASETS, build_datasets, skipped_samples
+from sdnet_trainer.data.loader import RunData
 from sdnet_trainer.distributed import DistEnv
 from sdnet_trainer.distributed.comm import GradientComm
 from sdnet_trainer.distributed.ddp import unwrap
 from sdnet_trainer.distributed.mesh import ParallelDims, build_mesh, parallel_dims
 from sdnet_trainer.distributed.parallelize import gradient_sync, parallelize
-from sdnet_trainer.distributed.pipeline import Pipeline, build_pipeline
+from sdnet_trainer.distributed.pipeline import Pipeline
 from sdnet_trainer.errors import ConfigError
-from sdnet_trainer.evaluation import metric_sums, reduce_metric_sums
+from sdnet_trainer.evaluation import evaluate_batches, metric_sums
 from sdnet_trainer.health import Heartbeat, PhaseTracker, Watchdog, hang_log_path
 from sdnet_trainer.hooks import (
     EvalHook,
@@ -80,15 +79,13 @@ class Trainer:
     mesh: DeviceMesh | None
     model: nn.Module
     num_parameters: int
-    pipeline: Pipeline | None
+    pipeline: Pipeline | None  # this rank's stages under parallel.pp > 1
     metric_weight: float  # 1 where this rank's loss and metrics count (see _setup_model)
     optimizer: torch.optim.Optimizer
     comm: GradientComm | None  # DDP's gradient communication (comm.*)
     precision: Precision
     criterion: nn.Module
-    train_sampler: GlobalBatchSampler
-    train_loader: DataLoader
-    val_loader: DataLoader | None
+    data: RunData  # the training and validation loaders
     steps_per_epoch: int
     epoch_shape: EpochShape
     total_steps: int  # for max_epochs: counted at the current batch layout (the schedule's length)
@@ -111,7 +108,6 @@ class Trainer:
         self.signals = StopSignals()
         self.phase = PhaseTracker()  # what this rank is doing, for the hang watchdog's report
         self.meter = StepMeter()
-        self._batches: Generator[Any, None, None] | None = None
 
     # ------------------------------------------------------------------ the subclassing surface
 
@@ -161,24 +157,19 @@ class Trainer:
     # Loss, top-1 and top-5 hit sums of a batch of logits (see sdnet_trainer.evaluation).
     metric_sums = staticmethod(metric_sums)
 
-    @torch.no_grad()
     def evaluate(self) -> dict[str, float]:
         """Metrics over the whole validation set, identical on every rank."""
-        if self.val_loader is None:
+        if self.data.val_loader is None:
             return {}
-        model = unwrap(self.model)
-        was_training = model.training
-        model.eval()
-        totals: dict[str, torch.Tensor] = {}
-        for batch in self.val_loader:
-            with self.precision.autocast():
-                sums = self.eval_step(self.to_device(batch))
-            self._beat()
-            for key, value in sums.items():
-                totals[key] = totals.get(key, 0) + value.detach().double()
-        model.train(was_training)
-        return reduce_metric_sums(
-            totals, weight=self.metric_weight, device=self.device, agree_on_keys=self.dims.pp > 1
+        return evaluate_batches(
+            map(self.to_device, self.data.val_loader),
+            self.eval_step,
+            model=unwrap(self.model),
+            autocast=self.precision.autocast,
+            after_batch=self._beat,  # a long evaluation is progress for the hang watchdog
+            weight=self.metric_weight,
+            device=self.device,
+            agree_on_keys=self.dims.pp > 1,  # only the last stage has sums
         )
 
     def build_hooks(self) -> list[HookBase]:
@@ -206,14 +197,14 @@ class Trainer:
             comm_bytes=self.comm.bytes_per_step if self.comm is not None else None,
             loss_scale=self.precision.scaler.get_scale if self.precision.scaling else None,
             is_main=self.env.is_main,
-            bad_samples=skipped_samples(self.train_loader.dataset),
+            bad_samples=skipped_samples(self.data.train_loader.dataset),
         )
         hooks = [
             ProfilerHook(profiler) if profiler.enabled else None,
             evaluation,
             self.checkpointer,
             metrics,
-            WatchdogHook(self.watchdog) if self.watchdog is not None else None,
+            WatchdogHook(self.watchdog) if self.watchdog else None,
             HeartbeatHook(Heartbeat(heartbeat_s, rank=rank)) if heartbeat_s else None,
         ]
         return [hook for hook in hooks if hook is not None]
@@ -228,13 +219,10 @@ class Trainer:
         self._setup_observability(train_set)
         self._setup_checkpointing()
         self.hooks = self.build_hooks()
-        layout, dims = self.layout, self.dims
         logger.info(
             f"model {self.cfg.model.name}: {self.num_parameters / 1e6:.2f}M parameters | "
-            f"world size {self.env.world_size} on {self.device} ({dims.describe()}, "
-            f"{self.cfg.parallel.strategy}) | global batch {layout.global_batch_size} = "
-            f"{dims.dp} data-parallel ranks x {layout.grad_accum_steps} accumulation x "
-            f"{layout.micro_batch_size} micro-batch | "
+            f"world size {self.env.world_size} on {self.device} ({self.dims.describe()}, "
+            f"{self.cfg.parallel.strategy}) | {self.layout.describe(self.dims.dp)} | "
             f"{self.total_steps} steps ({self.steps_per_epoch} per epoch)"
         )
 
@@ -249,20 +237,8 @@ class Trainer:
         # pipeline stages and tensor-parallel shards are cut from identical full models.
         model = self.build_model().to(self.device)
         self.num_parameters = sum(p.numel() for p in model.parameters())  # of the whole model
-        parallel = parallelize(model, cfg, env, self.mesh, self.dims)
-        self.model = parallel.model
-        self.pipeline = None
-        if parallel.stages is not None:
-            assert self.mesh is not None and parallel.stage_ids is not None
-            self.pipeline = build_pipeline(
-                parallel.stages,
-                parallel.stage_ids,
-                parallel.num_stages,
-                cfg.parallel.pipeline,
-                group=self.mesh["pp"].get_group(),
-                device=self.device,
-                loss_fn=self.loss_fn,
-            )
+        parallel = parallelize(model, cfg, env, self.mesh, self.dims, loss_fn=self.loss_fn)
+        self.model, self.pipeline = parallel.model, parallel.pipeline
         # This rank's metrics count once: last pipeline stage, first tensor-parallel peer.
         last_stage = self.pipeline is None or self.pipeline.has_last
         first_tp = self.dims.coordinates(env.rank)["tp"] == 0
@@ -272,25 +248,22 @@ class Trainer:
 
     def _setup_data(self) -> Dataset:
         """Datasets and loaders; the schedule's length follows from them."""
-        loop, data, layout, env = self.cfg.loop, self.cfg.data, self.layout, self.env
+        loop, layout = self.cfg.loop, self.layout
         train_set, val_set = self.build_datasets()
-        dp = {"dp_size": self.dims.dp, "dp_rank": self.dims.dp_rank(env.rank)}
-        self.train_loader, self.train_sampler = train_loader(
+        self.data = RunData(
             train_set,
-            cfg=data,
-            device_type=self.device.type,
+            val_set,
+            cfg=self.cfg.data,
+            device=self.device,
             micro_batch_size=layout.micro_batch_size,
             grad_accum_steps=layout.grad_accum_steps,
+            eval_batch_size=loop.eval_batch_size or layout.micro_batch_size,
+            dp_size=self.dims.dp,
+            dp_rank=self.dims.dp_rank(self.env.rank),
             seed=loop.seed,
-            **dp,
+            channels_last=self.cfg.model.channels_last,
         )
-        self.val_loader = None
-        if val_set is not None:
-            batch_size = loop.eval_batch_size or layout.micro_batch_size
-            self.val_loader = eval_loader(
-                val_set, cfg=data, device_type=self.device.type, batch_size=batch_size, **dp
-            )
-        self.steps_per_epoch = self.train_sampler.steps_per_epoch
+        self.steps_per_epoch = self.data.steps_per_epoch
         self.epoch_shape = EpochShape(layout.global_batch_size, self.steps_per_epoch)
         self.total_steps = loop.max_steps or (loop.max_epochs or 0) * self.steps_per_epoch
         return train_set
@@ -329,13 +302,10 @@ class Trainer:
             self.output_dir, enabled=env.is_main, tensorboard=logs.tensorboard, jsonl=logs.jsonl
         )
         flops, peak = None, None
-        if logs.flops:
-            # Counted once on a meta-device copy of the model: no memory, no collectives.
-            size = len(train_set)  # type: ignore[arg-type]  # map-style datasets have a length
-            example = default_collate([train_set[i] for i in range(min(2, size))])
+        if logs.flops:  # counted once on a meta-device copy of the model
             flops, peak = run_flops(
                 self.build_model,
-                example,
+                train_set,
                 lambda model, batch: self.loss_fn(model(batch[0]), batch[1]),
                 device=self.device,
                 dtype=self.precision.dtype,
@@ -351,20 +321,15 @@ class Trainer:
             peak_tflops=peak,
         )
         timeout, log_file = cfg.health.hang_timeout_s, hang_log_path(self.output_dir, env.rank)
-        self.watchdog = None
-        if timeout is not None:
-            self.watchdog = Watchdog(
-                timeout, rank=env.rank, describe=self.phase.describe, log_file=log_file
-            )
+        self.watchdog = (
+            None
+            if timeout is None
+            else Watchdog(timeout, rank=env.rank, describe=self.phase.describe, log_file=log_file)
+        )
 
     def _setup_checkpointing(self) -> None:
         """The checkpointer over the run's stateful parts, then ``checkpoint.resume``."""
         cfg, env = self.cfg, self.env
-
-        def rederive_rng() -> None:
-            # Another world size cannot map old ranks to new ones: derive from (seed, rank, step).
-            rng.reseed(cfg.loop.seed, rank=env.rank, step=self.state.step)
-
         parts = run_parts(
             model=self.model,
             optimizer=self.optimizer,
@@ -373,16 +338,10 @@ class Trainer:
             scaler=self.precision.scaler if self.precision.scaling else None,
             comm=self.comm,
             rng_state=rng.RngState(self.device),
-            rederive_rng=rederive_rng,
+            # Another world size cannot map old ranks to new ones: derive from (seed, rank, step).
+            rederive_rng=lambda: rng.reseed(cfg.loop.seed, rank=env.rank, step=self.state.step),
         )
-        # The resolved config and Trainer class travel with the weights: export rebuilds the model
-        # from them without the run directory.
-        meta = {
-            "global_batch_size": self.layout.global_batch_size,
-            "world_size": env.world_size,
-            "trainer": f"{type(self).__module__}.{type(self).__qualname__}",
-            "config": OmegaConf.to_container(OmegaConf.structured(cfg)),
-        }
+        meta = run_meta(cfg, type(self), self.layout.global_batch_size, env.world_size)
         directory = cfg.checkpoint.dir or self.output_dir / "checkpoints"
         # The run id claims the directory for this run (torchrun's restarts keep it).
         self.checkpointer = Checkpointer(
@@ -420,7 +379,7 @@ class Trainer:
     def _running(self) -> Iterator[None]:
         """Stop signals and the hooks' lifetimes around the loop; loaders, writer and an async
         checkpoint in flight are closed on every path."""
-        self._batches = batches = self._train_batches()
+        self.data.start(self.state)
         try:
             with self.signals:
                 for hook in self.hooks:
@@ -429,31 +388,24 @@ class Trainer:
         finally:
             for hook in reversed(self.hooks):
                 hook.close()
-            batches.close()  # ends the loader iteration in flight
-            shutdown_loader(self.train_loader)
-            shutdown_loader(self.val_loader)
+            self.data.close()
             self.writer.close()
 
     def _finished(self) -> bool:
-        loop, state = self.cfg.loop, self.state
-        return (
-            state.step >= self.total_steps
-            if loop.max_steps
-            else state.epoch >= (loop.max_epochs or 0)
-        )
+        if self.cfg.loop.max_steps:
+            return self.state.step >= self.total_steps
+        return self.state.epoch >= (self.cfg.loop.max_epochs or 0)
 
     def _beat(self) -> None:
         """Progress for the hang watchdog (also called inside long evaluations)."""
-        if self.watchdog is not None:
+        if self.watchdog:
             self.watchdog.beat()
 
     def close(self) -> None:
         """Release the model, optimizer, DDP's comm wrapper and the loaders before the process
         group goes away; an exception's traceback may keep this Trainer alive past that point."""
-        held = (
-            "model pipeline optimizer comm scheduler stepper train_loader val_loader checkpointer"
-        )
-        for name in [*held.split(), "hooks", "_batches"]:
+        held = "model pipeline optimizer comm scheduler stepper data checkpointer hooks"
+        for name in held.split():
             setattr(self, name, None)
 
     def train_step(self) -> StepResult:
@@ -467,8 +419,7 @@ class Trainer:
         for micro_step in range(accum):
             started = time.perf_counter()
             self.phase.enter("data", step=step)
-            assert self._batches is not None, "train_step runs inside fit"
-            batch = self.to_device(next(self._batches))
+            batch = self.data.next_batch()
             data_wait += time.perf_counter() - started  # fetch and copy to the device
             # Data parallelism reduces gradients in backward, on the last micro-step only.
             sync = micro_step == accum - 1
@@ -476,28 +427,28 @@ class Trainer:
             self.phase.enter(phase, step=step)
             # loss_parallel: with vocabulary-sharded logits the loss and its backward run on shards.
             with gradient_sync(self.model, sync), loss_parallel() if tp_loss else nullcontext():
-                if self.pipeline is not None:
-                    loss = self._pipeline_step(batch)
+                if self.pipeline is not None:  # the schedule runs forward and backward
+                    with self.precision.autocast():
+                        loss = self.pipeline.train_step(*batch)
                 else:
                     with self.precision.autocast():
                         loss = self.compute_loss(batch)
                     self.precision.scaler.scale(loss / accum).backward()
-            if isinstance(
-                loss, DTensor
-            ):  # loss_parallel: the loss of vocabulary shards, replicated
+            if isinstance(loss, DTensor):  # loss_parallel: the replicated loss of vocab shards
                 loss = loss.full_tensor()
             loss_sum += loss.detach().float()
         loss = loss_sum / accum
         backward_done = time.perf_counter()
         grad_norm, verdict = self.stepper.apply(loss)
         done = time.perf_counter()
-        self.meter.add_data_wait(data_wait)
-        self.meter.add_phases(
-            compute=backward_done - step_started - data_wait, optimizer=done - backward_done
+        self.meter.step_done(
+            # Ranks that share samples (tensor/pipeline peers) share the count as well.
+            samples=self.layout.global_batch_size / self.env.world_size,
+            seconds=done - step_started,
+            data_wait=data_wait,
+            compute=backward_done - step_started - data_wait,
+            optimizer=done - backward_done,
         )
-        # Ranks that share samples (tensor/pipeline peers) share the count as well.
-        samples = self.layout.global_batch_size / self.env.world_size
-        self.meter.step_done(samples=samples, seconds=done - step_started)
         return StepResult(
             loss=loss,
             grad_norm=grad_norm,
@@ -508,29 +459,9 @@ class Trainer:
             save_due=verdict.save_due,
         )
 
-    def _pipeline_step(self, batch: Any) -> torch.Tensor:
-        """One schedule step over the pipeline's micro-batches: the mean loss on the last stage's
-        rank, zero elsewhere (metric_weight keeps it out of the logged mean)."""
-        assert self.pipeline is not None
-        inputs, targets = batch
-        with self.precision.autocast():
-            losses = self.pipeline.train_step(inputs, targets)
-        return torch.stack(losses).mean() if losses else torch.zeros((), device=self.device)
-
-    # ------------------------------------------------------------------ data plumbing
-
-    def _train_batches(self) -> Generator[Any, None, None]:
-        """Micro-batches forever, epoch after epoch; the sampler is positioned from the epoch and
-        the sample position, so the order depends only on the seed, the epoch and the global
-        sample index (not on the world size or on where a previous run stopped)."""
-        while True:
-            self.train_sampler.set_epoch(self.state.epoch)
-            self.train_sampler.set_start_sample(self.state.epoch_sample)
-            yield from self.train_loader
-
     def to_device(self, batch: Any) -> Any:
         """Move every tensor in a (nested) batch to the training device."""
-        return to_device(batch, self.device, channels_last=self.cfg.model.channels_last)
+        return self.data.to_device(batch)
 
 
 def resolve_trainer_class(target: str, *, key: str = "trainer._target_") -> type[Trainer]:

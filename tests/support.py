@@ -16,7 +16,7 @@ import torch
 from torch import nn
 from torch.utils.data import Dataset
 
-from sdnet_trainer import Trainer
+from sdnet_trainer import HookBase, Trainer
 from sdnet_trainer.distributed import all_reduce_sum
 from sdnet_trainer.distributed.ddp import is_ddp, unwrap
 
@@ -117,12 +117,93 @@ class IndexedDataset(Dataset):
         return (*self.dataset[index], index)
 
 
+class StepCosts:
+    """Counts the Python-level collectives (``torch.distributed.*`` calls) and host
+    synchronisations (``Tensor.item``/``tolist``/``bool``/``float``/``int``) made while
+    ``counting`` is on, by patching them for the process's lifetime. DDP's gradient all-reduces
+    run in C++ and are not counted here (RecordingTrainer counts them with a comm hook)."""
+
+    COLLECTIVES = [
+        "all_reduce",
+        "all_gather",
+        "all_gather_into_tensor",
+        "all_gather_object",
+        "reduce_scatter_tensor",
+        "broadcast",
+        "broadcast_object_list",
+        "barrier",
+        "gather",
+        "gather_object",
+        "reduce",
+        "scatter",
+        "send",
+        "recv",
+        "isend",
+        "irecv",
+        "all_to_all_single",
+        "batch_isend_irecv",
+        "monitored_barrier",
+    ]
+    HOST_SYNCS = ("item", "tolist", "__bool__", "__float__", "__int__")
+
+    def __init__(self) -> None:
+        self.counting = False
+        self.collectives = self.host_syncs = 0
+        for name in self.COLLECTIVES:
+            setattr(torch.distributed, name, self._counted(getattr(torch.distributed, name), "c"))
+        for name in self.HOST_SYNCS:
+            setattr(torch.Tensor, name, self._counted(getattr(torch.Tensor, name), "h"))
+
+    def _counted(self, fn, kind: str):
+        def counted(*args, **kwargs):
+            if self.counting:
+                if kind == "c":
+                    self.collectives += 1
+                else:
+                    self.host_syncs += 1
+            return fn(*args, **kwargs)
+
+        return counted
+
+    def take(self) -> tuple[int, int]:
+        counts = (self.collectives, self.host_syncs)
+        self.collectives = self.host_syncs = 0
+        return counts
+
+
+class _StepCostsHook(HookBase):
+    """Last hook: closes the step's counting window (train_step and every hook before this)."""
+
+    def __init__(self, trainer: RecordingTrainer) -> None:
+        self.trainer = trainer
+
+    def after_step(self, state, result) -> None:
+        costs = self.trainer.costs
+        costs.counting = False
+        self.trainer.step_costs.append((state.step, *costs.take()))
+
+
 class RecordingTrainer(Trainer):
-    """Records the global loss of every step and the number of DDP gradient all-reduce calls,
-    and saves them with the final parameters to ``final.pt`` (rank 0)."""
+    """Records the global loss of every step, the number of DDP gradient all-reduce calls and
+    the Trainer's own collectives and host synchronisations per step (``StepCosts``), and saves
+    them with the final parameters to ``final.pt`` (rank 0)."""
 
     def setup(self) -> None:
+        self.costs = StepCosts()
+        self.step_costs: list[tuple[int, int, int]] = []  # (step, collectives, host syncs)
         super().setup()
+        # The loader works on host tensors before their copy to the device (a label's int() is
+        # no synchronisation): it is not counted.
+        next_batch = self.data.next_batch
+
+        def uncounted_next_batch():
+            counting, self.costs.counting = self.costs.counting, False
+            try:
+                return next_batch()
+            finally:
+                self.costs.counting = counting
+
+        self.data.next_batch = uncounted_next_batch
         self.losses: list[float] = []
         self.allreduce_calls: list[int] = []  # per optimizer step
         self._calls = 0
@@ -131,16 +212,27 @@ class RecordingTrainer(Trainer):
 
             def counting_hook(state, bucket):
                 self._calls += 1
-                return allreduce_hook(state, bucket)
+                # DDP's own gradient all-reduce, issued from Python only because of this hook.
+                counting, self.costs.counting = self.costs.counting, False
+                try:
+                    return allreduce_hook(state, bucket)
+                finally:
+                    self.costs.counting = counting
 
             self.model.register_comm_hook(None, counting_hook)
 
+    def build_hooks(self):
+        return [*super().build_hooks(), _StepCostsHook(self)]
+
     def train_step(self):
+        self.costs.counting = True
         out = super().train_step()
+        self.costs.counting = False  # this recording is the test's, not the Trainer's
         loss = all_reduce_sum(out.loss.detach().clone()) / self.env.world_size
         self.losses.append(loss.item())
         self.allreduce_calls.append(self._calls)
         self._calls = 0
+        self.costs.counting = True  # the hooks' share, until _StepCostsHook
         return out
 
     def fit(self):
@@ -154,6 +246,7 @@ class RecordingTrainer(Trainer):
                     "params": params,
                     "losses": self.losses,
                     "allreduce_calls": self.allreduce_calls,
+                    "step_costs": self.step_costs,
                     "metrics": metrics,
                 },
                 self.output_dir / FINAL_STATE,

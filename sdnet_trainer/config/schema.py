@@ -121,12 +121,13 @@ class SchedConfig:
 
 @dataclass
 class DDPConfig:
-    # null: torch's 25 MB on GPUs; 5 MB on the CPU, where smaller buckets overlap gloo's
-    # all-reduce with more of the backward pass (scripts/bench_overhead.py).
+    # null: torch's default, 25 MB, on every device (scripts/bench_peers.py measured it faster
+    # than 5 MB on CPU too, on in-memory and on synthetic data).
     bucket_cap_mb: Optional[float] = None
     static_graph: bool = False
-    # False (torch's default): measured faster on CPU (scripts/bench_overhead.py); True saves a
-    # gradient-sized copy of memory on GPUs.
+    # False (torch's default): 5-12% faster on CPU in an earlier synthetic-data benchmark (gradients
+    # in persistent buckets keep glibc's mmap threshold low); True saves a gradient-sized copy of
+    # memory on GPUs.
     gradient_as_bucket_view: bool = False
     find_unused_parameters: bool = False
     broadcast_buffers: bool = True

@@ -75,7 +75,7 @@ def skipped_samples(dataset: Dataset | None) -> Callable[[], int] | None:
 
     ``dataset`` may be a wrapper: ``.dataset`` is followed (the training loader's per-sample
     seeding, ``torch.utils.data.Subset``, a subclass's own wrappers), so
-    ``skipped_samples(trainer.train_loader.dataset)`` finds the count.
+    ``skipped_samples(trainer.data.train_loader.dataset)`` finds the count.
     """
     current: object = dataset
     for _ in range(16):  # wrappers nest a few levels; a cycle must not loop forever

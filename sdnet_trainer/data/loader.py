@@ -9,7 +9,8 @@ one config works on a laptop and on a GPU node alike.
 from __future__ import annotations
 
 import logging
-from typing import Any
+from collections.abc import Generator
+from typing import Any, Protocol
 
 import torch
 from torch.utils.data import DataLoader, Dataset, Sampler
@@ -17,7 +18,7 @@ from torch.utils.data import DataLoader, Dataset, Sampler
 from sdnet_trainer.config.checks import check_positive
 from sdnet_trainer.config.schema import DataConfig
 from sdnet_trainer.data.sampler import GlobalBatchSampler, ShardedEvalSampler
-from sdnet_trainer.data.seeding import EpochTaggedBatches, SampleSeeded
+from sdnet_trainer.data.seeding import EpochTaggedBatches, SampleSeeded, draws_random
 from sdnet_trainer.errors import ConfigError
 
 logger = logging.getLogger(__name__)
@@ -110,12 +111,13 @@ def train_loader(
     # The loader gets its own generator: creating an iterator must not draw from the global
     # stream, or a resumed run (which creates one mid-epoch) would diverge from an uninterrupted
     # one. Augmentations are seeded per sample (SampleSeeded), so which worker loads a sample
-    # does not matter either.
+    # does not matter either; samples that draw nothing random skip that work.
+    seeded = draws_random(dataset)
     loader = build_loader(
-        SampleSeeded(dataset, seed=seed),
+        SampleSeeded(dataset, seed=seed) if seeded else dataset,
         cfg=cfg,
         device_type=device_type,
-        batch_sampler=EpochTaggedBatches(sampler),
+        batch_sampler=EpochTaggedBatches(sampler) if seeded else sampler,
         generator=torch.Generator(),
     )
     return loader, sampler
@@ -141,6 +143,80 @@ def eval_loader(
     return build_loader(
         dataset, cfg=cfg, device_type=device_type, sampler=sampler, batch_size=batch_size
     )
+
+
+class DataPosition(Protocol):
+    """Where the run stands in its data (``RunState`` provides it)."""
+
+    epoch: int
+    epoch_sample: int
+
+
+class RunData:
+    """A run's loaders: this data-parallel rank's training micro-batches, drawn from the position
+    the run state gives, and its share of the validation set; batches arrive on ``device``."""
+
+    def __init__(
+        self,
+        train_set: Dataset,
+        val_set: Dataset | None,
+        *,
+        cfg: DataConfig,
+        device: torch.device,
+        micro_batch_size: int,
+        grad_accum_steps: int,
+        eval_batch_size: int,
+        dp_size: int,
+        dp_rank: int,
+        seed: int,
+        channels_last: bool = False,
+    ) -> None:
+        self.device, self.channels_last = device, channels_last
+        dp = {"dp_size": dp_size, "dp_rank": dp_rank}
+        self.train_loader, self.train_sampler = train_loader(
+            train_set,
+            cfg=cfg,
+            device_type=device.type,
+            micro_batch_size=micro_batch_size,
+            grad_accum_steps=grad_accum_steps,
+            seed=seed,
+            **dp,
+        )
+        self.val_loader = None
+        if val_set is not None:
+            self.val_loader = eval_loader(
+                val_set, cfg=cfg, device_type=device.type, batch_size=eval_batch_size, **dp
+            )
+        self.steps_per_epoch = self.train_sampler.steps_per_epoch
+        self._batches: Generator[Any, None, None] | None = None
+
+    def start(self, position: DataPosition) -> None:
+        """Begin (or restart) the training iteration at ``position``."""
+        self._batches = self._positioned(position)
+
+    def _positioned(self, position: DataPosition) -> Generator[Any, None, None]:
+        """Micro-batches forever, epoch after epoch; the sampler is positioned from the epoch and
+        the sample position, so the order depends only on the seed, the epoch and the global
+        sample index (not on the world size or on where a previous run stopped)."""
+        while True:
+            self.train_sampler.set_epoch(position.epoch)
+            self.train_sampler.set_start_sample(position.epoch_sample)
+            yield from self.train_loader
+
+    def next_batch(self) -> Any:
+        """The next training micro-batch, on the device."""
+        assert self._batches is not None, "start() positions the iteration first"
+        return self.to_device(next(self._batches))
+
+    def to_device(self, batch: Any) -> Any:
+        return to_device(batch, self.device, channels_last=self.channels_last)
+
+    def close(self) -> None:
+        """End the iteration in flight and stop every worker process now."""
+        if self._batches is not None:
+            self._batches.close()
+        shutdown_loader(self.train_loader)
+        shutdown_loader(self.val_loader)
 
 
 def shutdown_loader(loader: DataLoader | None) -> None:

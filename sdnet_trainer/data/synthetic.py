@@ -106,6 +106,8 @@ class SyntheticImages(Dataset[tuple[torch.Tensor, int]]):
     prototypes depend on ``seed`` only, so a model trained on "train" is scored fairly on "val".
     """
 
+    draws_random = False  # each sample is a pure function of its index (no per-sample seeding)
+
     def __init__(
         self,
         size: int,

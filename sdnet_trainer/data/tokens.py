@@ -62,6 +62,8 @@ def _transition_table(seed: int, vocab_size: int) -> list[list[int]]:
 class MarkovTokens(Dataset):
     """``size`` token sequences of the seed's sparse Markov chain over ``vocab_size`` tokens."""
 
+    draws_random = False  # each sample is a pure function of its index (no per-sample seeding)
+
     def __init__(
         self, size: int, *, seq_len: int, vocab_size: int, seed: int, split: str = "train"
     ) -> None:
@@ -115,6 +117,8 @@ class TextBytes(Dataset):
     The stride is ``seq_len``, not ``seq_len + 1``: the last byte of one window is the first input
     of the next, so every byte but the very first is a target exactly once.
     """
+
+    draws_random = False  # each sample is a pure function of its index (no per-sample seeding)
 
     def __init__(self, data: torch.Tensor, *, seq_len: int) -> None:
         if data.dtype != torch.uint8 or data.dim() != 1:

@@ -6,7 +6,6 @@ import inspect
 import logging
 from typing import Any
 
-import torch
 import torch.distributed as dist
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
@@ -39,26 +38,12 @@ def wrap_data_parallel(
         model,
         process_group=process_group,
         device_ids=[env.device.index] if env.device.type == "cuda" else None,
-        bucket_cap_mb=_bucket_cap_mb(ddp.bucket_cap_mb, env.device),
+        bucket_cap_mb=ddp.bucket_cap_mb,  # None: torch's default (25 MiB)
         static_graph=ddp.static_graph,
         gradient_as_bucket_view=ddp.gradient_as_bucket_view,
         find_unused_parameters=ddp.find_unused_parameters,
         **_buffer_sync_kwargs(ddp.broadcast_buffers),
     )
-
-
-# Measured with scripts/bench_overhead.py (ResNet-18, 2 CPU processes, gloo): 2-5 MB buckets ran
-# 0.91-1.01x the hand-written loop's step time, 25 MB 1.01-1.14x, 100 MB 1.05x. GPUs keep torch's
-# default, tuned for NCCL.
-_CPU_BUCKET_CAP_MB = 5.0
-_CUDA_BUCKET_CAP_MB = 25.0
-
-
-def _bucket_cap_mb(configured: float | None, device: torch.device) -> float:
-    """``parallel.ddp.bucket_cap_mb``, or the measured default for the device type."""
-    if configured is not None:
-        return configured
-    return _CUDA_BUCKET_CAP_MB if device.type == "cuda" else _CPU_BUCKET_CAP_MB
 
 
 def _buffer_sync_kwargs(broadcast_buffers: bool) -> dict[str, Any]:

@@ -12,7 +12,7 @@ stay interchangeable between layouts.
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Protocol, cast
@@ -35,7 +35,7 @@ from sdnet_trainer.config.schema import Config
 from sdnet_trainer.distributed.ddp import wrap_data_parallel
 from sdnet_trainer.distributed.env import DistEnv, resolve_device
 from sdnet_trainer.distributed.mesh import ParallelDims, dp_mesh, parallel_dims
-from sdnet_trainer.distributed.pipeline import split_model
+from sdnet_trainer.distributed.pipeline import Pipeline, build_pipeline, split_model
 from sdnet_trainer.errors import ConfigError
 from sdnet_trainer.models.parallel_spec import parallel_blocks, supports_tensor_parallel
 from sdnet_trainer.precision import DTYPES
@@ -124,33 +124,36 @@ class _TensorParallelModel(Protocol):
 @dataclass
 class ParallelModel:
     """``model`` owns the parameters under their original names (optimizer, state dicts); the
-    forward runs through ``model`` itself, or through ``stages`` (this rank's pipeline stages)."""
+    forward runs through ``model`` itself, or through ``pipeline`` (this rank's stages)."""
 
     model: nn.Module
-    stages: list[nn.Module] | None = None
-    stage_ids: list[int] | None = None
-    num_stages: int = 1
+    pipeline: Pipeline | None = None
 
 
 def parallelize(
-    model: nn.Module, cfg: Config, env: DistEnv, mesh: DeviceMesh | None, dims: ParallelDims
+    model: nn.Module,
+    cfg: Config,
+    env: DistEnv,
+    mesh: DeviceMesh | None,
+    dims: ParallelDims,
+    *,
+    loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None,
 ) -> ParallelModel:
-    """Apply the layout of ``cfg.parallel`` to ``model`` (already on ``env.device``)."""
+    """Apply the layout of ``cfg.parallel`` to ``model`` (already on ``env.device``); under
+    pipeline parallelism the last stage computes ``loss_fn(outputs, targets)``."""
     parallel = cfg.parallel
     parts: list[nn.Module] = [model]
-    result = ParallelModel(model)
+    stages = None
     if dims.pp > 1:
         assert mesh is not None  # more than one rank: the caller built the mesh
-        ids, stages, num_stages = split_model(
+        stages = split_model(
             model,
             parallel.pipeline,
             model_name=cfg.model.name,
             pp_rank=mesh["pp"].get_local_rank(),
             pp=dims.pp,
         )
-        stage_modules: list[nn.Module] = list(stages)
-        parts = list(stage_modules)
-        result = ParallelModel(model, stage_modules, ids, num_stages)
+        parts = list(stages[1])
     if dims.tp > 1:
         if not supports_tensor_parallel(model):
             raise ConfigError(
@@ -199,11 +202,20 @@ def parallelize(
             assert mesh is not None  # more than one rank: the caller built the mesh
             group = mesh["dp_replicate"].get_group()
         parts = [wrap_data_parallel(part, parallel, env, process_group=group) for part in parts]
-    if result.stages is not None:
-        result.stages = parts
-    else:
-        result.model = parts[0]
-    return result
+    if stages is None:
+        return ParallelModel(parts[0])
+    assert mesh is not None and loss_fn is not None, "a pipeline needs its group and its loss"
+    ids, _, num_stages = stages
+    pipeline = build_pipeline(
+        parts,
+        ids,
+        num_stages,
+        parallel.pipeline,
+        group=mesh["pp"].get_group(),
+        device=env.device,
+        loss_fn=loss_fn,
+    )
+    return ParallelModel(model, pipeline)
 
 
 def _fully_shard(

@@ -247,14 +247,14 @@ class Pipeline:
     def has_last(self) -> bool:
         return self.num_stages - 1 in self.stage_ids
 
-    def train_step(self, inputs: torch.Tensor, targets: torch.Tensor) -> list[torch.Tensor]:
-        """Forward and backward over ``microbatches`` micro-batches; the per-micro-batch losses on
-        the rank holding the last stage, an empty list elsewhere. Gradients are averaged over the
-        micro-batches (torch's scale_grads), as accumulation would."""
+    def train_step(self, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        """Forward and backward over ``microbatches`` micro-batches; the mean loss over them on the
+        rank holding the last stage, zero elsewhere. Gradients are averaged over the micro-batches
+        (torch's scale_grads), as accumulation would."""
         losses: list[torch.Tensor] = []
         args = (inputs,) if self.has_first else ()
         self.schedule.step(*args, target=targets if self.has_last else None, losses=losses)
-        return losses
+        return torch.stack(losses).mean() if losses else torch.zeros((), device=inputs.device)
 
     @torch.no_grad()
     def forward(self, inputs: torch.Tensor) -> torch.Tensor | None:

@@ -27,6 +27,7 @@ from typing import Any
 import torch
 from torch import nn
 from torch.utils._pytree import tree_flatten, tree_map
+from torch.utils.data import Dataset, default_collate
 from torch.utils.flop_counter import FlopCounterMode
 
 from sdnet_trainer.precision import DTYPES
@@ -223,16 +224,19 @@ def mfu(flops_per_s: float, peak_tflops_per_device: float, world_size: int) -> f
 
 def run_flops(
     model_builder: Callable[[], nn.Module],
-    example_batch: Any,
+    dataset: Dataset,
     loss_fn: Callable[[nn.Module, Any], torch.Tensor],
     *,
     device: torch.device,
     dtype: torch.dtype,
     peak_override: float | None,
 ) -> tuple[float | None, float | None]:
-    """(FLOPs per sample, device peak TFLOPs) for a run's MFU figures; (None, None) when the
-    counter cannot run the model (a custom model or batch), with a warning."""
+    """(FLOPs per sample, device peak TFLOPs) for a run's MFU figures, counted on a batch of the
+    first samples of ``dataset``; (None, None) when the counter cannot run the model (a custom
+    model or batch), with a warning."""
     try:
+        size = len(dataset)  # type: ignore[arg-type]  # map-style datasets have a length
+        example_batch = default_collate([dataset[i] for i in range(min(2, size))])
         flops = train_flops_per_sample(model_builder, example_batch, loss_fn)
     except Exception as err:  # no FLOPs metrics rather than no run
         logger.warning(

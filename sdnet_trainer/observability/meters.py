@@ -30,20 +30,25 @@ class StepMeter:
         self._steps = 0
         self._samples: float = 0
 
-    def add_data_wait(self, seconds: float) -> None:
-        self._data_wait += seconds
-
-    def add_phases(self, *, compute: float, optimizer: float) -> None:
-        """Host time in forward+backward and in the optimizer part of a step (agreement,
-        clipping, optimizer and schedule). On CUDA the step's one host synchronisation (the
-        agreement all-reduce) falls in the optimizer part, so queued GPU work lands there."""
-        self._compute += compute
-        self._optimizer += optimizer
-
-    def step_done(self, *, samples: float, seconds: float) -> None:
+    def step_done(
+        self,
+        *,
+        samples: float,
+        seconds: float,
+        data_wait: float = 0.0,
+        compute: float = 0.0,
+        optimizer: float = 0.0,
+    ) -> None:
+        """One step: its samples, wall time, and the host time spent waiting for data, in forward
+        and backward, and in the optimizer part (agreement, clipping, optimizer and schedule). On
+        CUDA the step's one host synchronisation (the agreement all-reduce) falls in the optimizer
+        part, so queued GPU work lands there."""
         self._steps += 1
         self._samples += samples
         self._seconds += seconds
+        self._data_wait += data_wait
+        self._compute += compute
+        self._optimizer += optimizer
         self.total_steps += 1
         self.total_samples += samples
         self.total_seconds += seconds

@@ -44,6 +44,24 @@ def test_ddp_two_processes_match_one_process_on_the_concatenated_batch(tmp_path,
         assert run["metrics"][key] == pytest.approx(reference["metrics"][key], rel=1e-4)
 
 
+# What one non-log step may cost beyond forward, backward and DDP's gradient all-reduce, counted
+# over train_step and every hook (tests.support.StepCosts): (Python-level collectives, host
+# synchronisations). One process: no collective; the step's one host read is the agreed verdict
+# (abort, skip, stop, timed save). Two processes: that verdict's small all-reduce.
+NON_LOG_STEP_COSTS = {1: (0, 1), 2: (1, 1)}
+
+
+@pytest.mark.parametrize("nproc", [1, 2])
+def test_a_non_log_step_adds_no_collective_or_host_sync(tmp_path, reference, nproc):
+    """A guard on the per-step cost: a change that adds a collective or a host synchronisation
+    to the steps between log points fails here (TINY logs every 2 steps: steps 1, 3, 5 are
+    non-log steps; log steps gather metrics and are not bounded)."""
+    run = reference if nproc == 1 else _run(tmp_path, "ddp2_costs", [], nproc=2)
+    non_log = {step: (c, h) for step, c, h in run["step_costs"] if step % 2}
+    assert sorted(non_log) == [1, 3, 5]
+    assert set(non_log.values()) == {NON_LOG_STEP_COSTS[nproc]}, run["step_costs"]
+
+
 def test_accumulation_under_ddp_matches_and_syncs_only_on_the_last_micro_step(tmp_path, reference):
     run = _run(tmp_path, "ddp2_accum2", ["loop.grad_accum_steps=2"], nproc=2)
     _assert_same_training(run, reference)

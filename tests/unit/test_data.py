@@ -7,6 +7,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from sdnet_trainer.config import compose
 from sdnet_trainer.config.schema import DataConfig
 from sdnet_trainer.data import (
     CheckedImageFolder,
@@ -17,6 +18,8 @@ from sdnet_trainer.data import (
     build_loader,
     skipped_samples,
 )
+from sdnet_trainer.data.loader import train_loader
+from sdnet_trainer.data.seeding import draws_random
 from sdnet_trainer.errors import ConfigError
 
 # --------------------------------------------------------------------------------------------
@@ -423,3 +426,39 @@ def test_global_sampler_resumes_by_sample_position_with_another_global_batch():
         seen += batch
     assert seen == after.epoch_order() and sorted(seen) == list(range(n))
     assert after.start_sample == 0  # the next epoch starts from its beginning
+
+
+class _RandomShift(torch.utils.data.Dataset):
+    """Adds a draw from torch's global generator to every sample, as a random augmentation."""
+
+    def __init__(self, size: int) -> None:
+        self.size = size
+
+    def __len__(self) -> int:
+        return self.size
+
+    def __getitem__(self, index: int):
+        return torch.full((2,), float(index)) + torch.rand(2), index
+
+
+def test_per_sample_seeding_only_where_loading_draws_random():
+    cfg = compose(["data.num_workers=0"]).data
+    kwargs = dict(cfg=cfg, device_type="cpu", micro_batch_size=4, grad_accum_steps=1, seed=3)
+    tensors = torch.utils.data.TensorDataset(torch.arange(16.0), torch.arange(16))
+    synthetic = SyntheticImages(16, image_size=4, channels=1, num_classes=2, seed=0)
+    for plain in (tensors, synthetic):
+        loader, _ = train_loader(plain, dp_size=1, dp_rank=0, **kwargs)
+        assert loader.dataset is plain  # no per-sample seeding wrapper, plain indices
+    assert draws_random(_RandomShift(16)) and not draws_random(tensors)
+
+    def first_batch(seed_stream: int) -> torch.Tensor:
+        torch.manual_seed(seed_stream)  # the caller's stream must not matter, nor be consumed
+        loader, _ = train_loader(_RandomShift(16), dp_size=1, dp_rank=0, **kwargs)
+        batch = next(iter(loader))[0]
+        after = torch.rand(1)
+        torch.manual_seed(seed_stream)
+        assert torch.equal(after, torch.rand(1))  # the global stream was restored
+        return batch
+
+    # The augmentation is a function of (seed, epoch, index) only.
+    torch.testing.assert_close(first_batch(0), first_batch(1), rtol=0, atol=0)

@@ -113,7 +113,7 @@ def test_clip_by_norm_bounds_the_update(tmp_path, precision):
     trainer = Trainer(compose(TINY + overrides), output_dir=tmp_path)
     trainer.setup()
     before = [p.detach().clone() for p in trainer.model.parameters()]
-    trainer._batches = trainer._train_batches()
+    trainer.data.start(trainer.state)
     out = trainer.train_step()
     delta = torch.cat(
         [(p.detach() - b).flatten() for p, b in zip(trainer.model.parameters(), before)]
@@ -135,7 +135,7 @@ def test_clip_by_value(tmp_path):
     trainer = Trainer(compose(TINY + overrides), output_dir=tmp_path)
     trainer.setup()
     before = [p.detach().clone() for p in trainer.model.parameters()]
-    trainer._batches = trainer._train_batches()
+    trainer.data.start(trainer.state)
     trainer.train_step()
     delta = torch.cat(
         [(p.detach() - b).flatten() for p, b in zip(trainer.model.parameters(), before)]
