@@ -79,20 +79,23 @@ class OptimizerStep:
 
     def apply(self, loss: torch.Tensor) -> tuple[torch.Tensor, Verdict]:
         """Norm, agreement, update or skip, zero_grad; returns the gradient norm and the verdict."""
-        grad_norm = self.grad_norm()
+        # One pass over the parameters per step, shared by the norm and clipping.
+        params = [p for p in self.model.parameters() if p.grad is not None]
+        grad_norm = self.grad_norm(params)
         verdict = self.agree(loss, grad_norm)
         if verdict.nonfinite:
             self._skip(loss)
         else:
-            self._update(grad_norm)
+            self._update(grad_norm, params)
         self.optimizer.zero_grad(set_to_none=True)
         return grad_norm, verdict
 
-    def grad_norm(self) -> torch.Tensor:
-        """The total gradient norm in true units (unscaled under fp16); the global norm under
-        every layout (sharded and pipelined gradients included)."""
+    def grad_norm(self, params: list[nn.Parameter]) -> torch.Tensor:
+        """The total gradient norm of ``params`` (those with gradients) in true units (unscaled
+        under fp16); the global norm under every layout (sharded and pipelined gradients
+        included)."""
         self.precision.scaler.unscale_(self.optimizer)
-        grads = [p.grad for p in self.model.parameters() if p.grad is not None]
+        grads = [p.grad for p in params if p.grad is not None]
         return global_grad_norm(grads, pp_group=self.pp_group, device=self.device)
 
     def agree(self, loss: torch.Tensor, grad_norm: torch.Tensor) -> Verdict:
@@ -109,9 +112,9 @@ class OptimizerStep:
         nonfinite, stop, due = (bool(v) for v in all_reduce_max(flags).tolist())
         return Verdict(nonfinite=nonfinite, stop=stop, save_due=due)
 
-    def _update(self, grad_norm: torch.Tensor) -> None:
+    def _update(self, grad_norm: torch.Tensor, params: list[nn.Parameter]) -> None:
         self.phase.enter("optimizer", step=self.state.step + 1)
-        self._clip(grad_norm)
+        self._clip(grad_norm, params)
         scaler = self.precision.scaler
         scale_before = scaler.get_scale() if scaler.is_enabled() else None
         scaler.step(self.optimizer)  # skips optimizer.step when fp16 gradients overflowed
@@ -124,8 +127,7 @@ class OptimizerStep:
             self.comm.after_optimizer_step(self.model.parameters())  # local SGD: average replicas
         self.scheduler.step()
 
-    def _clip(self, grad_norm: torch.Tensor) -> None:
-        params = [p for p in self.model.parameters() if p.grad is not None]
+    def _clip(self, grad_norm: torch.Tensor, params: list[nn.Parameter]) -> None:
         if self.cfg.clip_grad_value is not None:
             torch.nn.utils.clip_grad_value_(params, self.cfg.clip_grad_value)
         if self.cfg.clip_grad_norm is not None:
