@@ -412,7 +412,8 @@ class Trainer:
         """One optimizer step over ``grad_accum_steps`` micro-batches."""
         accum, step = self.layout.grad_accum_steps, self.state.step + 1
         step_started = time.perf_counter()
-        if not self.model.training:  # evaluation restores the mode; re-setting it costs ~1 ms
+        # Evaluation switches the unwrapped model and restores it; re-setting it costs ~1 ms.
+        if not unwrap(self.model).training:
             self.model.train()
         loss_sum = torch.zeros((), device=self.device)
         data_wait = 0.0

@@ -146,6 +146,19 @@ class StepCosts:
     ]
     HOST_SYNCS = ("item", "tolist", "__bool__", "__float__", "__int__")
 
+    _installed: StepCosts | None = None
+
+    @classmethod
+    def install(cls) -> StepCosts:
+        """The process's one counter, reset: tests that build many Trainers in one process must
+        not stack a wrapper per Trainer on every collective and tensor read."""
+        if cls._installed is None:
+            cls._installed = cls()
+        counter = cls._installed
+        counter.counting = False  # a step that raised may have left it on
+        counter.take()
+        return counter
+
     def __init__(self) -> None:
         self.counting = False
         self.collectives = self.host_syncs = 0
@@ -189,7 +202,7 @@ class RecordingTrainer(Trainer):
     them with the final parameters to ``final.pt`` (rank 0)."""
 
     def setup(self) -> None:
-        self.costs = StepCosts()
+        self.costs = StepCosts.install()
         self.step_costs: list[tuple[int, int, int]] = []  # (step, collectives, host syncs)
         super().setup()
         # The loader works on host tensors before their copy to the device (a label's int() is
