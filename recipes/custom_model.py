@@ -36,12 +36,15 @@ def spirals(n: int, *, classes: int, seed: int, noise: float = 0.03) -> TensorDa
 class SpiralTrainer(sdnet_trainer.Trainer):
     def build_model(self) -> nn.Module:
         width = self.cfg.model.kwargs.get("width", 128)
+        # Taken from the data (or the config) before the model is built.
+        num_classes = self.cfg.model.num_classes
+        assert num_classes is not None
         return nn.Sequential(
             nn.Linear(2, width),
             nn.GELU(),
             nn.Linear(width, width),
             nn.GELU(),
-            nn.Linear(width, self.cfg.model.num_classes),
+            nn.Linear(width, num_classes),
         )
 
     def build_datasets(self):

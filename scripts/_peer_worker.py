@@ -214,6 +214,17 @@ def init_checksum(model: nn.Module) -> float:
         return float(sum(p.double().sum() for p in model.parameters()))
 
 
+def optimizer_settings(optimizer: torch.optim.Optimizer) -> dict[str, Any]:
+    """Which implementation of the optimizer a side runs: fused, foreach or torch's default
+    (a per-parameter loop on the CPU, foreach on CUDA)."""
+    optimizer = getattr(optimizer, "optimizer", optimizer)  # Accelerate's wrapper holds it
+    group = optimizer.param_groups[0]
+    implementation = (
+        "fused" if group.get("fused") else "foreach" if group.get("foreach") else "torch default"
+    )
+    return {"optimizer": f"{type(optimizer).__name__} ({implementation})"}
+
+
 def wrapper_settings(model: nn.Module) -> dict[str, Any]:
     """The data-parallel settings a side actually runs with (found in the module tree)."""
     for module in model.modules():
@@ -379,7 +390,7 @@ def run_hand(workload: Workload, data: str, window: StepWindow, out: Path) -> No
         out=out,
         final_loss=float(loss.item()),
         checksum=checksum,
-        settings=wrapper_settings(wrapped),
+        settings={**wrapper_settings(wrapped), **optimizer_settings(optimizer)},
     )
     # A DDP/FSDP module still alive when its group goes away can abort gloo at exit: drop it first.
     del wrapped, model, optimizer, batches, loader
@@ -437,7 +448,10 @@ class WindowHook(HookBase):
                 out=Path(self.spec.out),
                 final_loss=float(result.loss.item()),
                 checksum=self.trainer.model_checksum,
-                settings=wrapper_settings(self.trainer.model),
+                settings={
+                    **wrapper_settings(self.trainer.model),
+                    **optimizer_settings(self.trainer.optimizer),
+                },
             )
 
 
@@ -521,6 +535,7 @@ def run_lightning(workload: Workload, data: str, window: StepWindow, out: Path) 
                     + (" (FSDP2, fully_shard in configure_model)" if workload.sharded else ""),
                     "cluster_environment": type(active.cluster_environment).__name__,
                     **wrapper_settings(active.model if active.model is not None else pl_module),
+                    **optimizer_settings(trainer.optimizers[0]),
                 }
                 report(
                     window,
@@ -649,7 +664,11 @@ def run_accelerate(workload: Workload, data: str, window: StepWindow, out: Path)
         optimizer.zero_grad(set_to_none=True)
         step += 1
         window.step_done(step)
-    settings = {"distributed_type": accelerator.distributed_type.value, **wrapper_settings(model)}
+    settings = {
+        "distributed_type": accelerator.distributed_type.value,
+        **wrapper_settings(model),
+        **optimizer_settings(optimizer),
+    }
     report(
         window,
         side="accelerate",

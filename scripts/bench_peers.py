@@ -41,7 +41,11 @@ Workloads (--workload; all three by default, in this order)
     point every 10 steps, TensorBoard and metrics.jsonl, the heartbeat line): that is part of what
     a user pays. Only its checkpoints and evaluation are switched off, as on the other sides.
     Each framework keeps its own defaults otherwise: the settings it actually ran with (DDP bucket
-    size and flags, strategy, threads) are printed under each table.
+    size and flags, strategy, threads, the optimizer's implementation) are printed under each
+    table. The optimizer is one of them: every side constructs torch's class with the same
+    arguments, and the Trainer's optim.implementation=auto picks its fused kernel (on the CPU
+    too), where a plain ``torch.optim.SGD(...)`` runs torch's per-parameter loop there; add
+    ``--trainer-override optim.implementation=for_loop`` to compare like for like.
 
 How
     Each rank records ``time.perf_counter()`` at the end of step ``--warmup`` and at the end of

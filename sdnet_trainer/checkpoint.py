@@ -20,6 +20,13 @@ previous ones intact. Pruning deletes old checkpoints only after a newer one is 
 A checkpoint directory belongs to one run at a time: the manager of a training run takes the lock
 file on rank 0 when it is set up (see ``_FolderLock``) and releases it on ``close``.
 
+An async save blocks the loop only while the state is copied into host memory; DCP then writes
+that copy from a background thread and rank 0 commits when it is done. One storage writer and one
+DCP stager (``DefaultStager``) serve every save of a manager: the stager keeps the host copy of
+each tensor's storage from one save to the next (pinned memory when the state is on CUDA), so only
+the first save allocates it; later ones copy into it. An async run therefore holds one extra copy
+of its state in host memory for as long as the manager lives (released by ``close``).
+
 Loading goes through DCP as well, which reshards to the current world size. A checkpoint is
 untrusted input: before one is loaded (``resume``, export) every file's size and checksum are
 verified; every file a load touches must be a regular file directly inside the checkpoint folder and
@@ -64,6 +71,7 @@ from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 from torch.distributed.checkpoint.filesystem import FileSystem
 from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
 from torch.distributed.checkpoint.planner import ReadItem, SavePlan, SavePlanner
+from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
 from torch.distributed.checkpoint.state_dict_saver import AsyncSaveResponse
 from torch.distributed.checkpoint.storage import WriteResult
 from torch.distributed.tensor import DTensor
@@ -159,6 +167,11 @@ class CheckpointManager:
         self._group, self._owns_group = self._checkpoint_group(process_group)
         self._pending: Future[None] | None = None
         self.directory.mkdir(parents=True, exist_ok=True)
+        # One writer for every save (each save points it at its staging folder) and, for async
+        # saves, one stager whose host buffers are reused; created at the first async save, when
+        # it is known whether the state lives on CUDA (pinned buffers) or not.
+        self._writer = _StagingWriter(self.directory, sync_files=True)
+        self._stager: DefaultStager | None = None
         self._lock = _FolderLock(self.directory, run_id) if run_id is not None else None
         # Rank 0 takes the lock and names the staging folders; every rank follows its outcome.
         outcome: str | Exception | None = None
@@ -224,19 +237,29 @@ class CheckpointManager:
             # other ranks write their shards only after rank 0 has joined the save and re-created
             # the folder.
             _remove_tree(staging)
-        writer = _StagingWriter(staging, sync_files=True)
         started = time.monotonic()
-        # Async: the writer doubles as DCP's stager (BlockingAsyncStager), so async_save copies
-        # every tensor to new CPU memory before returning, then writes from that copy in a thread.
-        save = dcp.async_save if self.async_save else dcp.save
         try:
             with _single_process_quiet():
-                response = save(
-                    state_dict,
-                    storage_writer=writer,
-                    process_group=self._group,
-                    no_dist=not self._distributed,
-                )
+                if self.async_save:
+                    # async_save copies every tensor into the stager's host buffers before it
+                    # returns, then writes from that copy in DCP's writer thread. The buffers are
+                    # free again: wait() above joined the previous save, the last one to read them.
+                    response = dcp.async_save(
+                        state_dict,
+                        checkpoint_id=staging,
+                        storage_writer=self._writer,
+                        async_stager=self._stager_for(state_dict),
+                        process_group=self._group,
+                        no_dist=not self._distributed,
+                    )
+                else:
+                    response = dcp.save(
+                        state_dict,
+                        checkpoint_id=staging,
+                        storage_writer=self._writer,
+                        process_group=self._group,
+                        no_dist=not self._distributed,
+                    )
             if not self.async_save:
                 if self.rank == 0:
                     assert isinstance(response, Metadata)  # what dcp.save returns
@@ -252,6 +275,25 @@ class CheckpointManager:
         self._pending = self._after_upload(
             upload, step, staging, meta=meta, started=started, needed=needed
         )
+
+    def _stager_for(self, state_dict: dict[str, Any]) -> DefaultStager:
+        """The run's stager, made at the first async save. Its host buffers are cached per source
+        storage and reused by every later save (a tensor whose storage is new, e.g. a state built
+        afresh for each save, gets a new buffer; the old one is dropped with its source). Staging
+        is synchronous: save() returns with the copy complete, so the loop may change its tensors
+        at once. On CUDA the buffers are pinned and the device-to-host copies are issued without
+        blocking, then waited for together."""
+        if self._stager is None:
+            cuda = _holds_cuda_tensors(state_dict)
+            self._stager = DefaultStager(
+                StagingOptions(
+                    use_pinned_memory=cuda,
+                    use_shared_memory=False,  # the writer is a thread of this process
+                    use_async_staging=False,
+                    use_non_blocking_copy=cuda,
+                )
+            )
+        return self._stager
 
     def _save_failed(
         self,
@@ -482,6 +524,9 @@ class CheckpointManager:
         try:
             self.wait()
         finally:
+            if self._stager is not None:
+                self._stager.close()  # drops the host buffers (and unpins them)
+                self._stager = None
             if self._lock is not None:
                 self._lock.release()
             self._release_group()
@@ -1135,6 +1180,19 @@ def _state_nbytes(obj: Any) -> int:
     if isinstance(obj, (list, tuple)):
         return sum(_state_nbytes(value) for value in obj)
     return 0
+
+
+def _holds_cuda_tensors(obj: Any) -> bool:
+    """Whether a state dict holds a tensor (or a DTensor's local shard) on a CUDA device."""
+    if isinstance(obj, DTensor):
+        return _holds_cuda_tensors(obj.to_local())
+    if isinstance(obj, torch.Tensor):
+        return obj.is_cuda
+    if isinstance(obj, dict):
+        return any(_holds_cuda_tensors(value) for value in obj.values())
+    if isinstance(obj, (list, tuple)):
+        return any(_holds_cuda_tensors(value) for value in obj)
+    return False
 
 
 def _amount(n: int) -> str:

@@ -131,6 +131,9 @@ class Checkpointer(HookBase):
     rebuilds the model from them without the run directory). ``run_id`` (``run.id``, the same on
     every rank and across torchrun's restarts) makes ``directory`` this run's until ``close``:
     another run saving there is refused with a ConfigError on every rank (see CheckpointManager).
+    ``before_save`` runs at the start of every save, before any state is read: the Trainer settles
+    a step verdict still in flight there, so that no checkpoint holds a step that is to be
+    rejected (see ``stepping.OptimizerStep.settle``).
     """
 
     def __init__(
@@ -144,8 +147,10 @@ class Checkpointer(HookBase):
         meta: dict[str, Any],
         run_id: str,
         phase: PhaseTracker | None = None,
+        before_save: Callable[[], None] | None = None,
     ) -> None:
         self.cfg = cfg
+        self.before_save = before_save
         self.parts = parts
         self.rank = rank
         self.world_size = world_size
@@ -195,6 +200,8 @@ class Checkpointer(HookBase):
     # ------------------------------------------------------------------ saving and resuming
 
     def save(self, state: RunState) -> None:
+        if self.before_save is not None:
+            self.before_save()  # may raise: then nothing of this step is saved
         if self.phase is not None:
             self.phase.enter("checkpoint save", step=state.step)
         entries = {}

@@ -63,7 +63,11 @@ def run(cfg: DictConfig, trainer_cls: type[Trainer] | None = None) -> dict[str, 
     try:
         config = _validated(cfg)
         cls = trainer_cls or resolve_trainer_class(config.trainer._target_)
-        with distributed_session(config.dist) as env:
+        # FSDP's CPU offload leaves CPU gradients: their norm needs a CPU backend beside NCCL.
+        cpu_collectives = config.parallel.fsdp.cpu_offload
+        with distributed_session(
+            config.dist, output_dir=output_dir, cpu_collectives=cpu_collectives
+        ) as env:
             _check_same_output_dir(output_dir)
             trainer = cls(config, output_dir=output_dir, env=env)
             try:
@@ -148,6 +152,11 @@ def _main(cfg: DictConfig) -> dict[str, float]:
 
 
 def main() -> None:
+    if "--dry-run" in sys.argv[1:]:
+        # Plans a launch on this machine instead of running it (see sdnet_trainer/plan.py).
+        from sdnet_trainer.plan import main as dry_run
+
+        sys.exit(dry_run([a for a in sys.argv[1:] if a != "--dry-run"]))
     _start_process()
     _interruptible(_main)
 

@@ -85,7 +85,7 @@ from torch import nn
 
 from sdnet_trainer.checkpoint import Checkpoint, CheckpointError, CheckpointManager, find_checkpoint
 from sdnet_trainer.config import Config
-from sdnet_trainer.data import LM_DATASETS
+from sdnet_trainer.data import is_language_model_data
 from sdnet_trainer.errors import ConfigError
 from sdnet_trainer.trainer import Trainer, resolve_trainer_class
 
@@ -403,7 +403,7 @@ def example_inputs(trainer: Trainer) -> tuple[torch.Tensor, ...]:
         return _from_dataset(trainer)
     data = trainer.cfg.data
     g = torch.Generator().manual_seed(0)
-    if data.name in LM_DATASETS:
+    if is_language_model_data(data):
         return (torch.randint(0, data.vocab_size, (EXAMPLE_BATCH, data.seq_len), generator=g),)
     return (
         torch.randn(EXAMPLE_BATCH, data.channels, data.image_size, data.image_size, generator=g),

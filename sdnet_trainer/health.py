@@ -219,6 +219,7 @@ class Watchdog:
         faulthandler.cancel_dump_traceback_later()
         if self.dump_on_sigterm:
             faulthandler.unregister(signal.SIGTERM)
+            _resync_python_handler(signal.SIGTERM)
         if thread is not threading.current_thread():
             thread.join(timeout=self.check_every_s + 1.0)
         if self._file is not None:
@@ -283,6 +284,22 @@ class Watchdog:
             return self.describe()
         except Exception as err:  # the process is about to end; report, do not raise
             return f"describe() failed: {err!r}"
+
+
+def _resync_python_handler(signum: int) -> None:
+    """Make the C-level handler of ``signum`` match Python's again after faulthandler's.
+
+    ``faulthandler.unregister`` restores the handler that was installed when ``register`` ran.
+    When Python code changed the handler in between (the Trainer's stop signals end before the
+    watchdog stops, restoring the default), that restored C handler is stale: Python's trampoline
+    with SIG_DFL in Python's table, so a later SIGTERM would be ignored ("Signal 15 ignored due
+    to race condition") instead of ending the process. Re-installing Python's current handler
+    fixes the pair; only the main thread may set handlers."""
+    if threading.current_thread() is not threading.main_thread():
+        return
+    current = signal.getsignal(signum)
+    if current is not None:  # None: installed from C, not Python's to restore
+        signal.signal(signum, current)
 
 
 def _write_quietly(fd: int, data: bytes) -> None:

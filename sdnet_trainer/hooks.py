@@ -21,8 +21,9 @@ import torch
 from sdnet_trainer.config.schema import LoggingConfig, LoopConfig
 from sdnet_trainer.distributed import all_gather_floats
 from sdnet_trainer.health import Heartbeat, PhaseTracker, Watchdog
-from sdnet_trainer.observability import MetricsWriter, ProgressBar, StepMeter, peak_memory_mb
+from sdnet_trainer.observability import MetricsWriter, ProgressBar, StepMeter
 from sdnet_trainer.observability.flops import mfu
+from sdnet_trainer.observability.meters import MemoryWindow
 from sdnet_trainer.observability.profiler import StepProfiler
 from sdnet_trainer.observability.progress import progress_enabled
 from sdnet_trainer.state import RunState, StepResult
@@ -140,7 +141,10 @@ class MetricsHook(HookBase):
     one-line summary at the end.
 
     All ranks take part: each log point gathers a few floats per rank in one collective (loss,
-    throughput, step time, data wait, peak memory), so per-rank stragglers show in TensorBoard.
+    throughput, step time, phase times, memory), so per-rank stragglers show in TensorBoard.
+    Memory figures are those of the window since the previous log point (see
+    :class:`~sdnet_trainer.observability.meters.MemoryWindow`), evaluations and checkpoints in it
+    included: the max over ranks, allocator retries the sum.
     Between log points the loss stays on the device, so the loop adds no host synchronisation.
     ``comm_bytes(step)`` gives the bytes one rank hands to the gradient collectives per step;
     ``loss_scale()`` the fp16 GradScaler's scale (None without loss scaling); ``bad_samples()``
@@ -174,6 +178,7 @@ class MetricsHook(HookBase):
         self.loss_scale = loss_scale
         self.bad_samples = bad_samples
         self.progress_bar = progress_enabled(cfg.progress_bar, is_main=is_main)
+        self.memory = MemoryWindow(device)
         self._loss_sum: torch.Tensor | None = None
         self._loss_steps = 0
         self._started = time.perf_counter()
@@ -184,6 +189,7 @@ class MetricsHook(HookBase):
 
     def before_train(self, state: RunState) -> None:
         self._started = time.perf_counter()
+        self.memory.read()  # the first window starts here, without the setup's peak
         self._bar = ProgressBar(
             total=self.total_steps, initial=state.step, enabled=self.progress_bar
         )
@@ -212,17 +218,18 @@ class MetricsHook(HookBase):
             window["data_wait_s"],
             window["fwd_bwd_s"],
             window["optimizer_s"],
-            peak_memory_mb(self.device),
         ]
+        memory_keys = self.memory.keys()
+        memory = self.memory.read()
+        values.extend(memory[key] for key in memory_keys)
         if self.bad_samples is not None:
             # Weighted like the loss: tensor-parallel peers and pipeline stages load the same
             # samples, so each data-parallel rank counts once.
             values.append(float(self.bad_samples()) * weight)
         ranks = all_gather_floats(values, device=self.device)
         columns = ranks.unbind(dim=1)
-        loss, weights, samples_per_s, step_s, data_wait_s, fwd_bwd_s, optimizer_s, peak_mb = (
-            columns[:8]
-        )
+        loss, weights, samples_per_s, step_s, data_wait_s, fwd_bwd_s, optimizer_s = columns[:7]
+        memory_columns = dict(zip(memory_keys, columns[7:]))
         metrics = {
             "train/loss": (loss.sum() / weights.sum()).item(),
             "train/lr": self.lr(),
@@ -232,9 +239,13 @@ class MetricsHook(HookBase):
             "perf/data_wait_s": data_wait_s.max().item(),
             "perf/fwd_bwd_s": fwd_bwd_s.max().item(),
             "perf/optimizer_s": optimizer_s.max().item(),
-            "perf/peak_memory_mb": peak_mb.max().item(),
             "train/grad_norm": result.grad_norm.item(),
         }
+        for key, column in memory_columns.items():
+            # Retries add up over ranks (how often the run hit the limit); sizes are per rank.
+            metrics[f"perf/{key}"] = (
+                column.sum() if key == "alloc_retries" else column.max()
+            ).item()
         metrics.update(self.figures.throughput(metrics["perf/samples_per_s"]))
         if self.comm_bytes is not None:
             metrics["comm/bytes_per_step"] = self.comm_bytes(state.step)
@@ -244,7 +255,7 @@ class MetricsHook(HookBase):
             metrics["train/loss_scale"] = self.loss_scale()
             metrics["train/skipped_steps"] = float(state.skipped_steps)
         if self.bad_samples is not None:
-            metrics["data/skipped_samples"] = columns[8].sum().item()
+            metrics["data/skipped_samples"] = columns[7 + len(memory_keys)].sum().item()
         for rank, value in enumerate(samples_per_s.tolist()):
             metrics[f"perf/samples_per_s_rank{rank}"] = value
         for rank, value in enumerate(step_s.tolist()):

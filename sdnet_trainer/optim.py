@@ -13,6 +13,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.optim import ZeroRedundancyOptimizer
+from torch.distributed.tensor import DTensor
 from torch.optim.lr_scheduler import LambdaLR
 
 from sdnet_trainer.config.checks import check_choice, check_positive
@@ -96,7 +97,6 @@ def build_optimizer(
     model: nn.Module,
     cfg: OptimConfig,
     *,
-    device_type: str = "cpu",
     zero_group: dist.ProcessGroup | None | bool = False,
 ) -> torch.optim.Optimizer:
     """The optimizer of ``optim.*`` over ``model``'s parameters.
@@ -111,7 +111,7 @@ def build_optimizer(
         value = getattr(cfg, name)
         if value is not None:
             kwargs[name] = tuple(value) if name == "betas" else value
-    kwargs.update(_implementation_kwargs(cls, cfg, device_type))
+    kwargs.update(_implementation_kwargs(cls, cfg, list(model.parameters())))
     kwargs.update(cfg.kwargs)
     accepted = inspect.signature(cls).parameters
     if not any(p.kind is inspect.Parameter.VAR_KEYWORD for p in accepted.values()):
@@ -122,27 +122,47 @@ def build_optimizer(
             )
             raise ConfigError(f"optim.name={cfg.name!r} does not take {keys}")
     if zero_group is not False:
+        group = None if zero_group is True else zero_group
         return ZeroRedundancyOptimizer(
-            param_groups(model, cfg), optimizer_class=cls, process_group=zero_group, **kwargs
+            param_groups(model, cfg), optimizer_class=cls, process_group=group, **kwargs
         )
     return cls(param_groups(model, cfg), **kwargs)
 
 
 def _implementation_kwargs(
-    cls: type[torch.optim.Optimizer], cfg: OptimConfig, device_type: str
+    cls: type[torch.optim.Optimizer], cfg: OptimConfig, params: list[nn.Parameter]
 ) -> dict:
-    """``optim.implementation``: auto picks the fused kernels on CUDA when the optimizer has them
-    (one kernel for all parameters); elsewhere torch's own default (foreach where it can)."""
+    """``optim.implementation``: auto picks the fused kernels wherever the optimizer has them for
+    these parameters, else torch's own default (foreach on CUDA, a loop on the CPU).
+
+    Fused means one pass over each parameter's memory instead of one per operation: on this
+    project's CPU benchmark machine a ResNet-18 SGD-with-momentum step took about a third of the
+    time of torch's CPU default, AdamW a fifth, so the CPU gets them too (torchtitan also
+    defaults to fused)."""
     accepted = inspect.signature(cls).parameters
     impl = cfg.implementation
     if impl == "auto":
-        return {"fused": True} if device_type == "cuda" and "fused" in accepted else {}
+        chosen_by_user = "fused" in cfg.kwargs or "foreach" in cfg.kwargs
+        fused = "fused" in accepted and not chosen_by_user and _fused_runs_on(cls, params)
+        return {"fused": True} if fused else {}
     flag = {"fused": "fused", "foreach": "foreach", "for_loop": "foreach"}[impl]
     if flag not in accepted:
         raise ConfigError(
             f"optim.implementation={impl}: optim.name={cfg.name!r} has no {flag!r} argument"
         )
     return {flag: impl != "for_loop"}
+
+
+def _fused_runs_on(cls: type[torch.optim.Optimizer], params: list[nn.Parameter]) -> bool:
+    """Whether ``cls``'s fused kernel takes ``params``: sharded parameters (FSDP2, tensor
+    parallel: DTensors) only where torch registered a sharding rule for that kernel (Adam and
+    AdamW have one; SGD's fused kernel raises on DTensors)."""
+    if not any(isinstance(p, DTensor) for p in params):
+        return True
+    op = getattr(torch.ops.aten, f"_fused_{cls.__name__.lower()}_", None)
+    propagator = DTensor._op_dispatcher.sharding_propagator
+    tables = ("op_strategy_funcs", "op_single_dim_strategy_funcs", "op_to_rules")
+    return op is not None and any(op.default in getattr(propagator, t, {}) for t in tables)
 
 
 def lr_multiplier(cfg: SchedConfig, total_steps: int) -> Callable[[int], float]:

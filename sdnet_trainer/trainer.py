@@ -39,11 +39,18 @@ from sdnet_trainer import rng
 from sdnet_trainer.batching import BatchLayout, batch_layout
 from sdnet_trainer.checkpointer import Checkpointer, run_meta, run_parts
 from sdnet_trainer.config import Config
-from sdnet_trainer.data import LM_DATASETS, build_datasets, skipped_samples
+from sdnet_trainer.data import (
+    build_datasets,
+    is_language_model_data,
+    resolve_num_classes,
+    skipped_samples,
+)
+from sdnet_trainer.data.folders import EncodedJpegFolder
 from sdnet_trainer.data.loader import RunData
 from sdnet_trainer.distributed import DistEnv
 from sdnet_trainer.distributed.comm import GradientComm
 from sdnet_trainer.distributed.ddp import unwrap
+from sdnet_trainer.distributed.env import shorten_timeout
 from sdnet_trainer.distributed.mesh import ParallelDims, build_mesh, parallel_dims
 from sdnet_trainer.distributed.parallelize import gradient_sync, parallelize
 from sdnet_trainer.distributed.pipeline import Pipeline
@@ -60,6 +67,7 @@ from sdnet_trainer.hooks import (
     WatchdogHook,
 )
 from sdnet_trainer.models import build_model
+from sdnet_trainer.models.init import build_deferred, materialize
 from sdnet_trainer.observability import MetricsWriter, StepMeter
 from sdnet_trainer.observability.flops import run_flops
 from sdnet_trainer.observability.profiler import StepProfiler
@@ -107,12 +115,18 @@ class Trainer:
         self.state = RunState()
         self.signals = StopSignals()
         self.phase = PhaseTracker()  # what this rank is doing, for the hang watchdog's report
-        self.meter = StepMeter()
+        self.meter = StepMeter(self.device)
 
     # ------------------------------------------------------------------ the subclassing surface
 
     def build_model(self) -> nn.Module:
-        """The bare model, on the CPU; the Trainer moves and wraps it."""
+        """The bare model; the Trainer moves and wraps it.
+
+        An override returns the model on the CPU, with its values (built, or loaded): the
+        Trainer moves it to the device, then parallelizes it. The stock models instead are built
+        on the meta device, parallelized, and only then allocated and initialised, each rank its
+        own shard (see ``sdnet_trainer.models.init``); an override can do the same by returning
+        a model on the meta device that has an ``init_steps()`` method."""
         return build_model(self.cfg.model)
 
     def build_datasets(self) -> tuple[Dataset, Dataset | None]:
@@ -122,9 +136,7 @@ class Trainer:
     def build_optimizer(self, model: nn.Module) -> torch.optim.Optimizer:
         """Over the parallelized model (FSDP's sharded parameters); ZeRO-1 under parallel=zero1."""
         zero = self.cfg.parallel.strategy == "zero1" and self.env.distributed
-        return build_optimizer(
-            model, self.cfg.optim, device_type=self.device.type, zero_group=None if zero else False
-        )
+        return build_optimizer(model, self.cfg.optim, zero_group=None if zero else False)
 
     def build_scheduler(
         self, optimizer: torch.optim.Optimizer, *, total_steps: int
@@ -213,8 +225,13 @@ class Trainer:
 
     def setup(self) -> None:
         """Build the run in its phases; each reads only what the earlier ones built."""
+        # The data first: it decides the class count the model is built with. Seeded as the
+        # model is, so a data set that draws random numbers (a split) is the same on every rank.
+        rng.seed_everything(self.cfg.loop.seed, deterministic=self.cfg.loop.deterministic)
+        train_set, val_set = self.build_datasets()
+        resolve_num_classes(self.cfg, train_set)
         self._setup_model()
-        train_set = self._setup_data()
+        self._setup_data(train_set, val_set)
         self._setup_optimization()
         self._setup_observability(train_set)
         self._setup_checkpointing()
@@ -234,10 +251,37 @@ class Trainer:
         rng.seed_everything(cfg.loop.seed, deterministic=cfg.loop.deterministic)
         self.mesh = build_mesh(self.dims, self.device.type) if env.distributed else None
         # Same seed on every rank for the model's initial weights (DDP also broadcasts rank 0's);
-        # pipeline stages and tensor-parallel shards are cut from identical full models.
-        model = self.build_model().to(self.device)
+        # pipeline stages and tensor-parallel shards hold the values of identical full models.
+        seeded = torch.get_rng_state()
+        # The stock build_model only constructs (unless it loads pretrained weights), so it can
+        # run on the meta device; an override may load values, and decides for itself.
+        stock = type(self).build_model is Trainer.build_model and cfg.model.weights is None
+        model, steps = build_deferred(self.build_model, on_meta=stock)
+        # loop.deterministic on CUDA: refuse modules without a deterministic backward up front.
+        rng.check_deterministic(model, self.device, deterministic=cfg.loop.deterministic)
+        materialize_parts = None
+        if steps is None:
+            model = model.to(self.device)
+        else:
+
+            def materialize_parts(parts: list[nn.Module]) -> None:
+                # Allocate this rank's shards, then fill them from the generator state a CPU
+                # build would have started from: the same weights as building on the CPU.
+                for part in parts:
+                    part.to_empty(device=self.device)
+                torch.set_rng_state(seeded)
+                materialize(steps)
+
         self.num_parameters = sum(p.numel() for p in model.parameters())  # of the whole model
-        parallel = parallelize(model, cfg, env, self.mesh, self.dims, loss_fn=self.loss_fn)
+        parallel = parallelize(
+            model,
+            cfg,
+            env,
+            self.mesh,
+            self.dims,
+            loss_fn=self.loss_fn,
+            materialize=materialize_parts,
+        )
         self.model, self.pipeline = parallel.model, parallel.pipeline
         # This rank's metrics count once: last pipeline stage, first tensor-parallel peer.
         last_stage = self.pipeline is None or self.pipeline.has_last
@@ -246,10 +290,9 @@ class Trainer:
         # From here on each rank draws its own random stream (dropout, augmentation).
         rng.reseed(cfg.loop.seed, rank=env.rank, step=0)
 
-    def _setup_data(self) -> Dataset:
-        """Datasets and loaders; the schedule's length follows from them."""
+    def _setup_data(self, train_set: Dataset, val_set: Dataset | None) -> None:
+        """Samplers and loaders over the data sets; the schedule's length follows from them."""
         loop, layout = self.cfg.loop, self.layout
-        train_set, val_set = self.build_datasets()
         self.data = RunData(
             train_set,
             val_set,
@@ -266,7 +309,6 @@ class Trainer:
         self.steps_per_epoch = self.data.steps_per_epoch
         self.epoch_shape = EpochShape(layout.global_batch_size, self.steps_per_epoch)
         self.total_steps = loop.max_steps or (loop.max_epochs or 0) * self.steps_per_epoch
-        return train_set
 
     def _setup_optimization(self) -> None:
         """Optimizer, gradient communication, precision, loss, schedule and the update step."""
@@ -303,20 +345,25 @@ class Trainer:
         )
         flops, peak = None, None
         if logs.flops:  # counted once on a meta-device copy of the model
+            # Decoded on the GPU (data.decode=cuda): count on the same images decoded on the host.
+            counted = train_set.decoded() if isinstance(train_set, EncodedJpegFolder) else train_set
             flops, peak = run_flops(
                 self.build_model,
-                train_set,
+                counted,
                 lambda model, batch: self.loss_fn(model(batch[0]), batch[1]),
                 device=self.device,
                 dtype=self.precision.dtype,
                 peak_override=logs.peak_tflops,
+                tf32=self.precision.tf32,
             )
         self.figures = RunFigures(
             total_steps=self.total_steps,
             samples_per_epoch=self.steps_per_epoch * self.layout.global_batch_size,
             metric_weight=self.metric_weight,
             world_size=env.world_size,
-            tokens_per_sample=cfg.data.seq_len if cfg.data.name in LM_DATASETS else None,
+            tokens_per_sample=(
+                cfg.data.seq_len if is_language_model_data(cfg.data, train_set) else None
+            ),
             flops_per_sample=flops,
             peak_tflops=peak,
         )
@@ -337,7 +384,9 @@ class Trainer:
             state=self.state,
             scaler=self.precision.scaler if self.precision.scaling else None,
             comm=self.comm,
-            rng_state=rng.RngState(self.device),
+            rng_state=rng.RngState(
+                self.device, seed=cfg.loop.seed, rank=env.rank, step=lambda: self.state.step
+            ),
             # Another world size cannot map old ranks to new ones: derive from (seed, rank, step).
             rederive_rng=lambda: rng.reseed(cfg.loop.seed, rank=env.rank, step=self.state.step),
         )
@@ -347,6 +396,8 @@ class Trainer:
         self.checkpointer = Checkpointer(
             cfg.checkpoint, directory=directory, parts=parts, rank=env.rank,
             world_size=env.world_size, meta=meta, run_id=cfg.run.id, phase=self.phase,
+            # A deferred verdict is read before any save: a non-finite step is never saved.
+            before_save=lambda: self.stepper.settle(saving=True),
         )  # fmt: skip
         try:
             resumed = self.checkpointer.resume(self.state) is not None
@@ -363,14 +414,20 @@ class Trainer:
     def fit(self) -> dict[str, float]:
         """Train to ``loop.max_steps`` (or ``max_epochs``); returns the final metrics."""
         self.setup()
+        first_step = self.state.step + 1  # after a resume too
         with self._running():
             while not self._finished():
                 result = self.train_step()
                 self.state.advance(self.epoch_shape)
                 for hook in self.hooks:
                     hook.after_step(self.state, result)
+                if self.state.step == first_step:
+                    # Set-up and the first step (compilation) are done: a hung collective from
+                    # here on fails after dist.step_timeout_s instead of the long set-up timeout.
+                    shorten_timeout(self.cfg.dist.step_timeout_s, mesh=self.mesh)
                 if result.stop_requested and not self._finished():
                     self.signals.exit(self.state.step, saved=self.cfg.checkpoint.save_on_exit)
+            self.stepper.settle()  # the last step's verdict, before the final save and evaluation
             for hook in self.hooks:
                 hook.after_train(self.state)
         return self.state.metrics
@@ -404,6 +461,9 @@ class Trainer:
     def close(self) -> None:
         """Release the model, optimizer, DDP's comm wrapper and the loaders before the process
         group goes away; an exception's traceback may keep this Trainer alive past that point."""
+        comm = getattr(self, "comm", None)
+        if comm is not None:
+            comm.release()  # it holds the DDP model too
         held = "model pipeline optimizer comm scheduler stepper data checkpointer hooks"
         for name in held.split():
             setattr(self, name, None)
@@ -412,6 +472,8 @@ class Trainer:
         """One optimizer step over ``grad_accum_steps`` micro-batches."""
         accum, step = self.layout.grad_accum_steps, self.state.step + 1
         step_started = time.perf_counter()
+        clock = self.meter.clock  # the phases, on the GPU's timeline under CUDA
+        clock.start()
         # Evaluation switches the unwrapped model and restores it; re-setting it costs ~1 ms.
         if not unwrap(self.model).training:
             self.model.train()
@@ -423,6 +485,7 @@ class Trainer:
             self.phase.enter("data", step=step)
             batch = self.data.next_batch()
             data_wait += time.perf_counter() - started  # fetch and copy to the device
+            clock.mark("data_wait")
             # Data parallelism reduces gradients in backward, on the last micro-step only.
             sync = micro_step == accum - 1
             phase = "forward/backward (gradient reduction)" if sync else "forward/backward"
@@ -439,18 +502,14 @@ class Trainer:
             if isinstance(loss, DTensor):  # loss_parallel: the replicated loss of vocab shards
                 loss = loss.full_tensor()
             loss_sum += loss.detach().float()
+            clock.mark("fwd_bwd")
         loss = loss_sum / accum
-        backward_done = time.perf_counter()
         grad_norm, verdict = self.stepper.apply(loss)
+        clock.mark("optimizer")
         done = time.perf_counter()
-        self.meter.step_done(
-            # Ranks that share samples (tensor/pipeline peers) share the count as well.
-            samples=self.layout.global_batch_size / self.env.world_size,
-            seconds=done - step_started,
-            data_wait=data_wait,
-            compute=backward_done - step_started - data_wait,
-            optimizer=done - backward_done,
-        )
+        # Ranks that share samples (tensor/pipeline peers) share the count as well.
+        samples = self.layout.global_batch_size / self.env.world_size
+        self.meter.step_done(samples=samples, seconds=done - step_started)
         return StepResult(
             loss=loss,
             grad_norm=grad_norm,

@@ -23,8 +23,16 @@ from sdnet_trainer.distributed.ddp import is_ddp, unwrap
 REPO = Path(__file__).resolve().parents[1]
 FINAL_STATE = "final.pt"
 
-# Small, fast settings shared by the tests that train: a tiny CNN on 16x16 synthetic images.
-TINY = [
+# The CPU tests' device, whatever the machine has: dist.device=auto would train on CUDA with NCCL
+# on a GPU machine, and a second rank would ask for a GPU that a one-GPU machine lacks
+# (tests/conftest.py also hides the GPUs from every process a CPU test starts). CUDA tests
+# (tests/cuda/) ask for the GPU explicitly, so that a run silently on the CPU cannot pass.
+CPU = ["dist.device=cpu"]
+CUDA = ["dist.device=cuda"]
+
+# Small, fast settings shared by the tests that train: a tiny CNN on 16x16 synthetic images, on
+# the CPU (TINY) or on any device (TINY_RUN, with CPU or CUDA in front).
+TINY_RUN = [
     "model=simple_cnn",
     "data.image_size=16",
     "data.train_size=256",
@@ -34,6 +42,7 @@ TINY = [
     "logging.log_every_n_steps=2",
     "loop.eval_at_epoch_end=false",
 ]
+TINY = [*CPU, *TINY_RUN]
 
 
 @dataclass
@@ -474,3 +483,56 @@ def checkpoint_names(directory: Path) -> set[str]:
     if not directory.is_dir():
         return set()
     return {path.name for path in directory.iterdir() if path.name.startswith("step_")}
+
+
+# ---------------------------------------------------------------------- what a run was built as
+
+PROBE_FILE = "probe_rank{rank}.json"
+
+
+class ProbeTrainer(Trainer):
+    """Records what the run was actually built as, so a test of the real CLI (``trainer._target_=
+    tests.support.ProbeTrainer``) can check the layout rather than trust the config: each rank
+    writes ``probe_rank{R}.json`` to its output directory after ``fit``."""
+
+    def fit(self):
+        metrics = super().fit()
+        self.write_probe()
+        return metrics
+
+    def write_probe(self) -> None:
+        import torch.distributed as dist
+        from torch.distributed.fsdp import FSDPModule
+        from torch.distributed.tensor import DTensor
+
+        params = list(unwrap(self.model).parameters())
+        conv = next((p for p in params if p.dim() == 4), None)
+        probe = {
+            "device": str(params[0].device),
+            "backend": dist.get_backend() if dist.is_initialized() else None,
+            "world_size": self.env.world_size,
+            "model_class": type(self.model).__name__,
+            "ddp": is_ddp(self.model),
+            "fsdp": any(isinstance(m, FSDPModule) for m in self.model.modules()),
+            "dtensor_params": sum(isinstance(p, DTensor) for p in params),
+            "param_dtypes": sorted({str(p.dtype) for p in params}),
+            "optimizer_class": type(self.optimizer).__name__,
+            # Module.compile (compile.enabled) sets _compiled_call_impl on each block it compiles.
+            "compiled_modules": sum(
+                getattr(m, "_compiled_call_impl", None) is not None for m in self.model.modules()
+            ),
+            # Graphs dynamo captured in this process: compilation did happen, not just wrapping.
+            "dynamo_graphs": int(torch._dynamo.utils.counters["stats"]["unique_graphs"]),
+            "conv_weight_channels_last": (
+                None if conv is None else conv.is_contiguous(memory_format=torch.channels_last)
+            ),
+            "skipped_steps": self.state.skipped_steps,
+            "nonfinite_steps": self.state.nonfinite_steps,
+            "steps": self.state.step,
+        }
+        path = self.output_dir / PROBE_FILE.format(rank=self.env.rank)
+        path.write_text(json.dumps(probe, indent=1))
+
+
+def read_probe(run_dir: Path, rank: int = 0) -> dict:
+    return json.loads((run_dir / PROBE_FILE.format(rank=rank)).read_text())

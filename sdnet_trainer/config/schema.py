@@ -28,7 +28,9 @@ class ModelConfig:
     # A name from the model registry: any torchvision classifier (resnet18, resnet152, vit_b_16,
     # ...) or one of the project's own small models (see sdnet_trainer.models).
     name: str = "resnet18"
-    num_classes: int = 10
+    # The classifier's outputs; null: data.num_classes, or the count the data states (class
+    # folders, CIFAR-10's 10, a shard set's classes, a Hugging Face ClassLabel), logged.
+    num_classes: Optional[int] = None
     # Replace the ImageNet stem (7x7/2 conv + max-pool) with a 3x3/1 conv: the usual ResNet
     # adaptation for 32x32 inputs such as CIFAR-10.
     cifar_stem: bool = False
@@ -42,20 +44,27 @@ class ModelConfig:
     # Recompute each block's activations in backward instead of keeping them (per transformer
     # block, per ResNet residual block): less memory for about one more forward pass.
     activation_checkpointing: bool = False
-    # CNNs: NHWC memory format for the model and its input images (faster convolutions on GPUs).
+    # CNNs: NHWC memory format for the model's parameters and its input images (faster
+    # convolutions on GPUs); under parallel=fsdp only the inputs (FSDP2 takes contiguous
+    # parameters; convolutions follow a channels_last input).
     channels_last: bool = False
 
 
 @dataclass
 class DataConfig:
-    # synthetic | imagefolder | cifar10 (images) or tokens | text (language models)
+    # synthetic | imagefolder | cifar10 | shards | hf (images) or tokens | text | shards | hf
+    # (language models). shards: WebDataset-layout tar shards (data.root: a folder with train/ and
+    # val/ shard sets, a brace pattern or a URL of either); hf: a Hugging Face dataset saved with
+    # save_to_disk, or parquet/arrow files, in data.root.
     name: str = "synthetic"
     # imagefolder: a folder with train/ and val/ class sub-folders; cifar10: torchvision's root;
     # text: a UTF-8 text file (or a folder of .txt files), read as bytes.
     root: Optional[str] = None
     download: bool = False
     image_size: int = 32
-    num_classes: int = 10
+    # null: the count the data states (see model.num_classes); a value set here (or there) must
+    # agree with it. The synthetic data set generates this many classes (its config says 10).
+    num_classes: Optional[int] = None
     channels: int = 3
     # imagefolder: an image file that cannot be decoded (truncated, not an image). error: stop
     # with its path; skip: log it once and load the next index that decodes in its place (the
@@ -72,13 +81,26 @@ class DataConfig:
     # vocabulary, normally interpolated from model.gpt.
     seq_len: int = 128
     vocab_size: int = 256
+    # hf: the columns holding the image and its label, or the text (a text column makes it a
+    # language-model data set: tokenized with the Hugging Face tokenizer named by data.tokenizer,
+    # or read as UTF-8 bytes when that is null).
+    image_column: str = "image"
+    label_column: str = "label"
+    text_column: Optional[str] = None
+    tokenizer: Optional[str] = None
     # Epoch tail that does not fill a global batch: drop it (True) or wrap around (False).
     drop_last: bool = True
     shuffle: bool = True
-    num_workers: int = 0
+    # Loader worker processes per rank. null: on CUDA, this node's cores divided among its local
+    # ranks (decoding and augmentation must keep up with the GPU); on CPU, 0 (workers would
+    # compete with the training threads for the same cores).
+    num_workers: Optional[int] = None
     pin_memory: bool = True
     persistent_workers: bool = True
     prefetch_factor: int = 2
+    # Where image files are decoded: cpu (PIL in the loader) or cuda (torchvision's nvjpeg
+    # decode_jpeg on the training device; JPEG files only).
+    decode: str = "cpu"
 
 
 @dataclass
@@ -94,8 +116,9 @@ class OptimConfig:
     eps: Optional[float] = None
     # Anything else the optimizer's constructor takes (e.g. {betas: ..., capturable: true}).
     kwargs: Dict[str, Any] = field(default_factory=dict)
-    # auto: fused kernels where the optimizer and device have them (CUDA), else torch's default;
-    # or force fused | foreach | for_loop.
+    # auto: the optimizer's fused kernel where it has one for these parameters (SGD, Adam, AdamW
+    # on CPU and CUDA; under FSDP/tensor parallel only Adam and AdamW), else torch's default; or
+    # force fused | foreach | for_loop.
     implementation: str = "auto"
     # Exclude biases and normalization weights from weight decay (the common ResNet/ViT recipe).
     no_decay_norm_and_bias: bool = False
@@ -251,8 +274,12 @@ class ProfileConfig:
 
 @dataclass
 class PrecisionConfig:
-    # fp32 | bf16 | fp16: the autocast dtype. fp16 adds a GradScaler.
+    # fp32 | bf16 | fp16 | auto: the autocast dtype. fp16 adds a GradScaler. auto: bf16 on GPUs
+    # and CPUs with native bf16 arithmetic, fp32 elsewhere (the choice and its reason are logged).
     dtype: str = "fp32"
+    # CUDA: let fp32 matmuls and convolutions use TF32 tensor cores (and count MFU against the
+    # TF32 peak); false keeps full fp32 math.
+    tf32: bool = True
     # GradScaler settings (fp16 only).
     init_scale: float = 65536.0
     growth_interval: int = 2000
@@ -307,7 +334,9 @@ class CheckpointConfig:
     every_n_minutes: Optional[float] = None
     # Committed checkpoints kept; older ones are deleted only after a newer one is committed.
     keep_last: int = 3
-    # DCP async save: the loop blocks only while the state is staged (copied to CPU memory).
+    # DCP async save: the loop blocks only while the state is copied into host memory the run
+    # keeps for its next saves (pinned on CUDA): one extra copy of the state in host memory while
+    # the run lasts; the write and the commit finish in the background.
     async_save: bool = False
     # auto: the newest complete checkpoint in dir, if any; none: start fresh; or a checkpoint path.
     resume: str = "auto"
@@ -318,10 +347,13 @@ class CheckpointConfig:
 
 @dataclass
 class HealthConfig:
-    # Non-finite loss or gradients: abort (exit naming the step, rank and tensors) or skip the step.
+    # Non-finite loss or gradients: abort (exit naming the step and rank; the verdict is read during
+    # the next step, so no per-step host sync, and no checkpoint holds the bad step) or skip the
+    # step (read at once, before the update: one host sync per step).
     nonfinite: str = "abort"
     # No step completed for this long: every rank dumps its stacks and exits non-zero; null: off.
-    hang_timeout_s: Optional[float] = None
+    # The default covers a first step that compiles a large model; null: off.
+    hang_timeout_s: Optional[float] = 1200.0
     # A per-rank log line (step, step time, data wait) every this many seconds; null: off.
     heartbeat_s: Optional[float] = 60.0
 
@@ -342,7 +374,11 @@ class DistConfig:
     backend: str = "auto"
     # auto | cpu | cuda
     device: str = "auto"
+    # The process group's timeout while the run is set up and through its first step (model
+    # building, compilation, a resume's reads), then step_timeout_s (null: keep timeout_s), so a
+    # hung collective fails in minutes instead of half an hour.
     timeout_s: float = 1800.0
+    step_timeout_s: Optional[float] = 600.0
     # CPU training: pin glibc malloc's mmap/trim thresholds so large activation buffers stay in
     # the heap instead of being mapped and page-faulted again every step.
     pin_cpu_malloc: bool = True

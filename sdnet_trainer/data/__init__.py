@@ -7,7 +7,7 @@
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 
 from torch.utils.data import Dataset
 
@@ -21,10 +21,18 @@ from sdnet_trainer.data.folders import (
     build_cifar10,
     build_imagefolder,
 )
+from sdnet_trainer.data.hf import HFImages, build_hf
 from sdnet_trainer.data.loader import build_loader, check_loader_options
 from sdnet_trainer.data.sampler import GlobalBatchSampler, ShardedEvalSampler
+from sdnet_trainer.data.shards import ShardImages, ShardText, build_shards
 from sdnet_trainer.data.synthetic import SyntheticImages, build_synthetic
-from sdnet_trainer.data.tokens import MarkovTokens, TextBytes, build_text, build_tokens
+from sdnet_trainer.data.tokens import (
+    MarkovTokens,
+    TextBytes,
+    TokenWindows,
+    build_text,
+    build_tokens,
+)
 from sdnet_trainer.errors import ConfigError
 
 logger = logging.getLogger(__name__)
@@ -32,17 +40,31 @@ logger = logging.getLogger(__name__)
 # The language-model data sets: (inputs, targets) token sequences rather than labelled images.
 LM_DATASETS = ("tokens", "text")
 
-_BUILDERS: dict[str, Callable[[DataConfig], tuple[Dataset, Dataset]]] = {
+# (train, val); val is None where the data has no validation split.
+_BUILDERS: dict[str, Callable[[DataConfig], tuple[Dataset, Dataset | None]]] = {
     "synthetic": build_synthetic,
     "imagefolder": build_imagefolder,
     "cifar10": build_cifar10,
     # Language models: (inputs, targets) token sequences.
     "tokens": build_tokens,
     "text": build_text,
+    # Labelled images, or text for a language model when data.text_column is set.
+    "hf": build_hf,
+    # Tar shards (WebDataset layout) of images or of text, local or at an fsspec URL.
+    "shards": build_shards,
 }
 
 
-def build_datasets(cfg: DataConfig) -> tuple[Dataset, Dataset]:
+def is_language_model_data(cfg: DataConfig, dataset: Dataset | None = None) -> bool:
+    """(inputs, targets) token sequences rather than labelled images. The config says so for
+    most data sets; shards say so by their contents (``.txt`` members), so pass the built
+    ``dataset`` where there is one."""
+    if cfg.name in LM_DATASETS or (cfg.name == "hf" and cfg.text_column is not None):
+        return True
+    return any(isinstance(current, ShardText) for current in _unwrapped(dataset))
+
+
+def build_datasets(cfg: DataConfig) -> tuple[Dataset, Dataset | None]:
     """The (train, val) datasets named by ``cfg.name``."""
     builder = _BUILDERS.get(cfg.name)
     if builder is None:
@@ -56,16 +78,71 @@ def validate_data(cfg: Config) -> None:
     """``data.*`` and its fit to ``model.num_classes``, checked before launch. A language model's
     vocabulary and context are checked against the data by the model's own validator."""
     data = cfg.data
-    if data.name in LM_DATASETS:
+    if is_language_model_data(data):
         check_positive("data.seq_len", data.seq_len)
-    elif cfg.model.num_classes != data.num_classes:
-        raise ConfigError(
-            f"model.num_classes={cfg.model.num_classes} differs from "
-            f"data.num_classes={data.num_classes}"
-        )
+    else:
+        check_positive("data.num_classes", data.num_classes, allow_none=True)
+        check_positive("model.num_classes", cfg.model.num_classes, allow_none=True)
+        both = cfg.model.num_classes is not None and data.num_classes is not None
+        if both and cfg.model.num_classes != data.num_classes:
+            raise ConfigError(
+                f"model.num_classes={cfg.model.num_classes} differs from "
+                f"data.num_classes={data.num_classes}"
+            )
     check_positive("data.image_size", data.image_size)
     check_choice("data.on_bad_sample", data.on_bad_sample, ON_BAD_SAMPLE)
     check_loader_options(data)
+
+
+def _unwrapped(dataset: Dataset | None) -> Iterator[object]:
+    """``dataset`` and the data sets it wraps (``.dataset``: the training loader's per-sample
+    seeding, ``torch.utils.data.Subset``, a subclass's own wrappers), outermost first."""
+    current: object = dataset
+    for _ in range(16):  # wrappers nest a few levels; a cycle must not loop forever
+        if current is None:
+            return
+        yield current
+        current = getattr(current, "dataset", None)
+
+
+def data_num_classes(dataset: Dataset | None) -> int | None:
+    """How many classes ``dataset`` says it has: its ``num_classes`` (synthetic images, shards,
+    Hugging Face ``ClassLabel``) or the length of its ``classes`` (ImageFolder class folders,
+    CIFAR-10); None when it says nothing."""
+    for current in _unwrapped(dataset):
+        count = getattr(current, "num_classes", None)
+        if isinstance(count, int):
+            return count
+        classes = getattr(current, "classes", None)
+        if isinstance(classes, (list, tuple)):
+            return len(classes)
+    return None
+
+
+def resolve_num_classes(cfg: Config, train_set: Dataset) -> None:
+    """``data.num_classes`` and ``model.num_classes`` from the data: null keys take the count the
+    training set states; set keys must agree with it. Changes ``cfg`` in place (so checkpoints and
+    exports record the count) and logs where it came from."""
+    if is_language_model_data(cfg.data, train_set):
+        return
+    found = data_num_classes(train_set)
+    keys = {"data.num_classes": cfg.data.num_classes, "model.num_classes": cfg.model.num_classes}
+    for key, value in keys.items():
+        if value is not None and found is not None and value != found:
+            raise ConfigError(
+                f"{key}={value}, but the training data ({type(train_set).__name__}, data.name="
+                f"{cfg.data.name!r}) has {found} classes; drop the key to take the data's count"
+            )
+    count = found or cfg.data.num_classes or cfg.model.num_classes
+    if count is None:
+        raise ConfigError(
+            f"model.num_classes is null and the training data ({type(train_set).__name__}) does "
+            f"not say how many classes it has (no num_classes or classes attribute): set "
+            f"model.num_classes"
+        )
+    source = "from the data" if found is not None else "from the config"
+    cfg.data.num_classes = cfg.model.num_classes = count
+    logger.info("num_classes=%d (%s)", count, source)
 
 
 def skipped_samples(dataset: Dataset | None) -> Callable[[], int] | None:
@@ -77,14 +154,10 @@ def skipped_samples(dataset: Dataset | None) -> Callable[[], int] | None:
     seeding, ``torch.utils.data.Subset``, a subclass's own wrappers), so
     ``skipped_samples(trainer.data.train_loader.dataset)`` finds the count.
     """
-    current: object = dataset
-    for _ in range(16):  # wrappers nest a few levels; a cycle must not loop forever
-        if current is None:
-            return None
+    for current in _unwrapped(dataset):
         counter = getattr(current, "skipped", None)
         if isinstance(counter, SkippedSamples):
             return counter
-        current = getattr(current, "dataset", None)
     return None
 
 
@@ -93,14 +166,21 @@ __all__ = [
     "ON_BAD_SAMPLE",
     "BadSampleError",
     "CheckedImageFolder",
+    "HFImages",
+    "ShardImages",
+    "ShardText",
     "GlobalBatchSampler",
     "MarkovTokens",
     "ShardedEvalSampler",
     "SkippedSamples",
     "SyntheticImages",
     "TextBytes",
+    "TokenWindows",
     "build_datasets",
     "build_loader",
+    "data_num_classes",
+    "is_language_model_data",
+    "resolve_num_classes",
     "skipped_samples",
     "validate_data",
 ]

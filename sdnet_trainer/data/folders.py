@@ -8,17 +8,31 @@ loaded, mid-training and often in a DataLoader worker; ``data.on_bad_sample`` de
 then (:class:`CheckedImageFolder`): ``error`` stops with the file's path, ``skip`` loads the next
 file that decodes in its place and counts it (:class:`SkippedSamples`). CIFAR-10 is read from
 pickled arrays, not per-image files, so the policy does not apply to it.
+
+On CUDA the loader hands images to the device as uint8 and they are converted to float and
+normalized there (:func:`defer_normalization`, :class:`DeviceNormalize`): a quarter of the bytes
+to copy, and the per-pixel float work off the loader's cores. ``data.decode=cuda`` goes further:
+the loader only reads the JPEG files and draws each one's crop, and the device decodes them with
+nvjpeg, crops and resizes (:class:`EncodedJpegFolder`, :class:`DeviceDecoder`).
 """
 
 from __future__ import annotations
 
+import copy
+import io
 import logging
 import multiprocessing
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
+import torch
+from PIL import Image
 from torch.utils.data import Dataset
 from torchvision import datasets, transforms
+from torchvision.io import ImageReadMode, decode_jpeg
+from torchvision.transforms.v2 import functional as TF
 
 from sdnet_trainer.config.checks import check_choice
 from sdnet_trainer.config.schema import DataConfig
@@ -63,6 +77,80 @@ def imagenet_transforms(image_size: int) -> tuple[transforms.Compose, transforms
         ]
     )
     return train, val
+
+
+class DeviceNormalize:
+    """The end of the float path (``ToTensor`` then ``Normalize``) for a batch that arrives as
+    uint8 [B, C, H, W] on the training device: the same operations in the same order, so on the
+    CPU the result equals the float path's bit for bit.
+
+    ``memory_format`` is the layout of the float result (``torch.channels_last`` for
+    ``model.channels_last``); the values do not depend on it.
+    """
+
+    def __init__(self, mean: Sequence[float], std: Sequence[float]) -> None:
+        self.mean = tuple(float(m) for m in mean)
+        self.std = tuple(float(s) for s in std)
+        self._stats: dict[torch.device, tuple[torch.Tensor, torch.Tensor]] = {}
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, DeviceNormalize) and (self.mean, self.std) == (
+            other.mean,
+            other.std,
+        )
+
+    def __hash__(self) -> int:
+        return hash((self.mean, self.std))
+
+    def __repr__(self) -> str:
+        return f"DeviceNormalize(mean={self.mean}, std={self.std})"
+
+    def __getstate__(self) -> dict[str, Any]:
+        # Loader workers started by spawn receive data sets pickled, this with them: device
+        # tensors must not travel (a worker would initialise CUDA).
+        return {**self.__dict__, "_stats": {}}
+
+    def _on(self, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+        stats = self._stats.get(device)
+        if stats is None:  # copied to the device once, not per batch
+            mean = torch.tensor(self.mean, dtype=torch.float32, device=device).view(-1, 1, 1)
+            std = torch.tensor(self.std, dtype=torch.float32, device=device).view(-1, 1, 1)
+            stats = self._stats[device] = (mean, std)
+        return stats
+
+    def __call__(
+        self, images: torch.Tensor, *, memory_format: torch.memory_format = torch.contiguous_format
+    ) -> torch.Tensor:
+        mean, std = self._on(images.device)
+        if images.dtype == torch.uint8:  # as ToTensor: to float, then / 255
+            out = images.to(torch.float32, memory_format=memory_format).div_(255)
+        else:  # already float in [0, 255] (resized on the device)
+            out = images.to(torch.float32, memory_format=memory_format, copy=True).div_(255)
+        return out.sub_(mean).div_(std)  # as Normalize
+
+
+def defer_normalization(dataset: Dataset) -> tuple[Dataset, DeviceNormalize] | None:
+    """``dataset`` delivering uint8 tensors, and what turns them into its float images on the
+    device; None where ``dataset`` is not one of the data sets built here (imagefolder, CIFAR-10)
+    or its transform does not end in ``ToTensor`` + ``Normalize``.
+
+    The result is a shallow copy with its own transform (files, labels and the skip counter are
+    shared): the original keeps producing float images for whoever else reads it (the FLOPs
+    count, export).
+    """
+    if not isinstance(dataset, (CheckedImageFolder, datasets.CIFAR10)):
+        return None
+    transform = dataset.transform
+    if not isinstance(transform, transforms.Compose) or len(transform.transforms) < 2:
+        return None
+    *head, to_tensor, normalize = transform.transforms
+    if type(to_tensor) is not transforms.ToTensor or type(normalize) is not transforms.Normalize:
+        return None
+    uint8 = copy.copy(dataset)
+    # PILToTensor: the pixels as uint8 [C, H, W], without ToTensor's float conversion.
+    uint8.transform = transforms.Compose([*head, transforms.PILToTensor()])
+    uint8.transforms = datasets.vision.StandardTransform(uint8.transform, uint8.target_transform)
+    return uint8, DeviceNormalize(normalize.mean, normalize.std)
 
 
 def cifar10_transforms() -> tuple[transforms.Compose, transforms.Compose]:
@@ -168,6 +256,32 @@ class SkippedSamples:
             self._count.value += 1
 
 
+T = TypeVar("T")
+
+
+def first_loadable(
+    index: int,
+    size: int,
+    load: Callable[[int], T | None],
+    skipped: SkippedSamples | None,
+    *,
+    none_loads: str,
+) -> T:
+    """``load(index)``; where it gives None (a bad sample under ``data.on_bad_sample=skip``), the
+    first of ``index + 1, index + 2, ...`` (wrapping around) that loads, counted in ``skipped``.
+    The same replacement every time, so resuming stays exact. ``none_loads``: the message when
+    no sample of the ``size`` loads."""
+    start = range(size)[int(index)]  # IndexError out of range, like ImageFolder
+    for offset in range(size):
+        loaded = load((start + offset) % size)
+        if loaded is None:
+            continue
+        if offset and skipped is not None:
+            skipped.add()
+        return loaded
+    raise BadSampleError(f"data: {none_loads} (data.on_bad_sample=skip)")
+
+
 def _reason(err: BaseException, path: str) -> str:
     """``Type: message``; PIL's "cannot identify image file <_io.BufferedReader name=...>" loses
     the file object's repr, as the path is in the message already."""
@@ -185,31 +299,32 @@ class CheckedImageFolder(datasets.ImageFolder):
     in :attr:`skipped`.
     """
 
-    def __init__(self, root: str, *, transform: Any, on_bad_sample: str = "error") -> None:
-        super().__init__(root, transform=transform)
+    def __init__(
+        self, root: str, *, transform: Any, on_bad_sample: str = "error", loader: Any = None
+    ) -> None:
+        if loader is None:
+            super().__init__(root, transform=transform)
+        else:
+            super().__init__(root, transform=transform, loader=loader)
         check_choice("data.on_bad_sample", on_bad_sample, ON_BAD_SAMPLE)
         self.on_bad_sample = on_bad_sample
         self.skipped = SkippedSamples(len(self.samples)) if on_bad_sample == "skip" else None
 
     def __getitem__(self, index: int) -> tuple[Any, Any]:
         size = len(self.samples)
-        start = range(size)[index]  # IndexError out of range, like ImageFolder
-        for offset in range(size):
-            loaded = self._load((start + offset) % size)
-            if loaded is None:
-                continue
-            if offset and self.skipped is not None:
-                self.skipped.add()
-            sample, target = loaded
-            if self.transform is not None:
-                sample = self.transform(sample)
-            if self.target_transform is not None:
-                target = self.target_transform(target)
-            return sample, target
-        raise BadSampleError(
-            f"data: none of the {size} files under {self.root} can be decoded "
-            f"(data.on_bad_sample=skip); check data.root"
+        sample, target = first_loadable(
+            index,
+            size,
+            self._load,
+            self.skipped,
+            none_loads=f"none of the {size} files under {self.root} can be decoded; "
+            "check data.root",
         )
+        if self.transform is not None:
+            sample = self.transform(sample)
+        if self.target_transform is not None:
+            target = self.target_transform(target)
+        return sample, target
 
     def _load(self, index: int) -> tuple[Any, Any] | None:
         """(image, label) of ``index``; None when it is a known or newly found bad file (skip)."""
@@ -236,11 +351,204 @@ class CheckedImageFolder(datasets.ImageFolder):
             return None
 
 
+# data.decode
+DECODE = ("cpu", "cuda")
+JPEG_SUFFIXES = (".jpg", ".jpeg")
+_JPEG_MAGIC = b"\xff\xd8\xff"
+
+
+@dataclass
+class _JpegFile:
+    """A JPEG file read but not decoded: its bytes and its header (size, mode)."""
+
+    data: bytes
+    header: Image.Image  # opened lazily by PIL: the pixels are never decoded here
+    path: str
+
+
+@dataclass
+class EncodedImage:
+    """One sample under ``data.decode=cuda``: the file's bytes and where to crop it."""
+
+    data: torch.Tensor  # uint8 [n]: the JPEG file
+    box: tuple[int, int, int, int]  # (top, left, height, width) in the file's pixels
+    flip: bool
+    path: str
+
+
+@dataclass
+class EncodedImages:
+    """A batch of :class:`EncodedImage`; the loader pins it (``pin_memory``) for the copy."""
+
+    data: list[torch.Tensor]
+    boxes: list[tuple[int, int, int, int]]
+    flips: list[bool]
+    paths: list[str]
+
+    def pin_memory(self) -> EncodedImages:
+        return EncodedImages(
+            [d.pin_memory() for d in self.data], self.boxes, self.flips, self.paths
+        )
+
+
+def collate_encoded(samples: list[tuple[EncodedImage, int]]) -> tuple[EncodedImages, torch.Tensor]:
+    """The loader's ``collate_fn`` under ``data.decode=cuda``: files differ in length, so they
+    stay a list instead of being stacked."""
+    images = [image for image, _ in samples]
+    batch = EncodedImages(
+        [i.data for i in images], [i.box for i in images], [i.flip for i in images],
+        [i.path for i in images],
+    )  # fmt: skip
+    return batch, torch.tensor([label for _, label in samples], dtype=torch.int64)
+
+
+def _read_jpeg(path: str) -> _JpegFile:
+    """The file's bytes and header. What does not parse as a JPEG raises here, in the loader,
+    where ``data.on_bad_sample`` handles it like a file PIL cannot decode."""
+    with open(path, "rb") as f:
+        data = f.read()
+    if not data.startswith(_JPEG_MAGIC):
+        raise ValueError("not a JPEG file (data.decode=cuda decodes JPEG only)")
+    header = Image.open(io.BytesIO(data))  # reads the header only
+    if header.format not in ("JPEG", "MPO"):  # MPO: a camera's JPEG with extra frames
+        raise ValueError(f"a {header.format} file, not JPEG (data.decode=cuda decodes JPEG only)")
+    return _JpegFile(data, header, path)
+
+
+class JpegCrop:
+    """The loader's part of the ImageNet recipe under ``data.decode=cuda``: the box of the file's
+    pixels that becomes the ``image_size`` square, and whether to flip it, from the file's size
+    alone. Train draws a ``RandomResizedCrop`` box and a horizontal flip in the same order as the
+    PIL path, so per-sample seeding keeps them reproducible; val takes the center crop of the
+    image resized to ``image_size / 0.875`` on its short side, in the file's pixels."""
+
+    def __init__(self, image_size: int, *, train: bool) -> None:
+        self.image_size, self.train = image_size, train
+        self._crop = transforms.RandomResizedCrop(image_size)  # its default scale and ratio
+
+    def box(self, width: int, height: int) -> tuple[tuple[int, int, int, int], bool]:
+        """((top, left, height, width), flip) for an image of ``width`` x ``height``."""
+        if self.train:
+            # get_params reads only the size: an empty tensor of that shape stands in.
+            shape = torch.empty(1, 1, 1).expand(1, height, width)
+            top, left, h, w = self._crop.get_params(shape, self._crop.scale, self._crop.ratio)
+            flip = bool(torch.rand(1) < 0.5)  # as RandomHorizontalFlip
+            return (int(top), int(left), int(h), int(w)), flip
+        # Resize(short side -> round(size / 0.875)) then CenterCrop(size), mapped back.
+        side = self.image_size * min(width, height) / round(self.image_size / _EVAL_CROP_RATIO)
+        h, w = min(height, round(side)), min(width, round(side))
+        return (round((height - h) / 2), round((width - w) / 2), h, w), False
+
+    def __call__(self, jpeg: _JpegFile) -> EncodedImage:
+        width, height = jpeg.header.size
+        box, flip = self.box(width, height)
+        data = torch.frombuffer(bytearray(jpeg.data), dtype=torch.uint8)
+        return EncodedImage(data, box, flip, jpeg.path)
+
+
+class DeviceDecoder:
+    """The device's part under ``data.decode=cuda``: decode a batch of JPEG files with nvjpeg
+    (``torchvision.io.decode_jpeg(device="cuda")``), resize each file's box (:class:`JpegCrop`) to
+    ``image_size``, flip where drawn, then normalize. Resizing runs on float pixels with
+    antialiasing, so the pixels differ slightly from PIL's on the CPU path (the same crops, not
+    bit for bit the same data)."""
+
+    def __init__(self, image_size: int, *, normalize: DeviceNormalize) -> None:
+        self.image_size, self.normalize = image_size, normalize
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, DeviceDecoder) and (self.image_size, self.normalize) == (
+            other.image_size,
+            other.normalize,
+        )
+
+    def __hash__(self) -> int:
+        return hash((self.image_size, self.normalize))
+
+    def __call__(
+        self,
+        batch: EncodedImages,
+        device: torch.device,
+        *,
+        memory_format: torch.memory_format = torch.contiguous_format,
+    ) -> torch.Tensor:
+        try:
+            images = decode_jpeg(batch.data, mode=ImageReadMode.RGB, device=device)
+        except RuntimeError as err:
+            raise BadSampleError(self._which_failed(batch, device, err)) from err
+        size = self.image_size
+        out = torch.empty(len(images), 3, size, size, dtype=torch.float32, device=device)
+        for i, image in enumerate(images):
+            top, left, height, width = batch.boxes[i]
+            pixels = TF.resized_crop(image.float(), top, left, height, width, [size, size])
+            out[i] = pixels.flip(-1) if batch.flips[i] else pixels
+        return self.normalize(out.clamp_(0, 255), memory_format=memory_format)
+
+    @staticmethod
+    def _which_failed(batch: EncodedImages, device: torch.device, err: Exception) -> str:
+        """The batch failed as a whole: decode its files one by one to name the culprit."""
+        for data, path in zip(batch.data, batch.paths):
+            try:
+                decode_jpeg(data, mode=ImageReadMode.RGB, device=device)
+            except RuntimeError as single:
+                return (
+                    f"data: nvjpeg cannot decode {path} ({single}); fix or remove the file, or "
+                    f"set data.decode=cpu (where data.on_bad_sample=skip can replace it)"
+                )
+        return f"data: nvjpeg failed on a batch of {len(batch.paths)} files ({err})"
+
+
+class EncodedJpegFolder(CheckedImageFolder):
+    """A class folder tree of JPEG files for ``data.decode=cuda``: items are
+    (:class:`EncodedImage`, label); :attr:`device_decoder` finishes them on the device. A file
+    whose header does not read as JPEG follows ``data.on_bad_sample`` like an undecodable file on
+    the CPU path."""
+
+    def __init__(
+        self, root: str, *, image_size: int, train: bool, on_bad_sample: str = "error"
+    ) -> None:
+        super().__init__(
+            root,
+            transform=JpegCrop(image_size, train=train),
+            on_bad_sample=on_bad_sample,
+            loader=_read_jpeg,
+        )
+        others = [path for path, _ in self.samples if not path.lower().endswith(JPEG_SUFFIXES)]
+        if others:
+            raise ConfigError(
+                f"data.decode=cuda decodes JPEG files only, but {len(others)} of the "
+                f"{len(self.samples)} files under {root} are not .jpg/.jpeg (e.g. {others[0]}); "
+                f"convert them or set data.decode=cpu"
+            )
+        self.image_size, self.train = image_size, train
+        normalize = DeviceNormalize(IMAGENET_MEAN, IMAGENET_STD)
+        self.device_decoder = DeviceDecoder(image_size, normalize=normalize)
+
+    def decoded(self) -> CheckedImageFolder:
+        """The same files through the CPU path (PIL, float): what code that needs ready images
+        outside the loader (the FLOPs count) reads."""
+        train_tf, val_tf = imagenet_transforms(self.image_size)
+        return CheckedImageFolder(
+            self.root,
+            transform=train_tf if self.train else val_tf,
+            on_bad_sample=self.on_bad_sample,
+        )
+
+
 def _image_folder(
-    split_dir: Path, *, transform: transforms.Compose, on_bad_sample: str
+    split_dir: Path, cfg: DataConfig, *, train: bool, transform: transforms.Compose
 ) -> CheckedImageFolder:
     try:
-        return CheckedImageFolder(str(split_dir), transform=transform, on_bad_sample=on_bad_sample)
+        if cfg.decode == "cuda":
+            return EncodedJpegFolder(
+                str(split_dir),
+                image_size=cfg.image_size,
+                train=train,
+                on_bad_sample=cfg.on_bad_sample,
+            )
+        return CheckedImageFolder(
+            str(split_dir), transform=transform, on_bad_sample=cfg.on_bad_sample
+        )
     except FileNotFoundError as err:
         # torchvision raises this for "no class sub-folders" and for "a class folder without a
         # single image file"; both mean the folder tree is not what data.root should point to.
@@ -262,7 +570,8 @@ def _check_classes(
             f"data.root={str(root)!r}: train/ and val/ have different class folders "
             f"(only in train: {only_train[:5]}, only in val: {only_val[:5]})"
         )
-    if len(train.classes) != cfg.num_classes:
+    # data.num_classes null: the class folders decide (resolve_num_classes).
+    if cfg.num_classes is not None and len(train.classes) != cfg.num_classes:
         raise ConfigError(
             f"data.num_classes={cfg.num_classes}, but data.root={str(root)!r} has "
             f"{len(train.classes)} class folders; set data.num_classes (and model.num_classes) "
@@ -279,9 +588,10 @@ def build_imagefolder(cfg: DataConfig) -> tuple[Dataset, Dataset]:
     train_dir, val_dir = root / "train", root / "val"
     _require_dir(train_dir, root=root)
     _require_dir(val_dir, root=root)
+    check_choice("data.decode", cfg.decode, DECODE)
     train_tf, val_tf = imagenet_transforms(cfg.image_size)
-    train = _image_folder(train_dir, transform=train_tf, on_bad_sample=cfg.on_bad_sample)
-    val = _image_folder(val_dir, transform=val_tf, on_bad_sample=cfg.on_bad_sample)
+    train = _image_folder(train_dir, cfg, train=True, transform=train_tf)
+    val = _image_folder(val_dir, cfg, train=False, transform=val_tf)
     _check_classes(cfg, train, val, root=root)
     logger.info(
         "imagefolder %s: %d train / %d val images, %d classes",
@@ -301,7 +611,7 @@ def _require_cifar_shape(cfg: DataConfig) -> None:
             f"data.image_size={cfg.image_size}, but data.name='cifar10' images are "
             f"{CIFAR10_IMAGE_SIZE}x{CIFAR10_IMAGE_SIZE}"
         )
-    if cfg.num_classes != CIFAR10_NUM_CLASSES:
+    if cfg.num_classes is not None and cfg.num_classes != CIFAR10_NUM_CLASSES:
         raise ConfigError(
             f"data.num_classes={cfg.num_classes}, but CIFAR-10 has {CIFAR10_NUM_CLASSES} classes"
         )

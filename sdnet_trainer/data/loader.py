@@ -4,19 +4,33 @@ Training passes a batch sampler (see :class:`~sdnet_trainer.data.sampler.GlobalB
 evaluation passes a per-sample sampler plus a batch size. Options torch would reject or warn about
 in a given setting (pinning without CUDA, worker options without workers) are dropped here, so
 one config works on a laptop and on a GPU node alike.
+
+:class:`RunData` brings batches to the device. On CUDA the image data sets built here deliver
+uint8 pixels that are normalized on the device (see ``data/folders.py``), and every batch is
+copied on a side stream from pinned memory, so the copy overlaps the GPU work still queued from
+the previous step instead of waiting behind it.
 """
 
 from __future__ import annotations
 
 import logging
-from collections.abc import Generator
+import os
+from collections.abc import Callable, Generator
 from typing import Any, Protocol
 
 import torch
 from torch.utils.data import DataLoader, Dataset, Sampler
 
-from sdnet_trainer.config.checks import check_positive
+from sdnet_trainer.config.checks import check_choice, check_positive
 from sdnet_trainer.config.schema import DataConfig
+from sdnet_trainer.data.folders import (
+    DECODE,
+    DeviceDecoder,
+    DeviceNormalize,
+    EncodedImages,
+    collate_encoded,
+    defer_normalization,
+)
 from sdnet_trainer.data.sampler import GlobalBatchSampler, ShardedEvalSampler
 from sdnet_trainer.data.seeding import EpochTaggedBatches, SampleSeeded, draws_random
 from sdnet_trainer.errors import ConfigError
@@ -25,12 +39,32 @@ logger = logging.getLogger(__name__)
 
 
 def check_loader_options(cfg: DataConfig) -> None:
-    """``data.num_workers`` and ``data.prefetch_factor``: part of preflight's data checks, and
-    checked again by :func:`build_loader`, which also serves callers that build a DataConfig
-    themselves."""
-    check_positive("data.num_workers", cfg.num_workers, allow_zero=True)
-    if cfg.num_workers > 0 and cfg.prefetch_factor < 1:
+    """``data.num_workers``, ``data.prefetch_factor`` and ``data.decode``: part of preflight's
+    data checks, and checked again by :func:`build_loader`, which also serves callers that build
+    a DataConfig themselves. That ``data.decode=cuda`` needs a CUDA device is checked where the
+    device is known (:class:`RunData`)."""
+    check_positive("data.num_workers", cfg.num_workers, allow_zero=True, allow_none=True)
+    if (cfg.num_workers or 0) > 0 and cfg.prefetch_factor < 1:
         raise ConfigError(f"data.prefetch_factor={cfg.prefetch_factor} must be >= 1")
+    check_choice("data.decode", cfg.decode, DECODE)
+    if cfg.decode == "cuda" and cfg.name != "imagefolder":
+        raise ConfigError(
+            f"data.decode=cuda decodes JPEG image files, so it applies to data.name=imagefolder "
+            f"only, not data.name={cfg.name!r}; set data.decode=cpu"
+        )
+
+
+def resolve_num_workers(num_workers: int | None, *, device_type: str) -> int:
+    """``data.num_workers``; null: this node's cores shared among its local ranks on CUDA, 0 on
+    the CPU, where workers would take cores from the training threads."""
+    if num_workers is not None:
+        return num_workers
+    if device_type != "cuda":
+        return 0
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    # torchrun sets LOCAL_WORLD_SIZE; launched otherwise, each rank assumes it has the node.
+    local_ranks = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+    return max(1, (cores or 1) // max(1, local_ranks) - 1)  # one core left for the rank itself
 
 
 def _batching_kwargs(
@@ -49,16 +83,20 @@ def _batching_kwargs(
     return {"sampler": sampler, "batch_size": batch_size, "drop_last": False}
 
 
-def _worker_kwargs(cfg: DataConfig, *, device_type: str) -> dict[str, Any]:
+def _worker_kwargs(
+    cfg: DataConfig, *, device_type: str, persistent: bool | None = None
+) -> dict[str, Any]:
+    workers = resolve_num_workers(cfg.num_workers, device_type=device_type)
+    persistent = cfg.persistent_workers if persistent is None else persistent
     kwargs: dict[str, Any] = {
-        "num_workers": cfg.num_workers,
+        "num_workers": workers,
         # Pinned host memory only speeds up host-to-CUDA copies; elsewhere torch warns and it
         # just costs page-locked RAM.
         "pin_memory": bool(cfg.pin_memory) and device_type == "cuda",
     }
     # torch raises ValueError for these two when num_workers == 0.
-    if cfg.num_workers > 0:
-        kwargs["persistent_workers"] = bool(cfg.persistent_workers)
+    if workers > 0:
+        kwargs["persistent_workers"] = bool(persistent)
         kwargs["prefetch_factor"] = cfg.prefetch_factor
     return kwargs
 
@@ -72,15 +110,20 @@ def build_loader(
     sampler: Sampler | None = None,
     batch_size: int | None = None,
     generator: torch.Generator | None = None,
+    persistent_workers: bool | None = None,
+    collate_fn: Callable[[list[Any]], Any] | None = None,
 ) -> DataLoader:
     """A DataLoader over ``dataset`` following the ``data.*`` loader policy.
 
     ``device_type`` is the training device's type ("cuda", "cpu", ...); ``generator`` seeds the
-    workers' base seed (and so random augmentations) reproducibly.
+    workers' base seed (and so random augmentations) reproducibly; ``persistent_workers``
+    overrides ``data.persistent_workers`` (None: keep it).
     """
     check_loader_options(cfg)
     kwargs = _batching_kwargs(batch_sampler=batch_sampler, sampler=sampler, batch_size=batch_size)
-    kwargs.update(_worker_kwargs(cfg, device_type=device_type))
+    kwargs.update(_worker_kwargs(cfg, device_type=device_type, persistent=persistent_workers))
+    if collate_fn is not None:
+        kwargs["collate_fn"] = collate_fn
     logger.debug("DataLoader settings: %s", {k: v for k, v in kwargs.items() if "sampler" not in k})
     return DataLoader(dataset, generator=generator, **kwargs)
 
@@ -95,6 +138,7 @@ def train_loader(
     dp_size: int,
     dp_rank: int,
     seed: int,
+    collate_fn: Callable[[list[Any]], Any] | None = None,
 ) -> tuple[DataLoader, GlobalBatchSampler]:
     """The training loader and its sampler: this data-parallel rank's micro-batches of the global
     batch order (see GlobalBatchSampler), each sample seeded by (seed, epoch, index)."""
@@ -119,6 +163,7 @@ def train_loader(
         device_type=device_type,
         batch_sampler=EpochTaggedBatches(sampler) if seeded else sampler,
         generator=torch.Generator(),
+        collate_fn=collate_fn,
     )
     return loader, sampler
 
@@ -131,8 +176,13 @@ def eval_loader(
     batch_size: int,
     dp_size: int,
     dp_rank: int,
+    collate_fn: Callable[[list[Any]], Any] | None = None,
 ) -> DataLoader:
-    """This data-parallel rank's share of the validation set, every sample exactly once."""
+    """This data-parallel rank's share of the validation set, every sample exactly once.
+
+    Its workers never persist: evaluation runs now and then, and persistent workers would hold
+    their processes and prefetched batches through all the training in between (next to the
+    training loader's, with as many workers as cores)."""
     size = len(dataset)  # type: ignore[arg-type]  # map-style datasets have a length
     if size < dp_size:
         raise ConfigError(
@@ -141,7 +191,13 @@ def eval_loader(
         )
     sampler = ShardedEvalSampler(size, world_size=dp_size, rank=dp_rank)
     return build_loader(
-        dataset, cfg=cfg, device_type=device_type, sampler=sampler, batch_size=batch_size
+        dataset,
+        cfg=cfg,
+        device_type=device_type,
+        sampler=sampler,
+        batch_size=batch_size,
+        persistent_workers=False,
+        collate_fn=collate_fn,
     )
 
 
@@ -154,7 +210,13 @@ class DataPosition(Protocol):
 
 class RunData:
     """A run's loaders: this data-parallel rank's training micro-batches, drawn from the position
-    the run state gives, and its share of the validation set; batches arrive on ``device``."""
+    the run state gives, and its share of the validation set; batches arrive on ``device``.
+
+    ``uint8_inputs`` (default: on CUDA) has the image data sets built here (imagefolder, CIFAR-10)
+    deliver uint8 pixels, normalized on the device into the same float tensors the float path
+    gives. Data sets built for ``data.decode=cuda`` (a ``device_decoder`` attribute) deliver
+    encoded JPEG files, decoded on the device.
+    """
 
     def __init__(
         self,
@@ -170,8 +232,24 @@ class RunData:
         dp_rank: int,
         seed: int,
         channels_last: bool = False,
+        uint8_inputs: bool | None = None,
     ) -> None:
         self.device, self.channels_last = device, channels_last
+        on_cuda = device.type == "cuda"
+        self.decoder: DeviceDecoder | None = getattr(train_set, "device_decoder", None)
+        self.normalize: DeviceNormalize | None = None
+        collate = None
+        if self.decoder is not None:
+            if not on_cuda:
+                raise ConfigError(
+                    f"data.decode=cuda decodes on the GPU, but this rank trains on {device}; "
+                    f"set data.decode=cpu"
+                )
+            collate = collate_encoded
+        elif on_cuda if uint8_inputs is None else uint8_inputs:  # default: on CUDA
+            train_set, val_set = self._defer_normalization(train_set, val_set)
+        # The host-to-device copy's own stream (see _copy).
+        self._copy_stream = torch.cuda.Stream(device) if on_cuda else None
         dp = {"dp_size": dp_size, "dp_rank": dp_rank}
         self.train_loader, self.train_sampler = train_loader(
             train_set,
@@ -180,15 +258,36 @@ class RunData:
             micro_batch_size=micro_batch_size,
             grad_accum_steps=grad_accum_steps,
             seed=seed,
+            collate_fn=collate,
             **dp,
         )
         self.val_loader = None
         if val_set is not None:
             self.val_loader = eval_loader(
-                val_set, cfg=cfg, device_type=device.type, batch_size=eval_batch_size, **dp
+                val_set,
+                cfg=cfg,
+                device_type=device.type,
+                batch_size=eval_batch_size,
+                collate_fn=collate,
+                **dp,
             )
         self.steps_per_epoch = self.train_sampler.steps_per_epoch
         self._batches: Generator[Any, None, None] | None = None
+
+    def _defer_normalization(
+        self, train_set: Dataset, val_set: Dataset | None
+    ) -> tuple[Dataset, Dataset | None]:
+        """uint8 copies of the data sets that support it; the validation set only when it
+        normalizes as the training set does, as one normalization serves both."""
+        deferred = defer_normalization(train_set)
+        if deferred is None:
+            return train_set, val_set
+        train_set, self.normalize = deferred
+        if val_set is not None:
+            val_deferred = defer_normalization(val_set)
+            if val_deferred is not None and val_deferred[1] == self.normalize:
+                val_set = val_deferred[0]
+        return train_set, val_set
 
     def start(self, position: DataPosition) -> None:
         """Begin (or restart) the training iteration at ``position``."""
@@ -209,7 +308,47 @@ class RunData:
         return self.to_device(next(self._batches))
 
     def to_device(self, batch: Any) -> Any:
-        return to_device(batch, self.device, channels_last=self.channels_last)
+        """A loader batch (training or validation) on the device, ready for the model: copied,
+        then normalized or decoded there where the data set left that to the device."""
+        batch = self._copy(batch)
+        if self.normalize is None and self.decoder is None:
+            return batch
+        return _map_batch(batch, self._finish)
+
+    def _copy(self, batch: Any) -> Any:
+        """Every tensor of ``batch`` on the device. On CUDA the copy is queued on a side stream:
+        the compute stream may still be busy with the previous step, and a copy queued there
+        would wait for it. The compute stream then waits for the copy (before any kernel reads
+        the batch), and each copied tensor is marked as used there, so the caching allocator
+        does not hand its memory back to the side stream while the step still reads it. The
+        host returns at once: the loader's batches are in pinned memory (``data.pin_memory``),
+        which the copy reads asynchronously."""
+        # to_device lays out float images only; uint8 ones take the layout when normalized.
+        layout = self.channels_last
+        stream = self._copy_stream
+        if stream is None:
+            return to_device(batch, self.device, channels_last=layout)
+        compute = torch.cuda.current_stream(self.device)
+        with torch.cuda.stream(stream):
+            moved = to_device(batch, self.device, channels_last=layout)
+        compute.wait_stream(stream)
+        for tensor in _tensors(moved):
+            if tensor.device.type == "cuda":
+                tensor.record_stream(compute)
+        return moved
+
+    def _finish(self, item: Any) -> Any:
+        memory_format = torch.channels_last if self.channels_last else torch.contiguous_format
+        if isinstance(item, EncodedImages) and self.decoder is not None:
+            return self.decoder(item, self.device, memory_format=memory_format)
+        if (
+            self.normalize is not None
+            and isinstance(item, torch.Tensor)
+            and item.dtype == torch.uint8
+            and item.dim() == 4
+        ):
+            return self.normalize(item, memory_format=memory_format)
+        return item
 
     def close(self) -> None:
         """End the iteration in flight and stop every worker process now."""
@@ -217,6 +356,21 @@ class RunData:
             self._batches.close()
         shutdown_loader(self.train_loader)
         shutdown_loader(self.val_loader)
+
+
+def _map_batch(batch: Any, fn: Callable[[Any], Any]) -> Any:
+    """``fn`` applied to every leaf of a (nested) list, tuple or dict batch."""
+    if isinstance(batch, (list, tuple)):
+        return type(batch)(_map_batch(b, fn) for b in batch)
+    if isinstance(batch, dict):
+        return {k: _map_batch(v, fn) for k, v in batch.items()}
+    return fn(batch)
+
+
+def _tensors(batch: Any) -> list[torch.Tensor]:
+    found: list[torch.Tensor] = []
+    _map_batch(batch, lambda x: found.append(x) if isinstance(x, torch.Tensor) else None)
+    return found
 
 
 def shutdown_loader(loader: DataLoader | None) -> None:

@@ -35,6 +35,10 @@ _STREAM_NOISE = 3
 
 _MASK64 = (1 << 64) - 1
 
+# Classes generated when data.num_classes is null (as configs/data/synthetic.yaml sets): the data
+# set is defined by its class count, so it cannot take one from elsewhere.
+DEFAULT_NUM_CLASSES = 10
+
 
 def _mix_seed(*parts: int) -> int:
     """Hash integers into one generator seed (splitmix64 finalizer, chained over the parts).
@@ -172,7 +176,7 @@ def build_synthetic(cfg: DataConfig) -> tuple[SyntheticImages, SyntheticImages]:
         SyntheticImages,
         image_size=cfg.image_size,
         channels=cfg.channels,
-        num_classes=cfg.num_classes,
+        num_classes=DEFAULT_NUM_CLASSES if cfg.num_classes is None else cfg.num_classes,
         seed=cfg.synthetic_seed,
         signal=cfg.signal,
         noise=cfg.noise,
@@ -188,5 +192,5 @@ def _validate(cfg: DataConfig) -> None:
     # constructor argument name.
     for key in ("train_size", "val_size", "image_size", "channels", "num_classes"):
         value = getattr(cfg, key)
-        if value < 1:
+        if value is not None and value < 1:  # num_classes null: DEFAULT_NUM_CLASSES
             raise ConfigError(f"data.{key}={value} must be >= 1 for data.name='synthetic'")

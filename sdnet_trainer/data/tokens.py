@@ -111,25 +111,34 @@ class MarkovTokens(Dataset):
         )
 
 
-class TextBytes(Dataset):
-    """Windows of ``seq_len + 1`` bytes at stride ``seq_len`` over a byte tensor.
+class TokenWindows(Dataset):
+    """Windows of ``seq_len + 1`` token ids at stride ``seq_len`` over a 1-D integer tensor;
+    sample ``i`` is (inputs, targets), the targets shifted by one.
 
-    The stride is ``seq_len``, not ``seq_len + 1``: the last byte of one window is the first input
-    of the next, so every byte but the very first is a target exactly once.
+    The stride is ``seq_len``, not ``seq_len + 1``: the last token of one window is the first input
+    of the next, so every token but the very first is a target exactly once.
     """
 
     draws_random = False  # each sample is a pure function of its index (no per-sample seeding)
 
     def __init__(self, data: torch.Tensor, *, seq_len: int) -> None:
-        if data.dtype != torch.uint8 or data.dim() != 1:
+        name = type(self).__name__
+        if data.dim() != 1 or not self._accepts(data.dtype):
             raise ValueError(
-                f"TextBytes: data must be a 1-D uint8 tensor, got {data.dtype} {tuple(data.shape)}"
+                f"{name}: data must be a 1-D {self._dtype_text} tensor, got {data.dtype} "
+                f"{tuple(data.shape)}"
             )
         if seq_len < 1:
-            raise ValueError(f"TextBytes: seq_len must be >= 1, got {seq_len}")
+            raise ValueError(f"{name}: seq_len must be >= 1, got {seq_len}")
         self.data = data
         self.seq_len = seq_len
         self.size = max(0, (len(data) - 1) // seq_len)
+
+    _dtype_text = "integer"
+
+    @staticmethod
+    def _accepts(dtype: torch.dtype) -> bool:
+        return not dtype.is_floating_point and not dtype.is_complex and dtype != torch.bool
 
     def __len__(self) -> int:
         return self.size
@@ -139,13 +148,26 @@ class TextBytes(Dataset):
         if index < 0:
             index += self.size
         if not 0 <= index < self.size:
-            raise IndexError(f"TextBytes index {index} out of range for size {self.size}")
+            raise IndexError(
+                f"{type(self).__name__} index {index} out of range for size {self.size}"
+            )
         start = index * self.seq_len
         window = self.data[start : start + self.seq_len + 1].to(torch.int64)
         return window[:-1], window[1:]
 
     def __repr__(self) -> str:
-        return f"TextBytes(bytes={len(self.data)}, seq_len={self.seq_len}, samples={self.size})"
+        name, tokens = type(self).__name__, len(self.data)
+        return f"{name}(tokens={tokens}, seq_len={self.seq_len}, samples={self.size})"
+
+
+class TextBytes(TokenWindows):
+    """:class:`TokenWindows` over the bytes of a text (a uint8 tensor): byte-level modelling."""
+
+    _dtype_text = "uint8"
+
+    @staticmethod
+    def _accepts(dtype: torch.dtype) -> bool:
+        return dtype == torch.uint8
 
 
 def build_tokens(cfg: DataConfig) -> tuple[MarkovTokens, MarkovTokens]:

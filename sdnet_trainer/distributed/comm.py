@@ -165,7 +165,7 @@ class GradientComm:
         self._names = [n for n, _ in named]
         self._params = [p for _, p in named]
         self._index = {id(p): i for i, p in enumerate(self._params)}
-        self._ddp = ddp_model
+        self._ddp: DistributedDataParallel | None = ddp_model  # None after release()
         self._powersgd: powerSGD_hook.PowerSGDState | None = None
         self._local: post_localSGD_hook.PostLocalSGDState | None = None
         self.averager: PeriodicModelAverager | None = None
@@ -249,6 +249,19 @@ class GradientComm:
             self._powersgd.error_dict.clear()
             self._pending_error = None
 
+    def release(self) -> None:
+        """Drop this wrapper's references to the DDP model, its parameters and the hooks' state
+        (PowerSGD's memories, the averager), before the process group goes away: a
+        DistributedDataParallel still alive when its group is destroyed can abort the process at
+        exit, and a traceback or the checkpointer may keep this wrapper alive past that point.
+        The wrapper is unusable afterwards; safe to call twice."""
+        self._ddp = None
+        self._names, self._params, self._index = [], [], {}
+        self._powersgd = self._local = self.averager = None
+        self._layouts.clear()
+        self._pending_error = self._pending_q = None
+        self.process_group = None
+
     # ------------------------------------------------------------------ communication volume
 
     def bytes_per_step(self, step: int | None = None) -> float:
@@ -301,9 +314,11 @@ class GradientComm:
             lengths = [
                 sum(self._params[i].numel() for i in layout) for layout in self._layouts.values()
             ]
-        else:
+        elif self._ddp is not None:
             sizes = str(self._ddp._get_ddp_logging_data().get("bucket_sizes", ""))
             lengths = [int(b) // size for b in sizes.split(",") if b.strip()]
+        else:
+            lengths = []
         return sum(2 * math.ceil(math.sqrt(n)) * rank * size for n in lengths)
 
     # ------------------------------------------------------------------ PowerSGD bucket memories

@@ -3,6 +3,11 @@
 A launch under torchrun (RANK/WORLD_SIZE/LOCAL_RANK in the environment) gets a process group;
 ``python -m sdnet_trainer`` runs as a single process without one. The device check for CUDA lives
 here alone: every other module asks ``DistEnv.device``.
+
+The group starts with ``dist.timeout_s`` (set-up and the first step may compile and read a large
+checkpoint); ``shorten_timeout`` then drops it to ``dist.step_timeout_s`` so a hung collective
+fails in minutes. An NCCL group also keeps NCCL's flight recorder (a ring buffer of each rank's
+last collectives), dumped into the run directory when a collective times out.
 """
 
 from __future__ import annotations
@@ -10,13 +15,15 @@ from __future__ import annotations
 import gc
 import logging
 import os
-from collections.abc import Iterator
+from collections.abc import Callable, Iterable, Iterator, MutableMapping
 from contextlib import contextmanager
 from dataclasses import dataclass
 from datetime import timedelta
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh
 
 from sdnet_trainer.config.checks import check_choice, check_positive
 from sdnet_trainer.config.schema import Config, DistConfig
@@ -28,6 +35,15 @@ logger = logging.getLogger(__name__)
 
 BACKENDS = ("auto", "nccl", "gloo")
 DEVICES = ("auto", "cpu", "cuda")
+
+# A CUDA group that must also run collectives on CPU tensors (FSDP's CPU-offloaded gradients, whose
+# norm is an all-reduce of CPU DTensors): NCCL for CUDA tensors, gloo for CPU ones.
+CUDA_WITH_CPU_BACKEND = "cuda:nccl,cpu:gloo"
+
+# NCCL's flight recorder: how many collectives each rank remembers (about 1 KB each), and the
+# folder of the run directory that receives one dump per rank when a collective times out.
+FLIGHT_RECORDER_ENTRIES = 2000
+FLIGHT_RECORDER_DIR = "nccl_flight_recorder"
 
 
 @dataclass(frozen=True)
@@ -63,6 +79,91 @@ def resolve_backend(cfg: DistConfig, device: torch.device) -> str:
     return "nccl" if device.type == "cuda" else "gloo"
 
 
+def group_backend(backend: str, device: torch.device, *, cpu_collectives: bool) -> str:
+    """The backend string the default group starts with: ``backend``, or NCCL for CUDA tensors
+    plus gloo for CPU tensors when a CUDA run also reduces CPU tensors (``cpu_collectives``).
+    On the CPU, or with gloo already, one backend serves both."""
+    if cpu_collectives and device.type == "cuda" and backend == "nccl":
+        return CUDA_WITH_CPU_BACKEND
+    return backend
+
+
+def check_local_rank(local_rank: int) -> None:
+    """A CUDA rank needs a GPU of its own: one clear error instead of CUDA's "invalid device
+    ordinal" at the first ``set_device``."""
+    count = torch.cuda.device_count()
+    if local_rank >= count:
+        visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+        shown = "" if visible is None else f", CUDA_VISIBLE_DEVICES={visible!r}"
+        raise ConfigError(
+            f"LOCAL_RANK={local_rank} needs GPU {local_rank}, but this machine shows "
+            f"{count} CUDA device(s){shown}: start at most {count} process(es) per node "
+            "(torchrun --nproc_per_node) or use dist.device=cpu"
+        )
+
+
+def enable_flight_recorder(
+    output_dir: str | Path, environ: MutableMapping[str, str] | None = None
+) -> dict[str, str]:
+    """Turn on NCCL's flight recorder, dumping into ``output_dir/nccl_flight_recorder/rank_<R>``
+    when a collective times out; returns the variables set. Must run before the NCCL group
+    starts (torch reads them when it creates the group). Variables the user set are kept: a user
+    who sized the buffer or chose the dump file keeps that choice."""
+    env = os.environ if environ is None else environ
+    dump_dir = Path(output_dir) / FLIGHT_RECORDER_DIR
+    wanted = {
+        "TORCH_NCCL_TRACE_BUFFER_SIZE": str(FLIGHT_RECORDER_ENTRIES),
+        "TORCH_NCCL_DUMP_ON_TIMEOUT": "1",
+        # torch appends the rank to this prefix.
+        "TORCH_FR_DUMP_TEMP_FILE": str(dump_dir / "rank_"),
+    }
+    # The dump file's older name, still read by torch: a user who set it has chosen the file.
+    if "TORCH_NCCL_DEBUG_INFO_TEMP_FILE" in env:
+        del wanted["TORCH_FR_DUMP_TEMP_FILE"]
+    chosen = {key: value for key, value in wanted.items() if key not in env}
+    if "TORCH_FR_DUMP_TEMP_FILE" in chosen:
+        dump_dir.mkdir(parents=True, exist_ok=True)
+    env.update(chosen)
+    return chosen
+
+
+def shorten_timeout(
+    seconds: float | None,
+    *,
+    mesh: DeviceMesh | None = None,
+    groups: Iterable[dist.ProcessGroup] = (),
+) -> None:
+    """Set the timeout of the default group, of every group of ``mesh`` and of ``groups`` to
+    ``seconds`` (``dist.step_timeout_s``; None keeps ``dist.timeout_s``). Call once after set-up
+    and the first step, which may compile or read a checkpoint for longer; a collective that
+    later waits this long fails (NCCL dumps its flight recorder) instead of waiting out the
+    set-up timeout. No-op without a process group."""
+    if seconds is None or not dist.is_initialized():
+        return
+    timeout = timedelta(seconds=seconds)
+    targets = [dist.group.WORLD, *(mesh.get_all_groups() if mesh is not None else ()), *groups]
+    seen: set[int] = set()
+    for group in targets:
+        if group is None or id(group) in seen:
+            continue
+        seen.add(id(group))
+        _set_timeout(group, timeout)
+    logger.debug("process-group timeout now %g s", seconds)
+
+
+def _set_timeout(group: dist.ProcessGroup, timeout: timedelta) -> None:
+    # dist.set_timeout is the public name in recent torch; older releases have only the private
+    # _set_pg_timeout.
+    setter: Callable[[timedelta, dist.ProcessGroup], None] | None = getattr(
+        dist, "set_timeout", None
+    )
+    if setter is None:
+        from torch.distributed.distributed_c10d import _set_pg_timeout
+
+        setter = _set_pg_timeout
+    setter(timeout, group)
+
+
 def local_rank_from_env() -> int:
     """torchrun's LOCAL_RANK (0 without torchrun)."""
     value = os.environ.get("LOCAL_RANK", "0")
@@ -80,6 +181,7 @@ def validate_dist(cfg: Config) -> None:
     check_choice("dist.backend", dist_cfg.backend, BACKENDS)
     check_choice("dist.device", dist_cfg.device, DEVICES)
     check_positive("dist.timeout_s", dist_cfg.timeout_s)
+    check_positive("dist.step_timeout_s", dist_cfg.step_timeout_s, allow_none=True)
     if dist_cfg.device == "cuda" and not torch.cuda.is_available():
         raise ConfigError(
             "dist.device=cuda but this machine has no usable CUDA device "
@@ -105,15 +207,7 @@ def validate_dist(cfg: Config) -> None:
             f"build has no {backend} (torch.distributed.is_{backend}_available() is False)"
         )
     if device.type == "cuda":
-        count = torch.cuda.device_count()
-        if local_rank >= count:
-            visible = os.environ.get("CUDA_VISIBLE_DEVICES")
-            shown = "" if visible is None else f", CUDA_VISIBLE_DEVICES={visible!r}"
-            raise ConfigError(
-                f"LOCAL_RANK={local_rank} needs GPU {local_rank}, but this machine shows "
-                f"{count} CUDA device(s){shown}: start at most {count} process(es) per node "
-                "(torchrun --nproc_per_node) or use dist.device=cpu"
-            )
+        check_local_rank(local_rank)
     if cfg.parallel.sync_batchnorm and device.type != "cuda":
         raise ConfigError(
             "parallel.sync_batchnorm=true needs CUDA devices (torch's SyncBatchNorm runs "
@@ -128,13 +222,21 @@ def _backend_available(backend: str) -> bool:
 
 
 @contextmanager
-def distributed_session(cfg: DistConfig) -> Iterator[DistEnv]:
+def distributed_session(
+    cfg: DistConfig, *, output_dir: str | Path | None = None, cpu_collectives: bool = False
+) -> Iterator[DistEnv]:
     """Start the process group (when launched by torchrun) and always destroy it on the way out.
-    Under torchrun the worker first binds its life to the agent's (``die_with_launcher``)."""
+    Under torchrun the worker first binds its life to the agent's (``die_with_launcher``).
+
+    ``output_dir``: the run directory, where an NCCL group's flight recorder dumps on a timeout
+    (None: no flight recorder). ``cpu_collectives``: a CUDA run that also reduces CPU tensors
+    (``parallel.fsdp.cpu_offload``) gets gloo beside NCCL. ``dist.device=cpu`` stays on the CPU
+    whatever GPUs the machine has."""
     die_with_launcher()
     local_rank = local_rank_from_env()
     device = resolve_device(cfg, local_rank)
     if device.type == "cuda":
+        check_local_rank(local_rank)  # validate_dist said so before launch; also for direct use
         torch.cuda.set_device(device)
     elif cfg.pin_cpu_malloc:
         pin_malloc_thresholds()
@@ -142,7 +244,9 @@ def distributed_session(cfg: DistConfig) -> Iterator[DistEnv]:
         yield DistEnv(device=device)
         return
 
-    backend = resolve_backend(cfg, device)
+    backend = group_backend(resolve_backend(cfg, device), device, cpu_collectives=cpu_collectives)
+    if "nccl" in backend and output_dir is not None:
+        enable_flight_recorder(output_dir)
     timeout = timedelta(seconds=cfg.timeout_s)
     store, rank, world_size = next(dist.rendezvous("env://", timeout=timeout))
     # torchrun's agent keeps one store across worker restarts; without a per-attempt prefix a

@@ -39,10 +39,3 @@ def all_gather_objects(obj: T) -> list[T]:
     gathered: list[Any] = [None] * dist.get_world_size()
     dist.all_gather_object(gathered, obj)
     return gathered
-
-
-def all_reduce_max(tensor: torch.Tensor) -> torch.Tensor:
-    """Element-wise maximum over ranks, in place (unchanged without a process group)."""
-    if is_distributed():
-        dist.all_reduce(tensor, op=dist.ReduceOp.MAX)
-    return tensor

@@ -38,7 +38,7 @@ from sdnet_trainer.distributed.mesh import ParallelDims, dp_mesh, parallel_dims
 from sdnet_trainer.distributed.pipeline import Pipeline, build_pipeline, split_model
 from sdnet_trainer.errors import ConfigError
 from sdnet_trainer.models.parallel_spec import parallel_blocks, supports_tensor_parallel
-from sdnet_trainer.precision import DTYPES
+from sdnet_trainer.precision import DTYPES, resolve_precision_dtype
 
 logger = logging.getLogger(__name__)
 
@@ -138,9 +138,15 @@ def parallelize(
     dims: ParallelDims,
     *,
     loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None,
+    materialize: Callable[[list[nn.Module]], None] | None = None,
 ) -> ParallelModel:
-    """Apply the layout of ``cfg.parallel`` to ``model`` (already on ``env.device``); under
-    pipeline parallelism the last stage computes ``loss_fn(outputs, targets)``."""
+    """Apply the layout of ``cfg.parallel`` to ``model``; under pipeline parallelism the last
+    stage computes ``loss_fn(outputs, targets)``.
+
+    ``model`` is on ``env.device``, or on the meta device with ``materialize``: that is called
+    with this rank's parts of the model once they are sharded (tensor parallel, FSDP) and
+    before anything reads their values (DDP's broadcast, the pipeline's stages), so a rank only
+    ever allocates its own share."""
     parallel = cfg.parallel
     parts: list[nn.Module] = [model]
     stages = None
@@ -167,7 +173,12 @@ def parallelize(
             loss_parallel=parallel.tensor_parallel.loss_parallel,
             sequence_parallel=parallel.tensor_parallel.sequence_parallel,
         )
-    if cfg.model.channels_last:
+    # FSDP2 all-gathers parameters into flat contiguous buffers and refuses channels_last ones.
+    # The inputs alone carry the layout there: the loader hands over channels_last images, and
+    # convolutions (cuDNN, oneDNN) follow a channels_last input with contiguous weights, so every
+    # activation stays NHWC.
+    fsdp_wrapped = _uses_fsdp(parallel.strategy, dims)
+    if cfg.model.channels_last and not fsdp_wrapped:
         model.to(memory_format=torch.channels_last)
     blocks = [b for b in parallel_blocks(model) if b is not None]
     if cfg.model.activation_checkpointing:
@@ -187,16 +198,18 @@ def parallelize(
         }
         for block in blocks or [model]:
             block.compile(**kwargs)
-    if parallel.strategy == "fsdp" and dims.dp > 1:
+    if fsdp_wrapped and parallel.strategy == "fsdp":
         assert mesh is not None  # more than one rank: the caller built the mesh
-        _fully_shard(parts, blocks, cfg, dp_mesh(mesh, dims))
+        _fully_shard(parts, blocks, cfg, dp_mesh(mesh, dims), env.device)
     elif dims.dp_replicate > 1 and dims.pp > 1:
         # DDP x PP: torch's pipeline stages drive FSDP2's gradient sync over micro-batches, while a
         # DDP-wrapped stage fails DDP's bucket rebuild (torch 2.14). FSDP2 on a (replicate, shard=1)
         # mesh is plain replication: gradients all-reduced once per step, parameters whole.
         assert mesh is not None  # more than one rank: the caller built the mesh
-        _fully_shard(parts, [], cfg, mesh["dp_replicate", "dp_shard"])
-    elif dims.dp_replicate > 1:
+        _fully_shard(parts, [], cfg, mesh["dp_replicate", "dp_shard"], env.device)
+    if materialize is not None:
+        materialize(parts)
+    if not fsdp_wrapped and dims.dp_replicate > 1:
         group = None
         if dims.dp_replicate < env.world_size:
             assert mesh is not None  # more than one rank: the caller built the mesh
@@ -218,13 +231,23 @@ def parallelize(
     return ParallelModel(model, pipeline)
 
 
+def _uses_fsdp(strategy: str, dims: ParallelDims) -> bool:
+    """Whether :func:`parallelize` wraps the model with FSDP2: sharding, or replication under
+    pipeline parallelism (see the DDP x PP branch there)."""
+    return (strategy == "fsdp" and dims.dp > 1) or (dims.dp_replicate > 1 and dims.pp > 1)
+
+
 def _fully_shard(
-    parts: list[nn.Module], blocks: list[nn.Module], cfg: Config, mesh: DeviceMesh
+    parts: list[nn.Module],
+    blocks: list[nn.Module],
+    cfg: Config,
+    mesh: DeviceMesh,
+    device: torch.device,
 ) -> None:
     """FSDP2: each block is its own all-gather/reduce-scatter unit, then each part's root gathers
     the rest (stem, embeddings, head). A 2-D data mesh (dp_replicate x dp_shard) makes it HSDP."""
     fsdp = cfg.parallel.fsdp
-    param_dtype = _param_dtype(parts, cfg)
+    param_dtype = _param_dtype(parts, cfg, device)
     policy = MixedPrecisionPolicy(
         param_dtype=None if param_dtype == "fp32" else DTYPES[param_dtype],
         reduce_dtype=DTYPES[fsdp.reduce_dtype],
@@ -247,16 +270,17 @@ def _fully_shard(
         )
 
 
-def _param_dtype(parts: list[nn.Module], cfg: Config) -> str:
-    """FSDP's compute dtype for parameters. BatchNorm keeps fp32 running statistics that its
-    kernels refuse to mix with bf16 weights, so ``auto`` stays fp32 for such models (autocast
-    still computes convolutions in precision.dtype)."""
+def _param_dtype(parts: list[nn.Module], cfg: Config, device: torch.device) -> str:
+    """FSDP's compute dtype for parameters: the run's precision (``precision.dtype=auto``
+    resolved for ``device``). BatchNorm keeps fp32 running statistics that its kernels refuse to
+    mix with bf16 weights, so ``auto`` stays fp32 for such models (autocast still computes
+    convolutions in the run's precision)."""
     requested = cfg.parallel.fsdp.param_dtype
     has_batchnorm = any(
         isinstance(m, nn.modules.batchnorm._BatchNorm) for part in parts for m in part.modules()
     )
     if requested == "auto":
-        return "fp32" if has_batchnorm else cfg.precision.dtype
+        return "fp32" if has_batchnorm else resolve_precision_dtype(cfg.precision, device)
     if requested != "fp32" and has_batchnorm:
         raise ConfigError(
             f"parallel.fsdp.param_dtype={requested}: model.name={cfg.model.name!r} has BatchNorm "

@@ -267,10 +267,11 @@ class Pipeline:
             if stage not in local:
                 continue
             if stage > 0 and stage - 1 not in local:
-                x = _recv_tensor(ranks[stage_owner(stage - 1, self.cfg, pp)], device=inputs.device)
+                owner = ranks[stage_owner(stage - 1, self.cfg, pp)]
+                x = _recv_tensor(owner, group=self.group, device=inputs.device)
             x = local[stage](x)
             if stage + 1 < self.num_stages and stage + 1 not in local:
-                _send_tensor(x, ranks[stage_owner(stage + 1, self.cfg, pp)])
+                _send_tensor(x, ranks[stage_owner(stage + 1, self.cfg, pp)], group=self.group)
         return x if self.has_last else None
 
 
@@ -297,25 +298,27 @@ def build_pipeline(
 
 
 # Activations cross stages with a small header first (rank, dtype, shape), so evaluation needs no
-# shapes known in advance.
+# shapes known in advance. Sends and receives go over the stage group (``dst``/``src`` are global
+# ranks): on the world group NCCL would build a separate two-rank communicator for every pair of
+# stages, on top of the stage group's that training already uses.
 _DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64, torch.int64)
 _HEADER = 8
 
 
-def _send_tensor(x: torch.Tensor, dst: int) -> None:
+def _send_tensor(x: torch.Tensor, dst: int, *, group: dist.ProcessGroup) -> None:
     header = torch.zeros(_HEADER, dtype=torch.int64)
     header[0], header[1] = x.dim(), _DTYPES.index(x.dtype)
     header[2 : 2 + x.dim()] = torch.tensor(x.shape)
-    dist.send(header.to(x.device), dst)
-    dist.send(x.contiguous(), dst)
+    dist.send(header.to(x.device), dst, group=group)
+    dist.send(x.contiguous(), dst, group=group)
 
 
-def _recv_tensor(src: int, *, device: torch.device) -> torch.Tensor:
+def _recv_tensor(src: int, *, group: dist.ProcessGroup, device: torch.device) -> torch.Tensor:
     header = torch.empty(_HEADER, dtype=torch.int64, device=device)
-    dist.recv(header, src)
+    dist.recv(header, src, group=group)
     ndim, dtype = int(header[0]), _DTYPES[int(header[1])]
     x = torch.empty(header[2 : 2 + ndim].tolist(), dtype=dtype, device=device)
-    dist.recv(x, src)
+    dist.recv(x, src, group=group)
     return x
 
 

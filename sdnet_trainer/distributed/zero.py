@@ -5,6 +5,10 @@
 parameters it owns, under the parameter names that ``get_optimizer_state_dict`` uses for every
 other layout (``optim.state.<fqn>.<key>``), and DCP writes each entry once from its owner. A ZeRO-1
 checkpoint therefore loads into DDP, FSDP or another world size, and the other way round.
+
+Parameters stay separate tensors (``parameters_as_bucket_view=False``, torch's default): with
+them as views into one flat buffer per rank, the 2-process ResNet-18 ZeRO-1 layout test reached a
+peak RSS of 10 GB per launch instead of 1.2 GB, so the one-broadcast-per-rank saving is not taken.
 """
 
 from __future__ import annotations

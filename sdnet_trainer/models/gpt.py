@@ -36,6 +36,7 @@ from torch.distributed.tensor.parallel import (
 from sdnet_trainer.config.schema import Config
 from sdnet_trainer.data import LM_DATASETS
 from sdnet_trainer.errors import ConfigError
+from sdnet_trainer.models.init import InitStep, construction_resets, materialize
 
 # GPT-2's initialisation: small enough that a deep stack starts near the identity function.
 _INIT_STD = 0.02
@@ -163,7 +164,10 @@ class GPT(nn.Module):
         )
         self.norm = nn.LayerNorm(dim)
         self.head = nn.Linear(dim, vocab_size, bias=False)
-        self.init_weights()
+        # The layers drew their defaults as they were built; the GPT-2 init follows.
+        with torch.no_grad():
+            for step in self._gpt2_steps():
+                step.fn(step.module)
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
         x = self.embed(tokens)
@@ -173,19 +177,28 @@ class GPT(nn.Module):
 
     @torch.no_grad()
     def init_weights(self) -> None:
-        """Normal(0, 0.02) weights, LayerNorm at identity; the two projections that write into the
-        residual stream (``wo``, ``w2``) scaled by 1/sqrt(2 n_layers), so the stream's variance
-        does not grow with depth (GPT-2). Call again after materialising a meta-device model."""
+        """Every parameter as construction sets it (the layers' default draws, then
+        :meth:`init_steps`' GPT-2 init), from the CPU generator's current state; works on a model
+        materialised from the meta device and on sharded (DTensor) parameters alike."""
+        materialize(self.init_steps())
+
+    def init_steps(self) -> list[InitStep]:
+        """The init in the order a CPU build draws it: each layer's ``reset_parameters`` as
+        constructed, then normal(0, 0.02) weights and LayerNorms at identity, with the two
+        projections that write into the residual stream (``wo``, ``w2``) scaled by
+        1/sqrt(2 n_layers) so the stream's variance does not grow with depth (GPT-2)."""
+        return construction_resets(self.modules()) + self._gpt2_steps()
+
+    def _gpt2_steps(self) -> list[InitStep]:
         residual_std = _INIT_STD / math.sqrt(2 * self.n_layers)
+        steps = []
         for name, module in self.named_modules():
             if isinstance(module, (nn.Linear, nn.Embedding)):
                 std = residual_std if name.endswith((".wo", ".w2")) else _INIT_STD
-                nn.init.normal_(module.weight, mean=0.0, std=std)
-                if isinstance(module, nn.Linear) and module.bias is not None:
-                    nn.init.zeros_(module.bias)
+                steps.append(InitStep(module, partial(_normal_init, std=std)))
             elif isinstance(module, nn.LayerNorm):
-                nn.init.ones_(module.weight)
-                nn.init.zeros_(module.bias)
+                steps.append(InitStep(module, _identity_norm))
+        return steps
 
     def pipeline_units(self) -> list[str]:
         """Child module names whose sequential application (``x = unit(x)``) equals ``forward``."""
@@ -227,6 +240,18 @@ class GPT(nn.Module):
         _apply_tp(self, tp_mesh, loss_parallel=loss_parallel, sequence_parallel=sequence_parallel)
         if sequence_parallel and self.embed is not None:
             self.embed.sequence_shards = tp
+
+
+def _normal_init(module: nn.Module, *, std: float) -> None:
+    nn.init.normal_(module.weight, mean=0.0, std=std)  # type: ignore[arg-type]
+    bias = getattr(module, "bias", None)
+    if bias is not None:
+        nn.init.zeros_(bias)
+
+
+def _identity_norm(module: nn.Module) -> None:
+    nn.init.ones_(module.weight)  # type: ignore[arg-type]
+    nn.init.zeros_(module.bias)  # type: ignore[arg-type]
 
 
 def validate_gpt(cfg: Config, *, tp: int) -> None:

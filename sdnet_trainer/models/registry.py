@@ -18,6 +18,7 @@ from torch import nn
 from sdnet_trainer.config.schema import ModelConfig
 from sdnet_trainer.errors import ConfigError
 from sdnet_trainer.models.gpt import GPT
+from sdnet_trainer.models.init import REPLACED_STEM, ZERO_INIT_RESIDUAL
 from sdnet_trainer.models.simple_cnn import SimpleCNN
 
 logger = logging.getLogger(__name__)
@@ -44,12 +45,21 @@ def build_model(cfg: ModelConfig) -> nn.Module:
             raise ConfigError(
                 f"model.weights={cfg.weights!r}: model.name={cfg.name!r} has no pretrained weights"
             )
-        model = OWN_MODELS[cfg.name](num_classes=cfg.num_classes, **cfg.kwargs)
+        model = OWN_MODELS[cfg.name](num_classes=_num_classes(cfg), **cfg.kwargs)
     else:
         model = _torchvision_model(cfg)
     if cfg.cifar_stem:
         _use_cifar_stem(model, cfg.name)
     return model
+
+
+def _num_classes(cfg: ModelConfig) -> int:
+    if cfg.num_classes is None:
+        # The Trainer fills it in from the data before building (data.resolve_num_classes).
+        raise ConfigError(
+            f"model.num_classes is not set for model.name={cfg.name!r}: set it, or data.num_classes"
+        )
+    return cfg.num_classes
 
 
 def _gpt_model(cfg: ModelConfig) -> GPT:
@@ -85,14 +95,18 @@ def _torchvision_model(cfg: ModelConfig) -> nn.Module:
     try:
         # weights=None builds a randomly initialised model; a weights name loads (and on first use
         # downloads) torchvision's pretrained checkpoint, whose head must match num_classes.
-        return torchvision.models.get_model(
-            cfg.name, weights=cfg.weights, num_classes=cfg.num_classes, **cfg.kwargs
+        model = torchvision.models.get_model(
+            cfg.name, weights=cfg.weights, num_classes=_num_classes(cfg), **cfg.kwargs
         )
     except (ValueError, TypeError, KeyError) as err:
         raise ConfigError(
             f"model.name={cfg.name!r} with model.weights={cfg.weights!r}, "
             f"model.num_classes={cfg.num_classes}, model.kwargs={dict(cfg.kwargs)}: {err}"
         ) from err
+    if cfg.kwargs.get("zero_init_residual"):
+        # Kept for the init replayed after building on the meta device (models/init.py).
+        setattr(model, ZERO_INIT_RESIDUAL, True)
+    return model
 
 
 def _use_cifar_stem(model: nn.Module, name: str) -> None:
@@ -103,6 +117,19 @@ def _use_cifar_stem(model: nn.Module, name: str) -> None:
             f"model.cifar_stem=true needs a ResNet-style model (conv1 + maxpool); "
             f"model.name={name!r} has none"
         )
+    # What was removed, for the init replayed after building on the meta device (models/init.py).
+    setattr(
+        model,
+        REPLACED_STEM,
+        {
+            "in_channels": conv1.in_channels,
+            "out_channels": conv1.out_channels,
+            "kernel_size": conv1.kernel_size,
+            "stride": conv1.stride,
+            "padding": conv1.padding,
+            "bias": conv1.bias is not None,
+        },
+    )
     model.conv1 = nn.Conv2d(
         conv1.in_channels, conv1.out_channels, kernel_size=3, stride=1, padding=1, bias=False
     )

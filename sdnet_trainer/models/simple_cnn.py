@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from torch import nn
 
+from sdnet_trainer.models.init import InitStep, construction_resets
+
 
 class SimpleCNN(nn.Module):
     """conv-relu-pool x 3, global average pool, linear. No BatchNorm, so data-parallel runs match
@@ -26,3 +28,7 @@ class SimpleCNN(nn.Module):
 
     def forward(self, x):
         return self.fc(self.pool(self.features(x)).flatten(1))
+
+    def init_steps(self) -> list[InitStep]:
+        """Its init, as the layers' defaults drawn in construction order (see models/init.py)."""
+        return construction_resets(self.modules())

@@ -30,7 +30,7 @@ from torch.utils._pytree import tree_flatten, tree_map
 from torch.utils.data import Dataset, default_collate
 from torch.utils.flop_counter import FlopCounterMode
 
-from sdnet_trainer.precision import DTYPES
+from sdnet_trainer.precision import DTYPES, tf32_enabled
 
 logger = logging.getLogger(__name__)
 
@@ -100,8 +100,10 @@ def _train_flops(
 # ---------------------------------------------------------------------- peaks
 
 # Dense (no 2:4 sparsity) peak tensor-core TFLOPs per device, by the precision of the matmul
-# inputs ("tf32": fp32 matmuls on tensor cores, torch.backends.cuda.matmul.allow_tf32; "fp32": the
-# plain FP32 pipeline). Spec sheets print the sparse figure for tensor cores: halved here.
+# inputs ("tf32": fp32 matmuls and convolutions on tensor cores, precision.tf32; "fp32": the plain
+# FP32 pipeline). Spec sheets print the sparse figure for tensor cores: halved here. A device with
+# TF32 tensor cores but no "tf32" figure gets no fp32 peak while TF32 is on (no MFU rather than one
+# against the wrong peak); devices without TF32 hardware are in _NO_TF32.
 PEAK_TFLOPS: dict[str, dict[str, float]] = {
     # NVIDIA A100 Tensor Core GPU datasheet (SXM4 and PCIe, 40 and 80 GB alike): BF16/FP16 312,
     # TF32 156, FP32 19.5.
@@ -111,6 +113,11 @@ PEAK_TFLOPS: dict[str, dict[str, float]] = {
     "H100 SXM": {"bf16": 989.4, "fp16": 989.4, "tf32": 494.7, "fp32": 66.9},
     "H100 NVL": {"bf16": 835.5, "fp16": 835.5, "tf32": 417.5, "fp32": 60.0},
     "H100 PCIe": {"bf16": 756.5, "fp16": 756.5, "tf32": 378.0, "fp32": 51.2},
+    # NVIDIA H800 datasheet (the H100 with FP64 and NVLink cut for export; its tensor and FP32
+    # figures are the H100's): H800 SXM BF16/FP16 1,979*, TF32 989*, FP32 67; H800 PCIe 1,513*,
+    # 756*, 51.
+    "H800 SXM": {"bf16": 989.4, "fp16": 989.4, "tf32": 494.7, "fp32": 66.9},
+    "H800 PCIe": {"bf16": 756.5, "fp16": 756.5, "tf32": 378.0, "fp32": 51.2},
     # NVIDIA H200 datasheet: H200 SXM as H100 SXM (1,979* / 989* / 67); H200 NVL as H100 NVL.
     "H200": {"bf16": 989.4, "fp16": 989.4, "tf32": 494.7, "fp32": 66.9},
     "H200 NVL": {"bf16": 835.5, "fp16": 835.5, "tf32": 417.5, "fp32": 60.0},
@@ -154,10 +161,12 @@ _DEVICE_PATTERNS: list[tuple[str, str]] = [
     (r"H100.*PCIe", "H100 PCIe"),
     (r"H100.*NVL", "H100 NVL"),
     (r"H100|GH200", "H100 SXM"),
+    (r"H800.*PCIe", "H800 PCIe"),
+    (r"H800(?!.*NVL)", "H800 SXM"),  # "NVIDIA H800" is the SXM part; an NVL variant is unknown
     (r"H200.*NVL", "H200 NVL"),
     (r"H200", "H200"),
     (r"B200", "B200"),
-    (r"A100", "A100"),
+    (r"A100|A800", "A100"),  # the A800 is the A100 with NVLink cut for export
     (r"A10G", "A10G"),
     (r"\bA10\b", "A10"),
     (r"L40S", "L40S"),
@@ -176,6 +185,14 @@ _DEVICE_PATTERNS: list[tuple[str, str]] = [
 
 _DTYPE_KEYS = {dtype: key for key, dtype in DTYPES.items()}
 
+# Devices without TF32 tensor cores (before Ampere; CDNA2): fp32 runs on the FP32 pipeline whatever
+# the TF32 flags say.
+_NO_TF32 = frozenset({"V100 SXM2", "V100 PCIe", "V100S PCIe", "T4", "MI250X"})
+
+# "NVIDIA A100-SXM4-40GB MIG 3g.20gb": a Multi-Instance GPU slice has a fraction of the device's
+# SMs, which its name does not say reliably enough to scale the peak.
+_MIG = re.compile(r"\bMIG\b")
+
 
 def device_model(name: str) -> str | None:
     """The PEAK_TFLOPS key for a device name as torch reports it, or None if unknown."""
@@ -190,24 +207,37 @@ def peak_tflops(
     dtype: torch.dtype,
     override: float | None = None,
     *,
+    tf32: bool | None = None,
     device_name: str | None = None,
 ) -> float | None:
-    """Dense peak TFLOPs of one ``device`` for matmuls in ``dtype`` (the autocast dtype, or
-    float32 without autocast); ``override`` (``logging.peak_tflops``) wins. None on the CPU or for
-    an unknown device or dtype, so no MFU is logged rather than a wrong one. ``device_name``
-    replaces ``torch.cuda.get_device_name`` (tests)."""
+    """Dense peak TFLOPs of one ``device`` for the math a run uses: the bf16/fp16 tensor-core peak
+    under autocast in ``dtype``; for float32 (no autocast) the TF32 peak where ``tf32`` and the
+    device has TF32 tensor cores, the FP32 peak otherwise. ``tf32`` None reads torch's flags
+    (:func:`~sdnet_trainer.precision.tf32_enabled`, set by Precision from ``precision.tf32``).
+
+    ``override`` (``logging.peak_tflops``) wins. None on the CPU, on a MIG slice, for an unknown
+    device or dtype, or where TF32 is half on (matmuls and convolutions differ), so no MFU is
+    logged rather than a wrong one. ``device_name`` replaces ``torch.cuda.get_device_name``
+    (tests)."""
     if override is not None:
         return float(override)
     if device.type != "cuda":
         return None
     name = device_name if device_name is not None else torch.cuda.get_device_name(device)
+    if _MIG.search(name):
+        return None
     model = device_model(name)
     if model is None or dtype not in _DTYPE_KEYS:
         return None
     peaks = PEAK_TFLOPS[model]
     key = _DTYPE_KEYS[dtype]
-    if key == "fp32" and torch.get_float32_matmul_precision() != "highest" and "tf32" in peaks:
-        key = "tf32"  # fp32 matmuls run on tensor cores (allow_tf32 / set_float32_matmul_precision)
+    if key == "fp32" and model not in _NO_TF32:
+        if tf32 is None:
+            tf32 = tf32_enabled()
+        if tf32 is None:
+            return None
+        if tf32:
+            key = "tf32"
     return peaks.get(key)
 
 
@@ -230,10 +260,13 @@ def run_flops(
     device: torch.device,
     dtype: torch.dtype,
     peak_override: float | None,
+    tf32: bool | None = None,
 ) -> tuple[float | None, float | None]:
     """(FLOPs per sample, device peak TFLOPs) for a run's MFU figures, counted on a batch of the
     first samples of ``dataset``; (None, None) when the counter cannot run the model (a custom
-    model or batch), with a warning."""
+    model or batch), with a warning. ``dtype`` is the autocast dtype (float32 without autocast)
+    and ``tf32`` whether fp32 math runs on TF32 tensor cores (None: torch's flags), as
+    :func:`peak_tflops` takes them."""
     try:
         size = len(dataset)  # type: ignore[arg-type]  # map-style datasets have a length
         example_batch = default_collate([dataset[i] for i in range(min(2, size))])
@@ -245,12 +278,19 @@ def run_flops(
             err,
         )
         return None, None
-    peak = peak_tflops(device, dtype, peak_override)
+    peak = peak_tflops(device, dtype, peak_override, tf32=tf32)
     logger.info(
         "model FLOPs: %.3g per sample (forward + backward)%s",
         flops,
         f"; device peak {peak:g} TFLOPs" if peak else "",
     )
+    if peak is None and device.type == "cuda":
+        logger.info(
+            "no MFU: no known peak for %s in %s math (MIG slices and unlisted devices have none); "
+            "set logging.peak_tflops to log it",
+            torch.cuda.get_device_name(device),
+            dtype,
+        )
     return flops, peak
 
 

@@ -2,9 +2,12 @@
 
 Profiling every step would slow the run and write gigabytes, so the profiler follows torch's
 step schedule: skip ``wait`` steps (start-up noise), run ``warmup`` steps profiled but discarded
-(the profiler's own start-up cost), record ``active`` steps, ``repeat`` times. Each rank writes
-its own Chrome/TensorBoard trace (stragglers show up as one rank's slower trace); rank 0 logs a
-table of the operators that took the most time. On CUDA, ``memory_snapshot`` also records the
+(the profiler's own start-up cost), record ``active`` steps, ``repeat`` times. On CUDA the first
+steps autotune cuDNN's convolutions (``cudnn.benchmark``), compile, and build cuBLAS handles and
+NCCL communicators: at least ``CUDA_STEPS_BEFORE_ACTIVE`` steps run before the first recorded
+one, untraced where ``wait`` and ``warmup`` are shorter. Each rank writes its own
+Chrome/TensorBoard trace (stragglers show up as one rank's slower trace); rank 0 alone builds and
+logs a table of the operators that took the most time. On CUDA, ``memory_snapshot`` also records the
 allocator's history over the first active window, for https://pytorch.org/memory_viz.
 """
 
@@ -23,6 +26,19 @@ logger = logging.getLogger(__name__)
 # Allocation events kept by the CUDA memory history (a ring buffer): enough for a few steps of a
 # large model, about 100 MB of host memory at most.
 MEMORY_HISTORY_ENTRIES = 100_000
+
+# CUDA: steps before the first recorded one. Step 1 autotunes cuDNN for every convolution shape,
+# compiles, and allocates the optimizer state; step 2 is the first steady one, the profiler's
+# warm-up by default.
+CUDA_STEPS_BEFORE_ACTIVE = 2
+
+
+def untraced_steps(cfg: ProfileConfig, device_type: str) -> int:
+    """Steps skipped before the schedule's ``wait`` (torch's ``skip_first``): on CUDA what
+    ``wait + warmup`` lacks of ``CUDA_STEPS_BEFORE_ACTIVE``; none on the CPU."""
+    if device_type != "cuda":
+        return 0
+    return max(0, CUDA_STEPS_BEFORE_ACTIVE - cfg.wait - cfg.warmup)
 
 
 class StepProfiler:
@@ -44,6 +60,7 @@ class StepProfiler:
         self._steps = 0
         self._recording_memory = False
         self._table: str | None = None
+        self._skip_first = untraced_steps(cfg, device.type)
 
     @property
     def enabled(self) -> bool:
@@ -60,7 +77,11 @@ class StepProfiler:
         self._profiler = profile(
             activities=activities,
             schedule=schedule(
-                wait=cfg.wait, warmup=cfg.warmup, active=cfg.active, repeat=cfg.repeat
+                wait=cfg.wait,
+                warmup=cfg.warmup,
+                active=cfg.active,
+                repeat=cfg.repeat,
+                skip_first=self._skip_first,
             ),
             on_trace_ready=tensorboard_trace_handler(
                 str(self.trace_dir), worker_name=f"rank{self.rank}"
@@ -77,12 +98,16 @@ class StepProfiler:
                 self.device,
             )
         self._maybe_record_memory()
+        before = self._skip_first + cfg.wait + cfg.warmup
         logger.info(
-            "profiling steps %d-%d%s; traces in %s",
-            cfg.wait + cfg.warmup + 1,
-            cfg.wait + cfg.warmup + cfg.active,
+            "profiling steps %d-%d%s; traces in %s%s",
+            before + 1,
+            before + cfg.active,
             f" (x{cfg.repeat})" if cfg.repeat != 1 else "",
             self.trace_dir,
+            f" (the first {self._skip_first} step(s) untraced: cuDNN autotuning and start-up)"
+            if self._skip_first
+            else "",
         )
         return self
 
@@ -101,8 +126,9 @@ class StepProfiler:
         # Stopping inside an active window still writes that window's trace.
         profiler.__exit__(*exc)
         self._stop_memory_history()
-        self._table = self._make_table(profiler)
-        if self.rank == 0 and self._table is not None:
+        # Aggregating the events costs seconds for a large trace; only rank 0 logs the table.
+        self._table = self._make_table(profiler) if self.rank == 0 else None
+        if self._table is not None:
             logger.info(
                 "top %d operators by self %s time (rank 0, last active window):\n%s",
                 self.cfg.top_k,
@@ -111,8 +137,8 @@ class StepProfiler:
             )
 
     def summary_table(self) -> str | None:
-        """The operator table of the last recorded window; None when disabled or nothing was
-        recorded (the run ended before an active step)."""
+        """The operator table of the last recorded window (rank 0); None on other ranks, when
+        disabled, or when nothing was recorded (the run ended before an active step)."""
         return self._table
 
     def _make_table(self, profiler: profile) -> str | None:
@@ -135,7 +161,7 @@ class StepProfiler:
         cfg = self.cfg
         if not (cfg.memory_snapshot and self.device.type == "cuda"):
             return
-        first_active = cfg.wait + cfg.warmup
+        first_active = self._skip_first + cfg.wait + cfg.warmup
         if self._steps == first_active and not self._recording_memory:
             torch.cuda.memory._record_memory_history(max_entries=MEMORY_HISTORY_ENTRIES)
             self._recording_memory = True

@@ -106,6 +106,8 @@ WORLD4 = {
     "gpt_ddp_pp": GPT + _pipeline("1F1B", 2),
     "gpt_fsdp_pp": GPT + ["parallel=fsdp"] + _pipeline("1F1B", 2),
     "resnet_fsdp": RESNET + ["parallel=fsdp"],
+    # FSDP2 refuses channels_last parameters: the layout rides on the inputs alone there.
+    "resnet_fsdp_channels_last": RESNET + ["parallel=fsdp", "model.channels_last=true"],
     "resnet_fsdp_zero2": RESNET + ["parallel=fsdp", "parallel.fsdp.reshard_after_forward=false"],
     "resnet_hsdp": RESNET + ["parallel=fsdp", "parallel.dp_replicate=2", "parallel.dp_shard=2"],
     "resnet_zero1": RESNET + ["parallel=zero1"],
@@ -281,3 +283,26 @@ def test_export_consolidates_sharded_and_pipelined_checkpoints(runs, layout_dir,
     assert weights.keys() == writer.keys()
     for name, value in writer.items():
         torch.testing.assert_close(weights[name].float(), value, rtol=0, atol=0, msg=name)
+
+
+# Layouts whose per-rank bytes the dry run predicts: sharded (FSDP, FSDP x TP, FSDP x PP, ResNet
+# FSDP with uneven shards), tensor parallel alone, and ZeRO-1 (replicated, optimizer sharded).
+PLANNED = ["gpt_fsdp", "gpt_fsdp_tp", "gpt_fsdp_pp", "gpt_tp", "gpt_zero1", "resnet_fsdp"]
+
+
+@pytest.mark.parametrize("name", PLANNED)
+def test_dry_run_predicts_every_ranks_training_state(runs, tmp_path, name):
+    """``--dry-run`` (fake process group, meta tensors) gives each rank the parameter, gradient
+    and optimizer-state bytes the real 4-process run measured on that rank."""
+    plan = tmp_path / "plan.json"
+    launch = run_cli(
+        ["--dry-run", "world_size=4", "ranks=all", f"json={plan}", *WORLD4[name]],
+        cwd=tmp_path,
+        timeout=300,
+    )
+    assert launch.returncode == 0, launch.output[-4000:]
+    planned = json.loads(plan.read_text())
+    measured = runs[name]["state_bytes"]
+    assert [p["rank"] for p in planned] == [0, 1, 2, 3]
+    for rank_plan, rank_bytes in zip(planned, measured, strict=True):
+        assert {k: rank_plan[k] for k in ("params", "grads", "optim")} == rank_bytes

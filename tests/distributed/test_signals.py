@@ -122,7 +122,8 @@ def test_single_process_stops_with_a_checkpoint_and_the_signals_exit_code(tmp_pa
     run = run_cli(
         COMMON + [f"hydra.run.dir={tmp_path / 'run'}"],
         cwd=tmp_path,
-        env={"SDNET_TEST_SIGNAL": f"0:3:{name}"},
+        # Received during step 2, agreed during step 3 (the verdict is read one step late).
+        env={"SDNET_TEST_SIGNAL": f"0:2:{name}"},
     )
     assert run.returncode == code == 128 + signal.Signals[f"SIG{name}"], run.output
     assert _stop_lines(run.output, f"SIG{name}") == [("", 3)], run.output
@@ -135,7 +136,7 @@ def test_signal_to_one_worker_stops_the_other_at_the_same_step(tmp_path):
         COMMON + [f"hydra.run.dir={tmp_path / 'run'}"],
         cwd=tmp_path,
         nproc=2,
-        env={"SDNET_TEST_SIGNAL": "1:3:INT"},
+        env={"SDNET_TEST_SIGNAL": "1:2:INT"},  # agreed by both ranks during step 3
     )
     assert run.returncode != 0
     assert _stop_lines(run.output, "SIGINT") == [("[rank1]", 3)], run.output

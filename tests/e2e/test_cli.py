@@ -117,7 +117,7 @@ def test_help_and_cfg_job(tmp_path):
         "recipe: custom_spirals, gpt_fsdp, gpt_pipeline, gpt_tp_fsdp, quickstart, resnet152, "
         "resnet152_fsdp, resnet152_pipeline, resnet18_cifar10"
     ) in help_text.output
-    assert "precision: bf16, fp16, fp32" in help_text.output
+    assert "precision: auto, bf16, fp16, fp32" in help_text.output
     cfg = run_cli(["+recipe=resnet152", "optim.lr=0.2", "--cfg", "job"], cwd=tmp_path)
     assert cfg.returncode == 0 and "name: resnet152" in cfg.output and "lr: 0.2" in cfg.output
     assert not (tmp_path / "outputs").exists()  # --cfg only prints

@@ -17,7 +17,7 @@ from sdnet_trainer.distributed.parallelize import parallelize
 from sdnet_trainer.errors import ConfigError
 from sdnet_trainer.models import build_model
 
-RESNET = ["model=resnet18", "model.cifar_stem=true"]
+RESNET = ["model=resnet18", "model.cifar_stem=true", "model.num_classes=10"]
 GPT = ["model=gpt_tiny", "data=tokens"]
 
 
@@ -93,4 +93,4 @@ def test_compile_per_block_gives_the_eager_loss():
 
 def test_activation_checkpointing_needs_blocks():
     with pytest.raises(ConfigError, match="has no blocks to checkpoint"):
-        _pair(["model=simple_cnn", "model.activation_checkpointing=true"])
+        _pair(["model=simple_cnn", "model.num_classes=10", "model.activation_checkpointing=true"])

@@ -17,8 +17,10 @@ from sdnet_trainer.observability.flops import (
     device_model,
     mfu,
     peak_tflops,
+    run_flops,
     train_flops_per_sample,
 )
+from sdnet_trainer.precision import configure_tf32
 
 GPU = torch.device("cuda", 0)  # only a name here: peak_tflops is given the device name
 
@@ -181,15 +183,98 @@ def test_peaks_without_bf16_tensor_cores_or_unknown_devices_give_none():
     assert peak_tflops(GPU, torch.float64, device_name="NVIDIA A100-SXM4-80GB") is None
 
 
-def test_fp32_peak_follows_the_tf32_setting():
-    previous = torch.get_float32_matmul_precision()
-    try:
-        torch.set_float32_matmul_precision("highest")
-        assert peak_tflops(GPU, torch.float32, device_name="NVIDIA A100-SXM4-80GB") == 19.5
-        torch.set_float32_matmul_precision("high")
-        assert peak_tflops(GPU, torch.float32, device_name="NVIDIA A100-SXM4-80GB") == 156.0
-    finally:
-        torch.set_float32_matmul_precision(previous)
+@pytest.mark.parametrize(
+    "name, dtype, tf32, expected",
+    [
+        # Autocast: the bf16/fp16 tensor-core peak, whatever TF32 says.
+        ("NVIDIA A100-SXM4-80GB", torch.bfloat16, True, 312.0),
+        ("NVIDIA A100-SXM4-80GB", torch.float16, False, 312.0),
+        # fp32: TF32 tensor cores when TF32 is on, the FP32 pipeline otherwise.
+        ("NVIDIA A100-SXM4-80GB", torch.float32, True, 156.0),
+        ("NVIDIA A100-SXM4-80GB", torch.float32, False, 19.5),
+        ("NVIDIA H100 80GB HBM3", torch.float32, True, 494.7),
+        ("NVIDIA H100 80GB HBM3", torch.float32, False, 66.9),
+        # The H800: the H100's tensor and FP32 figures (only FP64 and NVLink are cut).
+        ("NVIDIA H800", torch.bfloat16, True, 989.4),
+        ("NVIDIA H800", torch.float32, True, 494.7),
+        ("NVIDIA H800", torch.float32, False, 66.9),
+        ("NVIDIA H800 PCIe", torch.bfloat16, True, 756.5),
+        ("NVIDIA H800 PCIe", torch.float32, True, 378.0),
+        ("NVIDIA A800-SXM4-80GB", torch.bfloat16, True, 312.0),
+        # No TF32 hardware: fp32 stays on the FP32 pipeline with the flag on.
+        ("Tesla V100-SXM2-16GB", torch.float32, True, 15.7),
+        ("Tesla T4", torch.float32, True, 8.1),
+        ("AMD Instinct MI250X", torch.float32, True, 95.7),
+        # TF32 hardware without a published TF32 figure: no MFU rather than the FP32 peak.
+        ("NVIDIA A10G", torch.float32, True, None),
+        ("NVIDIA A10G", torch.float32, False, 31.52),
+        ("NVIDIA B200", torch.float32, True, 1125.0),
+        ("NVIDIA B200", torch.float32, False, None),
+    ],
+)
+def test_peak_matches_the_math_the_run_uses(name, dtype, tf32, expected):
+    assert peak_tflops(GPU, dtype, tf32=tf32, device_name=name) == expected
+
+
+@pytest.mark.parametrize(
+    "name",
+    [
+        "NVIDIA A100-SXM4-40GB MIG 3g.20gb",
+        "NVIDIA A100-SXM4-80GB MIG 1g.10gb",
+        "NVIDIA H100 80GB HBM3 MIG 7g.80gb",  # even the whole-GPU profile: MIG has its own limits
+        "NVIDIA H800 MIG 2g.20gb",
+    ],
+)
+def test_a_mig_slice_gets_no_peak_unless_given_one(name):
+    for dtype in (torch.bfloat16, torch.float16, torch.float32):
+        for tf32 in (True, False):
+            assert peak_tflops(GPU, dtype, tf32=tf32, device_name=name) is None
+    assert peak_tflops(GPU, torch.bfloat16, 123.0, device_name=name) == 123.0
+
+
+def test_h800_names_map_to_their_own_figures():
+    assert device_model("NVIDIA H800") == "H800 SXM"
+    assert device_model("NVIDIA H800 80GB HBM3") == "H800 SXM"
+    assert device_model("NVIDIA H800 PCIe") == "H800 PCIe"
+    assert device_model("NVIDIA H800 NVL") is None  # not a part with published figures
+
+
+@pytest.fixture
+def tf32_flags():
+    matmul, cudnn = torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32
+    yield
+    torch.backends.cuda.matmul.allow_tf32 = matmul
+    torch.backends.cudnn.allow_tf32 = cudnn
+
+
+@pytest.mark.usefixtures("tf32_flags")
+def test_without_an_explicit_tf32_the_peak_follows_torchs_flags():
+    a100 = "NVIDIA A100-SXM4-80GB"
+    configure_tf32(True)
+    assert peak_tflops(GPU, torch.float32, device_name=a100) == 156.0
+    configure_tf32(False)
+    assert peak_tflops(GPU, torch.float32, device_name=a100) == 19.5
+    # Matmuls in TF32 but convolutions in FP32: which peak applies depends on the model.
+    torch.backends.cuda.matmul.allow_tf32 = True
+    assert peak_tflops(GPU, torch.float32, device_name=a100) is None
+    assert peak_tflops(GPU, torch.bfloat16, device_name=a100) == 312.0
+
+
+@pytest.mark.parametrize("tf32, expected", [(True, 156.0), (False, 19.5)])
+def test_run_flops_passes_tf32_to_the_peak(monkeypatch, tf32, expected):
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "NVIDIA A100-SXM4-80GB")
+    dataset = [(torch.randn(8), 0), (torch.randn(8), 1)]
+    flops, peak = run_flops(
+        lambda: nn.Linear(8, 2),
+        dataset,  # a list is a map-style dataset
+        classification_loss,
+        device=GPU,
+        dtype=torch.float32,
+        peak_override=None,
+        tf32=tf32,
+    )
+    assert flops == 2 * (2 * 8 * 2)  # forward + weight gradient (the input needs none)
+    assert peak == expected
 
 
 def test_override_wins_everywhere():

@@ -142,8 +142,20 @@ def _child_gets_sigterm(log: Path) -> None:
     _terminated_while_waiting()
 
 
+def _child_sigterm_after_stop(log: Path) -> None:
+    # The Trainer's order: its stop-signal handler is installed, the watchdog starts, the handler
+    # is restored to the default when the loop ends, and only then does the watchdog stop.
+    signal.signal(signal.SIGTERM, lambda *_: None)
+    watchdog = Watchdog(60.0, rank=0, log_file=log)
+    watchdog.start()
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    watchdog.stop()
+    _terminated_while_waiting()
+
+
 CHILDREN = {
     "hangs": _child_hangs,
+    "sigterm_after_stop": _child_sigterm_after_stop,
     "beats": _child_beats,
     "stops": _child_stops,
     "holds_the_gil": _child_holds_the_gil,
@@ -228,6 +240,14 @@ def test_sigterm_dumps_the_stacks_then_terminates(children):
     terminated = children["gets_sigterm"]
     assert terminated.exitcode == -signal.SIGTERM, terminated
     assert "_terminated_while_waiting" in terminated.log
+
+
+def test_sigterm_after_the_watchdog_stopped_takes_the_default_action(children):
+    # Without re-syncing Python's handler after faulthandler.unregister, this SIGTERM would be
+    # ignored ("Signal 15 ignored due to race condition") and the child killed at the timeout.
+    after_stop = children["sigterm_after_stop"]
+    assert after_stop.exitcode == -signal.SIGTERM, after_stop
+    assert after_stop.seconds < 10.0
 
 
 def test_watchdog_in_process_start_stop_is_idempotent(tmp_path):

@@ -43,4 +43,9 @@ def test_unknown_model_suggests_names():
 
 def test_cifar_stem_needs_a_resnet():
     with pytest.raises(ConfigError, match="model.cifar_stem"):
-        build_model(ModelConfig(name="simple_cnn", cifar_stem=True))
+        build_model(ModelConfig(name="simple_cnn", num_classes=10, cifar_stem=True))
+
+
+def test_a_classifier_without_a_class_count_is_a_config_error():
+    with pytest.raises(ConfigError, match="model.num_classes"):
+        build_model(ModelConfig(name="resnet18"))

@@ -6,6 +6,7 @@ import math
 
 import pytest
 import torch
+import torch.distributed as dist
 from torch import nn
 
 from sdnet_trainer.config import OptimConfig, SchedConfig
@@ -95,3 +96,31 @@ def test_scheduler_drives_the_optimizer_lr():
     expected = [0.0, 0.1] + [0.2 * 0.5 * (1 + math.cos(math.pi * t / 3)) for t in range(4)]
     assert expected[-1] == pytest.approx(0.0)
     assert seen == pytest.approx(expected)
+
+
+@pytest.mark.parametrize("name", ["SGD", "AdamW"])
+def test_auto_implementation_is_fused_on_plain_cpu_parameters(name):
+    opt = build_optimizer(_model(), OptimConfig(name=name, lr=0.01))
+    assert opt.param_groups[0]["fused"] is True
+
+
+def test_a_foreach_choice_in_kwargs_keeps_auto_from_adding_fused():
+    opt = build_optimizer(_model(), OptimConfig(name="SGD", kwargs={"foreach": True}))
+    group = opt.param_groups[0]
+    assert group["foreach"] is True and not group["fused"]
+
+
+def test_auto_fuses_sharded_parameters_only_where_torch_can():
+    """DTensor parameters (FSDP2, tensor parallel): fused AdamW has a sharding rule, fused SGD
+    raises "does not have a sharding strategy registered", so auto leaves SGD to torch."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import distribute_module
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=2)
+    try:
+        model = distribute_module(_model(), init_device_mesh("cpu", (2,)))
+        assert not build_optimizer(model, OptimConfig(name="SGD")).param_groups[0]["fused"]
+        assert build_optimizer(model, OptimConfig(name="AdamW")).param_groups[0]["fused"] is True
+    finally:
+        dist.destroy_process_group()

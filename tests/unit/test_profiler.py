@@ -10,7 +10,7 @@ import torch
 from torch import nn
 
 from sdnet_trainer.config.schema import ProfileConfig
-from sdnet_trainer.observability.profiler import StepProfiler
+from sdnet_trainer.observability.profiler import StepProfiler, untraced_steps
 
 CPU = torch.device("cpu")
 
@@ -68,7 +68,7 @@ def test_other_ranks_write_their_own_traces_but_log_no_table(tmp_path, caplog):
     with caplog.at_level(logging.INFO, logger="sdnet_trainer.observability.profiler"):
         _train(profiler, steps=3)
     assert [t.name.split(".")[0] for t in _traces(tmp_path / "profile")] == ["rank3"]
-    assert profiler.summary_table() is not None
+    assert profiler.summary_table() is None  # the table is built on rank 0 only
     assert "operators" not in caplog.text
     # The allocator history exists only on CUDA: skipped, and said so.
     assert "memory_snapshot skipped" in caplog.text
@@ -88,3 +88,28 @@ def test_disabled_is_a_no_op(tmp_path):
     _train(profiler, steps=4)
     assert not (tmp_path / "profile").exists()
     assert profiler.summary_table() is None
+
+
+def test_on_cuda_the_first_steps_are_never_traced():
+    # cuDNN autotuning and start-up happen in step 1: at least 2 steps precede the first active one.
+    assert untraced_steps(ProfileConfig(wait=0, warmup=0), "cuda") == 2
+    assert untraced_steps(ProfileConfig(wait=0, warmup=1), "cuda") == 1
+    assert untraced_steps(ProfileConfig(wait=1, warmup=1), "cuda") == 0
+    assert untraced_steps(ProfileConfig(wait=3, warmup=1), "cuda") == 0
+    assert untraced_steps(ProfileConfig(wait=0, warmup=0), "cpu") == 0
+
+
+def test_the_schedule_skips_the_untraced_steps(tmp_path, monkeypatch):
+    # The CPU run with the CUDA rule forced on: step 0 skipped, step 1 warm-up, 2 and 3 recorded.
+    monkeypatch.setattr(
+        "sdnet_trainer.observability.profiler.untraced_steps", lambda cfg, device_type: 1
+    )
+    cfg = ProfileConfig(enabled=True, wait=0, warmup=1, active=2)
+    profiler = StepProfiler(cfg, output_dir=tmp_path, rank=0, device=CPU)
+    _train(profiler, steps=6)
+    (trace,) = _traces(tmp_path / "profile")
+    names = {event.get("name") for event in _events(trace)}
+    assert {n for n in names if n and n.startswith("ProfilerStep#")} == {
+        "ProfilerStep#2",
+        "ProfilerStep#3",
+    }

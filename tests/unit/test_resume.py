@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from sdnet_trainer import compose
-from tests.support import TINY, FaultTrainer, seen_samples
+from tests.support import TINY, FaultTrainer, checkpoint_names, seen_samples
 
 # 256 samples / global batch 32 = 8 steps per epoch; 14 steps cross an epoch boundary.
 COMMON = TINY + [
@@ -35,7 +35,8 @@ def test_sigterm_then_resume_is_bitwise_equal(
     tmp_path, monkeypatch, reference, stop_at, async_save
 ):
     cfg = compose(COMMON + [f"checkpoint.async_save={async_save}"])
-    monkeypatch.setenv("SDNET_TEST_SIGTERM", f"0:{stop_at}")
+    # The stop is agreed during the step after the signal's (the verdict is read one step late).
+    monkeypatch.setenv("SDNET_TEST_SIGTERM", f"0:{stop_at - 1}")
     first = FaultTrainer(cfg, output_dir=tmp_path)
     with pytest.raises(SystemExit) as stopped:
         first.fit()
@@ -186,7 +187,7 @@ def test_resume_is_bitwise_with_loader_workers_and_random_augmentation(tmp_path,
     cfg = compose(COMMON + ["loop.max_steps=6", "data.num_workers=2"])
     reference = _AugmentingTrainer(cfg, output_dir=tmp_path / "ref")
     reference.fit()
-    monkeypatch.setenv("SDNET_TEST_SIGTERM", "0:3")
+    monkeypatch.setenv("SDNET_TEST_SIGTERM", "0:2")  # agreed, and saved, at step 3
     with pytest.raises(SystemExit):
         _AugmentingTrainer(cfg, output_dir=tmp_path / "run").fit()
     monkeypatch.delenv("SDNET_TEST_SIGTERM")
@@ -195,3 +196,54 @@ def test_resume_is_bitwise_with_loader_workers_and_random_augmentation(tmp_path,
     assert resumed.losses == reference.losses[3:]
     for name, value in _params(reference).items():
         assert torch.equal(_params(resumed)[name], value), name
+
+
+# ---------------------------------------------------------------- verdicts read one step late
+
+
+def test_a_nonfinite_step_aborts_during_the_next_step(tmp_path, monkeypatch):
+    """health.nonfinite=abort defers each step's verdict: the NaN of step 2 ends the run after
+    step 3's forward and backward (no host synchronisation between the two steps)."""
+    from sdnet_trainer.health import NonFiniteError
+
+    monkeypatch.setenv("SDNET_TEST_NAN", "0:2")
+    trainer = FaultTrainer(compose(COMMON), output_dir=tmp_path)
+    with pytest.raises(NonFiniteError, match="at step 2 on rank 0: loss, gradient norm"):
+        trainer.fit()
+    assert trainer.stepper.deferred
+    assert trainer.state.step == 2 and len(trainer.seen) == 3 * 32  # step 3's batch was trained
+
+
+def test_a_nonfinite_step_is_never_checkpointed(tmp_path, monkeypatch):
+    """The save after step 2 reads step 2's verdict first: the run ends without writing it."""
+    from sdnet_trainer.health import NonFiniteError
+
+    monkeypatch.setenv("SDNET_TEST_NAN", "0:2")
+    cfg = compose(COMMON + ["checkpoint.every_n_steps=1", "checkpoint.keep_last=10"])
+    with pytest.raises(NonFiniteError, match="at step 2"):
+        FaultTrainer(cfg, output_dir=tmp_path).fit()
+    assert checkpoint_names(tmp_path / "checkpoints") == {"step_00000001"}
+
+
+@pytest.mark.parametrize(
+    ("nonfinite", "saved"),
+    # Deferred: step 1's flag is acted on at step 2; step 2's flag was raised before step 2's save,
+    # which serves it; step 3's is acted on at step 4. At once: every step.
+    [("abort", {2, 4}), ("skip", {1, 2, 3, 4})],
+)
+def test_a_timed_checkpoint_is_saved_one_step_later_when_deferred(tmp_path, nonfinite, saved):
+    cfg = compose(
+        COMMON
+        + [
+            "loop.max_steps=4",
+            f"health.nonfinite={nonfinite}",
+            "checkpoint.every_n_minutes=1e-9",  # due after every step, by rank 0's clock
+            "checkpoint.keep_last=10",
+            "checkpoint.save_on_exit=false",
+        ]
+    )
+    trainer = FaultTrainer(cfg, output_dir=tmp_path)
+    trainer.fit()
+    assert trainer.stepper.deferred == (nonfinite == "abort")
+    names = checkpoint_names(tmp_path / "checkpoints")
+    assert names == {f"step_{step:08d}" for step in saved}

@@ -279,7 +279,9 @@ def test_a_user_hook_runs_after_the_default_hooks_in_declared_order(tmp_path):
         tmp_path, ["loop.max_steps=3", "logging.log_every_n_steps=1"], cls=_WithRecorder
     )
     names = [type(hook).__name__ for hook in trainer.hooks]
-    assert names == ["EvalHook", "Checkpointer", "MetricsHook", "HeartbeatHook", "_Recorder"]
+    assert names == [
+        "EvalHook", "Checkpointer", "MetricsHook", "WatchdogHook", "HeartbeatHook", "_Recorder"
+    ]  # fmt: skip
     events = trainer.events
     assert events[0] == ("before", 0) and events[-1] == ("close",)
     assert [e[1] for e in events if e[0] == "step"] == [1, 2, 3]

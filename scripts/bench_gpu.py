@@ -1,0 +1,642 @@
+"""GPU throughput: ResNet-50 through the Trainer beside a hand-written loop, gpt_1b, and the loader.
+
+What it measures (one CUDA device; sections with --sections, all by default)
+    resnet50  ResNet-50 (torchvision's, model=resnet50), bf16 autocast, channels_last, 224x224
+              synthetic images (data=synthetic, 1,000 classes), --batch images per step, SGD
+              (lr 0.1, momentum 0.9, weight decay 5e-4, fused kernel), no clipping, eager.
+              Two sides:
+              trainer  ``python -m sdnet_trainer`` with those keys and a Trainer subclass
+                       (``trainer._target_=bench_gpu.GpuBenchTrainer``) that appends one timing
+                       hook after the Trainer's own; logging as by default (a log point every 10
+                       steps, metrics.jsonl, TensorBoard), no evaluation, no checkpoints
+              hand     the loop a user writes with torch alone: the same dataset, DataLoader
+                       settings (workers, pinned memory), model, optimizer and autocast;
+                       forward, cross-entropy, backward, step, zero_grad, no host sync per step
+              images/s of each side (median over rounds), and the Trainer / hand ratio (median of
+              the per-round ratios). For context the table quotes NVIDIA's published ResNet-50
+              v1.5 training figure for one A100 80GB with mixed precision, 2,470 images/s
+              (NVIDIA Deep Learning Examples, PyTorch, DGX A100): another GPU, data pipeline and
+              batch size, so an order of magnitude, not a target.
+    gpt_1b    configs/model/gpt_1b (1.04B parameters, 2,048-token context), bf16 autocast, AdamW,
+              data=tokens, one GPU (no parallelism), --gpt-batch sequences per step in
+              micro-batches of --gpt-micro: tokens/s and MFU as the Trainer itself logs them
+              (perf/tokens_per_s, perf/mfu in metrics.jsonl), median over the log points after
+              the first (which holds the first step's allocations and kernel selection).
+    loader    the data path's CPU cost: generated JPEGs (--jpegs, about ImageNet's mean size;
+              scripts/bench_loader.py's images) read through the project's imagefolder training
+              dataset as a CUDA run reads it (decode, RandomResizedCrop 224, flip, uint8 tensors
+              normalized later on the device): images per CPU second on one core (one process,
+              one thread, bench_loader.rate), and images/s with --workers DataLoader workers.
+              With the resnet50 section, also how many such cores keep up with the Trainer's
+              rate. scripts/bench_loader.py compares the float, uint8 and GPU-decode paths.
+
+How
+    Each ResNet-50 launch is a fresh process; rounds alternate the sides in an order rotated by
+    one each round (as scripts/bench_peers.py does), so drift of the machine hits both alike.
+    A side's window runs from the end of step --warmup to the end of step --warmup + --steps,
+    with ``torch.cuda.synchronize()`` at both ends only (scripts/_peer_worker.StepWindow); one more
+    step follows the window, so end-of-run work stays outside it. Each launch also reports the
+    cores other processes used meanwhile (scripts/_launch.timed_launch).
+
+Run (from the repository root, on a machine with one NVIDIA GPU)
+    python scripts/bench_gpu.py                      # about 6 minutes on one H100
+    python scripts/bench_gpu.py --sections resnet50 --rounds 5
+    python scripts/bench_gpu.py --json /tmp/gpu.json # the figures as JSON too (gpu_check.sh)
+
+Exit status: 0 after a complete measurement; 1 if a launch failed (the other sections still run);
+2 without a CUDA device (nothing is measured).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import statistics
+import sys
+import tempfile
+import time
+from collections.abc import Iterator
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from _launch import REPO, LaunchError, timed_launch  # scripts/ is on sys.path
+from _peer_worker import StepWindow, write_json
+
+from sdnet_trainer.hooks import HookBase
+from sdnet_trainer.state import RunState, StepResult
+from sdnet_trainer.trainer import Trainer
+
+SECTIONS = ("resnet50", "gpt_1b", "loader")
+SIDES = ("trainer", "hand")
+SPEC_ENV = "SDNET_GPU_BENCH"
+NO_CUDA_EXIT = 2
+NO_CUDA_MESSAGE = (
+    "bench_gpu: no CUDA device (torch.cuda.is_available() is False): this benchmark measures "
+    "one NVIDIA GPU; nothing was measured"
+)
+# NVIDIA Deep Learning Examples, ResNet-50 v1.5 for PyTorch: training throughput of one A100 80GB
+# (DGX A100) with mixed precision (AMP), 2,470 images/s.
+A100_AMP_IMAGES_PER_S = 2470
+IMAGE_SIZE, NUM_CLASSES = 224, 1000
+SEED = 0
+# The Trainer's default log period, pinned so that a changed default shows here.
+LOG_EVERY = 10
+
+
+# ---------------------------------------------------------------------------- ResNet-50 sides
+
+
+@dataclass(frozen=True)
+class ResNetSpec:
+    """One ResNet-50 launch; the Trainer side reads it from ``SDNET_GPU_BENCH``."""
+
+    batch: int
+    warmup: int
+    steps: int
+    workers: int
+    out: str
+    # The run itself; --cpu-smoke shrinks it to check the machinery on a machine without a GPU.
+    device: str = "cuda"
+    model: str = "resnet50"
+    image_size: int = IMAGE_SIZE
+    num_classes: int = NUM_CLASSES
+    precision: str = "bf16"
+
+    @property
+    def train_size(self) -> int:
+        # Every step of the launch inside one epoch: no epoch boundary inside the window.
+        return self.batch * (self.warmup + self.steps + 2)
+
+    def to_env(self) -> str:
+        return json.dumps(asdict(self))
+
+    @classmethod
+    def from_env(cls) -> ResNetSpec:
+        raw = os.environ.get(SPEC_ENV)
+        if raw is None:
+            raise RuntimeError(f"{SPEC_ENV} is not set: GpuBenchTrainer runs under bench_gpu.py")
+        return cls(**json.loads(raw))
+
+
+def resnet_keys(spec: ResNetSpec, run_dir: Path) -> list[str]:
+    """The Trainer side's command line; the hand side builds the same run from the same spec."""
+    return [
+        "trainer._target_=bench_gpu.GpuBenchTrainer",
+        f"dist.device={spec.device}",
+        f"model.name={spec.model}",
+        f"model.num_classes={spec.num_classes}",
+        "model.channels_last=true",
+        "compile.enabled=false",
+        "data=synthetic",
+        f"data.image_size={spec.image_size}",
+        f"data.num_classes={spec.num_classes}",
+        f"data.train_size={spec.train_size}",
+        f"data.num_workers={spec.workers}",
+        "data.pin_memory=true",
+        "data.persistent_workers=true",
+        "data.prefetch_factor=2",
+        "optim=sgd",
+        "optim.lr=0.1",
+        "optim.momentum=0.9",
+        "optim.weight_decay=5e-4",
+        "optim.implementation=auto",  # fused on CUDA, as the hand side asks for
+        "sched=constant",
+        f"precision={spec.precision}",
+        f"loop.seed={SEED}",
+        f"loop.global_batch_size={spec.batch}",
+        f"loop.max_steps={spec.warmup + spec.steps + 1}",
+        "loop.eval_at_end=false",
+        "loop.eval_at_epoch_end=false",
+        f"logging.log_every_n_steps={LOG_EVERY}",
+        "logging.progress_bar=off",
+        "checkpoint.resume=none",
+        "checkpoint.save_on_exit=false",
+        f"hydra.run.dir={run_dir}",
+    ]
+
+
+class GpuWindowHook(HookBase):
+    """The Trainer side's timing, placed after every hook of the Trainer's own."""
+
+    def __init__(self, spec: ResNetSpec) -> None:
+        self.spec = spec
+        self.window = StepWindow(spec.warmup, spec.steps)
+
+    def after_step(self, state: RunState, result: StepResult) -> None:
+        if state.step in (self.window.warmup, self.window.last):
+            synchronize(self.spec)
+        if self.window.step_done(state.step):
+            write_result(self.window, self.spec, side="trainer", loss=float(result.loss.item()))
+
+
+class GpuBenchTrainer(Trainer):
+    """The Trainer as a user subclasses it, plus one timing hook."""
+
+    def build_hooks(self) -> list[HookBase]:
+        return [*super().build_hooks(), GpuWindowHook(ResNetSpec.from_env())]
+
+
+def synchronize(spec: ResNetSpec) -> None:
+    """At the window's ends only: the window holds the GPU's work, not just its queueing."""
+    if spec.device == "cuda":
+        torch.cuda.synchronize()
+
+
+def write_result(window: StepWindow, spec: ResNetSpec, *, side: str, loss: float) -> None:
+    assert window.elapsed is not None
+    write_json(
+        Path(spec.out),
+        {
+            "side": side,
+            "images_per_s": spec.steps * spec.batch / window.elapsed,
+            "step_s": window.elapsed / spec.steps,
+            "final_loss": loss,
+            "device": torch.cuda.get_device_name() if spec.device == "cuda" else "cpu",
+        },
+    )
+
+
+def run_hand(spec: ResNetSpec) -> None:
+    """The hand-written loop: what a user writes with torch alone for the same run."""
+    from torch.utils.data import DataLoader, RandomSampler
+
+    from sdnet_trainer.config.schema import DataConfig, ModelConfig
+    from sdnet_trainer.data import SyntheticImages
+    from sdnet_trainer.models import build_model
+
+    cuda = spec.device == "cuda"
+    device = torch.device("cuda", 0) if cuda else torch.device("cpu")
+    if cuda:
+        torch.cuda.set_device(device)
+        torch.backends.cudnn.benchmark = True
+        torch.backends.cuda.matmul.allow_tf32 = True
+        torch.backends.cudnn.allow_tf32 = True
+    torch.manual_seed(SEED)
+    model = build_model(ModelConfig(name=spec.model, num_classes=spec.num_classes))
+    model.to(device)
+    model.to(memory_format=torch.channels_last)
+    optimizer = torch.optim.SGD(
+        model.parameters(), lr=0.1, momentum=0.9, weight_decay=5e-4, fused=cuda or None
+    )
+    data = DataConfig()  # the generator settings data=synthetic uses
+    dataset = SyntheticImages(
+        spec.train_size,
+        image_size=spec.image_size,
+        channels=3,
+        num_classes=spec.num_classes,
+        seed=data.synthetic_seed,
+        signal=data.signal,
+        noise=data.noise,
+        split="train",
+    )
+    loader = DataLoader(
+        dataset,
+        batch_size=spec.batch,
+        sampler=RandomSampler(dataset, generator=torch.Generator().manual_seed(SEED)),
+        num_workers=spec.workers,
+        pin_memory=cuda,
+        persistent_workers=spec.workers > 0,
+        prefetch_factor=2 if spec.workers > 0 else None,
+        drop_last=True,
+    )
+    criterion = torch.nn.CrossEntropyLoss()
+    window = StepWindow(spec.warmup, spec.steps)
+    batches: Iterator[Any] = iter(loader)
+    model.train()
+    loss = torch.zeros((), device=device)
+    for step in range(1, window.run_steps + 1):
+        images, labels = next(batches)
+        images = images.to(device, non_blocking=True, memory_format=torch.channels_last)
+        labels = labels.to(device, non_blocking=True)
+        with torch.autocast(device.type, dtype=torch.bfloat16, enabled=spec.precision == "bf16"):
+            loss = criterion(model(images), labels)
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        if step in (window.warmup, window.last):
+            synchronize(spec)
+        if window.step_done(step):
+            write_result(window, spec, side="hand", loss=float(loss.item()))
+
+
+def resnet_command(side: str, spec: ResNetSpec, run_dir: Path) -> list[str]:
+    if side == "trainer":
+        return [sys.executable, "-m", "sdnet_trainer", *resnet_keys(spec, run_dir)]
+    return [sys.executable, str(Path(__file__).resolve()), "--worker-spec", spec.to_env()]
+
+
+@dataclass
+class SideRuns:
+    images_per_s: dict[int, float]
+    other_cores: list[float]
+    failed: str | None = None
+
+
+def bench_resnet(args: argparse.Namespace, out: Path) -> dict[str, Any]:
+    workers = args.workers
+    runs = {side: SideRuns({}, []) for side in SIDES}
+    print(
+        f"\n== resnet50: {args.rounds} round(s) of trainer, hand; batch {args.batch}, "
+        f"{args.warmup} + {args.steps} steps, {workers} loader workers",
+        flush=True,
+    )
+    for rnd in range(args.rounds):
+        shift = rnd % len(SIDES)
+        for side in SIDES[shift:] + SIDES[:shift]:
+            res = runs[side]
+            if res.failed:
+                continue
+            stem = out / "resnet50" / f"r{rnd + 1}_{side}"
+            stem.parent.mkdir(parents=True, exist_ok=True)
+            shutil.rmtree(stem, ignore_errors=True)  # the Trainer appends to metrics.jsonl
+            result_file = stem.with_suffix(".json")
+            result_file.unlink(missing_ok=True)
+            spec = ResNetSpec(
+                args.batch, args.warmup, args.steps, workers, str(result_file), **args.smoke_run
+            )
+            os.environ[SPEC_ENV] = spec.to_env()
+            try:
+                seconds, other = timed_launch(
+                    resnet_command(side, spec, stem), stem.with_suffix(".log"), args.timeout
+                )
+                if not result_file.exists():
+                    raise LaunchError(f"{side} wrote no result; see {stem.with_suffix('.log')}")
+            except LaunchError as err:
+                print(f"  round {rnd + 1} {side:<8} FAILED: {err}", file=sys.stderr, flush=True)
+                res.failed = f"FAILED in round {rnd + 1} (log in {stem.with_suffix('.log')})"
+                continue
+            finally:
+                del os.environ[SPEC_ENV]
+            result = json.loads(result_file.read_text())
+            res.images_per_s[rnd] = result["images_per_s"]
+            load = ""
+            if other is not None:
+                res.other_cores.append(other)
+                load = f"  (other processes: {other:.2f} cores)"
+            print(
+                f"  round {rnd + 1}/{args.rounds} {side:<8} {seconds:6.1f} s launch  "
+                f"{result['step_s']:.4f} s/step  {result['images_per_s']:,.0f} images/s{load}",
+                flush=True,
+            )
+    summary: dict[str, Any] = {"batch": args.batch, "rounds": args.rounds, "workers": workers}
+    for side, res in runs.items():
+        values = list(res.images_per_s.values())
+        summary[side] = {
+            "images_per_s": statistics.median(values) if values else None,
+            "min": min(values) if values else None,
+            "max": max(values) if values else None,
+            "other_cores_max": max(res.other_cores) if res.other_cores else None,
+            "failed": res.failed,
+        }
+    paired = [
+        v / runs["hand"].images_per_s[r]
+        for r, v in runs["trainer"].images_per_s.items()
+        if r in runs["hand"].images_per_s
+    ]
+    summary["ratio"] = statistics.median(paired) if paired else None
+    summary["ratio_min"] = min(paired) if paired else None
+    summary["ratio_max"] = max(paired) if paired else None
+    return summary
+
+
+# ---------------------------------------------------------------------------- gpt_1b
+
+
+def gpt_keys(args: argparse.Namespace, run_dir: Path) -> list[str]:
+    """The gpt_1b launch's command line: one GPU, no parallelism, the Trainer's own metrics."""
+    steps = args.gpt_steps
+    return [
+        "dist.device=cuda",
+        "model=gpt_1b",
+        "data=tokens",
+        f"data.train_size={args.gpt_batch * (steps + 1)}",
+        "data.val_size=8",
+        "optim=adamw",
+        "sched=constant",
+        "precision=bf16",
+        f"compile.enabled={str(args.gpt_compile).lower()}",
+        f"loop.global_batch_size={args.gpt_batch}",
+        f"loop.grad_accum_steps={args.gpt_batch // args.gpt_micro}",
+        f"loop.max_steps={steps}",
+        "loop.eval_at_end=false",
+        "loop.eval_at_epoch_end=false",
+        # Five log points; the first holds the first step's allocations and is left out.
+        f"logging.log_every_n_steps={max(1, steps // 5)}",
+        "logging.progress_bar=off",
+        "checkpoint.resume=none",
+        "checkpoint.save_on_exit=false",
+        f"hydra.run.dir={run_dir}",
+    ]
+
+
+def bench_gpt(args: argparse.Namespace, out: Path) -> dict[str, Any]:
+    run_dir = out / "gpt_1b"
+    shutil.rmtree(run_dir, ignore_errors=True)
+    steps = args.gpt_steps
+    cmd = [sys.executable, "-m", "sdnet_trainer", *gpt_keys(args, run_dir)]
+    print(
+        f"\n== gpt_1b: {steps} steps of {args.gpt_batch} x 2048 tokens (micro-batch "
+        f"{args.gpt_micro}), {'compiled' if args.gpt_compile else 'eager'}",
+        flush=True,
+    )
+    run_dir.mkdir(parents=True)
+    log = out / "gpt_1b.log"
+    try:
+        seconds, other = timed_launch(cmd, log, args.timeout)
+    except LaunchError as err:
+        print(f"  gpt_1b FAILED: {err}", file=sys.stderr, flush=True)
+        return {"failed": f"FAILED (log in {log})"}
+    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    points = [row for row in rows if "perf/tokens_per_s" in row][1:]  # past the first window
+    if not points:
+        return {"failed": f"no log point past the first in {run_dir / 'metrics.jsonl'}"}
+    tokens = statistics.median(row["perf/tokens_per_s"] for row in points)
+    mfus = [row["perf/mfu"] for row in points if "perf/mfu" in row]
+    summary = {
+        "tokens_per_s": tokens,
+        "mfu": statistics.median(mfus) if mfus else None,
+        "tflops_per_s": statistics.median(row.get("perf/tflops_per_s", 0.0) for row in points),
+        "peak_memory_mb": max(row.get("perf/peak_memory_mb", 0.0) for row in points),
+        "log_points": len(points),
+        "compiled": args.gpt_compile,
+        "other_cores": other,
+    }
+    mfu_text = f"MFU {summary['mfu']:.1%}" if summary["mfu"] is not None else "no MFU (unknown GPU)"
+    print(f"  {seconds:.1f} s launch  {tokens:,.0f} tokens/s  {mfu_text}", flush=True)
+    return summary
+
+
+# ---------------------------------------------------------------------------- the loader
+
+
+def bench_loader(args: argparse.Namespace, out: Path, resnet_rate: float | None) -> dict[str, Any]:
+    """The training loader's CPU cost on the GPU path (uint8 crops, normalized on the device),
+    measured as scripts/bench_loader.py does (its images and its per-CPU-second rate)."""
+    from bench_loader import rate, write_images
+    from torch.utils.data import DataLoader
+
+    from sdnet_trainer.data.folders import (
+        CheckedImageFolder,
+        defer_normalization,
+        imagenet_transforms,
+    )
+
+    root = out / "jpegs"
+    shutil.rmtree(root, ignore_errors=True)
+    print(
+        f"\n== loader: {args.jpegs} generated JPEGs, data=imagefolder at {IMAGE_SIZE}", flush=True
+    )
+    write_images(root, args.jpegs)
+    train_transform, _ = imagenet_transforms(IMAGE_SIZE)
+    floats = CheckedImageFolder(str(root / "train"), transform=train_transform)
+    deferred = defer_normalization(floats)
+    dataset = deferred[0] if deferred is not None else floats
+    path = "uint8" if deferred is not None else "float"
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # one core: PIL decodes on the calling thread
+    try:
+        per_core, wall = rate(dataset, repeats=args.loader_repeats)
+    finally:
+        torch.set_num_threads(threads)
+    print(f"  one core ({path} path): {per_core:,.0f} images/s per CPU second", flush=True)
+    workers = args.workers
+    size = len(floats)
+    loader = DataLoader(
+        dataset,
+        batch_size=min(32, size),
+        shuffle=True,
+        num_workers=workers,
+        drop_last=True,
+        persistent_workers=workers > 0,
+    )
+    batches = (batch for _ in range(2) for batch in loader)  # two epochs, the same workers
+    next(batches)  # workers started and warm
+    started, images = time.perf_counter(), 0
+    for images_batch, _labels in batches:
+        images += len(images_batch)
+    pooled = images / (time.perf_counter() - started) if images else None
+    if pooled is not None:
+        print(f"  {workers} workers: {pooled:,.0f} images/s", flush=True)
+    summary: dict[str, Any] = {
+        "path": path,
+        "images_per_s_per_core": per_core,
+        "images_per_s_one_core_wall": wall,
+        "workers": workers,
+        "images_per_s_workers": pooled,
+        "jpegs": args.jpegs,
+    }
+    if resnet_rate:
+        summary["cores_for_trainer_rate"] = resnet_rate / per_core
+    return summary
+
+
+# ---------------------------------------------------------------------------- driver
+
+
+def default_workers() -> int:
+    """Loader workers for the ResNet-50 sides: the machine's cores but one for the training
+    process and one for the driver, at most 12."""
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    return max(1, min(12, (cores or 2) - 2))
+
+
+def parse_args() -> argparse.Namespace:
+    p = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    p.add_argument(
+        "--sections",
+        default=",".join(SECTIONS),
+        help=f"comma-separated, from {', '.join(SECTIONS)} (default: all)",
+    )
+    p.add_argument("--rounds", type=int, default=3, help="ResNet-50 rounds per side (3)")
+    p.add_argument("--batch", type=int, default=256, help="ResNet-50 images per step (256)")
+    p.add_argument("--warmup", type=int, default=15, help="ResNet-50 steps before the window")
+    p.add_argument("--steps", type=int, default=40, help="ResNet-50 timed steps (40)")
+    p.add_argument("--workers", type=int, default=default_workers(), help="loader workers")
+    p.add_argument("--gpt-batch", type=int, default=8, help="gpt_1b sequences per step (8)")
+    p.add_argument("--gpt-micro", type=int, default=4, help="gpt_1b micro-batch (4)")
+    p.add_argument("--gpt-steps", type=int, default=25, help="gpt_1b steps (25)")
+    p.add_argument("--gpt-compile", action="store_true", help="torch.compile gpt_1b's blocks")
+    p.add_argument("--jpegs", type=int, default=256, help="generated JPEGs for the loader (256)")
+    p.add_argument("--loader-repeats", type=int, default=3, help="loader passes, best kept (3)")
+    p.add_argument("--timeout", type=float, default=420.0, help="seconds per launch (420)")
+    p.add_argument("--out", type=Path, default=None, help="output directory (default: temp)")
+    p.add_argument("--json", type=Path, default=None, help="also write the figures here")
+    p.add_argument("--worker-spec", default=None, help=argparse.SUPPRESS)  # the hand side
+    # The machinery (launches, both sides, the loader, the table) on a machine without a GPU, at
+    # a size that says nothing about speed: for the CPU test suite (tests/unit/test_cuda_lane.py).
+    p.add_argument("--cpu-smoke", action="store_true", help=argparse.SUPPRESS)
+    args = p.parse_args()
+    sections = [s.strip() for s in args.sections.split(",") if s.strip()]
+    unknown = [s for s in sections if s not in SECTIONS]
+    if unknown or not sections:
+        p.error(f"--sections {args.sections!r}: choose from {', '.join(SECTIONS)}")
+    args.sections = sections
+    args.smoke_run = {}
+    if args.cpu_smoke:
+        args.sections = [s for s in sections if s != "gpt_1b"]  # 1B parameters: not on a CPU
+        args.rounds, args.batch, args.warmup, args.steps = 1, 8, 1, 2
+        args.workers, args.jpegs, args.loader_repeats = 0, 8, 1
+        args.smoke_run = {
+            "device": "cpu",
+            "model": "resnet18",
+            "image_size": 32,
+            "num_classes": 10,
+            "precision": "fp32",
+        }
+    if min(args.rounds, args.batch, args.warmup, args.steps, args.gpt_steps) < 1:
+        p.error("--rounds, --batch, --warmup, --steps and --gpt-steps must be >= 1")
+    if args.gpt_batch % args.gpt_micro:
+        p.error(f"--gpt-batch {args.gpt_batch} is not a multiple of --gpt-micro {args.gpt_micro}")
+    return args
+
+
+def print_table(figures: dict[str, Any]) -> None:
+    print(
+        f"\nbench_gpu on {figures['device']} (torch {torch.__version__}, CUDA {torch.version.cuda})"
+    )
+    resnet = figures.get("resnet50")
+    if resnet:
+        print(
+            f"resnet50 bf16 channels_last, batch {resnet['batch']}, median of {resnet['rounds']}:"
+        )
+        for side in SIDES:
+            cell = resnet[side]
+            if cell["images_per_s"] is None:
+                print(f"  {side:<8} {cell['failed'] or 'no result'}")
+                continue
+            print(
+                f"  {side:<8} {cell['images_per_s']:>8,.0f} images/s  "
+                f"(min-max {cell['min']:,.0f}-{cell['max']:,.0f})"
+            )
+        if resnet["ratio"] is not None:
+            print(
+                f"  trainer / hand {resnet['ratio']:.3f} (min-max {resnet['ratio_min']:.3f}-"
+                f"{resnet['ratio_max']:.3f})"
+            )
+        print(
+            f"  for context: NVIDIA's published ResNet-50 v1.5 AMP training figure for one A100 "
+            f"80GB is {A100_AMP_IMAGES_PER_S:,} images/s (another GPU and pipeline)"
+        )
+    gpt = figures.get("gpt_1b")
+    if gpt:
+        if gpt.get("failed"):
+            print(f"gpt_1b: {gpt['failed']}")
+        else:
+            mfu = f"{gpt['mfu']:.1%}" if gpt["mfu"] is not None else "n/a (unknown GPU)"
+            print(
+                f"gpt_1b bf16 {'compiled' if gpt['compiled'] else 'eager'}: "
+                f"{gpt['tokens_per_s']:,.0f} tokens/s, MFU {mfu}, "
+                f"{gpt['tflops_per_s']:.0f} TFLOP/s, peak memory {gpt['peak_memory_mb']:,.0f} MB"
+            )
+    loader = figures.get("loader")
+    if loader:
+        line = (
+            f"loader (ImageFolder JPEG, CPU decode, {IMAGE_SIZE} crop, {loader['path']}): "
+            f"{loader['images_per_s_per_core']:,.0f} images/s per core"
+        )
+        if loader["images_per_s_workers"] is not None:
+            line += f", {loader['images_per_s_workers']:,.0f} with {loader['workers']} workers"
+        print(line)
+        if "cores_for_trainer_rate" in loader:
+            print(
+                f"  cores to feed the Trainer's ResNet-50 rate: "
+                f"{loader['cores_for_trainer_rate']:.1f}"
+            )
+    loads: list[float] = [
+        float(cell["other_cores_max"])
+        for cell in (resnet or {}).values()
+        if isinstance(cell, dict) and cell.get("other_cores_max") is not None
+    ]
+    if loads and max(loads) > 1.0:
+        print(
+            f"warning: other processes used up to {max(loads):.1f} cores during the launches; "
+            "rerun on an otherwise idle machine for figures to quote"
+        )
+
+
+def main() -> int:
+    args = parse_args()
+    if args.worker_spec is not None:
+        run_hand(ResNetSpec(**json.loads(args.worker_spec)))
+        return 0
+    if not torch.cuda.is_available() and not args.cpu_smoke:
+        print(NO_CUDA_MESSAGE, file=sys.stderr)
+        return NO_CUDA_EXIT
+    out = (args.out or Path(tempfile.mkdtemp(prefix="bench_gpu_"))).resolve()
+    out.mkdir(parents=True, exist_ok=True)
+    # The Trainer imports its subclass (trainer._target_) from scripts/, as a user's module.
+    scripts = str(REPO / "scripts")
+    os.environ["PYTHONPATH"] = os.pathsep.join(
+        p for p in (scripts, str(REPO), os.environ.get("PYTHONPATH", "")) if p
+    )
+    device = "cpu (a smoke run: no figure means anything)" if args.cpu_smoke else None
+    figures: dict[str, Any] = {"device": device or torch.cuda.get_device_name(0)}
+    print(f"bench_gpu: {', '.join(args.sections)} on {figures['device']}; output in {out}")
+    started = time.perf_counter()
+    ok = True
+    if "resnet50" in args.sections:
+        figures["resnet50"] = bench_resnet(args, out)
+        ok &= all(figures["resnet50"][side]["failed"] is None for side in SIDES)
+    if "gpt_1b" in args.sections:
+        figures["gpt_1b"] = bench_gpt(args, out)
+        ok &= not figures["gpt_1b"].get("failed")
+    if "loader" in args.sections:
+        rate = (figures.get("resnet50") or {}).get("trainer", {}).get("images_per_s")
+        figures["loader"] = bench_loader(args, out, rate)
+    figures["seconds"] = time.perf_counter() - started
+    print_table(figures)
+    print(f"\n({figures['seconds']:.0f} s in all; logs and results in {out})")
+    if args.json is not None:
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        args.json.write_text(json.dumps(figures, indent=1))
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

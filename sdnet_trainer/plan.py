@@ -1,0 +1,397 @@
+"""Dry run: check a large layout on one machine, without its GPUs.
+
+    python -m sdnet_trainer --dry-run world_size=1024 +recipe=gpt_tp_fsdp model=gpt_1b \\
+        parallel.tp=8 parallel.pp=4 loop.global_batch_size=128 [ranks=0,256] [json=plan.json]
+
+The config is validated for that world size as a launch would, then for each rank asked for
+(default: the first rank of every pipeline stage, the ranks whose roles differ) torch's fake
+process group stands in for the real one, the mesh is built, and the model is built on the meta
+device and parallelized by the same code as a real rank (``Trainer.build_model``,
+``parallelize``, ``Trainer.build_optimizer``). Nothing is allocated, so a 1B model on 1,024 ranks
+plans in seconds.
+
+Per rank it prints:
+
+- parameter, gradient and optimizer-state bytes, counted from the rank's shards as
+  ``observability.memory.training_state_bytes`` counts them in a real run (the optimizer takes
+  one step on meta tensors so its state exists);
+- an activation estimate: the bytes autograd saves in one forward of one micro-batch of the
+  whole model (meta tensors, fp32, with activation checkpointing if enabled), scaled to this
+  rank's pipeline stage by its share of the parameters, divided by tensor parallelism and
+  multiplied by the micro-batches the stage keeps in flight;
+- the collectives of one optimizer step and the bytes each moves (data parallel from the shards,
+  tensor and pipeline parallel from the activation sizes).
+
+A config error a launch would hit (validation, the model's build, the layout) is printed as the
+launch prints it, with exit code 2.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import sys
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed._composable import checkpoint as checkpoint_activations
+from torch.distributed.fsdp import FSDPModule
+from torch.distributed.tensor import DTensor
+
+from sdnet_trainer.batching import batch_layout
+from sdnet_trainer.config import Config, compose
+from sdnet_trainer.data import LM_DATASETS, resolve_num_classes
+from sdnet_trainer.distributed.env import DistEnv
+from sdnet_trainer.distributed.mesh import ParallelDims, build_mesh, parallel_dims
+from sdnet_trainer.distributed.parallelize import _uses_fsdp, parallelize
+from sdnet_trainer.errors import ConfigError
+from sdnet_trainer.models.parallel_spec import parallel_blocks
+from sdnet_trainer.observability.memory import training_state_bytes
+from sdnet_trainer.precision import DTYPES
+from sdnet_trainer.preflight import validate
+from sdnet_trainer.trainer import Trainer, resolve_trainer_class
+
+EXIT_CONFIG_ERROR = 2
+
+
+@dataclass
+class Collective:
+    kind: str  # all_gather, reduce_scatter, all_reduce, send/recv, ...
+    over: str  # the mesh dimension(s) it runs on
+    count: int  # per optimizer step
+    bytes_each: int  # the tensor each call moves (full size, before the ring's (n-1)/n)
+
+
+@dataclass
+class RankPlan:
+    rank: int
+    coordinates: dict[str, int]
+    params: int
+    grads: int
+    optim: int
+    activations: int
+    collectives: list[Collective] = field(default_factory=list)
+
+
+class _Replicated(Exception):
+    """Raised inside parallelize to stop before DDP wraps a replicated model (see plan_rank)."""
+
+
+@contextmanager
+def fake_group(rank: int, world_size: int) -> Iterator[None]:
+    """torch's fake process group: every collective returns at once, moving nothing."""
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    dist.init_process_group("fake", rank=rank, world_size=world_size, store=FakeStore())
+    try:
+        yield
+    finally:
+        dist.destroy_process_group()
+
+
+def plan_rank(cfg: Config, rank: int, world_size: int) -> RankPlan:
+    """Build rank ``rank``'s part of the model as a real launch would, on meta tensors."""
+    dims = parallel_dims(cfg.parallel, world_size)
+    env = DistEnv(rank=rank, world_size=world_size, device=torch.device("cpu"), backend="fake")
+    trainer = resolve_trainer_class(cfg.trainer._target_)(cfg, env=env)
+    with fake_group(rank, world_size):
+        mesh = build_mesh(dims, "cpu")
+        with torch.device("meta"):
+            model = trainer.build_model()
+        held: list[nn.Module] = []
+
+        def keep_meta(parts: list[nn.Module]) -> None:
+            # A real rank allocates and initialises its parts here. DDP's wrapping comes next and
+            # reads values (it checks shapes across ranks with a collective), so a replicated
+            # layout stops here: its bytes are the bare parts'.
+            held.extend(parts)
+            if replicated:
+                raise _Replicated
+
+        replicated = not _uses_fsdp(cfg.parallel.strategy, dims) and dims.dp_replicate > 1
+        try:
+            parallel = parallelize(
+                model, cfg, env, mesh, dims, loss_fn=trainer.loss_fn, materialize=keep_meta
+            )
+            trained, roots = (
+                parallel.model,
+                (parallel.pipeline.modules if parallel.pipeline is not None else [parallel.model]),
+            )  # under pipeline parallelism the stages are the FSDP roots, outside the model
+        except _Replicated:
+            trained, roots = model, held
+        optimizer = trainer.build_optimizer(trained)
+        _step_on_meta(trained, optimizer)
+        sizes = training_state_bytes(trained, optimizer)
+        blocks = {id(b) for b in parallel_blocks(model) if b is not None}
+        collectives = _data_parallel_collectives(cfg, roots, blocks, dims)
+    # Global sizes (DTensor numel is the full tensor's): this rank's pipeline stage, whole.
+    stage_numel = sum(p.numel() for p in model.parameters())
+    stage = dims.coordinates(rank)["pp"]
+    return RankPlan(
+        rank=rank,
+        coordinates=dims.coordinates(rank),
+        params=sizes["params"],
+        grads=sizes["grads"],
+        optim=sizes["optim"],
+        activations=_activation_estimate(cfg, trainer, dims, stage_numel, stage),
+        collectives=collectives + _model_parallel_collectives(cfg, dims, trainer, stage),
+    )
+
+
+def _step_on_meta(model: nn.Module, optimizer: torch.optim.Optimizer) -> None:
+    """One optimizer step over zero gradients, so the optimizer's state exists (on meta)."""
+    inner = getattr(optimizer, "optim", optimizer)  # ZeRO-1 wraps the local optimizer
+    for group in [*optimizer.param_groups, *inner.param_groups]:
+        # Fused and foreach kernels take no meta tensors; the state they make is the same.
+        for key in ("fused", "foreach"):
+            if group.get(key):
+                group[key] = False
+    for p in model.parameters():
+        if p.requires_grad:
+            p.grad = torch.zeros_like(p)
+    optimizer.step()
+
+
+def _gpu_dtype(cfg: Config) -> str:
+    """The compute dtype on the launch's GPUs: ``precision.dtype=auto`` picks bf16 on GPUs with
+    native bf16 (A100, H100 and later), assumed here since this machine may have none."""
+    return "bf16" if cfg.precision.dtype == "auto" else cfg.precision.dtype
+
+
+def _dtype_bytes(name: str) -> int:
+    return torch.empty((), dtype=DTYPES[name]).element_size()
+
+
+def _data_parallel_collectives(
+    cfg: Config, roots: list[nn.Module], blocks: set[int], dims: ParallelDims
+) -> list[Collective]:
+    """FSDP: per unit an all-gather of its parameters in forward (again in backward when it
+    reshards) and a reduce-scatter of its gradients, every micro-step. Replicated parameters
+    (DDP, ZeRO-1): one all-reduce of the gradients per step (ZeRO-1: then a broadcast of the
+    updated parameters)."""
+    if dims.dp == 1:
+        return []
+    micro = batch_layout(cfg, dims.pp * dims.dp * dims.tp).grad_accum_steps
+    if dims.pp > 1:
+        micro = cfg.parallel.pipeline.microbatches
+    over = "dp_replicate x dp_shard" if dims.dp_replicate > 1 else "dp"
+    units = {id(m): m for r in roots for m in r.modules() if isinstance(m, FSDPModule)}
+    if units:
+        fsdp = cfg.parallel.fsdp
+        param_dtype = fsdp.param_dtype
+        if param_dtype == "auto":
+            param_dtype = _gpu_dtype(cfg)
+        out = []
+        for unit in units.values():
+            # This rank's shard times the shard group: the unit's parameters as the group
+            # gathers them (a tensor-parallel rank's part of each, not the global size).
+            local = sum(_local_numel(p) for p in unit.parameters() if _owner(unit, p))
+            if local == 0:
+                continue  # a stage root whose parameters all sit in its blocks
+            name = type(unit).__name__.removeprefix("FSDP")
+            if dims.dp_shard > 1:
+                # The roots keep their parameters from forward to backward (parallelize).
+                gathers = 2 if id(unit) in blocks and fsdp.reshard_after_forward else 1
+                full = local * dims.dp_shard
+                out.append(
+                    Collective(
+                        f"all_gather ({name})",
+                        "dp_shard",
+                        gathers * micro,
+                        full * _dtype_bytes(param_dtype),
+                    )
+                )
+                out.append(
+                    Collective(
+                        f"reduce_scatter ({name})",
+                        "dp_shard",
+                        1,
+                        full * _dtype_bytes(fsdp.reduce_dtype),
+                    )
+                )
+            if dims.dp_replicate > 1:  # HSDP, or replication under pipeline parallelism
+                out.append(
+                    Collective(
+                        f"all_reduce ({name})",
+                        "dp_replicate",
+                        1,
+                        local * _dtype_bytes(fsdp.reduce_dtype),
+                    )
+                )
+        return out
+    grads = sum(
+        p.numel() * p.element_size() for r in roots for p in r.parameters() if p.requires_grad
+    )
+    out = [Collective("all_reduce (gradients)", over, 1, grads)]
+    if cfg.parallel.strategy == "zero1":
+        out.append(Collective("broadcast (updated parameters)", over, 1, grads))
+    return out
+
+
+def _local_numel(p: torch.Tensor) -> int:
+    return p.to_local().numel() if isinstance(p, DTensor) else p.numel()
+
+
+def _owner(unit: nn.Module, param: nn.Parameter) -> bool:
+    """Whether ``param`` belongs to ``unit``'s own FSDP group (not to a nested FSDP unit)."""
+    for module in unit.modules():
+        nested = module is not unit and isinstance(module, FSDPModule)
+        if nested and any(param is q for q in module.parameters()):
+            return False
+    return True
+
+
+def _micro_batch(cfg: Config, dims: ParallelDims) -> int:
+    size = batch_layout(cfg, dims.pp * dims.dp * dims.tp).micro_batch_size
+    return max(1, size // cfg.parallel.pipeline.microbatches) if dims.pp > 1 else size
+
+
+def _sample_input(cfg: Config, batch: int) -> torch.Tensor:
+    data = cfg.data
+    if data.name in LM_DATASETS:
+        return torch.zeros(batch, data.seq_len, dtype=torch.long, device="meta")
+    return torch.zeros(batch, 3, data.image_size, data.image_size, device="meta")
+
+
+def _activation_estimate(
+    cfg: Config, trainer: Trainer, dims: ParallelDims, stage_numel: int, stage: int
+) -> int:
+    """Bytes saved for backward (see the module docstring): an estimate, not a measurement."""
+    with torch.device("meta"):
+        model = trainer.build_model()
+    if cfg.model.activation_checkpointing:
+        for block in parallel_blocks(model):
+            checkpoint_activations(block)
+    saved = 0
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        nonlocal saved
+        saved += t.numel() * t.element_size()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        model(_sample_input(cfg, _micro_batch(cfg, dims)))
+    in_flight = min(cfg.parallel.pipeline.microbatches, dims.pp - stage) if dims.pp > 1 else 1
+    # A stage's share of the activations taken as its share of the parameters.
+    stage_fraction = stage_numel / max(1, sum(p.numel() for p in model.parameters()))
+    return int(saved * stage_fraction / dims.tp * in_flight)
+
+
+def _model_parallel_collectives(
+    cfg: Config, dims: ParallelDims, trainer: Trainer, stage: int
+) -> list[Collective]:
+    """Tensor parallel (GPT): per block two all-reduces of the (micro-batch, seq, dim) stream in
+    forward and two in backward (with sequence parallel: a reduce-scatter and an all-gather in
+    their place). Pipeline: per micro-batch one send forward and one backward at each stage
+    boundary this rank has."""
+    out: list[Collective] = []
+    gpt = cfg.model.gpt
+    if cfg.model.name != "gpt" or (dims.tp == 1 and dims.pp == 1):
+        return out
+    micro = batch_layout(cfg, dims.pp * dims.dp * dims.tp).grad_accum_steps
+    if dims.pp > 1:
+        micro = cfg.parallel.pipeline.microbatches
+    dtype = _gpu_dtype(cfg)
+    stream = _micro_batch(cfg, dims) * cfg.data.seq_len * gpt.dim * _dtype_bytes(dtype)
+    layers = math.ceil(gpt.n_layers / dims.pp)
+    if dims.tp > 1:
+        if cfg.parallel.tensor_parallel.sequence_parallel:
+            for kind in ("reduce_scatter", "all_gather"):
+                out.append(Collective(f"{kind} (TP stream)", "tp", 4 * layers * micro, stream))
+        else:
+            out.append(Collective("all_reduce (TP stream)", "tp", 4 * layers * micro, stream))
+    if dims.pp > 1:
+        boundaries = (stage > 0) + (stage < dims.pp - 1)
+        out.append(
+            Collective("send/recv (pipeline activations)", "pp", 2 * boundaries * micro, stream)
+        )
+    return out
+
+
+def parse_args(argv: list[str]) -> tuple[int, str | None, Path | None, list[str]]:
+    """``world_size=N``, ``ranks=...`` and ``json=PATH`` are the dry run's; the rest is config."""
+    world_size, ranks, out, overrides = None, None, None, []
+    for arg in argv:
+        key, _, value = arg.partition("=")
+        if key == "world_size":
+            world_size = int(value)
+        elif key == "ranks":
+            ranks = value
+        elif key == "json":
+            out = Path(value)
+        else:
+            overrides.append(arg)
+    if world_size is None or world_size < 1:
+        raise ConfigError("--dry-run needs world_size=N (N >= 1): the launch's number of ranks")
+    return world_size, ranks, out, overrides
+
+
+def chosen_ranks(spec: str | None, dims: ParallelDims, world_size: int) -> list[int]:
+    if spec == "all":
+        return list(range(world_size))
+    if spec:
+        ranks = [int(r) for r in spec.split(",")]
+        bad = [r for r in ranks if not 0 <= r < world_size]
+        if bad:
+            raise ConfigError(f"ranks={spec}: {bad} not in 0..{world_size - 1}")
+        return ranks
+    # Row-major over (pp, dp_replicate, dp_shard, tp): the first rank of each stage.
+    return [s * (world_size // dims.pp) for s in range(dims.pp)]
+
+
+def merged(collectives: list[Collective]) -> list[Collective]:
+    """Identical collectives (one per block) counted together, in order of first appearance."""
+    out: dict[tuple[str, str, int], Collective] = {}
+    for c in collectives:
+        key = (c.kind, c.over, c.bytes_each)
+        if key in out:
+            out[key].count += c.count
+        else:
+            out[key] = Collective(c.kind, c.over, c.count, c.bytes_each)
+    return list(out.values())
+
+
+def _mb(n: int) -> str:
+    return f"{n / 2**20:,.1f} MiB"
+
+
+def report(plan: RankPlan) -> str:
+    lines = [
+        f"rank {plan.rank} {plan.coordinates}",
+        f"  parameters {_mb(plan.params)}  gradients {_mb(plan.grads)}  "
+        f"optimizer {_mb(plan.optim)}  activations ~{_mb(plan.activations)}",
+    ]
+    for c in merged(plan.collectives):
+        lines.append(f"  {c.kind:<40} over {c.over:<22} x{c.count:<5} {_mb(c.bytes_each)} each")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    try:
+        world_size, spec, out, overrides = parse_args(sys.argv[1:] if argv is None else argv)
+        cfg = compose(overrides)
+        validate(cfg, world_size=world_size)
+        dims = parallel_dims(cfg.parallel, world_size)
+        # The data decides the class count the model is built with, as in Trainer.setup (and a
+        # missing data folder is an error a launch would hit).
+        probe = resolve_trainer_class(cfg.trainer._target_)(cfg, env=DistEnv())
+        resolve_num_classes(cfg, probe.build_datasets()[0])
+        print(f"world size {world_size}: {dims.describe()} ({cfg.parallel.strategy})")
+        plans = [plan_rank(cfg, r, world_size) for r in chosen_ranks(spec, dims, world_size)]
+    except ConfigError as err:
+        print(f"config error: {err}", file=sys.stderr)
+        return EXIT_CONFIG_ERROR
+    for p in plans:
+        print(report(p))
+    if out is not None:
+        out.write_text(json.dumps([asdict(p) for p in plans], indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

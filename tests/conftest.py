@@ -1,0 +1,53 @@
+"""The two lanes of the suite: CPU tests, and CUDA tests (``@pytest.mark.cuda``, in tests/cuda/).
+
+- A ``cuda`` test is skipped, with the reason ``no CUDA device`` (shown by ``-rs``), where
+  ``torch.cuda.is_available()`` is False. ``pytest -m cuda`` selects only them
+  (scripts/gpu_check.sh); a plain run collects both lanes.
+- Every other test runs as on a machine without GPUs, also on one that has them: the CPU tests
+  were written for gloo and the CPU (``dist.device=auto`` would pick CUDA and NCCL there, and two
+  ranks would ask for GPU 1 of a one-GPU machine). For the whole of such a test, its fixtures
+  included, the processes it starts see no GPU (``CUDA_VISIBLE_DEVICES=""``) and this process
+  reports none (``torch.cuda.is_available()`` is False).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Generator
+
+import pytest
+import torch
+
+CUDA_MARK = "cuda"
+NO_CUDA_REASON = "no CUDA device"
+
+# Asked once, at import, before any CPU test hides the GPUs: the CUDA runtime reads
+# CUDA_VISIBLE_DEVICES when it first counts devices, so this process keeps seeing the real ones
+# for the CUDA tests whatever the environment says later.
+CUDA_AVAILABLE = torch.cuda.is_available()
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    if CUDA_AVAILABLE:
+        return
+    skip = pytest.mark.skip(reason=NO_CUDA_REASON)
+    for item in items:
+        if item.get_closest_marker(CUDA_MARK) is not None:
+            item.add_marker(skip)
+
+
+def _no_cuda() -> bool:
+    return False
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_protocol(
+    item: pytest.Item, nextitem: pytest.Item | None
+) -> Generator[None, object, object]:
+    """Hide the GPUs around the whole protocol of a CPU test (setup, call and teardown), so that
+    module-scoped fixtures, which start training runs too, are covered as well."""
+    if item.get_closest_marker(CUDA_MARK) is not None:
+        return (yield)
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("CUDA_VISIBLE_DEVICES", "")
+        patch.setattr(torch.cuda, "is_available", _no_cuda)
+        return (yield)

@@ -1,0 +1,109 @@
+"""Worker for tests/cuda/test_gpu_correctness_cuda.py: one rank under torchrun on one GPU (NCCL).
+
+    python -m torch.distributed.run --standalone --nproc_per_node=1 _gpu_correctness_worker.py OUT
+
+Saves what the test checks to OUT/results.pt:
+
+1. ``cpu_offload``: the group started with ``cpu_collectives`` (NCCL + gloo); FSDP2 with
+   CPUOffloadPolicy leaves CPU DTensor gradients, whose global norm (an all-reduce of CPU
+   tensors) matches a plain model's.
+2. ``flight_recorder``: the NCCL variables the session set, pointing into OUT.
+3. ``shorten_timeout``: the NCCL default group and the mesh's groups take the step timeout and
+   still run collectives.
+4. ``release``: ``GradientComm.release`` lets a CUDA DDP model go.
+"""
+
+from __future__ import annotations
+
+import copy
+import gc
+import os
+import sys
+import weakref
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import CPUOffloadPolicy, fully_shard
+from torch.nn.parallel import DistributedDataParallel
+
+from sdnet_trainer.config.schema import CommConfig, DistConfig
+from sdnet_trainer.distributed import distributed_session
+from sdnet_trainer.distributed.comm import GradientComm
+from sdnet_trainer.distributed.env import shorten_timeout
+from sdnet_trainer.distributed.grad_norm import global_grad_norm
+
+FLIGHT_RECORDER_KEYS = (
+    "TORCH_NCCL_TRACE_BUFFER_SIZE",
+    "TORCH_NCCL_DUMP_ON_TIMEOUT",
+    "TORCH_FR_DUMP_TEMP_FILE",
+)
+
+
+def _model() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(8, 32), nn.ReLU(), nn.Linear(32, 4))
+
+
+def _cpu_offload(device: torch.device) -> dict[str, Any]:
+    reference = _model().to(device)
+    model = copy.deepcopy(reference)
+    mesh = init_device_mesh("cuda", (1,))
+    for layer in model:
+        if isinstance(layer, nn.Linear):
+            fully_shard(layer, mesh=mesh, offload_policy=CPUOffloadPolicy())
+    fully_shard(model, mesh=mesh, offload_policy=CPUOffloadPolicy())
+    x, y = torch.randn(16, 8, device=device), torch.randint(0, 4, (16,), device=device)
+    F.cross_entropy(model(x), y).backward()
+    F.cross_entropy(reference(x), y).backward()
+    grads = [p.grad for p in model.parameters() if p.grad is not None]
+    norm = global_grad_norm(grads, device=device)
+    want = torch.nn.utils.get_total_norm([p.grad for p in reference.parameters()])
+    return {
+        "grad_devices": sorted({g.device.type for g in grads}),
+        "norm": float(norm),
+        "reference": float(want),
+        "backend": str(dist.get_backend()),
+    }
+
+
+def _shorten(device: torch.device) -> dict[str, Any]:
+    mesh = init_device_mesh("cuda", (1, 1), mesh_dim_names=("a", "b"))
+    shorten_timeout(30.0, mesh=mesh)
+    value = torch.ones(1, device=device)
+    dist.all_reduce(value)
+    dist.all_reduce(value, group=mesh.get_group("b"))
+    torch.cuda.synchronize()
+    return {"value": float(value)}
+
+
+def _release(device: torch.device) -> dict[str, Any]:
+    ddp = DistributedDataParallel(_model().to(device))
+    comm = GradientComm(ddp, CommConfig(hook="fp16"))
+    alive = weakref.ref(ddp)
+    del ddp
+    gc.collect()
+    before = alive() is not None
+    comm.release()
+    gc.collect()
+    return {"kept_before_release": before, "kept_after_release": alive() is not None}
+
+
+def main(out_dir: Path) -> None:
+    cfg = DistConfig(device="cuda", timeout_s=300)
+    with distributed_session(cfg, output_dir=out_dir, cpu_collectives=True) as env:
+        results = {
+            "flight_recorder": {k: os.environ.get(k) for k in FLIGHT_RECORDER_KEYS},
+            "cpu_offload": _cpu_offload(env.device),
+            "shorten_timeout": _shorten(env.device),
+            "release": _release(env.device),
+        }
+        torch.save(results, out_dir / "results.pt")
+
+
+if __name__ == "__main__":
+    main(Path(sys.argv[1]))

@@ -1,0 +1,208 @@
+"""One GPU, end to end: the paths the CPU suite cannot reach.
+
+- resnet18 and gpt_tiny through the real CLI in bf16, channels_last (ResNet), torch.compile per
+  block and the profiler with a CUDA memory snapshot;
+- fp16: a step whose gradients overflow is skipped by the GradScaler and counted;
+- DDP, FSDP2 and ZeRO-1 under torchrun on a one-rank NCCL process group.
+
+Each run records what it was built as (``tests.support.ProbeTrainer``), so a run that silently
+fell back to the CPU, to gloo or to eager mode fails here instead of passing.
+"""
+
+from __future__ import annotations
+
+import math
+import pickle
+
+import pytest
+import torch
+
+from sdnet_trainer import Trainer, compose
+from sdnet_trainer.distributed import distributed_session
+from tests.support import CUDA, TINY_RUN, read_jsonl, read_probe, run_cli
+
+pytestmark = pytest.mark.cuda
+
+PROBE = "trainer._target_=tests.support.ProbeTrainer"
+# Keys every log point of metrics.jsonl carries (hooks.MetricsHook).
+LOG_KEYS = {
+    "train/loss",
+    "train/lr",
+    "train/grad_norm",
+    "perf/samples_per_s",
+    "perf/step_s",
+    "perf/data_wait_s",
+    "perf/peak_memory_mb",
+    "perf/tflops_per_s",
+}
+# ResNet-18 (ImageNet stem) on 64x64 synthetic images; gpt_tiny on the synthetic token language.
+# 30 steps: the first compile of each block takes most of the minute.
+MODELS = {
+    "resnet18": [
+        "model=resnet18",
+        "model.channels_last=true",
+        "data.image_size=64",
+        "data.train_size=1024",
+        "data.val_size=128",
+        "optim.lr=0.05",
+    ],
+    "gpt_tiny": ["model=gpt_tiny", "data=tokens", "optim=adamw", "optim.lr=3e-3"],
+}
+
+
+def _losses(rows: list[dict]) -> list[float]:
+    return [row["train/loss"] for row in rows if "train/loss" in row]
+
+
+@pytest.mark.timeout(900)
+@pytest.mark.parametrize("model", sorted(MODELS))
+def test_one_gpu_fit_bf16_compiled_and_profiled(tmp_path, model):
+    run_dir = tmp_path / "run"
+    launch = run_cli(
+        [
+            *CUDA,
+            *MODELS[model],
+            PROBE,
+            "precision=bf16",
+            "compile=on",
+            "profile=on",
+            "profile.memory_snapshot=true",
+            "sched=constant",
+            "loop.max_steps=30",
+            "loop.global_batch_size=64",
+            "loop.eval_at_epoch_end=false",
+            "logging.log_every_n_steps=5",
+            f"hydra.run.dir={run_dir}",
+        ],
+        cwd=tmp_path,
+        timeout=800,
+    )
+    assert launch.returncode == 0, launch.output
+
+    probe = read_probe(run_dir)
+    assert probe["device"] == "cuda:0" and probe["steps"] == 30, probe
+    assert probe["param_dtypes"] == ["torch.float32"], probe  # autocast: fp32 master weights
+    assert probe["compiled_modules"] > 0 and probe["dynamo_graphs"] > 0, probe
+    if model == "resnet18":
+        # The bare model (one process) is converted to NHWC as a whole.
+        assert probe["conv_weight_channels_last"] is True, probe
+
+    rows = read_jsonl(run_dir / "metrics.jsonl")
+    logged = [row for row in rows if "train/loss" in row]
+    assert [row["step"] for row in logged] == [5, 10, 15, 20, 25, 30], rows
+    for row in logged:
+        assert row.keys() >= LOG_KEYS, LOG_KEYS - row.keys()
+        assert row["perf/peak_memory_mb"] > 0  # the CUDA allocator's figure, not the CPU's 0
+    losses = _losses(rows)
+    assert all(math.isfinite(v) for v in losses), losses
+    assert losses[-1] < losses[0], losses
+    if model == "gpt_tiny":
+        assert all(row["perf/tokens_per_s"] > 0 for row in logged)
+    assert any("val/loss" in row for row in rows)  # the final evaluation ran on the GPU too
+
+    profile = run_dir / "profile"
+    assert list(profile.glob("rank0.*.pt.trace.json*")), sorted(profile.iterdir())
+    snapshot = profile / "memory_rank0.pickle"
+    assert snapshot.stat().st_size > 0
+    with open(snapshot, "rb") as f:
+        recorded = pickle.load(f)  # our own file, just written: torch's snapshot dict
+    assert recorded["segments"] and any(recorded["device_traces"]), list(recorded)
+    log = (run_dir / "train.log").read_text()
+    assert "by self CUDA time" in log and "world size 1 on cuda:0" in log
+
+
+class OverflowTrainer(Trainer):
+    """Sets every gradient of one parameter to inf in step ``OVERFLOW_STEP`` (a finite loss, as
+    an fp16 overflow in backward gives) and keeps a copy of the parameters after every step."""
+
+    OVERFLOW_STEP = 3
+
+    def setup(self) -> None:
+        super().setup()
+        self.after_steps: list[list[torch.Tensor]] = []
+        self.losses: list[float] = []
+        next(iter(self.model.parameters())).register_hook(self._overflow)
+
+    def _overflow(self, grad: torch.Tensor) -> torch.Tensor:
+        if self.state.step + 1 == self.OVERFLOW_STEP:
+            return torch.full_like(grad, math.inf)
+        return grad
+
+    def train_step(self):
+        result = super().train_step()
+        self.losses.append(result.loss.item())
+        self.after_steps.append([p.detach().clone() for p in self.model.parameters()])
+        return result
+
+
+def test_fp16_overflow_step_is_skipped_by_the_grad_scaler_and_counted(tmp_path):
+    init_scale = 1024.0
+    cfg = compose(
+        [
+            *CUDA,
+            *TINY_RUN,
+            "precision=fp16",
+            f"precision.init_scale={init_scale}",
+            "precision.growth_interval=1000",  # no growth within the run: the scale only halves
+            "loop.max_steps=6",
+            "logging.log_every_n_steps=1",
+            "loop.eval_at_end=false",
+            "checkpoint.save_on_exit=false",
+        ]
+    )
+    with distributed_session(cfg.dist) as env:
+        assert env.device.type == "cuda"
+        trainer = OverflowTrainer(cfg, output_dir=tmp_path, env=env)
+        trainer.fit()
+
+    state, k = trainer.state, OverflowTrainer.OVERFLOW_STEP
+    assert state.step == 6
+    assert state.skipped_steps == 1, "the GradScaler's skip was not counted"
+    assert state.nonfinite_steps == 0, "an fp16 overflow is routine, not a health event"
+    assert all(math.isfinite(v) for v in trainer.losses), trainer.losses
+    # The overflowing step left every parameter as it was; the steps around it moved them.
+    before, during, after = (trainer.after_steps[i] for i in (k - 2, k - 1, k))
+    assert all(torch.equal(a, b) for a, b in zip(before, during))
+    assert not all(torch.equal(a, b) for a, b in zip(during, after))
+    assert all(torch.isfinite(p).all() for p in trainer.after_steps[-1])
+    assert trainer.precision.scaler.get_scale() == init_scale / 2
+
+    rows = [row for row in read_jsonl(tmp_path / "metrics.jsonl") if "train/loss" in row]
+    assert rows[-1]["train/skipped_steps"] == 1.0
+    assert rows[-1]["train/loss_scale"] == init_scale / 2
+    assert rows[0]["train/loss_scale"] == init_scale  # step 1, before the overflow
+
+
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize("strategy", ["ddp", "fsdp", "zero1"])
+def test_one_rank_nccl_process_group(tmp_path, strategy):
+    """torchrun with one process: the NCCL group carries the step's agreement, the metrics'
+    gathers and the checkpoint's collectives; ZeRO-1 shards its optimizer over the group."""
+    run_dir = tmp_path / "run"
+    launch = run_cli(
+        [
+            *CUDA,
+            *TINY_RUN,
+            PROBE,
+            "dist.backend=nccl",
+            f"parallel={strategy}",
+            "loop.max_steps=20",
+            "checkpoint.every_n_steps=10",
+            "checkpoint.async_save=true",
+            f"hydra.run.dir={run_dir}",
+        ],
+        cwd=tmp_path,
+        nproc=1,
+        timeout=500,
+    )
+    assert launch.returncode == 0, launch.output
+    probe = read_probe(run_dir)
+    assert probe["backend"] == "nccl" and probe["world_size"] == 1, probe
+    assert probe["device"] == "cuda:0" and probe["steps"] == 20, probe
+    if strategy == "zero1":
+        assert probe["optimizer_class"] == "ZeroRedundancyOptimizer", probe
+    losses = _losses(read_jsonl(run_dir / "metrics.jsonl"))
+    assert len(losses) == 10 and all(math.isfinite(v) for v in losses), losses
+    assert min(losses[-3:]) < losses[0], losses  # lr 0.05 with momentum: a noisy descent
+    checkpoints = sorted(p.name for p in (run_dir / "checkpoints").iterdir())
+    assert "step_00000010" in checkpoints and "step_00000020" in checkpoints, checkpoints

@@ -1,0 +1,64 @@
+"""On a GPU the stock models are built on the meta device and initialised straight into GPU memory,
+with the weights a CPU build with the same seed gives (models/init.py): no whole CPU copy first."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+from sdnet_trainer import Trainer, compose
+from sdnet_trainer.distributed import distributed_session
+from sdnet_trainer.models import build_model
+from tests.support import CUDA
+
+pytestmark = pytest.mark.cuda
+
+RUNS = {
+    "gpt_tiny": [
+        "model=gpt_tiny",
+        "data=tokens",
+        "data.train_size=32",
+        "data.val_size=8",
+        "loop.global_batch_size=8",
+    ],
+    # BatchNorm buffers, a replaced stem, channels_last parameters.
+    "resnet18": [
+        "model=resnet18",
+        "model.cifar_stem=true",
+        "model.channels_last=true",
+        "data.image_size=16",
+        "data.train_size=32",
+        "data.val_size=8",
+        "loop.global_batch_size=8",
+    ],
+}
+
+
+@pytest.mark.parametrize("name", sorted(RUNS))
+def test_stock_model_initialised_on_the_gpu_equals_the_cpu_build(tmp_path, monkeypatch, name):
+    cfg = compose([*CUDA, *RUNS[name], "loop.seed=13"])
+    allocated: list[torch.device] = []
+    to_empty = nn.Module.to_empty
+
+    def record(self, *, device, recurse=True):
+        allocated.append(torch.device(device))
+        return to_empty(self, device=device, recurse=recurse)
+
+    monkeypatch.setattr(nn.Module, "to_empty", record)
+    with distributed_session(cfg.dist) as env:
+        assert env.device.type == "cuda"
+        trainer = Trainer(cfg, output_dir=tmp_path, env=env)
+        trainer.setup()
+        try:
+            state = {k: v.detach().cpu() for k, v in trainer.model.state_dict().items()}
+            devices = {p.device.type for p in trainer.model.parameters()}
+        finally:
+            trainer.close()
+    assert [d.type for d in allocated] == ["cuda"]  # built on meta, allocated on the GPU once
+    assert devices == {"cuda"}
+    torch.manual_seed(13)
+    expected = build_model(cfg.model).state_dict()
+    assert state.keys() == expected.keys()
+    for key, value in expected.items():
+        assert torch.equal(state[key], value), key

@@ -1,0 +1,90 @@
+"""Shards from the command line: the converter, then training with data.name=shards under
+torchrun, locally and from http:// URLs, step for step like the ImageFolder it came from."""
+
+from __future__ import annotations
+
+import functools
+import json
+import sys
+import threading
+from http.server import ThreadingHTTPServer
+
+import pytest
+
+from tests.support import TINY, read_jsonl, run_cli, run_command
+from tests.unit.test_shards import _folder, _RangeHandler
+
+
+@pytest.fixture(scope="module")
+def converted(tmp_path_factory):
+    base = tmp_path_factory.mktemp("shards_cli")
+    src = _folder(base / "folder")
+    out = base / "shards"
+    command = [
+        sys.executable,
+        "-m",
+        "sdnet_trainer.data.shards",
+        str(src),
+        str(out),
+        "shard_size=4",
+    ]
+    first = run_command(command, cwd=base, timeout=120)
+    assert first.returncode == 0, first.output
+    assert json.loads(first.output.strip().splitlines()[-1])["train"]["written"] == 6
+    return base, src, out, command
+
+
+def test_converter_command_skips_what_is_done(converted):
+    base, _, out, command = converted
+    before = {p: p.read_bytes() for p in out.rglob("*") if p.is_file()}
+    again = run_command(command, cwd=base, timeout=120)
+    assert again.returncode == 0, again.output
+    report = json.loads(again.output.strip().splitlines()[-1])
+    assert report["train"] == {"samples": 21, "shards": 6, "written": 0, "skipped": 6}
+    assert report["val"]["written"] == 0 and report["classes"] == 3
+    assert {p: p.read_bytes() for p in out.rglob("*") if p.is_file()} == before
+    bad = run_command(command[:-1], cwd=base, timeout=120)
+    assert bad.returncode == 2 and "usage:" in bad.output and "Traceback" not in bad.output
+
+
+def _losses(root, run_dir, *, data_name: str) -> list[float]:
+    launch = run_cli(
+        TINY
+        + [
+            "data=imagefolder",
+            f"data.name={data_name}",
+            f"data.root={root}",
+            "data.image_size=16",
+            "data.num_classes=3",
+            "model.num_classes=3",
+            "data.num_workers=1",
+            "loop.global_batch_size=6",
+            "loop.max_steps=6",
+            "logging.log_every_n_steps=1",
+            f"hydra.run.dir={run_dir}",
+        ],
+        cwd=run_dir.parent,
+        nproc=2,
+    )
+    assert launch.returncode == 0, launch.output
+    rows = read_jsonl(run_dir / "metrics.jsonl")
+    return [row["train/loss"] for row in rows if "train/loss" in row]
+
+
+def test_two_processes_train_on_shards_like_on_the_folder(converted):
+    base, src, out, _ = converted
+    folder = _losses(src, base / "folder_run", data_name="imagefolder")
+    assert len(folder) == 6
+    assert _losses(out, base / "shards_run", data_name="shards") == pytest.approx(folder, rel=1e-6)
+    handler = functools.partial(_RangeHandler, directory=str(out))
+    server = ThreadingHTTPServer(("127.0.0.1", 0), handler)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    try:
+        url = f"http://127.0.0.1:{server.server_address[1]}"
+        remote = _losses(url, base / "http_run", data_name="shards")
+    finally:
+        server.shutdown()
+        server.server_close()
+        thread.join(timeout=10)
+    assert remote == pytest.approx(folder, rel=1e-6)

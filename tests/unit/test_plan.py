@@ -1,0 +1,47 @@
+"""``python -m sdnet_trainer --dry-run``: a 1,024-rank layout planned on this machine (its per-rank
+bytes are checked against real runs in tests/distributed/test_layouts.py)."""
+
+from __future__ import annotations
+
+import json
+
+from tests.support import run_cli
+
+LAYOUT = ["+recipe=gpt_tp_fsdp", "model=gpt_1b", "parallel.tp=8", "parallel.pp=4"]
+
+
+def test_a_config_error_of_the_launch_is_reported_without_it(tmp_path):
+    # The recipe's 32 sequences over 32 data-parallel ranks leave 1 per rank: not 4 micro-batches.
+    launch = run_cli(["--dry-run", "world_size=1024", *LAYOUT], cwd=tmp_path, timeout=300)
+    assert launch.returncode == 2, launch.output[-3000:]
+    assert "config error:" in launch.output and "parallel.pipeline.microbatches=4" in launch.output
+
+
+def test_world_size_is_required(tmp_path):
+    launch = run_cli(["--dry-run", *LAYOUT], cwd=tmp_path, timeout=300)
+    assert launch.returncode == 2 and "world_size=N" in launch.output
+
+
+def test_1024_ranks_of_gpt_1b_plan_in_one_process(tmp_path):
+    plan = tmp_path / "plan.json"
+    args = ["--dry-run", "world_size=1024", *LAYOUT, "loop.global_batch_size=128", f"json={plan}"]
+    launch = run_cli(args, cwd=tmp_path, timeout=300)
+    assert launch.returncode == 0, launch.output[-3000:]
+    assert "pp 4 x dp_replicate 1 x dp_shard 32 x tp 8 (fsdp)" in launch.output
+    ranks = json.loads(plan.read_text())
+    # By default the first rank of each pipeline stage: the ranks whose roles differ.
+    assert [r["rank"] for r in ranks] == [0, 256, 512, 768]
+    assert [r["coordinates"]["pp"] for r in ranks] == [0, 1, 2, 3]
+    total = 1_041_387_520 * 4  # configs/model/gpt_1b.yaml, fp32
+    for r in ranks:
+        # A stage holds about a quarter of the model, split 8 x 32 ways: ~1/1024 of it, far from
+        # the whole model (a layout that forgot to shard would hold 4+ GB here).
+        assert 0.5 * total / 1024 < r["params"] < 2 * total / 1024
+        assert r["grads"] == r["params"] and r["optim"] == 2 * r["params"]  # AdamW: 2 moments
+        kinds = {c["kind"].split(" ")[0] for c in r["collectives"]}
+        assert {"all_gather", "reduce_scatter", "send/recv"} <= kinds
+    # The stages' parameters add up to the whole model over their 256 ranks each, plus the ones
+    # tensor parallelism replicates on its 8 ranks: the position embedding and the LayerNorms
+    # (18 blocks x 2 + the final one, weight and bias each).
+    replicated = (2048 * 2048 + 37 * 2 * 2048) * 4
+    assert sum(r["params"] for r in ranks) * 256 == total + 7 * replicated
