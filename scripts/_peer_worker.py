@@ -132,6 +132,8 @@ def model_config(workload: Workload) -> ModelConfig:
     )
     config = OmegaConf.to_object(merged)
     assert isinstance(config, ModelConfig)
+    if workload.kind == "images":
+        config.num_classes = NUM_CLASSES  # what the Trainer takes from the data it is given
     return config
 
 
