@@ -45,7 +45,7 @@ from torch.distributed.tensor import DTensor
 
 from sdnet_trainer.batching import batch_layout
 from sdnet_trainer.config import Config, compose
-from sdnet_trainer.data import LM_DATASETS, resolve_num_classes
+from sdnet_trainer.data import is_language_model_data, resolve_num_classes
 from sdnet_trainer.distributed.env import DistEnv
 from sdnet_trainer.distributed.mesh import ParallelDims, build_mesh, parallel_dims
 from sdnet_trainer.distributed.parallelize import _uses_fsdp, parallelize
@@ -253,7 +253,7 @@ def _micro_batch(cfg: Config, dims: ParallelDims) -> int:
 
 def _sample_input(cfg: Config, batch: int) -> torch.Tensor:
     data = cfg.data
-    if data.name in LM_DATASETS:
+    if is_language_model_data(data):
         return torch.zeros(batch, data.seq_len, dtype=torch.long, device="meta")
     return torch.zeros(batch, 3, data.image_size, data.image_size, device="meta")
 

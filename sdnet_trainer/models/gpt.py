@@ -34,7 +34,7 @@ from torch.distributed.tensor.parallel import (
 )
 
 from sdnet_trainer.config.schema import Config
-from sdnet_trainer.data import LM_DATASETS
+from sdnet_trainer.data import is_language_model_data
 from sdnet_trainer.errors import ConfigError
 from sdnet_trainer.models.init import InitStep, construction_resets, materialize
 
@@ -258,7 +258,7 @@ def validate_gpt(cfg: Config, *, tp: int) -> None:
     """``model.gpt.*`` (for ``model.name=gpt``) against the data and ``parallel.tp``, before
     launch."""
     data, gpt = cfg.data, cfg.model.gpt
-    if data.name in LM_DATASETS:
+    if is_language_model_data(data):
         if data.vocab_size != gpt.vocab_size:
             raise ConfigError(
                 f"data.vocab_size={data.vocab_size} differs from "
