@@ -171,7 +171,7 @@ def workload(args: argparse.Namespace) -> list[str]:
         "loop.eval_at_epoch_end=false",
         "loop.eval_every_n_steps=null",
         "logging.log_every_n_steps=1",
-        "logging.tensorboard=false",
+        "logging.trackers=[jsonl]",
         "logging.progress_bar=off",
         "checkpoint.every_n_steps=null",
         "checkpoint.every_n_minutes=null",

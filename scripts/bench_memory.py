@@ -120,7 +120,7 @@ def overrides(args: argparse.Namespace, layout: list[str]) -> list[str]:
         "loop.eval_at_end=false",
         "loop.eval_at_epoch_end=false",
         "loop.eval_every_n_steps=null",
-        "logging.tensorboard=false",
+        "logging.trackers=[jsonl]",
         "checkpoint.every_n_steps=null",
         "checkpoint.every_n_minutes=null",
         "checkpoint.resume=none",

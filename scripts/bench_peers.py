@@ -332,8 +332,7 @@ def trainer_keys(plan: Plan) -> dict[str, object]:
         # Logging as by default (pinned so that a changed default shows up here): a log point
         # every 10 steps, metrics.jsonl and TensorBoard on.
         "logging.log_every_n_steps": LOG_EVERY,
-        "logging.jsonl": True,
-        "logging.tensorboard": True,
+        "logging.trackers": ["tensorboard", "jsonl"],
         # No checkpoint: none during the steps, none resumed from an earlier run in the same
         # --out, none at exit (disk and minutes after the last step, no step time).
         "checkpoint.every_n_steps": None,

@@ -218,8 +218,9 @@ class CheckpointManager:
 
     def save(
         self, step: int, state_dict: dict[str, Any], *, meta: dict[str, Any] | None = None
-    ) -> None:
-        """Save ``state_dict`` (collective) as the checkpoint of ``step``.
+    ) -> int:
+        """Save ``state_dict`` (collective) as the checkpoint of ``step``; returns the bytes of
+        this rank's tensors in it (what this rank writes, headers aside).
 
         Sync: returns once written and, on rank 0, committed. Async: returns once the state is
         copied to CPU memory, so the caller may keep mutating its tensors; the write and the commit
@@ -264,7 +265,7 @@ class CheckpointManager:
                 if self.rank == 0:
                     assert isinstance(response, Metadata)  # what dcp.save returns
                     self._commit(step, staging, response, meta=meta, started=started)
-                return
+                return needed
         except (Exception, CheckpointException) as exc:
             failure = self._save_failed(exc, step, staging, needed, staging_only=self.async_save)
             if failure is exc:
@@ -275,6 +276,7 @@ class CheckpointManager:
         self._pending = self._after_upload(
             upload, step, staging, meta=meta, started=started, needed=needed
         )
+        return needed
 
     def _stager_for(self, state_dict: dict[str, Any]) -> DefaultStager:
         """The run's stager, made at the first async save. Its host buffers are cached per source

@@ -21,7 +21,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any, Protocol, cast
 
 from omegaconf import OmegaConf
 from torch import nn
@@ -43,6 +43,7 @@ from sdnet_trainer.distributed.zero import (
     materialize_zero_state,
     zero_state_dict,
 )
+from sdnet_trainer.ema import WeightAverage
 from sdnet_trainer.health import PhaseTracker
 from sdnet_trainer.hooks import HookBase
 from sdnet_trainer.state import RunState, StepResult
@@ -128,7 +129,10 @@ class Checkpointer(HookBase):
 
     Every rank constructs one at the same point (the manager creates a process group) and calls
     it collectively. ``meta`` travels in the manifest (the config and Trainer class: export
-    rebuilds the model from them without the run directory). ``run_id`` (``run.id``, the same on
+    rebuilds the model from them without the run directory). ``report(step, metrics)`` receives
+    each save's ``checkpoint/save_seconds`` (the time the loop was held: the copy to host memory
+    under ``async_save``), ``checkpoint/bytes`` (this rank's) and ``checkpoint/step``.
+    ``run_id`` (``run.id``, the same on
     every rank and across torchrun's restarts) makes ``directory`` this run's until ``close``:
     another run saving there is refused with a ConfigError on every rank (see CheckpointManager).
     ``before_save`` runs at the start of every save, before any state is read: the Trainer settles
@@ -148,9 +152,11 @@ class Checkpointer(HookBase):
         run_id: str,
         phase: PhaseTracker | None = None,
         before_save: Callable[[], None] | None = None,
+        report: Callable[[int, dict[str, float]], None] | None = None,
     ) -> None:
         self.cfg = cfg
         self.before_save = before_save
+        self.report = report
         self.parts = parts
         self.rank = rank
         self.world_size = world_size
@@ -204,14 +210,25 @@ class Checkpointer(HookBase):
             self.before_save()  # may raise: then nothing of this step is saved
         if self.phase is not None:
             self.phase.enter("checkpoint save", step=state.step)
+        started = time.perf_counter()
         entries = {}
         for name, part in self.parts.items():
             value = part.state.state_dict()
             if not (part.per_rank and value == {}):  # a comm hook without memory: nothing to keep
                 entries[self._key(name)] = value
-        self.manager.save(state.step, entries, meta=self.meta)
+        nbytes = self.manager.save(state.step, entries, meta=self.meta)
         state.last_checkpoint_step = state.step
         self._last_save_time = time.monotonic()
+        if self.report is not None:
+            seconds = time.perf_counter() - started
+            self.report(
+                state.step,
+                {
+                    "checkpoint/save_seconds": seconds,
+                    "checkpoint/bytes": float(nbytes),
+                    "checkpoint/step": float(state.step),
+                },
+            )
 
     def resume(self, state: RunState) -> Checkpoint | None:
         """Load ``checkpoint.resume`` (none, auto or a path) into the parts; None if nothing was
@@ -264,15 +281,24 @@ def run_parts(
     comm: Stateful | None,
     rng_state: Stateful,
     rederive_rng: Callable[[], None],
+    ema: WeightAverage | None = None,
+    trackers: Stateful | None = None,
 ) -> dict[str, Part]:
     """A training run's parts, in load order (the random streams last: nothing loaded after them
-    may draw from them). ``scaler`` is None without fp16 loss scaling, ``comm`` without DDP."""
+    may draw from them). ``scaler`` is None without fp16 loss scaling, ``comm`` without DDP,
+    ``ema`` without ``model.ema``; ``trackers`` holds the MLflow / W&B run ids that a resumed
+    run continues."""
     parts = {
         "model": Part(ModelState(model)),
         "optim": Part(OptimizerState(model, optimizer)),
         "scheduler": Part(scheduler),
         "trainer": Part(state),  # the counters, under the entry name checkpoints have always used
     }
+    if ema is not None:
+        # Absent when the checkpoint was written without model.ema: start it from the weights.
+        parts["ema"] = Part(ema, optional=True, reset=ema.restart)
+    if trackers is not None:
+        parts["trackers"] = Part(trackers, optional=True)  # absent from older checkpoints
     if scaler is not None:
         parts["scaler"] = Part(scaler, optional=True)  # absent when written without fp16
     # Per rank: PowerSGD's error feedback and the random streams differ between ranks.
@@ -291,5 +317,10 @@ def run_meta(
         "global_batch_size": global_batch_size,
         "world_size": world_size,
         "trainer": f"{trainer_class.__module__}.{trainer_class.__qualname__}",
-        "config": OmegaConf.to_container(OmegaConf.structured(cfg)),
+        "config": plain_config(cfg),
     }
+
+
+def plain_config(cfg: Config) -> dict[str, Any]:
+    """The resolved config as plain data (the checkpoint's record, the trackers' params)."""
+    return cast(dict[str, Any], OmegaConf.to_container(OmegaConf.structured(cfg)))

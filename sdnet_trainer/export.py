@@ -46,6 +46,7 @@ Arguments, as ``key=value``:
     opset=N           ONNX opset version (default: the exporter's)
     trainer=DOTTED    the Trainer class that rebuilds the model (default: sdnet_trainer.Trainer;
                       the checkpoint's recorded class is never imported unless named here)
+    ema=true          the moving average of the weights (a run with model.ema) instead of them
 
 ONNX and torch.export trace the model on an example batch (see ``example_inputs``) with a dynamic
 batch dimension where the model allows it, and check the exported program's outputs against
@@ -62,7 +63,6 @@ half-written files behind.
 
 from __future__ import annotations
 
-import difflib
 import importlib
 import json
 import logging
@@ -74,18 +74,20 @@ import stat
 import sys
 from collections.abc import Iterable, Iterator, Sequence
 from contextlib import contextmanager
-from dataclasses import dataclass, fields
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Optional, cast
 
 import torch
 from omegaconf import MISSING, OmegaConf
-from omegaconf.errors import MissingMandatoryValue, OmegaConfBaseException
+from omegaconf.errors import OmegaConfBaseException
 from torch import nn
 
 from sdnet_trainer.checkpoint import Checkpoint, CheckpointError, CheckpointManager, find_checkpoint
 from sdnet_trainer.config import Config
+from sdnet_trainer.config.arguments import parse_key_values
 from sdnet_trainer.data import is_language_model_data
+from sdnet_trainer.data.augment import crop_sizes
 from sdnet_trainer.errors import ConfigError
 from sdnet_trainer.trainer import Trainer, resolve_trainer_class
 
@@ -141,6 +143,9 @@ class ExportArgs:
     # The Trainer class (dotted path) whose build_model rebuilds the network; null:
     # sdnet_trainer.Trainer (the class recorded in the checkpoint is never imported implicitly).
     trainer: Optional[str] = None
+    # Export the exponential moving average of the weights (a run with model.ema) instead of the
+    # weights themselves.
+    ema: bool = False
 
 
 @dataclass(frozen=True)
@@ -157,36 +162,12 @@ class Exported:
 
 def parse_args(argv: Sequence[str]) -> ExportArgs:
     """``key=value`` pairs onto ``ExportArgs``: an unknown key or a wrong type is a ConfigError."""
-    known = [f.name for f in fields(ExportArgs)]
-    for arg in argv:
-        key, eq, _ = arg.partition("=")
-        if not eq:
-            raise ConfigError(
-                f"argument {arg!r} is not key=value (e.g. checkpoint=PATH format=onnx)"
-            )
-        if key not in known:
-            close = difflib.get_close_matches(key, known, n=1)
-            hint = f"; did you mean {close[0]}?" if close else ""
-            raise ConfigError(
-                f"unknown key {key} in {arg!r}: the keys are {', '.join(known)}{hint}"
-            )
-    try:
-        # to_object of a structured ExportArgs config is an ExportArgs instance.
-        args = cast(
-            ExportArgs,
-            OmegaConf.to_object(
-                OmegaConf.merge(
-                    OmegaConf.structured(ExportArgs), OmegaConf.from_dotlist(list(argv))
-                )
-            ),
-        )
-    except MissingMandatoryValue:
-        raise ConfigError(
-            "checkpoint=PATH is required (a step_* folder of a run's checkpoints)"
-        ) from None
-    except OmegaConfBaseException as err:  # a value of the wrong type
-        key = getattr(err, "full_key", None) or "?"
-        raise ConfigError(f"{key}: {str(err).splitlines()[0]}") from None
+    args = parse_key_values(
+        ExportArgs,
+        argv,
+        example="checkpoint=PATH format=onnx",
+        missing="checkpoint=PATH is required (a step_* folder of a run's checkpoints)",
+    )
     formats(args.format)  # fail on a bad format before any work
     return args
 
@@ -327,9 +308,16 @@ def trainer_class(checkpoint: Checkpoint, cfg: Config, override: str | None) -> 
     return Trainer
 
 
-def load_model(trainer: Trainer, checkpoint: Checkpoint) -> nn.Module:
-    """The bare model of ``trainer`` with the checkpoint's weights, in eval mode on the CPU. Every
-    model entry of the checkpoint must have its place in the model, and the other way round."""
+def load_model(trainer: Trainer, checkpoint: Checkpoint, *, ema: bool = False) -> nn.Module:
+    """The bare model of ``trainer`` with the checkpoint's weights (with ``ema``, their moving
+    average: ``model.ema``), in eval mode on the CPU. Every model entry of the checkpoint must
+    have its place in the model, and the other way round."""
+    entry = "ema" if ema else "model"
+    if ema and not checkpoint.has_key("ema"):
+        raise ConfigError(
+            f"ema=true: checkpoint={str(checkpoint.path)!r} holds no average of the weights "
+            "(it was written without model.ema.enabled=true)"
+        )
     model = trainer.build_model()
     state = model.state_dict()
     # A tied weight (an embedding shared with the output layer) is one tensor under two names;
@@ -337,10 +325,10 @@ def load_model(trainer: Trainer, checkpoint: Checkpoint) -> nn.Module:
     request = {
         name: value
         for name, value in state.items()
-        if name not in _aliases(state) or checkpoint.has_key(f"model.{name}")
+        if name not in _aliases(state) or checkpoint.has_key(f"{entry}.{name}")
     }
     what = f"the model {type(trainer).__name__}.build_model builds"
-    extra = _unmatched(checkpoint, state)
+    extra = _unmatched(checkpoint, state, entry)
     if extra:
         more = f" and {len(extra) - 5} more" if len(extra) > 5 else ""
         raise ConfigError(
@@ -352,7 +340,7 @@ def load_model(trainer: Trainer, checkpoint: Checkpoint) -> nn.Module:
     )
     try:
         # DCP fills these tensors in place, resharding whatever layout the writer used.
-        manager.load(checkpoint, {"model": request})
+        manager.load(checkpoint, {entry: request})
     except CheckpointError as err:
         raise ConfigError(
             f"checkpoint={str(checkpoint.path)!r} does not hold the weights of {what}: {err}"
@@ -363,9 +351,11 @@ def load_model(trainer: Trainer, checkpoint: Checkpoint) -> nn.Module:
     return model.eval()
 
 
-def _unmatched(checkpoint: Checkpoint, state: dict[str, Any]) -> list[str]:
-    """The checkpoint's model entries that are no entry of ``state`` (nor inside one)."""
-    keys = sorted(k[len("model.") :] for k in checkpoint._keys if k.startswith("model."))
+def _unmatched(checkpoint: Checkpoint, state: dict[str, Any], entry: str) -> list[str]:
+    """The checkpoint's ``entry`` (model or ema) keys that are no entry of ``state`` (nor inside
+    one)."""
+    prefix = entry + "."
+    keys = sorted(k[len(prefix) :] for k in checkpoint._keys if k.startswith(prefix))
     unmatched = []
     for key in keys:
         parts = key.split(".")
@@ -394,7 +384,9 @@ def example_inputs(trainer: Trainer) -> tuple[torch.Tensor, ...]:
     A Trainer subclass may define ``example_input()`` (a tensor or a tuple of them). A subclass
     with its own datasets gives its validation set's first samples, since its data config need not
     describe them. Otherwise the data config says: token ids ``(batch, data.seq_len)`` for
-    language data, images ``(batch, data.channels, data.image_size, data.image_size)`` else."""
+    language data, else images of ``data.channels`` at the size evaluation fed the model: the
+    eval transform's crop for image files (``data.augment.val_crop_size``, by default
+    ``data.image_size``), ``data.image_size`` for generated images."""
     custom = getattr(trainer, "example_input", None)
     if callable(custom):
         inputs = custom()
@@ -405,9 +397,8 @@ def example_inputs(trainer: Trainer) -> tuple[torch.Tensor, ...]:
     g = torch.Generator().manual_seed(0)
     if is_language_model_data(data):
         return (torch.randint(0, data.vocab_size, (EXAMPLE_BATCH, data.seq_len), generator=g),)
-    return (
-        torch.randn(EXAMPLE_BATCH, data.channels, data.image_size, data.image_size, generator=g),
-    )
+    size = data.image_size if data.name == "synthetic" else crop_sizes(data).val_crop
+    return (torch.randn(EXAMPLE_BATCH, data.channels, size, size, generator=g),)
 
 
 def _from_dataset(trainer: Trainer) -> tuple[torch.Tensor, ...]:
@@ -611,7 +602,7 @@ def export(args: ExportArgs) -> Exported:
         # A Trainer that is never set up (no process group, data or optimizer): build_model and
         # the example input read only its config.
         trainer = cls(cfg)
-        model = load_model(trainer, checkpoint)
+        model = load_model(trainer, checkpoint, ema=args.ema)
     except Exception as err:
         recorded = recorded_trainer(checkpoint, cfg)
         if args.trainer or recorded is None:

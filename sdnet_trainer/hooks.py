@@ -14,6 +14,7 @@ import logging
 import math
 import time
 from collections.abc import Callable
+from contextlib import AbstractContextManager
 from dataclasses import dataclass
 
 import torch
@@ -66,7 +67,9 @@ class ProfilerHook(HookBase):
 
 
 class EvalHook(HookBase):
-    """Evaluate every ``every_n_steps``, at each epoch end, and once at the end."""
+    """Evaluate every ``every_n_steps``, at each epoch end, and once at the end. With
+    ``swap_average`` (``model.ema``), the weight average is evaluated too, in the model's place,
+    as ``val_ema/*``."""
 
     def __init__(
         self,
@@ -76,8 +79,10 @@ class EvalHook(HookBase):
         writer: MetricsWriter,
         total_steps: int,
         phase: PhaseTracker | None = None,
+        swap_average: Callable[[], AbstractContextManager[None]] | None = None,
     ) -> None:
         self.evaluate = evaluate
+        self.swap_average = swap_average
         self.writer = writer
         self.every_n_steps = cfg.eval_every_n_steps
         self.at_epoch_end = cfg.eval_at_epoch_end
@@ -103,6 +108,9 @@ class EvalHook(HookBase):
         metrics = {f"val/{k}": v for k, v in self.evaluate().items()}
         if not metrics:
             return
+        if self.swap_average is not None:
+            with self.swap_average():
+                metrics.update({f"val_ema/{k}": v for k, v in self.evaluate().items()})
         state.metrics.update(metrics)
         self.writer.write(state.step, metrics)
         shown = "  ".join(f"{k} {v:.4g}" for k, v in metrics.items())

@@ -18,10 +18,13 @@ from sdnet_trainer.distributed.env import validate_dist
 from sdnet_trainer.distributed.mesh import parallel_dims
 from sdnet_trainer.distributed.parallelize import validate_compile, validate_parallel
 from sdnet_trainer.distributed.pipeline import validate_pipeline
+from sdnet_trainer.ema import validate_ema
 from sdnet_trainer.errors import ConfigError
 from sdnet_trainer.models.gpt import validate_gpt
 from sdnet_trainer.models.registry import GPT_NAME
 from sdnet_trainer.observability.logs import validate_logging
+from sdnet_trainer.observability.prometheus import validate_prometheus
+from sdnet_trainer.observability.writers import validate_trackers
 from sdnet_trainer.optim import validate_optim
 from sdnet_trainer.precision import validate_precision
 
@@ -32,6 +35,7 @@ def validate(cfg: Config, *, world_size: int) -> None:
     _validate_loop(cfg)
     validate_data(cfg)
     validate_optim(cfg)
+    validate_ema(cfg)
     validate_precision(cfg)
     validate_parallel(cfg, world_size)
     if cfg.model.name == GPT_NAME:
@@ -43,6 +47,8 @@ def validate(cfg: Config, *, world_size: int) -> None:
     _validate_checkpoint(cfg)
     _validate_health(cfg)
     validate_logging(cfg)
+    validate_trackers(cfg)
+    validate_prometheus(cfg)
 
 
 # The checks below belong beside their owners (the Trainer's loop, sdnet_trainer.checkpoint and

@@ -20,6 +20,7 @@ sample once (on the last pipeline stage, tensor-parallel rank 0).
 from __future__ import annotations
 
 import logging
+import socket
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager, nullcontext
@@ -37,7 +38,7 @@ from torch.utils.data import Dataset
 
 from sdnet_trainer import rng
 from sdnet_trainer.batching import BatchLayout, batch_layout
-from sdnet_trainer.checkpointer import Checkpointer, run_meta, run_parts
+from sdnet_trainer.checkpointer import Checkpointer, plain_config, run_meta, run_parts
 from sdnet_trainer.config import Config
 from sdnet_trainer.data import (
     build_datasets,
@@ -54,6 +55,7 @@ from sdnet_trainer.distributed.env import shorten_timeout
 from sdnet_trainer.distributed.mesh import ParallelDims, build_mesh, parallel_dims
 from sdnet_trainer.distributed.parallelize import gradient_sync, parallelize
 from sdnet_trainer.distributed.pipeline import Pipeline
+from sdnet_trainer.ema import WeightAverage
 from sdnet_trainer.errors import ConfigError
 from sdnet_trainer.evaluation import evaluate_batches, metric_sums
 from sdnet_trainer.health import Heartbeat, PhaseTracker, Watchdog, hang_log_path
@@ -71,6 +73,7 @@ from sdnet_trainer.models.init import build_deferred, materialize
 from sdnet_trainer.observability import MetricsWriter, StepMeter
 from sdnet_trainer.observability.flops import run_flops
 from sdnet_trainer.observability.profiler import StepProfiler
+from sdnet_trainer.observability.prometheus import PrometheusExporter, prometheus_enabled
 from sdnet_trainer.optim import build_optimizer, build_scheduler
 from sdnet_trainer.precision import Precision
 from sdnet_trainer.signals import StopSignals
@@ -89,6 +92,7 @@ class Trainer:
     num_parameters: int
     pipeline: Pipeline | None  # this rank's stages under parallel.pp > 1
     metric_weight: float  # 1 where this rank's loss and metrics count (see _setup_model)
+    ema: WeightAverage | None  # model.ema's average of the weights
     optimizer: torch.optim.Optimizer
     comm: GradientComm | None  # DDP's gradient communication (comm.*)
     precision: Precision
@@ -185,7 +189,8 @@ class Trainer:
         )
 
     def build_hooks(self) -> list[HookBase]:
-        """Called in this order after every step: the profiler's step, evaluation, checkpointing,
+        """Called in this order after every step: the profiler's step, the weight average's
+        update (``model.ema``), evaluation, checkpointing,
         metrics (after evaluation, so the summary includes the final evaluation), then the hang
         watchdog's beat and the heartbeat line. Extend the list for periodic work of your own."""
         cfg, rank, heartbeat_s = self.cfg, self.env.rank, self.cfg.health.heartbeat_s
@@ -198,6 +203,7 @@ class Trainer:
             writer=self.writer,
             total_steps=self.total_steps,
             phase=self.phase,
+            swap_average=self.ema.swapped_in if self.ema is not None else None,
         )
         metrics = MetricsHook(
             cfg.logging,
@@ -213,6 +219,7 @@ class Trainer:
         )
         hooks = [
             ProfilerHook(profiler) if profiler.enabled else None,
+            self.ema,  # updated before it is evaluated or saved
             evaluation,
             self.checkpointer,
             metrics,
@@ -287,6 +294,10 @@ class Trainer:
         last_stage = self.pipeline is None or self.pipeline.has_last
         first_tp = self.dims.coordinates(env.rank)["tp"] == 0
         self.metric_weight = 1.0 if last_stage and first_tp else 0.0
+        # model.ema: the average starts as a copy of the initial weights, in their layout.
+        stages = self.pipeline.modules if self.pipeline is not None else []
+        ema = cfg.model.ema
+        self.ema = WeightAverage(self.model, ema, stages=stages) if ema.enabled else None
         # From here on each rank draws its own random stream (dropout, augmentation).
         rng.reseed(cfg.loop.seed, rank=env.rank, step=0)
 
@@ -340,8 +351,27 @@ class Trainer:
     def _setup_observability(self, train_set: Dataset) -> None:
         """Metrics writer, the run's figures (FLOPs for MFU included) and the hang watchdog."""
         cfg, env, logs = self.cfg, self.env, self.cfg.logging
+        sinks = []
+        if prometheus_enabled(logs.prometheus):  # every rank serves its own /metrics
+            sinks.append(
+                PrometheusExporter(
+                    logs.prometheus,
+                    rank=env.rank,
+                    local_rank=env.local_rank,
+                    world_size=env.world_size,
+                    run_name=cfg.run.name,
+                    run_id=cfg.run.id,
+                    node=socket.gethostname(),
+                    device=self.device,
+                )
+            )
         self.writer = MetricsWriter(
-            self.output_dir, enabled=env.is_main, tensorboard=logs.tensorboard, jsonl=logs.jsonl
+            self.output_dir,
+            logs,
+            enabled=env.is_main,
+            run_name=cfg.run.name,
+            config=plain_config(cfg),
+            sinks=sinks,
         )
         flops, peak = None, None
         if logs.flops:  # counted once on a meta-device copy of the model
@@ -389,6 +419,8 @@ class Trainer:
             ),
             # Another world size cannot map old ranks to new ones: derive from (seed, rank, step).
             rederive_rng=lambda: rng.reseed(cfg.loop.seed, rank=env.rank, step=self.state.step),
+            ema=self.ema,
+            trackers=self.writer,
         )
         meta = run_meta(cfg, type(self), self.layout.global_batch_size, env.world_size)
         directory = cfg.checkpoint.dir or self.output_dir / "checkpoints"
@@ -398,6 +430,7 @@ class Trainer:
             world_size=env.world_size, meta=meta, run_id=cfg.run.id, phase=self.phase,
             # A deferred verdict is read before any save: a non-finite step is never saved.
             before_save=lambda: self.stepper.settle(saving=True),
+            report=self.writer.write,
         )  # fmt: skip
         try:
             resumed = self.checkpointer.resume(self.state) is not None
@@ -439,6 +472,7 @@ class Trainer:
         self.data.start(self.state)
         try:
             with self.signals:
+                self.writer.start()  # the tracker runs: a resumed run continues its own
                 for hook in self.hooks:
                     hook.before_train(self.state)
                 yield
@@ -464,7 +498,12 @@ class Trainer:
         comm = getattr(self, "comm", None)
         if comm is not None:
             comm.release()  # it holds the DDP model too
-        held = "model pipeline optimizer comm scheduler stepper data checkpointer hooks"
+        writer = getattr(self, "writer", None)
+        if writer is not None:
+            # Closed by fit on every path; here when set-up failed after it was built (its
+            # Prometheus port, threads and files would outlive this Trainer).
+            writer.close()
+        held = "model pipeline optimizer comm scheduler stepper data checkpointer hooks ema writer"
         for name in held.split():
             setattr(self, name, None)
 

@@ -2,13 +2,18 @@
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import json
 import math
 import os
 import signal
+import socket
 import subprocess
 import sys
+import threading
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -270,6 +275,9 @@ class RecordingTrainer(Trainer):
                     "allreduce_calls": self.allreduce_calls,
                     "step_costs": self.step_costs,
                     "metrics": metrics,
+                    "ema": {k: v.detach().cpu().clone() for k, v in self.ema.state_dict().items()}
+                    if self.ema is not None
+                    else {},
                 },
                 self.output_dir / FINAL_STATE,
             )
@@ -536,3 +544,86 @@ class ProbeTrainer(Trainer):
 
 def read_probe(run_dir: Path, rank: int = 0) -> dict:
     return json.loads((run_dir / PROBE_FILE.format(rank=rank)).read_text())
+
+
+# ---------------------------------------------------------------------- real data, shards, HTTP
+# The digits of scikit-learn (scripts/make_digits.py) as an ImageFolder, its shards, and a local
+# HTTP server: tests/e2e/test_real_data.py and tests/distributed/test_data_resume.py.
+
+DIGITS_TRAIN, DIGITS_VAL, DIGITS_CLASSES = 1437, 360, 10
+
+
+def make_digits(out: Path, *, size: int = 16, timeout: float = 120) -> Path:
+    """``out`` made an ImageFolder of the digits by ``scripts/make_digits.py`` (its command line,
+    as a user runs it): ``out/train/<class>/*.png`` (1,437) and ``out/val/<class>/*.png`` (360),
+    RGB PNG of ``size`` px."""
+    made = run_command(
+        [sys.executable, str(REPO / "scripts" / "make_digits.py"), str(out), f"--size={size}"],
+        cwd=out.parent,
+        timeout=timeout,
+    )
+    assert made.returncode == 0, made.output
+    return out
+
+
+def convert_to_shards(src: Path, out: Path, *, shard_size: int, timeout: float = 120) -> Path:
+    """``src`` (an ImageFolder) written as shards under ``out`` by the converter's command."""
+    command = [sys.executable, "-m", "sdnet_trainer.data.shards", str(src), str(out)]
+    converted = run_command([*command, f"shard_size={shard_size}"], cwd=out.parent, timeout=timeout)
+    assert converted.returncode == 0, converted.output
+    return out
+
+
+def image_folder_to_hf(src: Path, out: Path) -> Path:
+    """The ImageFolder ``src`` saved as a Hugging Face ``DatasetDict`` (``save_to_disk``) under
+    ``out``: splits ``train`` and ``validation`` with an ``Image`` column of the files' bytes and
+    a ``ClassLabel``, rows in ImageFolder's order (row ``i`` is the folder's sample ``i``)."""
+    import datasets
+    from torchvision.datasets.folder import IMG_EXTENSIONS, find_classes, make_dataset
+
+    classes, class_to_idx = find_classes(str(src / "train"))
+    features = datasets.Features(
+        {"image": datasets.Image(), "label": datasets.ClassLabel(names=classes)}
+    )
+    splits = {}
+    for split, name in (("train", "train"), ("val", "validation")):
+        samples = make_dataset(str(src / split), class_to_idx, extensions=IMG_EXTENSIONS)
+        table = {
+            "image": [{"bytes": Path(path).read_bytes(), "path": None} for path, _ in samples],
+            "label": [label for _, label in samples],
+        }
+        splits[name] = datasets.Dataset.from_dict(table, features=features)
+    progress = datasets.is_progress_bar_enabled()
+    datasets.disable_progress_bars()
+    try:
+        datasets.DatasetDict(splits).save_to_disk(str(out))
+    finally:
+        if progress:
+            datasets.enable_progress_bars()
+    return out
+
+
+@contextlib.contextmanager
+def http_server(directory: Path) -> Iterator[str]:
+    """``directory`` served read-only over HTTP on a free port of 127.0.0.1 by aiohttp (range
+    requests, directory listings for fsspec's glob), from a thread of this process; yields the
+    base URL. Processes the test starts read from it too."""
+    from aiohttp import web
+
+    loop = asyncio.new_event_loop()
+    app = web.Application()
+    app.router.add_static("/", directory, show_index=True)
+    runner = web.AppRunner(app, access_log=None)
+    loop.run_until_complete(runner.setup())
+    sock = socket.socket()
+    sock.bind(("127.0.0.1", 0))
+    loop.run_until_complete(web.SockSite(runner, sock).start())
+    thread = threading.Thread(target=loop.run_forever, name="http_server", daemon=True)
+    thread.start()
+    try:
+        yield f"http://127.0.0.1:{sock.getsockname()[1]}"
+    finally:
+        loop.call_soon_threadsafe(loop.stop)
+        thread.join(timeout=10)
+        loop.run_until_complete(runner.cleanup())
+        loop.close()

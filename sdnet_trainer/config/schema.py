@@ -24,6 +24,20 @@ class GPTConfig:
 
 
 @dataclass
+class EMAConfig:
+    # An exponential moving average of the weights (and buffers), updated every every_n_steps
+    # optimizer steps as ema = decay * ema + (1 - decay) * weights (torch.optim.swa_utils' EMA
+    # function), kept in the layout of the weights (sharded under FSDP), evaluated as val_ema/*,
+    # checkpointed, and exported instead of the raw weights with export's ema=true.
+    enabled: bool = False
+    decay: float = 0.9999
+    every_n_steps: int = 1
+    # Until this step the average is a copy of the weights (the early weights are not worth
+    # keeping: torchvision's reference resets its EMA during the learning-rate warmup).
+    warmup_steps: int = 0
+
+
+@dataclass
 class ModelConfig:
     # A name from the model registry: any torchvision classifier (resnet18, resnet152, vit_b_16,
     # ...) or one of the project's own small models (see sdnet_trainer.models).
@@ -48,6 +62,33 @@ class ModelConfig:
     # convolutions on GPUs); under parallel=fsdp only the inputs (FSDP2 takes contiguous
     # parameters; convolutions follow a channels_last input).
     channels_last: bool = False
+    ema: EMAConfig = field(default_factory=EMAConfig)
+
+
+@dataclass
+class AugmentConfig:
+    # The transforms of image files (imagefolder, cifar10, shards, hf images), built with
+    # torchvision's v2 transforms as in its classification reference. preset: auto (cifar when
+    # the train crop, train_crop_size or else data.image_size, is at most 64 px, imagenet above;
+    # always imagenet under data.decode=cuda) | imagenet (random resized crop
+    # + flip; val: resize to crop / 0.875, center crop) | cifar (pad by an eighth and random
+    # crop + flip; val: as is) | none (resize to the crop size only, train and val alike).
+    preset: str = "auto"
+    # null | ta_wide | ra | augmix | imagenet (AutoAugment's ImageNet policy), after the crop.
+    auto_augment: Optional[str] = None
+    ra_magnitude: int = 9
+    augmix_severity: int = 3
+    # Probability of RandomErasing on the normalized tensor; 0: off.
+    random_erase: float = 0.0
+    # bilinear | bicubic | nearest, for every resize and crop.
+    interpolation: str = "bilinear"
+    # Probability of a horizontal flip in training (imagenet and cifar presets); 0 for data whose
+    # mirror image is another class (digits, letters).
+    hflip: float = 0.5
+    # null: data.image_size for both crops; val_resize_size null: val crop / 0.875 (imagenet).
+    train_crop_size: Optional[int] = None
+    val_resize_size: Optional[int] = None
+    val_crop_size: Optional[int] = None
 
 
 @dataclass
@@ -101,6 +142,13 @@ class DataConfig:
     # Where image files are decoded: cpu (PIL in the loader) or cuda (torchvision's nvjpeg
     # decode_jpeg on the training device; JPEG files only).
     decode: str = "cpu"
+    augment: AugmentConfig = field(default_factory=AugmentConfig)
+    # torchvision's v2 MixUp / CutMix on each training batch (one of them, chosen at random per
+    # batch when both are > 0), with soft targets; 0: off. Seeded from (seed, epoch, the step's
+    # position in the epoch's sample order, micro-step, data-parallel rank), so a resumed run
+    # mixes the same way.
+    mixup_alpha: float = 0.0
+    cutmix_alpha: float = 0.0
 
 
 @dataclass
@@ -312,10 +360,47 @@ class LoopConfig:
 
 
 @dataclass
+class PrometheusConfig:
+    # Every rank serves its metrics at http://HOST:(port + local rank)/metrics while training;
+    # null: off.
+    port: Optional[int] = None
+    host: str = "0.0.0.0"
+    # A Prometheus Pushgateway URL to push to at every log point instead, for jobs that cannot be
+    # scraped; null: off.
+    pushgateway: Optional[str] = None
+
+
+@dataclass
+class MLflowConfig:
+    # A folder (MLflow's file store; all the mlflow extra needs): by default one per run.root,
+    # shared by its runs, so a run resumed in another run directory continues its MLflow run.
+    # MLflow 3 asks for MLFLOW_ALLOW_FILE_STORE=true to use it, which the run sets for itself;
+    # to browse it: MLFLOW_ALLOW_FILE_STORE=true mlflow ui --backend-store-uri outputs/mlruns.
+    # Or a server, http(s)://HOST:PORT; a database (sqlite:///...) needs `pip install mlflow`.
+    tracking_uri: str = "${run.root}/mlruns"
+    experiment: str = "sdnet_trainer"
+    # null: run.name
+    run_name: Optional[str] = None
+
+
+@dataclass
+class WandbConfig:
+    project: str = "sdnet_trainer"
+    entity: Optional[str] = None
+    # null: online when WANDB_API_KEY is set, else offline; or online | offline | disabled.
+    mode: Optional[str] = None
+
+
+@dataclass
 class LoggingConfig:
     log_every_n_steps: int = 10
-    tensorboard: bool = True
-    jsonl: bool = True
+    # Where rank 0 logs the scalars, the resolved config and the final summary: any of
+    # tensorboard, jsonl (metrics.jsonl), csv (metrics.csv), mlflow, wandb. A resumed run
+    # continues the same MLflow / W&B run (its id is kept in the checkpoint).
+    trackers: List[str] = field(default_factory=lambda: ["tensorboard", "jsonl"])
+    mlflow: MLflowConfig = field(default_factory=MLflowConfig)
+    wandb: WandbConfig = field(default_factory=WandbConfig)
+    prometheus: PrometheusConfig = field(default_factory=PrometheusConfig)
     # auto: a progress bar on rank 0 only when stderr is a terminal; on / off force it.
     progress_bar: str = "auto"
     level: str = "INFO"

@@ -13,6 +13,7 @@ from torch.utils.data import Dataset
 
 from sdnet_trainer.config.checks import check_choice, check_positive
 from sdnet_trainer.config.schema import Config, DataConfig
+from sdnet_trainer.data.augment import BatchMixer, changed_augment_keys, validate_augment
 from sdnet_trainer.data.folders import (
     ON_BAD_SAMPLE,
     BadSampleError,
@@ -74,12 +75,18 @@ def build_datasets(cfg: DataConfig) -> tuple[Dataset, Dataset | None]:
     return builder(cfg)
 
 
+# Data sets whose samples are generated tensors, not image files: data.augment does not apply.
+_GENERATED_IMAGES = ("synthetic",)
+
+
 def validate_data(cfg: Config) -> None:
     """``data.*`` and its fit to ``model.num_classes``, checked before launch. A language model's
     vocabulary and context are checked against the data by the model's own validator."""
     data = cfg.data
+    validate_augment(data)
     if is_language_model_data(data):
         check_positive("data.seq_len", data.seq_len)
+        _refuse_image_options(data)
     else:
         check_positive("data.num_classes", data.num_classes, allow_none=True)
         check_positive("model.num_classes", cfg.model.num_classes, allow_none=True)
@@ -92,6 +99,24 @@ def validate_data(cfg: Config) -> None:
     check_positive("data.image_size", data.image_size)
     check_choice("data.on_bad_sample", data.on_bad_sample, ON_BAD_SAMPLE)
     check_loader_options(data)
+    if data.name in _GENERATED_IMAGES and changed_augment_keys(data.augment):
+        logger.warning(
+            "%s: data.name=%r generates its images as tensors; data.augment applies to image "
+            "files (imagefolder, cifar10, shards, hf) and is ignored here",
+            ", ".join(changed_augment_keys(data.augment)),
+            data.name,
+        )
+
+
+def _refuse_image_options(data: DataConfig) -> None:
+    """Language-model data has token sequences, not images to transform or mix."""
+    keys = changed_augment_keys(data.augment)
+    keys += [f"data.{key}" for key in ("mixup_alpha", "cutmix_alpha") if getattr(data, key) > 0]
+    if keys:
+        raise ConfigError(
+            f"{', '.join(keys)}: image augmentation and mixing, but data.name={data.name!r} "
+            f"is language-model data (token sequences); drop those keys"
+        )
 
 
 def _unwrapped(dataset: Dataset | None) -> Iterator[object]:
@@ -162,6 +187,7 @@ def skipped_samples(dataset: Dataset | None) -> Callable[[], int] | None:
 
 
 __all__ = [
+    "BatchMixer",
     "LM_DATASETS",
     "ON_BAD_SAMPLE",
     "BadSampleError",

@@ -7,7 +7,8 @@ An image file that is there but cannot be decoded (truncated, not an image) only
 loaded, mid-training and often in a DataLoader worker; ``data.on_bad_sample`` decides what happens
 then (:class:`CheckedImageFolder`): ``error`` stops with the file's path, ``skip`` loads the next
 file that decodes in its place and counts it (:class:`SkippedSamples`). CIFAR-10 is read from
-pickled arrays, not per-image files, so the policy does not apply to it.
+pickled arrays, not per-image files, so the policy does not apply to it. Both take their
+transforms from ``data.augment`` (:func:`~sdnet_trainer.data.augment.build_transforms`).
 
 On CUDA the loader hands images to the device as uint8 and they are converted to float and
 normalized there (:func:`defer_normalization`, :class:`DeviceNormalize`): a quarter of the bytes
@@ -22,29 +23,35 @@ import copy
 import io
 import logging
 import multiprocessing
+import pickle
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TypeVar
 
+import numpy as np
 import torch
 from PIL import Image
 from torch.utils.data import Dataset
 from torchvision import datasets, transforms
 from torchvision.io import ImageReadMode, decode_jpeg
+from torchvision.transforms import v2
 from torchvision.transforms.v2 import functional as TF
 
 from sdnet_trainer.config.checks import check_choice
-from sdnet_trainer.config.schema import DataConfig
+from sdnet_trainer.config.schema import AugmentConfig, DataConfig
+from sdnet_trainer.data.augment import (
+    CIFAR10_MEAN,
+    CIFAR10_STD,
+    EVAL_CROP_RATIO,
+    IMAGENET_MEAN,
+    IMAGENET_STD,
+    build_transforms,
+    crop_sizes,
+)
 from sdnet_trainer.errors import ConfigError
 
 logger = logging.getLogger(__name__)
-
-IMAGENET_MEAN = (0.485, 0.456, 0.406)
-IMAGENET_STD = (0.229, 0.224, 0.225)
-# Per-pixel statistics of the CIFAR-10 training set.
-CIFAR10_MEAN = (0.4914, 0.4822, 0.4465)
-CIFAR10_STD = (0.2470, 0.2435, 0.2616)
 
 CIFAR10_IMAGE_SIZE = 32
 CIFAR10_NUM_CLASSES = 10
@@ -52,58 +59,50 @@ CIFAR10_NUM_CLASSES = 10
 # data.on_bad_sample: what an image file that cannot be decoded does.
 ON_BAD_SAMPLE = ("error", "skip")
 
-# The usual evaluation recipe resizes the short side to image_size / 0.875 (256 for 224) and then
-# center-crops image_size.
-_EVAL_CROP_RATIO = 0.875
+
+def imagenet_transforms(image_size: int) -> tuple[v2.Compose, v2.Compose]:
+    """(train, val) transforms of the standard ImageNet recipe (``data.augment.preset=imagenet``
+    at ``image_size``)."""
+    return build_transforms(DataConfig(image_size=image_size, augment=AugmentConfig("imagenet")))
 
 
-def imagenet_transforms(image_size: int) -> tuple[transforms.Compose, transforms.Compose]:
-    """(train, val) transforms of the standard ImageNet recipe."""
-    normalize = transforms.Normalize(IMAGENET_MEAN, IMAGENET_STD)
-    train = transforms.Compose(
-        [
-            transforms.RandomResizedCrop(image_size),
-            transforms.RandomHorizontalFlip(),
-            transforms.ToTensor(),
-            normalize,
-        ]
-    )
-    val = transforms.Compose(
-        [
-            transforms.Resize(round(image_size / _EVAL_CROP_RATIO)),
-            transforms.CenterCrop(image_size),
-            transforms.ToTensor(),
-            normalize,
-        ]
-    )
-    return train, val
+def cifar10_transforms() -> tuple[v2.Compose, v2.Compose]:
+    """(train, val) transforms of the standard CIFAR-10 recipe: pad-and-crop plus flips
+    (``data.augment.preset=cifar`` at 32 px, CIFAR-10's statistics)."""
+    cfg = DataConfig(image_size=CIFAR10_IMAGE_SIZE, augment=AugmentConfig("cifar"))
+    return build_transforms(cfg, mean=CIFAR10_MEAN, std=CIFAR10_STD)
 
 
 class DeviceNormalize:
-    """The end of the float path (``ToTensor`` then ``Normalize``) for a batch that arrives as
-    uint8 [B, C, H, W] on the training device: the same operations in the same order, so on the
-    CPU the result equals the float path's bit for bit.
+    """The end of the float path (uint8 to float in [0, 1], then ``Normalize``) for a batch that
+    arrives as uint8 [B, C, H, W] on the training device: the same operations in the same order,
+    so on the CPU the result equals the float path's bit for bit. The float conversion is v2's
+    ``ToDtype(float32, scale=True)`` (``x * (1 / 255)``), or with ``divide`` the older
+    ``ToTensor``'s (``x / 255``): the two differ in the last bit for some values.
 
     ``memory_format`` is the layout of the float result (``torch.channels_last`` for
     ``model.channels_last``); the values do not depend on it.
     """
 
-    def __init__(self, mean: Sequence[float], std: Sequence[float]) -> None:
+    def __init__(
+        self, mean: Sequence[float], std: Sequence[float], *, divide: bool = False
+    ) -> None:
         self.mean = tuple(float(m) for m in mean)
         self.std = tuple(float(s) for s in std)
+        self.divide = divide
         self._stats: dict[torch.device, tuple[torch.Tensor, torch.Tensor]] = {}
 
+    def _key(self) -> tuple[Any, ...]:
+        return self.mean, self.std, self.divide
+
     def __eq__(self, other: object) -> bool:
-        return isinstance(other, DeviceNormalize) and (self.mean, self.std) == (
-            other.mean,
-            other.std,
-        )
+        return isinstance(other, DeviceNormalize) and self._key() == other._key()
 
     def __hash__(self) -> int:
-        return hash((self.mean, self.std))
+        return hash(self._key())
 
     def __repr__(self) -> str:
-        return f"DeviceNormalize(mean={self.mean}, std={self.std})"
+        return f"DeviceNormalize(mean={self.mean}, std={self.std}, divide={self.divide})"
 
     def __getstate__(self) -> dict[str, Any]:
         # Loader workers started by spawn receive data sets pickled, this with them: device
@@ -122,17 +121,47 @@ class DeviceNormalize:
         self, images: torch.Tensor, *, memory_format: torch.memory_format = torch.contiguous_format
     ) -> torch.Tensor:
         mean, std = self._on(images.device)
-        if images.dtype == torch.uint8:  # as ToTensor: to float, then / 255
-            out = images.to(torch.float32, memory_format=memory_format).div_(255)
-        else:  # already float in [0, 255] (resized on the device)
-            out = images.to(torch.float32, memory_format=memory_format, copy=True).div_(255)
+        # uint8, or already float in [0, 255] (resized on the device): a new float tensor.
+        out = images.to(torch.float32, memory_format=memory_format, copy=True)
+        out = out.div_(255) if self.divide else out.mul_(1.0 / 255)  # as ToTensor / ToDtype
         return out.sub_(mean).div_(std)  # as Normalize
+
+
+# The tails of a transform that defer_normalization moves to the device: v2's
+# PILToTensor | ToImage -> ToDtype(float32, scale=True) -> Normalize (data.augment's pipelines),
+# and the older ToTensor -> Normalize (a transform of one's own).
+_TO_UINT8 = (v2.PILToTensor, v2.ToImage)
+
+
+def _deferrable_tail(transform: Any) -> tuple[Any, DeviceNormalize] | None:
+    """(the transform up to uint8 tensors, the device half) of a transform that ends in a tail
+    above; None for any other."""
+    if isinstance(transform, v2.Compose) and len(transform.transforms) >= 3:
+        *head, to_uint8, to_float, normalize = transform.transforms
+        if (
+            type(to_uint8) in _TO_UINT8
+            and type(to_float) is v2.ToDtype
+            and to_float.dtype == torch.float32
+            and to_float.scale
+            and type(normalize) is v2.Normalize
+        ):
+            device_half = DeviceNormalize(normalize.mean, normalize.std)
+            return v2.Compose([*head, to_uint8]), device_half
+    if isinstance(transform, transforms.Compose) and len(transform.transforms) >= 2:
+        *head, to_tensor, normalize = transform.transforms
+        if type(to_tensor) is transforms.ToTensor and type(normalize) is transforms.Normalize:
+            device_half = DeviceNormalize(normalize.mean, normalize.std, divide=True)
+            # PILToTensor: the pixels as uint8 [C, H, W], without ToTensor's float conversion.
+            return transforms.Compose([*head, transforms.PILToTensor()]), device_half
+    return None
 
 
 def defer_normalization(dataset: Dataset) -> tuple[Dataset, DeviceNormalize] | None:
     """``dataset`` delivering uint8 tensors, and what turns them into its float images on the
     device; None where ``dataset`` is not one of the data sets built here (imagefolder, CIFAR-10)
-    or its transform does not end in ``ToTensor`` + ``Normalize``.
+    or its transform does not end in one of the tails above. A transform with anything after
+    ``Normalize`` (``data.augment.random_erase``: erasing fills with 0, the mean colour, in
+    normalized units) is not deferred: the loader then hands over float images.
 
     The result is a shallow copy with its own transform (files, labels and the skip counter are
     shared): the original keeps producing float images for whoever else reads it (the FLOPs
@@ -140,32 +169,14 @@ def defer_normalization(dataset: Dataset) -> tuple[Dataset, DeviceNormalize] | N
     """
     if not isinstance(dataset, (CheckedImageFolder, datasets.CIFAR10)):
         return None
-    transform = dataset.transform
-    if not isinstance(transform, transforms.Compose) or len(transform.transforms) < 2:
+    tail = _deferrable_tail(dataset.transform)
+    if tail is None:
         return None
-    *head, to_tensor, normalize = transform.transforms
-    if type(to_tensor) is not transforms.ToTensor or type(normalize) is not transforms.Normalize:
-        return None
+    uint8_transform, device_half = tail
     uint8 = copy.copy(dataset)
-    # PILToTensor: the pixels as uint8 [C, H, W], without ToTensor's float conversion.
-    uint8.transform = transforms.Compose([*head, transforms.PILToTensor()])
+    uint8.transform = uint8_transform
     uint8.transforms = datasets.vision.StandardTransform(uint8.transform, uint8.target_transform)
-    return uint8, DeviceNormalize(normalize.mean, normalize.std)
-
-
-def cifar10_transforms() -> tuple[transforms.Compose, transforms.Compose]:
-    """(train, val) transforms of the standard CIFAR-10 recipe: pad-and-crop plus flips."""
-    normalize = transforms.Normalize(CIFAR10_MEAN, CIFAR10_STD)
-    train = transforms.Compose(
-        [
-            transforms.RandomCrop(CIFAR10_IMAGE_SIZE, padding=4),
-            transforms.RandomHorizontalFlip(),
-            transforms.ToTensor(),
-            normalize,
-        ]
-    )
-    val = transforms.Compose([transforms.ToTensor(), normalize])
-    return train, val
+    return uint8, device_half
 
 
 def _require_root(cfg: DataConfig) -> Path:
@@ -418,12 +429,21 @@ def _read_jpeg(path: str) -> _JpegFile:
 class JpegCrop:
     """The loader's part of the ImageNet recipe under ``data.decode=cuda``: the box of the file's
     pixels that becomes the ``image_size`` square, and whether to flip it, from the file's size
-    alone. Train draws a ``RandomResizedCrop`` box and a horizontal flip in the same order as the
-    PIL path, so per-sample seeding keeps them reproducible; val takes the center crop of the
-    image resized to ``image_size / 0.875`` on its short side, in the file's pixels."""
+    alone. Train draws a ``RandomResizedCrop`` box and a horizontal flip (probability ``hflip``)
+    in the same order as the PIL path, so per-sample seeding keeps them reproducible; val takes
+    the center crop of the image resized to ``resize_size`` (default ``image_size / 0.875``) on
+    its short side, in the file's pixels."""
 
-    def __init__(self, image_size: int, *, train: bool) -> None:
-        self.image_size, self.train = image_size, train
+    def __init__(
+        self,
+        image_size: int,
+        *,
+        train: bool,
+        hflip: float = 0.5,
+        resize_size: int | None = None,
+    ) -> None:
+        self.image_size, self.train, self.hflip = image_size, train, hflip
+        self.resize_size = resize_size or round(image_size / EVAL_CROP_RATIO)
         self._crop = transforms.RandomResizedCrop(image_size)  # its default scale and ratio
 
     def box(self, width: int, height: int) -> tuple[tuple[int, int, int, int], bool]:
@@ -432,10 +452,11 @@ class JpegCrop:
             # get_params reads only the size: an empty tensor of that shape stands in.
             shape = torch.empty(1, 1, 1).expand(1, height, width)
             top, left, h, w = self._crop.get_params(shape, self._crop.scale, self._crop.ratio)
-            flip = bool(torch.rand(1) < 0.5)  # as RandomHorizontalFlip
+            # As RandomHorizontalFlip, which the PIL path leaves out (no draw) at p = 0.
+            flip = self.hflip > 0 and bool(torch.rand(1) < self.hflip)
             return (int(top), int(left), int(h), int(w)), flip
-        # Resize(short side -> round(size / 0.875)) then CenterCrop(size), mapped back.
-        side = self.image_size * min(width, height) / round(self.image_size / _EVAL_CROP_RATIO)
+        # Resize(short side -> resize_size) then CenterCrop(size), mapped back.
+        side = self.image_size * min(width, height) / self.resize_size
         h, w = min(height, round(side)), min(width, round(side))
         return (round((height - h) / 2), round((width - w) / 2), h, w), False
 
@@ -505,11 +526,19 @@ class EncodedJpegFolder(CheckedImageFolder):
     the CPU path."""
 
     def __init__(
-        self, root: str, *, image_size: int, train: bool, on_bad_sample: str = "error"
+        self,
+        root: str,
+        *,
+        image_size: int,
+        train: bool,
+        on_bad_sample: str = "error",
+        hflip: float = 0.5,
+        resize_size: int | None = None,
+        cpu_transform: Any = None,
     ) -> None:
         super().__init__(
             root,
-            transform=JpegCrop(image_size, train=train),
+            transform=JpegCrop(image_size, train=train, hflip=hflip, resize_size=resize_size),
             on_bad_sample=on_bad_sample,
             loader=_read_jpeg,
         )
@@ -521,30 +550,39 @@ class EncodedJpegFolder(CheckedImageFolder):
                 f"convert them or set data.decode=cpu"
             )
         self.image_size, self.train = image_size, train
+        self.cpu_transform = cpu_transform
         normalize = DeviceNormalize(IMAGENET_MEAN, IMAGENET_STD)
         self.device_decoder = DeviceDecoder(image_size, normalize=normalize)
 
     def decoded(self) -> CheckedImageFolder:
         """The same files through the CPU path (PIL, float): what code that needs ready images
-        outside the loader (the FLOPs count) reads."""
-        train_tf, val_tf = imagenet_transforms(self.image_size)
+        outside the loader (the FLOPs count) reads: ``cpu_transform``, else the ImageNet
+        recipe's."""
+        transform = self.cpu_transform
+        if transform is None:
+            train_tf, val_tf = imagenet_transforms(self.image_size)
+            transform = train_tf if self.train else val_tf
         return CheckedImageFolder(
             self.root,
-            transform=train_tf if self.train else val_tf,
+            transform=transform,
             on_bad_sample=self.on_bad_sample,
         )
 
 
 def _image_folder(
-    split_dir: Path, cfg: DataConfig, *, train: bool, transform: transforms.Compose
+    split_dir: Path, cfg: DataConfig, *, train: bool, transform: v2.Compose
 ) -> CheckedImageFolder:
     try:
-        if cfg.decode == "cuda":
+        if cfg.decode == "cuda":  # one crop size for train and val (validate_augment)
+            sizes = crop_sizes(cfg)
             return EncodedJpegFolder(
                 str(split_dir),
-                image_size=cfg.image_size,
+                image_size=sizes.train_crop,
                 train=train,
                 on_bad_sample=cfg.on_bad_sample,
+                hflip=cfg.augment.hflip,
+                resize_size=sizes.val_resize,
+                cpu_transform=transform,
             )
         return CheckedImageFolder(
             str(split_dir), transform=transform, on_bad_sample=cfg.on_bad_sample
@@ -589,7 +627,7 @@ def build_imagefolder(cfg: DataConfig) -> tuple[Dataset, Dataset]:
     _require_dir(train_dir, root=root)
     _require_dir(val_dir, root=root)
     check_choice("data.decode", cfg.decode, DECODE)
-    train_tf, val_tf = imagenet_transforms(cfg.image_size)
+    train_tf, val_tf = build_transforms(cfg)
     train = _image_folder(train_dir, cfg, train=True, transform=train_tf)
     val = _image_folder(val_dir, cfg, train=False, transform=val_tf)
     _check_classes(cfg, train, val, root=root)
@@ -617,17 +655,86 @@ def _require_cifar_shape(cfg: DataConfig) -> None:
         )
 
 
-def _cifar10_split(cfg: DataConfig, root: Path, *, train: bool, transform) -> datasets.CIFAR10:
+class _CifarUnpickler(pickle.Unpickler):
+    """What the CIFAR-10 files hold (dicts, lists, strings, numbers, uint8 arrays) and nothing
+    else: a file in data.root is data, and unpickling must not run code that it names."""
+
+    ALLOWED = {
+        ("numpy.core.multiarray", "_reconstruct"),  # the files were written by numpy 1
+        ("numpy._core.multiarray", "_reconstruct"),  # and by numpy 2
+        ("numpy", "ndarray"),
+        ("numpy", "dtype"),
+        ("_codecs", "encode"),  # Python 3's protocol-2 bytes
+    }
+
+    def find_class(self, module: str, name: str) -> Any:
+        if (module, name) not in self.ALLOWED:
+            raise pickle.UnpicklingError(f"it names {module}.{name}, which CIFAR-10 files do not")
+        return super().find_class(module, name)
+
+
+def _cifar_file(path: Path, *, root: Path) -> dict[str, Any]:
+    """One pickled dict of ``cifar-10-batches-py``, read as Python 2 wrote it (latin1 strings)."""
+    where = f"data.root={str(root)!r}: {path.name}"
     try:
-        return datasets.CIFAR10(str(root), train=train, download=cfg.download, transform=transform)
-    except RuntimeError as err:
-        if "not found" not in str(err).lower():
-            raise
+        with open(path, "rb") as f:
+            entry = _CifarUnpickler(f, encoding="latin1").load()
+    except FileNotFoundError as err:
         raise ConfigError(
-            f"data.root={str(root)!r} does not hold CIFAR-10 (cifar-10-batches-py missing or "
-            f"corrupted); run once with data.download=true on a machine with internet access "
-            f"to fetch it there"
+            f"data.root={str(root)!r} does not hold CIFAR-10 ({path} is missing); run once with "
+            f"data.download=true on a machine with internet access to fetch it there"
         ) from err
+    except Exception as err:  # unpickling a damaged file raises many types
+        raise ConfigError(f"{where} is not a CIFAR-10 file ({type(err).__name__}: {err})") from err
+    if not isinstance(entry, dict):
+        raise ConfigError(f"{where} is not a CIFAR-10 file (a {type(entry).__name__}, not a dict)")
+    return entry
+
+
+class CIFAR10Files(datasets.CIFAR10):
+    """torchvision's CIFAR10 (its items, ``classes``, ``targets``) from any files in the format of
+    the python version's archive: read with a restricted unpickler and checked field by field,
+    instead of being accepted only with the official files' md5 sums."""
+
+    def __init__(self, root: Path, *, train: bool, transform: Any) -> None:
+        datasets.VisionDataset.__init__(self, str(root), transform=transform)
+        self.train = train
+        folder = root / self.base_folder
+        rows, self.targets = [], []
+        for name, _md5 in self.train_list if train else self.test_list:
+            entry = _cifar_file(folder / name, root=root)
+            data, labels = entry.get("data"), entry.get("labels")
+            where = f"data.root={str(root)!r}: {name}"
+            if not (
+                isinstance(data, np.ndarray)
+                and data.dtype == np.uint8
+                and data.ndim == 2
+                and data.shape[1] == 3 * 32 * 32
+            ):
+                raise ConfigError(f"{where}: data is not a uint8 array of N x 3072 pixels")
+            if not (
+                isinstance(labels, list)
+                and len(labels) == len(data)
+                and all(isinstance(x, int) and 0 <= x < CIFAR10_NUM_CLASSES for x in labels)
+            ):
+                raise ConfigError(f"{where}: labels is not a list of {len(data)} class numbers 0-9")
+            rows.append(data)
+            self.targets.extend(labels)
+        self.data = np.vstack(rows).reshape(-1, 3, 32, 32).transpose((0, 2, 3, 1))  # HWC
+        meta = _cifar_file(folder / self.meta["filename"], root=root)
+        names = meta.get(self.meta["key"])
+        if not (isinstance(names, list) and len(names) == CIFAR10_NUM_CLASSES):
+            raise ConfigError(
+                f"data.root={str(root)!r}: batches.meta has no list of 10 label_names"
+            )
+        self.classes = [str(n) for n in names]
+        self.class_to_idx = {n: i for i, n in enumerate(self.classes)}
+
+
+def _cifar10_split(cfg: DataConfig, root: Path, *, train: bool, transform) -> datasets.CIFAR10:
+    if cfg.download:  # torchvision fetches the archive and checks its md5 sum
+        datasets.CIFAR10(str(root), train=train, download=True)
+    return CIFAR10Files(root, train=train, transform=transform)
 
 
 def build_cifar10(cfg: DataConfig) -> tuple[Dataset, Dataset]:
@@ -635,7 +742,7 @@ def build_cifar10(cfg: DataConfig) -> tuple[Dataset, Dataset]:
     root = _require_root(cfg)
     _require_rgb(cfg)
     _require_cifar_shape(cfg)
-    train_tf, val_tf = cifar10_transforms()
+    train_tf, val_tf = build_transforms(cfg, mean=CIFAR10_MEAN, std=CIFAR10_STD)
     train = _cifar10_split(cfg, root, train=True, transform=train_tf)
     val = _cifar10_split(cfg, root, train=False, transform=val_tf)
     logger.info("cifar10 %s: %d train / %d val images", root, len(train), len(val))

@@ -20,8 +20,8 @@ text (as ``data.name=text`` does).
 
 Images (``data.text_column`` null): ``data.image_column`` holds an ``Image`` feature (or raw
 encoded bytes), ``data.label_column`` a ``ClassLabel`` or an integer column. Each image is decoded
-with PIL, converted to RGB and transformed exactly as an image folder's files are (the ImageNet
-recipe of :func:`~sdnet_trainer.data.folders.imagenet_transforms`); one that does not decode
+with PIL, converted to RGB and transformed exactly as an image folder's files are (``data.augment``,
+:func:`~sdnet_trainer.data.augment.build_transforms`); one that does not decode
 follows ``data.on_bad_sample`` as in :class:`~sdnet_trainer.data.folders.CheckedImageFolder`. The
 number of classes, :attr:`HFImages.num_classes`, is the ``ClassLabel``'s (a ``data.num_classes``
 that is set must equal it); a plain integer column states only a lower bound, the largest label +
@@ -61,6 +61,7 @@ from torch.utils.data import Dataset
 
 from sdnet_trainer.config.checks import check_choice
 from sdnet_trainer.config.schema import DataConfig
+from sdnet_trainer.data.augment import build_transforms
 from sdnet_trainer.data.folders import (
     ON_BAD_SAMPLE,
     BadSampleError,
@@ -68,7 +69,6 @@ from sdnet_trainer.data.folders import (
     _reason,
     _require_rgb,
     first_loadable,
-    imagenet_transforms,
 )
 from sdnet_trainer.data.tokens import _TEXT_VAL_FRACTION, BYTE_VOCAB, TextBytes, TokenWindows
 from sdnet_trainer.errors import ConfigError
@@ -482,7 +482,7 @@ def build_hf_images(
         train_rows, val_rows = rows[~held_out], rows[held_out]
         val = train
         val_name = f"every {HOLDOUT_EVERY}th row of train"
-    train_tf, val_tf = imagenet_transforms(cfg.image_size)
+    train_tf, val_tf = build_transforms(cfg)
     common: dict[str, Any] = dict(
         image_column=cfg.image_column,
         label_column=cfg.label_column,

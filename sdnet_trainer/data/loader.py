@@ -8,7 +8,8 @@ one config works on a laptop and on a GPU node alike.
 :class:`RunData` brings batches to the device. On CUDA the image data sets built here deliver
 uint8 pixels that are normalized on the device (see ``data/folders.py``), and every batch is
 copied on a side stream from pinned memory, so the copy overlaps the GPU work still queued from
-the previous step instead of waiting behind it.
+the previous step instead of waiting behind it. Training batches are then mixed there
+(``data.mixup_alpha``, ``data.cutmix_alpha``; see ``data/augment.py``).
 """
 
 from __future__ import annotations
@@ -16,13 +17,14 @@ from __future__ import annotations
 import logging
 import os
 from collections.abc import Callable, Generator
-from typing import Any, Protocol
+from typing import Any, NamedTuple, Protocol
 
 import torch
 from torch.utils.data import DataLoader, Dataset, Sampler
 
 from sdnet_trainer.config.checks import check_choice, check_positive
 from sdnet_trainer.config.schema import DataConfig
+from sdnet_trainer.data.augment import BatchMixer
 from sdnet_trainer.data.folders import (
     DECODE,
     DeviceDecoder,
@@ -201,6 +203,15 @@ def eval_loader(
     )
 
 
+class _BatchPlace(NamedTuple):
+    """Where a training micro-batch sits: its epoch, the position in the epoch's sample order of
+    the step it belongs to, and its micro-step within that step."""
+
+    epoch: int
+    step_sample: int
+    micro_step: int
+
+
 class DataPosition(Protocol):
     """Where the run stands in its data (``RunState`` provides it)."""
 
@@ -216,6 +227,10 @@ class RunData:
     deliver uint8 pixels, normalized on the device into the same float tensors the float path
     gives. Data sets built for ``data.decode=cuda`` (a ``device_decoder`` attribute) deliver
     encoded JPEG files, decoded on the device.
+
+    With ``data.mixup_alpha`` or ``data.cutmix_alpha`` set, every training micro-batch is mixed
+    on the device (:class:`~sdnet_trainer.data.augment.BatchMixer`), its draws seeded by its place
+    in the epoch; ``cfg.num_classes`` must be resolved by then.
     """
 
     def __init__(
@@ -235,6 +250,8 @@ class RunData:
         uint8_inputs: bool | None = None,
     ) -> None:
         self.device, self.channels_last = device, channels_last
+        self.dp_rank, self.grad_accum_steps = dp_rank, grad_accum_steps
+        self.mixer = BatchMixer.from_config(cfg, seed=seed)
         on_cuda = device.type == "cuda"
         self.decoder: DeviceDecoder | None = getattr(train_set, "device_decoder", None)
         self.normalize: DeviceNormalize | None = None
@@ -248,6 +265,12 @@ class RunData:
             collate = collate_encoded
         elif on_cuda if uint8_inputs is None else uint8_inputs:  # default: on CUDA
             train_set, val_set = self._defer_normalization(train_set, val_set)
+            if self.normalize is None and cfg.augment.random_erase > 0:
+                logger.info(
+                    "data.augment.random_erase=%s erases the normalized image: images are "
+                    "normalized in the loader and copied to the device as float32",
+                    cfg.augment.random_erase,
+                )
         # The host-to-device copy's own stream (see _copy).
         self._copy_stream = torch.cuda.Stream(device) if on_cuda else None
         dp = {"dp_size": dp_size, "dp_rank": dp_rank}
@@ -272,7 +295,7 @@ class RunData:
                 **dp,
             )
         self.steps_per_epoch = self.train_sampler.steps_per_epoch
-        self._batches: Generator[Any, None, None] | None = None
+        self._batches: Generator[tuple[_BatchPlace, Any], None, None] | None = None
 
     def _defer_normalization(
         self, train_set: Dataset, val_set: Dataset | None
@@ -293,19 +316,36 @@ class RunData:
         """Begin (or restart) the training iteration at ``position``."""
         self._batches = self._positioned(position)
 
-    def _positioned(self, position: DataPosition) -> Generator[Any, None, None]:
-        """Micro-batches forever, epoch after epoch; the sampler is positioned from the epoch and
-        the sample position, so the order depends only on the seed, the epoch and the global
-        sample index (not on the world size or on where a previous run stopped)."""
+    def _positioned(self, position: DataPosition) -> Generator[tuple[_BatchPlace, Any], None, None]:
+        """Micro-batches forever, epoch after epoch, each with its place; the sampler is
+        positioned from the epoch and the sample position, so the order depends only on the
+        seed, the epoch and the global sample index (not on the world size or on where a
+        previous run stopped)."""
+        sampler, accum = self.train_sampler, self.grad_accum_steps
         while True:
-            self.train_sampler.set_epoch(position.epoch)
-            self.train_sampler.set_start_sample(position.epoch_sample)
-            yield from self.train_loader
+            epoch, start = position.epoch, position.epoch_sample
+            sampler.set_epoch(epoch)
+            sampler.set_start_sample(start)
+            for i, batch in enumerate(self.train_loader):
+                step, micro_step = divmod(i, accum)
+                step_sample = start + step * sampler.global_batch_size
+                yield _BatchPlace(epoch, step_sample, micro_step), batch
 
     def next_batch(self) -> Any:
-        """The next training micro-batch, on the device."""
+        """The next training micro-batch, on the device (mixed, with ``data.mixup_alpha`` /
+        ``data.cutmix_alpha``)."""
         assert self._batches is not None, "start() positions the iteration first"
-        return self.to_device(next(self._batches))
+        place, batch = next(self._batches)
+        batch = self.to_device(batch)
+        if self.mixer is None:
+            return batch
+        return self.mixer(
+            batch,
+            epoch=place.epoch,
+            step_sample=place.step_sample,
+            micro_step=place.micro_step,
+            dp_rank=self.dp_rank,
+        )
 
     def to_device(self, batch: Any) -> Any:
         """A loader batch (training or validation) on the device, ready for the model: copied,

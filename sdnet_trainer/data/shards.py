@@ -6,8 +6,9 @@ A shard is a plain tar whose members are grouped into samples by key (the member
 first dot of its base name): ``KEY.jpg`` (or ``.png``, ``.webp``, any image type ImageFolder
 reads) plus ``KEY.cls`` (the label as a decimal integer) or ``KEY.json`` (an object with an
 integer ``label``) make a labelled image (:class:`ShardImages`, with ``data=imagefolder``'s
-transforms); ``KEY.txt`` alone makes a text sample, and a shard set of text samples is read as
-byte-level language-model windows like ``data=text`` (:class:`ShardText`).
+transforms, from ``data.augment``); ``KEY.txt`` alone makes a text sample, and a shard set of
+text samples is read as byte-level language-model windows like ``data=text``
+(:class:`ShardText`).
 
 Random access comes from an index per shard, ``SHARD.tar.idx.json`` next to it: for every sample
 its key, the member's extension, the offset of the member's bytes in the tar, their length and
@@ -38,6 +39,7 @@ files.
 from __future__ import annotations
 
 import bisect
+import gc
 import hashlib
 import io
 import itertools
@@ -62,13 +64,13 @@ from torchvision.datasets.folder import IMG_EXTENSIONS, find_classes, make_datas
 
 from sdnet_trainer.config.checks import check_choice
 from sdnet_trainer.config.schema import DataConfig
+from sdnet_trainer.data.augment import build_transforms
 from sdnet_trainer.data.folders import (
     ON_BAD_SAMPLE,
     BadSampleError,
     SkippedSamples,
     _original_message,
     first_loadable,
-    imagenet_transforms,
 )
 from sdnet_trainer.data.tokens import BYTE_VOCAB
 from sdnet_trainer.errors import ConfigError
@@ -892,6 +894,19 @@ def _text(indexes: list[ShardIndex], sizes: list[int], cfg: DataConfig) -> Shard
     )
 
 
+def _drop_remote_filesystems(root: str) -> None:
+    """Close the remote file system that listing and indexing opened, here, where its event loop
+    runs. Left in fsspec's instance cache, it would be inherited by every forked loader worker,
+    whose copy of the cache fsspec clears: collecting the instance there waits a full second for
+    an event loop no thread of the worker runs (about 1 s per worker, and half the HTTP
+    throughput of one worker, by scripts/bench_data.py). Readers open their own, lazily."""
+    fs, _ = fsspec.core.url_to_fs(root)
+    if not isinstance(fs, LocalFileSystem):
+        type(fs).clear_instance_cache()
+        del fs
+        gc.collect()
+
+
 def build_shards(cfg: DataConfig) -> tuple[_ShardSet, _ShardSet | None]:
     """(train, val) from tar shards at ``data.root``: a folder (or URL) with ``train/`` and
     ``val/`` shard sets, or a brace pattern naming the training shards only (no validation set).
@@ -928,11 +943,12 @@ def build_shards(cfg: DataConfig) -> tuple[_ShardSet, _ShardSet | None]:
                 f"classes ({CLASSES_FILE}); set data.num_classes (and model.num_classes) to "
                 f"{len(classes)}"
             )
-        transforms = dict(zip(SPLITS, imagenet_transforms(cfg.image_size)))
+        transforms = dict(zip(SPLITS, build_transforms(cfg)))
         built = {
             s: _images(*loaded[s], cfg, transform=transforms[s], classes=classes) for s in loaded
         }
     train, val = built["train"], built.get("val")
+    _drop_remote_filesystems(root)
     logger.info(
         "shards %s: %s %d train / %s val samples in %d / %s shards",
         root,

@@ -1,4 +1,5 @@
-"""Rank-aware logging, metrics writers (TensorBoard, JSONL), progress bar and step meters."""
+"""Rank-aware logging, the metrics writer and its trackers (TensorBoard, JSONL, CSV, MLflow, W&B)
+and sinks (the Prometheus exporter), progress bar and step meters."""
 
 from sdnet_trainer.observability.logs import setup_logging
 from sdnet_trainer.observability.meters import StepMeter, peak_memory_mb

@@ -10,6 +10,7 @@ import pytest
 import torch
 from torch.utils.data import default_collate
 
+from sdnet_trainer.config.schema import AugmentConfig
 from sdnet_trainer.data import BadSampleError, build_datasets
 from sdnet_trainer.data.folders import collate_encoded
 from sdnet_trainer.data.loader import RunData
@@ -115,7 +116,7 @@ def test_decode_cuda_batches_match_the_cpu_decoder(tmp_path):
     on_cpu = data.decoder(batch, torch.device("cpu"))
     assert (on_gpu - on_cpu).abs().mean() < 0.05
     # And against the PIL float path: the same center crops, resampled differently.
-    _, pil_val = build_datasets(_cfg(root, image_size=24))
+    _, pil_val = build_datasets(_cfg(root, image_size=24, augment=AugmentConfig(preset="imagenet")))
     expected = default_collate([pil_val[i] for i in range(len(pil_val))])[0]
     assert (on_gpu - expected).abs().mean() < 0.1
 

@@ -18,6 +18,7 @@ from pathlib import Path
 
 import torch
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+from torch.distributed.tensor import DTensor
 
 from sdnet_trainer import Trainer
 from sdnet_trainer.config import compose
@@ -53,8 +54,17 @@ class LayoutRecorder(Trainer):
         params = {}
         for part in all_gather_objects(local):  # pipeline stages hold different names
             params.update(part)
+        ema: dict[str, torch.Tensor] = {}
+        if self.ema is not None:
+            local = {
+                k: (v.full_tensor() if isinstance(v, DTensor) else v).detach().float().cpu()
+                for k, v in self.ema.state_dict().items()
+            }
+            for part in all_gather_objects(local):
+                ema.update(part)
         return {
             "losses": self.losses,
+            "ema": ema,
             "grad_norms": self.grad_norms,
             "metrics": metrics,
             "params": params,

@@ -67,6 +67,23 @@ def test_a_non_log_step_adds_no_collective_or_host_sync(tmp_path, reference, npr
     ]
 
 
+def test_weight_average_under_ddp_matches_one_process_and_costs_no_sync(tmp_path):
+    """model.ema under DDP: the same average and val_ema/* as one process, and its per-step
+    update adds no collective and no host synchronisation."""
+    ema = ["model.ema.enabled=true", "model.ema.decay=0.5"]
+    single, ddp = _run(tmp_path, "ema1", ema), _run(tmp_path, "ema2", ema, nproc=2)
+    assert single["ema"].keys() == ddp["ema"].keys() and single["ema"]
+    for name, value in single["ema"].items():
+        torch.testing.assert_close(ddp["ema"][name], value, rtol=1e-4, atol=1e-6, msg=name)
+        if value.is_floating_point() and "running" not in name:
+            assert not torch.equal(value, single["params"][name]), name
+    for key in ("val_ema/loss", "val_ema/top1"):
+        assert ddp["metrics"][key] == pytest.approx(single["metrics"][key], rel=1e-4)
+    collectives, reads = NON_LOG_STEP_COSTS[2]
+    non_log = {step: (c, h) for step, c, h in ddp["step_costs"] if step % 2}
+    assert non_log == {1: (collectives, 0), 3: (collectives, reads), 5: (collectives, reads)}
+
+
 def test_accumulation_under_ddp_matches_and_syncs_only_on_the_last_micro_step(tmp_path, reference):
     run = _run(tmp_path, "ddp2_accum2", ["loop.grad_accum_steps=2"], nproc=2)
     _assert_same_training(run, reference)

@@ -23,7 +23,7 @@ def test_gpt_1b_under_fsdp_never_holds_the_whole_model(tmp_path):
             "data.val_size=8",
             "loop.global_batch_size=4",
             "loop.max_steps=1",
-            "logging.tensorboard=false",
+            "logging.trackers=[jsonl]",
         ],
         cwd=tmp_path,
         nproc=4,

@@ -28,9 +28,14 @@ COMMON = [
     "loop.max_steps=5",
     "loop.global_batch_size=16",
     "loop.eval_at_epoch_end=false",
-    "logging.tensorboard=false",
+    "logging.trackers=[jsonl]",
     "logging.log_every_n_steps=5",
     "checkpoint.save_on_exit=false",
+    # The weights' moving average in every layout (decay 0.5: 5 steps move it visibly away from
+    # the weights), compared with the single process's, and evaluated as val_ema/*.
+    "model.ema.enabled=true",
+    "model.ema.decay=0.5",
+    "model.ema.warmup_steps=1",
 ]
 # Clipping at 0.5 is active on every GPT step (norms 1-3): clipping by the global norm is checked
 # too.
@@ -187,6 +192,15 @@ def _assert_same_training(run: dict, ref: dict, family: str) -> None:
     assert params.keys() == expected.keys()  # original names, every stage and shard gathered
     for name, value in expected.items():
         torch.testing.assert_close(params[name], value, rtol=1e-4, atol=tol["params"], msg=name)
+    # The average, gathered from shards and stages like the weights, follows them in every layout.
+    ema, expected_ema = (
+        _trained_params({"params": run["ema"]}),
+        _trained_params({"params": ref["ema"]}),
+    )
+    assert ema.keys() == expected_ema.keys() and ema.keys() <= params.keys()
+    for name, value in expected_ema.items():
+        torch.testing.assert_close(ema[name], value, rtol=1e-4, atol=tol["params"], msg=name)
+        assert not torch.equal(value, expected[name]), name  # an average, not the weights
 
 
 @pytest.mark.parametrize(
@@ -204,6 +218,11 @@ def test_layout_matches_single_process(runs, name):
         # Evaluation over sharded / pipelined models equals the single process's. Not for ResNets
         # with several data-parallel ranks: each keeps its own BatchNorm running statistics.
         assert run["metrics"]["val/loss"] == pytest.approx(ref["metrics"]["val/loss"], rel=1e-4)
+        # ... and so does the average's, evaluated in the model's place.
+        assert run["metrics"]["val_ema/loss"] == pytest.approx(
+            ref["metrics"]["val_ema/loss"], rel=1e-4
+        )
+        assert run["metrics"]["val_ema/loss"] != run["metrics"]["val/loss"]
 
 
 @pytest.mark.parametrize(
@@ -223,7 +242,12 @@ def test_checkpoint_loads_across_layouts(runs, saved, loaded):
     assert reader["losses"] == []  # resumed at the last step: nothing left to train
     for name, value in writer["params"].items():
         torch.testing.assert_close(reader["params"][name], value, rtol=0, atol=0, msg=name)
+    for name, value in writer["ema"].items():  # the average is resharded like the weights
+        torch.testing.assert_close(reader["ema"][name], value, rtol=0, atol=0, msg=name)
     assert reader["metrics"]["val/loss"] == pytest.approx(writer["metrics"]["val/loss"], rel=1e-5)
+    assert reader["metrics"]["val_ema/loss"] == pytest.approx(
+        writer["metrics"]["val_ema/loss"], rel=1e-5
+    )
 
 
 def _param_row_bytes(params: dict[str, torch.Tensor]) -> tuple[int, int]:
@@ -261,10 +285,14 @@ def test_zero1_shards_only_the_optimizer_state(runs, name):
         assert rank_bytes["optim"] <= full["optim"] / 4 + largest
 
 
+@pytest.mark.parametrize("ema", [False, True])
 @pytest.mark.parametrize("saved", ["gpt_fsdp2_saved", "gpt_pp_saved"])
-def test_export_consolidates_sharded_and_pipelined_checkpoints(runs, layout_dir, tmp_path, saved):
+def test_export_consolidates_sharded_and_pipelined_checkpoints(
+    runs, layout_dir, tmp_path, saved, ema
+):
     """python -m sdnet_trainer.export on a checkpoint written by FSDP shards or pipeline stages:
-    one full state dict, loadable with weights_only=True, equal to the trained weights."""
+    one full state dict, loadable with weights_only=True, equal to the trained weights (with
+    ema=true, to their moving average)."""
     checkpoint = layout_dir / saved / "checkpoints" / "step_00000005"
     # The worker's recording Trainer subclass runs as a script; its model is the stock one.
     assert (
@@ -274,13 +302,17 @@ def test_export_consolidates_sharded_and_pipelined_checkpoints(runs, layout_dir,
                 "format=pt",
                 f"out={tmp_path}",
                 "trainer=sdnet_trainer.Trainer",
+                f"ema={str(ema).lower()}",
             ]
         )
         == 0
     )
     weights = torch.load(tmp_path / "model.pt", weights_only=True)
-    writer = runs[saved]["params"]
-    assert weights.keys() == writer.keys()
+    writer = runs[saved]["ema" if ema else "params"]
+    # The average has each tied tensor once; the export has every name of the bare model.
+    assert weights.keys() >= writer.keys()
+    if not ema:
+        assert weights.keys() == writer.keys()
     for name, value in writer.items():
         torch.testing.assert_close(weights[name].float(), value, rtol=0, atol=0, msg=name)
 

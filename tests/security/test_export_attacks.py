@@ -50,7 +50,7 @@ def checkpoint(tmp_path_factory) -> Path:
             "loop.max_steps=1",
             "loop.global_batch_size=32",
             "loop.eval_at_end=false",
-            "logging.tensorboard=false",
+            "logging.trackers=[jsonl]",
         ]
     )
     Trainer(cfg, output_dir=run_dir).fit()

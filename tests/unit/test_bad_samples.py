@@ -219,7 +219,9 @@ def test_skipped_samples_finds_the_counter_through_wrappers(tmp_path):
 
 def test_metrics_hook_logs_skipped_samples(tmp_path):
     def hook(directory: Path, bad_samples) -> list[dict]:
-        writer = MetricsWriter(directory, enabled=True, tensorboard=False, jsonl=True)
+        writer = MetricsWriter(
+            directory, LoggingConfig(trackers=["jsonl"]), enabled=True, run_name="test", config={}
+        )
         figures = RunFigures(total_steps=2, samples_per_epoch=8, metric_weight=1.0, world_size=1)
         metrics = MetricsHook(
             LoggingConfig(log_every_n_steps=1, progress_bar="off", flops=False),

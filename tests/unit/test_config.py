@@ -22,6 +22,7 @@ RECIPES = [
     "resnet152_fsdp",
     "resnet152_pipeline",
     "resnet18_cifar10",
+    "resnet50",
 ]
 # Recipes with pipeline stages or tensor-parallel groups need that many ranks at least.
 MODEL_PARALLEL = {"gpt_pipeline", "gpt_tp_fsdp", "resnet152_pipeline"}

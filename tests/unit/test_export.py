@@ -184,7 +184,7 @@ def test_gpt_exports_with_token_inputs(tmp_path):
             "loop.max_steps=1",
             "loop.global_batch_size=8",
             "loop.eval_at_end=false",
-            "logging.tensorboard=false",
+            "logging.trackers=[jsonl]",
         ]
     )
     Trainer(cfg, output_dir=tmp_path).fit()

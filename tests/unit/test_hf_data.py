@@ -22,7 +22,8 @@ from torch.utils.data import DataLoader
 from sdnet_trainer import Trainer
 from sdnet_trainer.config import compose
 from sdnet_trainer.config.schema import DataConfig
-from sdnet_trainer.data.folders import BadSampleError, imagenet_transforms
+from sdnet_trainer.data.augment import build_transforms
+from sdnet_trainer.data.folders import BadSampleError
 from sdnet_trainer.data.hf import HFImages, TokenWindows, build_hf
 from sdnet_trainer.data.tokens import TextBytes
 from sdnet_trainer.distributed.ddp import unwrap
@@ -105,7 +106,7 @@ def test_saved_dataset_dict_gives_the_images_labels_and_classlabel_count(tmp_pat
     assert (len(train), len(val)) == (12, 5)
     assert (train.num_classes, train.classes) == (3, CLASSES)
     assert (val.num_classes, val.classes) == (3, CLASSES)
-    train_tf, val_tf = imagenet_transforms(16)
+    train_tf, val_tf = build_transforms(_cfg(None))
     # Validation: deterministic, exactly ImageFolder's val transform of the stored image.
     for i in range(len(val)):
         image, label = val[i]
@@ -148,7 +149,7 @@ def test_single_saved_dataset_holds_out_every_tenth_row(tmp_path):
     table.save_to_disk(str(tmp_path / "single"))
     train, val = build_hf(_cfg(tmp_path / "single"))
     assert (len(train), len(val)) == (23, 2)
-    _, val_tf = imagenet_transforms(16)
+    _, val_tf = build_transforms(_cfg(None))
     for k, row in enumerate((9, 19)):
         image, label = val[k]
         assert label == row % 3
@@ -172,7 +173,7 @@ def test_parquet_folder_in_hub_layout_with_integer_labels(tmp_path, caplog):
     assert train.num_classes == 5 and train.classes is None
     assert "largest label + 1 = 5" in caplog.text
     assert [train[i][1] for i in range(9)] == [0, 4, 2, 1, 0, 4, 3, 2, 1]
-    _, val_tf = imagenet_transforms(16)
+    _, val_tf = build_transforms(_cfg(None))
     assert val[1][1] == 2 and torch.equal(val[1][0], val_tf(_rgb(_png(51))))
     # An integer column only bounds the count from below: a larger data.num_classes is the count
     # (a class may have no rows), a smaller one is an error.
@@ -209,7 +210,7 @@ def test_raw_image_bytes_column_and_a_single_parquet_file(tmp_path):
     cfg = _cfg(tmp_path / "all.parquet", image_column="png", label_column="y", num_classes=2)
     train, val = build_hf(cfg)
     assert (len(train), len(val)) == (9, 1)
-    _, val_tf = imagenet_transforms(16)
+    _, val_tf = build_transforms(_cfg(None))
     assert val[0][1] == 1 and torch.equal(val[0][0], val_tf(_rgb(_png(9))))
 
 

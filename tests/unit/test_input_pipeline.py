@@ -14,7 +14,7 @@ from PIL import Image
 from torch.utils.data import default_collate
 from torchvision import transforms
 
-from sdnet_trainer.config.schema import DataConfig
+from sdnet_trainer.config.schema import AugmentConfig, DataConfig
 from sdnet_trainer.data import BadSampleError, SyntheticImages, build_datasets
 from sdnet_trainer.data.folders import (
     DeviceNormalize,
@@ -228,7 +228,8 @@ def test_decode_cuda_pipeline_matches_the_pil_path_on_the_cpu_decoder(tmp_path):
     decoder standing in for nvjpeg: the validation images agree with the PIL path's up to the
     resampling difference (same center crop, float vs PIL antialiasing)."""
     root = _tree(tmp_path)
-    cfg = _cfg(root, image_size=24)
+    # data.decode=cuda is the imagenet preset; the PIL path at 24 px would pick cifar's (auto).
+    cfg = _cfg(root, image_size=24, augment=AugmentConfig(preset="imagenet"))
     encoded_train, encoded_val = build_datasets(_cfg(root, image_size=24, decode="cuda"))
     assert isinstance(encoded_val, EncodedJpegFolder)
     _, pil_val = build_datasets(cfg)

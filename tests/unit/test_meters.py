@@ -159,7 +159,9 @@ def test_cuda_memory_window_resets_the_peak_after_each_read(monkeypatch):
 
 
 def _log_one_step(directory: Path, device: torch.device, meter: StepMeter) -> dict:
-    writer = MetricsWriter(directory, enabled=True, tensorboard=False, jsonl=True)
+    writer = MetricsWriter(
+        directory, LoggingConfig(trackers=["jsonl"]), enabled=True, run_name="test", config={}
+    )
     figures = RunFigures(total_steps=2, samples_per_epoch=8, metric_weight=1.0, world_size=1)
     hook = MetricsHook(
         LoggingConfig(log_every_n_steps=1, progress_bar="off", flops=False),

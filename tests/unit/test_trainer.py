@@ -292,3 +292,37 @@ def test_a_user_hook_runs_after_the_default_hooks_in_declared_order(tmp_path):
     # after_train runs after the final evaluation and the summary: the run's metrics are in.
     assert after[0] == "after" and after[1] == 3 and after[2] == metrics
     assert "val/loss" in metrics and "summary/steps" in metrics
+
+
+def test_each_checkpoint_save_is_reported_with_its_time_and_bytes(tmp_path):
+    """checkpoint/save_seconds, checkpoint/bytes and checkpoint/step reach the metrics writer (and
+    so metrics.jsonl, the trackers and the Prometheus exporter) at every save."""
+    trainer = Trainer(
+        compose(TINY + ["loop.max_steps=4", "checkpoint.every_n_steps=2"]), output_dir=tmp_path
+    )
+    trainer.fit()
+    rows = [r for r in read_jsonl(tmp_path / "metrics.jsonl") if "checkpoint/step" in r]
+    assert [(r["step"], r["checkpoint/step"]) for r in rows] == [(2, 2.0), (4, 4.0)]
+    for row in rows:
+        folder = tmp_path / "checkpoints" / f"step_{row['step']:08d}"
+        written = sum(p.stat().st_size for p in folder.glob("*.distcp"))
+        # The tensors' bytes; the files add headers and the small pickled entries.
+        assert 0.8 * written <= row["checkpoint/bytes"] <= written
+        assert 0 < row["checkpoint/save_seconds"] < 60
+
+
+def test_a_failed_setup_releases_the_metrics_writer_and_its_port(tmp_path):
+    """Set-up that fails after the writer exists (here: resuming from a path that holds no
+    checkpoint) leaves no Prometheus server behind once the Trainer is closed."""
+    import socket
+
+    from tests.unit.test_prometheus import free_port
+
+    port = free_port()
+    overrides = [f"logging.prometheus.port={port}", f"checkpoint.resume={tmp_path / 'none'}"]
+    trainer = Trainer(compose(TINY + overrides), output_dir=tmp_path)
+    with pytest.raises(Exception, match="none"):
+        trainer.setup()
+    trainer.close()
+    with socket.socket() as probe:
+        probe.bind(("0.0.0.0", port))  # free again

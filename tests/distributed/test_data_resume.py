@@ -1,0 +1,112 @@
+"""Exact resume on the data sets read from files other than an image folder: tar shards
+(data=shards) and a Hugging Face dataset on disk (data=hf), both made from scikit-learn's digits
+(scripts/make_digits.py), under torchrun with gloo.
+
+A run stopped by SIGTERM at step 3 is resumed twice from the same checkpoint: with 2 processes it
+ends bitwise equal to the uninterrupted 2-process run; with 1 process (the global batch kept) it
+trains on every sample of the epoch exactly once, the same samples as the uninterrupted run, and
+ends at the same weights within float tolerance. The method of tests/distributed/test_faults.py
+for the synthetic images, here with the random crops of the real data sets' training transforms.
+"""
+
+from __future__ import annotations
+
+import shutil
+from importlib.util import find_spec
+
+import pytest
+import torch
+
+from tests.support import (
+    CPU,
+    DIGITS_TRAIN,
+    FINAL_STATE,
+    convert_to_shards,
+    image_folder_to_hf,
+    make_digits,
+    run_cli,
+    seen_samples,
+)
+
+GLOBAL_BATCH = 64
+STEPS = DIGITS_TRAIN // GLOBAL_BATCH  # one epoch: 22 steps, 1,408 of the 1,437 images
+COMMON = [
+    *CPU,
+    "trainer._target_=tests.support.FaultTrainer",  # records each rank's sample indices
+    "model=simple_cnn",
+    "data.image_size=16",
+    "data.num_workers=1",
+    "optim=sgd",
+    "optim.lr=0.05",
+    "sched=cosine",
+    f"loop.global_batch_size={GLOBAL_BATCH}",
+    f"loop.max_steps={STEPS}",
+    "loop.eval_at_end=false",
+    "loop.eval_at_epoch_end=false",
+    "logging.log_every_n_steps=2",
+]
+# No dropout: a resume on another world size re-derives the per-rank random streams, and the
+# uninterrupted run is the reference of both resumes.
+ENV = {"SDNET_TEST_DROPOUT": "0"}
+
+
+@pytest.fixture(scope="module")
+def digits(tmp_path_factory):
+    return make_digits(tmp_path_factory.mktemp("digits") / "folder", size=16)
+
+
+def _data_args(kind: str, digits, base) -> list[str]:
+    if kind == "shards":
+        shards = convert_to_shards(digits, base / "shards", shard_size=300)
+        return ["data=shards", f"data.root={shards}"]
+    if find_spec("datasets") is None:
+        pytest.skip("needs the hf extra: pip install 'sdnet_trainer[hf]'")
+    return ["data=hf", f"data.root={image_folder_to_hf(digits, base / 'hf')}"]
+
+
+def _final(run_dir) -> dict:
+    return torch.load(run_dir / FINAL_STATE, weights_only=True)
+
+
+@pytest.mark.parametrize("kind", ["shards", "hf"])
+def test_resume_is_bitwise_and_on_one_process_sees_each_sample_once(kind, digits, tmp_path):
+    args = [*COMMON, *_data_args(kind, digits, tmp_path)]
+
+    def launch(run_dir, nproc, env=ENV):
+        return run_cli(
+            [*args, f"hydra.run.dir={run_dir}"],
+            cwd=tmp_path,
+            nproc=nproc if nproc > 1 else None,
+            env=env,
+        )
+
+    reference = launch(tmp_path / "ref", 2)
+    assert reference.returncode == 0, reference.output
+    # Preempted during step 2: the ranks agree during step 3, save it and exit.
+    stopped = launch(tmp_path / "same", 2, env={**ENV, "SDNET_TEST_SIGTERM": "0:2"})
+    assert stopped.returncode != 0 and "SIGTERM: stopped at step 3" in stopped.output, (
+        stopped.output
+    )
+    shutil.copytree(tmp_path / "same", tmp_path / "other")  # the checkpoint and the seen files
+    expected = _final(tmp_path / "ref")
+    epoch = seen_samples(tmp_path / "ref")
+    assert len(epoch) == len(set(epoch)) == STEPS * GLOBAL_BATCH
+
+    same = launch(tmp_path / "same", 2)
+    assert same.returncode == 0, same.output
+    assert "resumed from" in same.output and "step_00000003" in same.output
+    got = _final(tmp_path / "same")
+    assert got["losses"] == expected["losses"][3:]
+    for name, value in expected["params"].items():
+        assert torch.equal(got["params"][name], value), name
+    assert sorted(seen_samples(tmp_path / "same")) == sorted(epoch)
+
+    other = launch(tmp_path / "other", 1)
+    assert other.returncode == 0, other.output
+    assert "written by 2 ranks; random streams re-derived" in other.output
+    seen = seen_samples(tmp_path / "other")
+    assert sorted(seen) == sorted(epoch)  # the whole epoch, every sample exactly once
+    got = _final(tmp_path / "other")
+    assert got["losses"] == pytest.approx(expected["losses"][3:], rel=1e-4)
+    for name, value in expected["params"].items():
+        torch.testing.assert_close(got["params"][name], value, rtol=1e-4, atol=1e-6)
