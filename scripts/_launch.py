@@ -96,3 +96,13 @@ def timed_launch(cmd: list[str], log_path: Path, timeout: float) -> tuple[float,
         foreign = (machine_after - machine_before) - (own_cpu_seconds() - own_before)
         other = max(foreign, 0.0) / seconds
     return seconds, other
+
+
+def load_line(before: tuple[float, float, float], after: tuple[float, float, float]) -> str:
+    """The machine's load averages around a measurement (``os.getloadavg()`` before and after),
+    as the benchmarks print them: a busy machine makes a run's figures unreliable."""
+    return (
+        f"machine load average (1, 5, 15 min): before {before[0]:.2f} {before[1]:.2f} "
+        f"{before[2]:.2f}, after {after[0]:.2f} {after[1]:.2f} {after[2]:.2f}, "
+        f"on {os.cpu_count()} CPUs"
+    )

@@ -54,6 +54,7 @@ from pathlib import Path
 from typing import cast
 
 import torch
+from _launch import load_line  # scripts/ is on sys.path when run as a script
 from torch import nn
 from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_optimizer_state_dict
 
@@ -277,11 +278,7 @@ def main() -> int:
         "of the rest); waited: median seconds the loop waited for the previous save to commit "
         "before the next one could start"
     )
-    print(
-        f"machine load average (1, 5, 15 min): before {load_before[0]:.2f} {load_before[1]:.2f} "
-        f"{load_before[2]:.2f}, after {load_after[0]:.2f} {load_after[1]:.2f} "
-        f"{load_after[2]:.2f}, on {os.cpu_count()} CPUs"
-    )
+    print(load_line(load_before, load_after))
     return 0
 
 

@@ -56,6 +56,7 @@ from typing import Any
 
 import numpy as np
 import torch
+from _launch import load_line  # scripts/ is on sys.path when run as a script
 from PIL import Image
 from torch.utils.data import DataLoader, Dataset
 
@@ -308,11 +309,7 @@ def main() -> int:
         f"deep: sample {deep} of the {epoch} of the epoch ({deep / epoch:.0%}); medians of "
         f"{args.rounds} round(s), each source measured in a fresh process"
     )
-    print(
-        f"machine load average (1, 5, 15 min): before {load_before[0]:.2f} {load_before[1]:.2f} "
-        f"{load_before[2]:.2f}, after {load_after[0]:.2f} {load_after[1]:.2f} "
-        f"{load_after[2]:.2f}, on {os.cpu_count()} CPUs"
-    )
+    print(load_line(load_before, load_after))
     return 0
 
 

@@ -73,11 +73,14 @@ class WeightAverage(HookBase):
         Weights and shards keep their storage (loading and optimizer steps write in place)."""
         self._weights = [_local(live[name]) for name in self.average]
         self._averages = [_local(average) for average in self.average.values()]
-        floating = [i for i, t in enumerate(self._averages) if t.is_floating_point()]
-        other = [i for i in range(len(self._averages)) if i not in set(floating)]
-        self._averaged = [self._averages[i] for i in floating]
-        self._current = [self._weights[i] for i in floating]
-        self._copied = [(self._averages[i], self._weights[i]) for i in other]
+        floating = [t.is_floating_point() for t in self._averages]
+        pairs = list(zip(self._averages, self._weights, floating))
+        self._averaged = [average for average, _, f in pairs if f]
+        self._current = [weight for _, weight, f in pairs if f]
+        # Integer buffers (BatchNorm's counters) follow the weights: one fused copy, not a
+        # Python loop over the layers every step.
+        self._followers = [average for average, _, f in pairs if not f]
+        self._followed = [weight for _, weight, f in pairs if not f]
 
     def _reshard(self) -> None:
         """FSDP modules back to their shards: after an evaluation, modules that keep their
@@ -106,8 +109,8 @@ class WeightAverage(HookBase):
 
     @torch.no_grad()
     def update(self, step: int) -> None:
-        for target, source in self._copied:
-            target.copy_(source)
+        if self._followers:
+            torch._foreach_copy_(self._followers, self._followed)
         if not self._averaged:
             return
         if step <= self.warmup_steps:

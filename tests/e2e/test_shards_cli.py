@@ -3,16 +3,13 @@ torchrun, locally and from http:// URLs, step for step like the ImageFolder it c
 
 from __future__ import annotations
 
-import functools
 import json
 import sys
-import threading
-from http.server import ThreadingHTTPServer
 
 import pytest
 
 from tests.support import TINY, read_jsonl, run_cli, run_command
-from tests.unit.test_shards import _folder, _RangeHandler
+from tests.unit.test_shards import _folder, range_server
 
 
 @pytest.fixture(scope="module")
@@ -76,15 +73,6 @@ def test_two_processes_train_on_shards_like_on_the_folder(converted):
     folder = _losses(src, base / "folder_run", data_name="imagefolder")
     assert len(folder) == 6
     assert _losses(out, base / "shards_run", data_name="shards") == pytest.approx(folder, rel=1e-6)
-    handler = functools.partial(_RangeHandler, directory=str(out))
-    server = ThreadingHTTPServer(("127.0.0.1", 0), handler)
-    thread = threading.Thread(target=server.serve_forever, daemon=True)
-    thread.start()
-    try:
-        url = f"http://127.0.0.1:{server.server_address[1]}"
+    with range_server(out) as url:
         remote = _losses(url, base / "http_run", data_name="shards")
-    finally:
-        server.shutdown()
-        server.server_close()
-        thread.join(timeout=10)
     assert remote == pytest.approx(folder, rel=1e-6)

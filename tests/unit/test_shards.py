@@ -4,6 +4,7 @@ named by shard and key."""
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import json
 import logging
@@ -12,6 +13,7 @@ import pickle
 import random
 import re
 import threading
+from collections.abc import Iterator
 from http import HTTPStatus
 from http.server import SimpleHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
@@ -156,10 +158,11 @@ class _Limited:
         self.f.close()
 
 
-@pytest.fixture
-def http_root(converted):
-    _, out = converted
-    handler = functools.partial(_RangeHandler, directory=str(out))
+@contextlib.contextmanager
+def range_server(directory: Path) -> Iterator[str]:
+    """``directory`` served by :class:`_RangeHandler` on a free port of 127.0.0.1, from a thread;
+    yields the base URL."""
+    handler = functools.partial(_RangeHandler, directory=str(directory))
     server = ThreadingHTTPServer(("127.0.0.1", 0), handler)
     thread = threading.Thread(target=server.serve_forever, daemon=True)
     thread.start()
@@ -169,6 +172,13 @@ def http_root(converted):
         server.shutdown()
         server.server_close()
         thread.join(timeout=10)
+
+
+@pytest.fixture
+def http_root(converted):
+    _, out = converted
+    with range_server(out) as url:
+        yield url
 
 
 # --------------------------------------------------------------------------------------------
@@ -699,21 +709,12 @@ def test_text_shards_give_the_windows_of_data_text(text_shards):
 
 def test_text_shards_over_http(text_shards):
     _, out = text_shards
-    handler = functools.partial(_RangeHandler, directory=str(out))
-    server = ThreadingHTTPServer(("127.0.0.1", 0), handler)
-    thread = threading.Thread(target=server.serve_forever, daemon=True)
-    thread.start()
-    try:
-        url = f"http://127.0.0.1:{server.server_address[1]}"
+    with range_server(out) as url:
         remote, _ = build_shards(_text_cfg(url))
         local, _ = build_shards(_text_cfg(out))
         clone = pickle.loads(pickle.dumps(remote))
         for index in range(len(local)):
             assert torch.equal(clone[index][0], local[index][0])
-    finally:
-        server.shutdown()
-        server.server_close()
-        thread.join(timeout=10)
 
 
 class _TextBytesTrainer(RecordingTrainer):
