@@ -110,3 +110,38 @@ def test_resume_is_bitwise_and_on_one_process_sees_each_sample_once(kind, digits
     assert got["losses"] == pytest.approx(expected["losses"][3:], rel=1e-4)
     for name, value in expected["params"].items():
         torch.testing.assert_close(got["params"][name], value, rtol=1e-4, atol=1e-6)
+
+
+# The random parts of the training data, all on at once: per-sample augmentations, and the
+# batch mixing that the batch seeds decide.
+AUGMENT = ["data.augment.auto_augment=ta_wide", "data.augment.random_erase=0.25"]
+MIXING = [*AUGMENT, "data.mixup_alpha=0.2", "data.cutmix_alpha=1.0"]
+
+
+def test_mixed_batches_on_two_processes_resume_bitwise(digits, tmp_path):
+    """MixUp/CutMix (on each rank's device batch, seeded by its place and data-parallel rank),
+    TrivialAugment and random erasing on 2 ranks: a run stopped at step 3 and resumed ends
+    bitwise equal to the uninterrupted run, and the mixing took place (other losses than the
+    same augmented run without it)."""
+    steps = 6
+    args = [a for a in COMMON if not a.startswith("loop.max_steps=")]
+    args += [f"loop.max_steps={steps}", *_data_args("shards", digits, tmp_path)]
+
+    def launch(run_dir, extra, env=ENV):
+        return run_cli([*args, *extra, f"hydra.run.dir={run_dir}"], cwd=tmp_path, nproc=2, env=env)
+
+    plain = launch(tmp_path / "plain", AUGMENT)
+    mixed = launch(tmp_path / "mixed", MIXING)
+    assert plain.returncode == 0 and mixed.returncode == 0, plain.output + mixed.output
+    expected = _final(tmp_path / "mixed")
+    assert len(expected["losses"]) == steps
+    assert expected["losses"][0] != _final(tmp_path / "plain")["losses"][0]
+
+    stopped = launch(tmp_path / "resumed", MIXING, env={**ENV, "SDNET_TEST_SIGTERM": "0:2"})
+    assert "SIGTERM: stopped at step 3" in stopped.output, stopped.output
+    resumed = launch(tmp_path / "resumed", MIXING)
+    assert resumed.returncode == 0 and "resumed from" in resumed.output, resumed.output
+    got = _final(tmp_path / "resumed")
+    assert got["losses"] == expected["losses"][3:]
+    for name, value in expected["params"].items():
+        assert torch.equal(got["params"][name], value), name
