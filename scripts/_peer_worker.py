@@ -43,10 +43,10 @@ from torchvision.models.resnet import BasicBlock, Bottleneck
 
 from sdnet_trainer.config.schema import ModelConfig
 from sdnet_trainer.data import SyntheticImages
-from sdnet_trainer.hooks import HookBase
 from sdnet_trainer.models import build_model
-from sdnet_trainer.state import RunState, StepResult
-from sdnet_trainer.trainer import Trainer
+from sdnet_trainer.training.hooks import HookBase
+from sdnet_trainer.training.state import RunState, StepResult
+from sdnet_trainer.training.trainer import Trainer
 
 REPO = Path(__file__).resolve().parent.parent
 SIDES = ("hand", "trainer", "lightning", "accelerate")

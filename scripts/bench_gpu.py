@@ -66,9 +66,9 @@ import torch
 from _launch import REPO, LaunchError, timed_launch  # scripts/ is on sys.path
 from _peer_worker import StepWindow, write_json
 
-from sdnet_trainer.hooks import HookBase
-from sdnet_trainer.state import RunState, StepResult
-from sdnet_trainer.trainer import Trainer
+from sdnet_trainer.training.hooks import HookBase
+from sdnet_trainer.training.state import RunState, StepResult
+from sdnet_trainer.training.trainer import Trainer
 
 SECTIONS = ("resnet50", "gpt_1b", "loader")
 SIDES = ("trainer", "hand")

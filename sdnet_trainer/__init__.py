@@ -3,9 +3,9 @@
 from sdnet_trainer.cli import launch
 from sdnet_trainer.config import Config, compose
 from sdnet_trainer.errors import ConfigError
-from sdnet_trainer.hooks import HookBase
-from sdnet_trainer.state import RunState, StepResult
-from sdnet_trainer.trainer import Trainer
+from sdnet_trainer.training.hooks import HookBase
+from sdnet_trainer.training.state import RunState, StepResult
+from sdnet_trainer.training.trainer import Trainer
 
 __all__ = [
     "Config",

@@ -7,7 +7,7 @@ with their own Trainer subclass call ``launch(MyTrainer)`` for the same behaviou
 Processes a scheduler started without torchrun (Hydra's submitit launcher, or ``srun python`` with
 SDNET_SLURM_TASKS=1) get torchrun's variables from the scheduler's first: see
 sdnet_trainer/distributed/launchers.py. Under torchrun each worker first binds its life to the
-agent's (sdnet_trainer/signals.py).
+agent's (sdnet_trainer/training/signals.py).
 
 Exit codes: 2 config error, 3 non-finite abort (health.py), 4 hang (health.py), 5 checkpoint
 error, 130 SIGINT and 143 SIGTERM (signals.py). A failure of ours ends the process with one line
@@ -33,11 +33,11 @@ from sdnet_trainer.distributed import distributed_session, launched_world_size
 from sdnet_trainer.distributed.launchers import export_scheduler_env
 from sdnet_trainer.distributed.ops import all_gather_objects
 from sdnet_trainer.errors import ConfigError
-from sdnet_trainer.health import EXIT_NONFINITE, NonFiniteError
 from sdnet_trainer.observability import setup_logging
 from sdnet_trainer.preflight import validate
-from sdnet_trainer.signals import EXIT_INTERRUPTED, die_with_launcher
-from sdnet_trainer.trainer import Trainer, resolve_trainer_class
+from sdnet_trainer.training.health import EXIT_NONFINITE, NonFiniteError
+from sdnet_trainer.training.signals import EXIT_INTERRUPTED, die_with_launcher
+from sdnet_trainer.training.trainer import Trainer, resolve_trainer_class
 
 logger = logging.getLogger("sdnet_trainer")
 

@@ -9,7 +9,6 @@ devices, and the bookkeeping options last.
 
 from __future__ import annotations
 
-from sdnet_trainer.batching import validate_batch
 from sdnet_trainer.config.checks import check_choice, check_positive
 from sdnet_trainer.config.schema import Config
 from sdnet_trainer.data import validate_data
@@ -18,15 +17,16 @@ from sdnet_trainer.distributed.env import validate_dist
 from sdnet_trainer.distributed.mesh import parallel_dims
 from sdnet_trainer.distributed.parallelize import validate_compile, validate_parallel
 from sdnet_trainer.distributed.pipeline import validate_pipeline
-from sdnet_trainer.ema import validate_ema
 from sdnet_trainer.errors import ConfigError
 from sdnet_trainer.models.gpt import validate_gpt
 from sdnet_trainer.models.registry import GPT_NAME
 from sdnet_trainer.observability.logs import validate_logging
 from sdnet_trainer.observability.prometheus import validate_prometheus
 from sdnet_trainer.observability.writers import validate_trackers
-from sdnet_trainer.optim import validate_optim
-from sdnet_trainer.precision import validate_precision
+from sdnet_trainer.training.batching import validate_batch
+from sdnet_trainer.training.ema import validate_ema
+from sdnet_trainer.training.optim import validate_optim
+from sdnet_trainer.training.precision import validate_precision
 
 
 def validate(cfg: Config, *, world_size: int) -> None:
@@ -52,7 +52,7 @@ def validate(cfg: Config, *, world_size: int) -> None:
 
 
 # The checks below belong beside their owners (the Trainer's loop, sdnet_trainer.checkpoint and
-# sdnet_trainer.health) and wait here until they move there.
+# sdnet_trainer.training.health) and wait here until they move there.
 
 _NONFINITE = ("abort", "skip")  # health.nonfinite
 

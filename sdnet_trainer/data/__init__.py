@@ -172,8 +172,9 @@ def resolve_num_classes(cfg: Config, train_set: Dataset) -> None:
 
 def skipped_samples(dataset: Dataset | None) -> Callable[[], int] | None:
     """How many samples of ``dataset`` were replaced so far under ``data.on_bad_sample=skip``
-    (workers' loads included), as a callable for :class:`~sdnet_trainer.hooks.MetricsHook`; None
-    when the data set keeps no such count (another policy or data set).
+    (workers' loads included), as a callable for
+    :class:`~sdnet_trainer.training.hooks.MetricsHook`; None when the data set keeps no such count
+    (another policy or data set).
 
     ``dataset`` may be a wrapper: ``.dataset`` is followed (the training loader's per-sample
     seeding, ``torch.utils.data.Subset``, a subclass's own wrappers), so

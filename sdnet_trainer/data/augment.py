@@ -41,7 +41,7 @@ from torchvision.transforms.v2 import InterpolationMode
 from sdnet_trainer.config.checks import check_choice, check_positive
 from sdnet_trainer.config.schema import AugmentConfig, DataConfig
 from sdnet_trainer.errors import ConfigError
-from sdnet_trainer.rng import derive_seed
+from sdnet_trainer.training.rng import derive_seed
 
 IMAGENET_MEAN = (0.485, 0.456, 0.406)
 IMAGENET_STD = (0.229, 0.224, 0.225)

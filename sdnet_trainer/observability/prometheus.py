@@ -119,7 +119,7 @@ FAMILIES = {
     "sdnet_run_samples_per_second": "Training samples per second over the launch, set at its end.",
 }
 
-# Logged key -> series. The keys are those of sdnet_trainer.hooks.MetricsHook (log points),
+# Logged key -> series. The keys are those of sdnet_trainer.training.hooks.MetricsHook (log points),
 # EvalHook (val/*), the checkpointer (checkpoint/*) and the end-of-run summary.
 KEYS = {
     "train/loss": Series("sdnet_train_loss"),

@@ -40,7 +40,7 @@ from sdnet_trainer.serve.args import ServeArgs
 from sdnet_trainer.serve.errors import first_line
 from sdnet_trainer.serve.images import ImageModel, class_names, eval_transform
 from sdnet_trainer.serve.language import LanguageModel, codec
-from sdnet_trainer.trainer import Trainer
+from sdnet_trainer.training.trainer import Trainer
 
 logger = logging.getLogger(__name__)
 

@@ -24,12 +24,12 @@ import torch
 from torch import nn
 
 from sdnet_trainer import rng
-from sdnet_trainer.checkpointer import Checkpointer, Part
+from sdnet_trainer.checkpoint.checkpointer import Checkpointer, Part
 from sdnet_trainer.config.schema import CheckpointConfig, Config, ProfileConfig
 from sdnet_trainer.distributed.env import validate_dist
 from sdnet_trainer.errors import ConfigError
 from sdnet_trainer.observability.profiler import StepProfiler
-from sdnet_trainer.state import RunState
+from sdnet_trainer.training.state import RunState
 from tests.cuda import _gpu_correctness_worker as worker
 from tests.support import CUDA, REPO, TINY_RUN, cli_env, run_cli
 

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from sdnet_trainer import HookBase, Trainer, compose
-from sdnet_trainer.health import NonFiniteError
+from sdnet_trainer.training.health import NonFiniteError
 from tests.support import CUDA, TINY_RUN
 
 pytestmark = pytest.mark.cuda

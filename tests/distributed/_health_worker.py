@@ -16,7 +16,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from sdnet_trainer.health import PhaseTracker, Watchdog, hang_log_path
+from sdnet_trainer.training.health import PhaseTracker, Watchdog, hang_log_path
 
 HANG_TIMEOUT_S = 2.0
 PG_TIMEOUT_S = 300.0

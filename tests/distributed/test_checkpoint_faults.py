@@ -28,7 +28,8 @@ from torch.distributed.checkpoint import FileSystemWriter
 from torch.distributed.checkpoint.filesystem import FileSystem
 
 from sdnet_trainer import Trainer
-from sdnet_trainer.checkpoint import (
+from sdnet_trainer.checkpoint.checkpointer import Checkpointer
+from sdnet_trainer.checkpoint.manager import (
     LOCK,
     MANIFEST,
     CheckpointError,
@@ -36,7 +37,6 @@ from sdnet_trainer.checkpoint import (
     _StagingWriter,
     read_checkpoint,
 )
-from sdnet_trainer.checkpointer import Checkpointer
 from sdnet_trainer.config import CheckpointConfig
 from sdnet_trainer.errors import ConfigError
 from tests.support import TINY, run_cli

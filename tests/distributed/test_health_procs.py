@@ -1,4 +1,4 @@
-"""sdnet_trainer.health across two real ranks under torchrun (gloo on CPU).
+"""sdnet_trainer.training.health across two real ranks under torchrun (gloo on CPU).
 
 One launch of tests/distributed/_health_worker.py: the ranks hang (rank 0 in an all_reduce,
 rank 1 asleep in its "forward") until the watchdog ends them, far sooner than the process

@@ -15,7 +15,12 @@ import textwrap
 import pytest
 import torch
 
-from sdnet_trainer.signals import EXIT_INTERRUPTED, EXIT_TERMINATED, StopSignals, die_with_launcher
+from sdnet_trainer.training.signals import (
+    EXIT_INTERRUPTED,
+    EXIT_TERMINATED,
+    StopSignals,
+    die_with_launcher,
+)
 from tests.support import (
     FINAL_STATE,
     TINY,
@@ -149,7 +154,7 @@ def test_signal_to_one_worker_stops_the_other_at_the_same_step(tmp_path):
 
 REPEATS = """
 import os, signal, sys, time
-from sdnet_trainer.signals import StopSignals
+from sdnet_trainer.training.signals import StopSignals
 
 window = float(sys.argv[1])
 with StopSignals(repeat_after_s=window) as stop:
@@ -170,7 +175,7 @@ with StopSignals(repeat_after_s=window) as stop:
 # the watcher thread (started before the block) sees the signals.
 BLOCKED = """
 import ctypes, os, signal, threading
-from sdnet_trainer.signals import StopSignals
+from sdnet_trainer.training.signals import StopSignals
 
 with StopSignals(repeat_after_s=0.5) as stop:
     signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT, signal.SIGTERM})

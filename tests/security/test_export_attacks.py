@@ -252,7 +252,7 @@ def test_a_recorded_trainer_is_never_imported(checkpoint, tmp_path, recorded):
     assert f"the checkpoint records the Trainer class {recorded!r}" in done.stderr
     assert f"pass trainer={recorded}" in done.stderr
     assert (
-        "sdnet_trainer.trainer.Trainer.build_model builds"
+        "sdnet_trainer.training.trainer.Trainer.build_model builds"
         in (tmp_path / "out" / "config.yaml").read_text()
     )
 

@@ -22,9 +22,9 @@ from sdnet_trainer.data import (
 )
 from sdnet_trainer.data.loader import shutdown_loader, train_loader
 from sdnet_trainer.errors import ConfigError
-from sdnet_trainer.hooks import MetricsHook, RunFigures
 from sdnet_trainer.observability import MetricsWriter, StepMeter
-from sdnet_trainer.state import RunState, StepResult
+from sdnet_trainer.training.hooks import MetricsHook, RunFigures
+from sdnet_trainer.training.state import RunState, StepResult
 from tests.support import TINY, FaultTrainer, read_jsonl, run_cli
 
 PER_CLASS = 16  # train/a: indices 0-15, train/b: indices 16-31 (ImageFolder sorts the files)

@@ -15,10 +15,10 @@ from torch import nn
 from torch.distributed.checkpoint.staging import DefaultStager
 from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_optimizer_state_dict
 
-from sdnet_trainer.checkpoint import CheckpointManager, _StagingWriter
-from sdnet_trainer.checkpointer import Checkpointer, ModelState, OptimizerState, Part
+from sdnet_trainer.checkpoint.checkpointer import Checkpointer, ModelState, OptimizerState, Part
+from sdnet_trainer.checkpoint.manager import CheckpointManager, _StagingWriter
 from sdnet_trainer.config.schema import CheckpointConfig
-from sdnet_trainer.state import RunState
+from sdnet_trainer.training.state import RunState
 
 pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
 

@@ -139,7 +139,7 @@ def test_bench_gpu_runs_compose_as_described(bench_gpu, tmp_path):
     assert resnet.data.train_size >= 256 * (15 + 40 + 1)  # the whole launch in one epoch
     assert resnet.loop.max_steps == 56 and resnet.loop.global_batch_size == 256
     assert resnet.trainer._target_ == "bench_gpu.GpuBenchTrainer"
-    from sdnet_trainer.trainer import resolve_trainer_class
+    from sdnet_trainer.training.trainer import resolve_trainer_class
 
     assert resolve_trainer_class(resnet.trainer._target_) is bench_gpu.GpuBenchTrainer
 

@@ -17,9 +17,8 @@ import torch
 import torchvision
 from torch import nn
 
-from sdnet_trainer import rng
 from sdnet_trainer.checkpoint import CheckpointError
-from sdnet_trainer.checkpointer import Checkpointer, Part
+from sdnet_trainer.checkpoint.checkpointer import Checkpointer, Part
 from sdnet_trainer.config.schema import CheckpointConfig, Config, DistConfig, PipelineConfig
 from sdnet_trainer.distributed import env as dist_env
 from sdnet_trainer.distributed import pipeline as pipeline_mod
@@ -33,7 +32,8 @@ from sdnet_trainer.distributed.env import (
     validate_dist,
 )
 from sdnet_trainer.errors import ConfigError
-from sdnet_trainer.state import RunState
+from sdnet_trainer.training import rng
+from sdnet_trainer.training.state import RunState
 
 CPU, CUDA = torch.device("cpu"), torch.device("cuda", 0)
 

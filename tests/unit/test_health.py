@@ -1,4 +1,4 @@
-"""sdnet_trainer.health in one process: non-finite flags, the hang watchdog, the heartbeat.
+"""sdnet_trainer.training.health in one process: non-finite flags, the hang watchdog, the heartbeat.
 
 The watchdog ends its process, so each watchdog scenario runs in a child forked from this one
 (no fresh interpreter: importing torch and the package costs seconds per child on a small
@@ -20,7 +20,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from sdnet_trainer.health import (
+from sdnet_trainer.training.health import (
     EXIT_HANG,
     EXIT_NONFINITE,
     Heartbeat,
@@ -281,14 +281,14 @@ class _Clock:
 def test_heartbeat_logs_at_most_once_per_interval(caplog):
     clock = _Clock()
     heartbeat = Heartbeat(10.0, rank=3, clock=clock)
-    caplog.set_level(logging.WARNING, logger="sdnet_trainer.health")
+    caplog.set_level(logging.WARNING, logger="sdnet_trainer.training.health")
     logged = []
     for step, now in enumerate([1005.0, 1010.0, 1012.0, 1019.9, 1020.0, 1020.1, 1100.0], start=1):
         clock.now = now
         logged.append(heartbeat.maybe_log(step, step_s=0.1234, data_wait_s=0.0051))
     # Due 10 s after creation, then 10 s after each line.
     assert logged == [False, True, False, False, True, False, True]
-    records = [r for r in caplog.records if r.name == "sdnet_trainer.health"]
+    records = [r for r in caplog.records if r.name == "sdnet_trainer.training.health"]
     assert [r.levelno for r in records] == [logging.WARNING] * 3
     assert [r.getMessage() for r in records] == [
         f"heartbeat rank 3 step {step} step_time 0.123s data_wait 0.005s" for step in (2, 5, 7)

@@ -12,10 +12,10 @@ import pytest
 import torch
 
 from sdnet_trainer.config.schema import LoggingConfig
-from sdnet_trainer.hooks import MetricsHook, RunFigures
 from sdnet_trainer.observability import MetricsWriter, StepMeter, meters
 from sdnet_trainer.observability.meters import MemoryWindow, PhaseClock, resident_memory_mb
-from sdnet_trainer.state import RunState, StepResult
+from sdnet_trainer.training.hooks import MetricsHook, RunFigures
+from sdnet_trainer.training.state import RunState, StepResult
 from tests.support import read_jsonl
 
 MB = 2**20
@@ -211,7 +211,7 @@ def test_metrics_hook_logs_cuda_memory_columns(tmp_path, monkeypatch):
     fake = FakeCudaMemory()
     fake.install(monkeypatch)
     monkeypatch.setattr(
-        "sdnet_trainer.hooks.all_gather_floats",
+        "sdnet_trainer.training.hooks.all_gather_floats",
         lambda values, device: torch.tensor([values], dtype=torch.float64),
     )
     fake.allocate(300 * MB)  # during setup: before_train starts the first window after it

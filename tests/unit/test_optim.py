@@ -11,7 +11,7 @@ from torch import nn
 
 from sdnet_trainer.config import OptimConfig, SchedConfig
 from sdnet_trainer.errors import ConfigError
-from sdnet_trainer.optim import build_optimizer, build_scheduler, lr_multiplier
+from sdnet_trainer.training.optim import build_optimizer, build_scheduler, lr_multiplier
 
 
 def _model() -> nn.Module:

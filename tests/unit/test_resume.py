@@ -89,7 +89,7 @@ def test_nonfinite_skip_leaves_the_step_untouched(tmp_path, monkeypatch):
 
 
 def test_nonfinite_abort_names_the_step(tmp_path, monkeypatch):
-    from sdnet_trainer.health import NonFiniteError
+    from sdnet_trainer.training.health import NonFiniteError
 
     monkeypatch.setenv("SDNET_TEST_NAN", "0:2")
     with pytest.raises(NonFiniteError, match=r"at step 2 on rank 0: loss"):
@@ -204,7 +204,7 @@ def test_resume_is_bitwise_with_loader_workers_and_random_augmentation(tmp_path,
 def test_a_nonfinite_step_aborts_during_the_next_step(tmp_path, monkeypatch):
     """health.nonfinite=abort defers each step's verdict: the NaN of step 2 ends the run after
     step 3's forward and backward (no host synchronisation between the two steps)."""
-    from sdnet_trainer.health import NonFiniteError
+    from sdnet_trainer.training.health import NonFiniteError
 
     monkeypatch.setenv("SDNET_TEST_NAN", "0:2")
     trainer = FaultTrainer(compose(COMMON), output_dir=tmp_path)
@@ -216,7 +216,7 @@ def test_a_nonfinite_step_aborts_during_the_next_step(tmp_path, monkeypatch):
 
 def test_a_nonfinite_step_is_never_checkpointed(tmp_path, monkeypatch):
     """The save after step 2 reads step 2's verdict first: the run ends without writing it."""
-    from sdnet_trainer.health import NonFiniteError
+    from sdnet_trainer.training.health import NonFiniteError
 
     monkeypatch.setenv("SDNET_TEST_NAN", "0:2")
     cfg = compose(COMMON + ["checkpoint.every_n_steps=1", "checkpoint.keep_last=10"])

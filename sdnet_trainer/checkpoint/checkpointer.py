@@ -43,10 +43,10 @@ from sdnet_trainer.distributed.zero import (
     materialize_zero_state,
     zero_state_dict,
 )
-from sdnet_trainer.ema import WeightAverage
-from sdnet_trainer.health import PhaseTracker
-from sdnet_trainer.hooks import HookBase
-from sdnet_trainer.state import RunState, StepResult
+from sdnet_trainer.training.ema import WeightAverage
+from sdnet_trainer.training.health import PhaseTracker
+from sdnet_trainer.training.hooks import HookBase
+from sdnet_trainer.training.state import RunState, StepResult
 
 logger = logging.getLogger(__name__)
 

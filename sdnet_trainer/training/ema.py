@@ -32,8 +32,8 @@ from torch.optim.swa_utils import get_ema_multi_avg_fn
 from sdnet_trainer.config.checks import check_positive
 from sdnet_trainer.config.schema import Config, EMAConfig
 from sdnet_trainer.errors import ConfigError
-from sdnet_trainer.hooks import HookBase
-from sdnet_trainer.state import RunState, StepResult
+from sdnet_trainer.training.hooks import HookBase
+from sdnet_trainer.training.state import RunState, StepResult
 
 
 def _local(tensor: torch.Tensor) -> torch.Tensor:

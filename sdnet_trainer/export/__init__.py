@@ -89,7 +89,7 @@ from sdnet_trainer.config.arguments import parse_key_values
 from sdnet_trainer.data import is_language_model_data
 from sdnet_trainer.data.augment import crop_sizes
 from sdnet_trainer.errors import ConfigError
-from sdnet_trainer.trainer import Trainer, resolve_trainer_class
+from sdnet_trainer.training.trainer import Trainer, resolve_trainer_class
 
 logger = logging.getLogger("sdnet_trainer.export")  # also when run as __main__
 

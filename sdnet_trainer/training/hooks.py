@@ -1,0 +1,349 @@
+"""Periodic work around the training loop: profiler, evaluation, metrics, watchdog, heartbeat.
+
+The loop calls every hook's ``before_train(state)``, ``after_step(state, result)`` and
+``after_train(state)`` in the order of ``Trainer.build_hooks`` (the one place that order is
+declared), and ``close()`` on every path out of the loop, last hook first. Each hook is built
+with what it needs (periods, the writer, callables) and reads the run's ``RunState`` and the
+step's ``StepResult``, never the Trainer; hooks never change the training math. The
+checkpointer is a hook too (``sdnet_trainer.checkpoint.checkpointer``).
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import time
+from collections.abc import Callable
+from contextlib import AbstractContextManager
+from dataclasses import dataclass
+
+import torch
+
+from sdnet_trainer.config.schema import LoggingConfig, LoopConfig
+from sdnet_trainer.distributed import all_gather_floats
+from sdnet_trainer.observability import MetricsWriter, ProgressBar, StepMeter
+from sdnet_trainer.observability.flops import mfu
+from sdnet_trainer.observability.meters import MemoryWindow
+from sdnet_trainer.observability.profiler import StepProfiler
+from sdnet_trainer.observability.progress import progress_enabled
+from sdnet_trainer.training.health import Heartbeat, PhaseTracker, Watchdog
+from sdnet_trainer.training.state import RunState, StepResult
+
+logger = logging.getLogger(__name__)
+
+
+class HookBase:
+    def before_train(self, state: RunState) -> None:
+        pass
+
+    def after_step(self, state: RunState, result: StepResult) -> None:
+        pass
+
+    def after_train(self, state: RunState) -> None:
+        pass
+
+    def close(self) -> None:
+        """Release what the hook holds; runs on every path out of the loop, errors included."""
+
+
+class ProfilerHook(HookBase):
+    """Advances ``torch.profiler``'s step schedule after every step."""
+
+    def __init__(self, profiler: StepProfiler) -> None:
+        self.profiler = profiler
+        self._open = False
+
+    def before_train(self, state: RunState) -> None:
+        self.profiler.__enter__()
+        self._open = True
+
+    def after_step(self, state: RunState, result: StepResult) -> None:
+        self.profiler.step()
+
+    def close(self) -> None:
+        if self._open:
+            self._open = False
+            self.profiler.__exit__(None, None, None)
+
+
+class EvalHook(HookBase):
+    """Evaluate every ``every_n_steps``, at each epoch end, and once at the end. With
+    ``swap_average`` (``model.ema``), the weight average is evaluated too, in the model's place,
+    as ``val_ema/*``."""
+
+    def __init__(
+        self,
+        evaluate: Callable[[], dict[str, float]],
+        cfg: LoopConfig,
+        *,
+        writer: MetricsWriter,
+        total_steps: int,
+        phase: PhaseTracker | None = None,
+        swap_average: Callable[[], AbstractContextManager[None]] | None = None,
+    ) -> None:
+        self.evaluate = evaluate
+        self.swap_average = swap_average
+        self.writer = writer
+        self.every_n_steps = cfg.eval_every_n_steps
+        self.at_epoch_end = cfg.eval_at_epoch_end
+        self.at_end = cfg.eval_at_end
+        self.total_steps = total_steps
+        self.phase = phase
+
+    def after_step(self, state: RunState, result: StepResult) -> None:
+        if state.step == self.total_steps and self.at_end:
+            return  # after_train evaluates the final model once
+        periodic = self.every_n_steps is not None and state.step % self.every_n_steps == 0
+        if periodic or (self.at_epoch_end and state.epoch_ended):
+            self._run(state)
+
+    def after_train(self, state: RunState) -> None:
+        if self.at_end:
+            self._run(state)
+
+    def _run(self, state: RunState) -> None:
+        started = time.perf_counter()
+        if self.phase is not None:
+            self.phase.enter("evaluation", step=state.step)
+        metrics = {f"val/{k}": v for k, v in self.evaluate().items()}
+        if not metrics:
+            return
+        if self.swap_average is not None:
+            with self.swap_average():
+                metrics.update({f"val_ema/{k}": v for k, v in self.evaluate().items()})
+        state.metrics.update(metrics)
+        self.writer.write(state.step, metrics)
+        shown = "  ".join(f"{k} {v:.4g}" for k, v in metrics.items())
+        logger.info("eval @ step %d: %s (%.1f s)", state.step, shown, time.perf_counter() - started)
+
+
+@dataclass(frozen=True)
+class RunFigures:
+    """Fixed facts of a run that turn the loop's measurements into metrics: the schedule's length,
+    the epoch's size, whether this rank's loss counts (``metric_weight`` 1: last pipeline stage,
+    first tensor-parallel peer; else 0), and what turns samples/s into tokens/s, model TFLOPs/s
+    and MFU (None: not known)."""
+
+    total_steps: int
+    samples_per_epoch: int
+    metric_weight: float
+    world_size: int
+    tokens_per_sample: int | None = None
+    flops_per_sample: float | None = None
+    peak_tflops: float | None = None  # per device
+
+    def throughput(self, samples_per_s: float) -> dict[str, float]:
+        out = {}
+        if self.tokens_per_sample:
+            out["perf/tokens_per_s"] = samples_per_s * self.tokens_per_sample
+        if self.flops_per_sample:
+            flops_per_s = samples_per_s * self.flops_per_sample
+            out["perf/tflops_per_s"] = flops_per_s / 1e12
+            if self.peak_tflops:
+                out["perf/mfu"] = mfu(flops_per_s, self.peak_tflops, self.world_size)
+        return out
+
+
+class MetricsHook(HookBase):
+    """Training metrics every ``every_n_steps`` (and at the last step), the progress bar, and the
+    one-line summary at the end.
+
+    All ranks take part: each log point gathers a few floats per rank in one collective (loss,
+    throughput, step time, phase times, memory), so per-rank stragglers show in TensorBoard.
+    Memory figures are those of the window since the previous log point (see
+    :class:`~sdnet_trainer.observability.meters.MemoryWindow`), evaluations and checkpoints in it
+    included: the max over ranks, allocator retries the sum.
+    Between log points the loss stays on the device, so the loop adds no host synchronisation.
+    ``comm_bytes(step)`` gives the bytes one rank hands to the gradient collectives per step;
+    ``loss_scale()`` the fp16 GradScaler's scale (None without loss scaling); ``bad_samples()``
+    how many training samples this rank's loader replaced under ``data.on_bad_sample=skip`` (see
+    ``sdnet_trainer.data.skipped_samples``), logged at every log point, summed over the
+    data-parallel ranks, as ``data/skipped_samples`` (None: not logged).
+    """
+
+    def __init__(
+        self,
+        cfg: LoggingConfig,
+        figures: RunFigures,
+        *,
+        writer: MetricsWriter,
+        meter: StepMeter,
+        device: torch.device,
+        lr: Callable[[], float],
+        comm_bytes: Callable[[int], float] | None,
+        loss_scale: Callable[[], float] | None,
+        is_main: bool,
+        bad_samples: Callable[[], int] | None = None,
+    ) -> None:
+        self.figures = figures
+        self.writer = writer
+        self.meter = meter
+        self.device = device
+        self.every_n_steps = cfg.log_every_n_steps
+        self.total_steps = figures.total_steps
+        self.lr = lr
+        self.comm_bytes = comm_bytes
+        self.loss_scale = loss_scale
+        self.bad_samples = bad_samples
+        self.progress_bar = progress_enabled(cfg.progress_bar, is_main=is_main)
+        self.memory = MemoryWindow(device)
+        self._loss_sum: torch.Tensor | None = None
+        self._loss_steps = 0
+        self._started = time.perf_counter()
+        self._bar: ProgressBar | None = None
+
+    def is_log_step(self, step: int) -> bool:
+        return step % self.every_n_steps == 0 or step == self.total_steps
+
+    def before_train(self, state: RunState) -> None:
+        self._started = time.perf_counter()
+        self.memory.read()  # the first window starts here, without the setup's peak
+        self._bar = ProgressBar(
+            total=self.total_steps, initial=state.step, enabled=self.progress_bar
+        )
+
+    def after_step(self, state: RunState, result: StepResult) -> None:
+        if not result.nonfinite:  # a skipped step's NaN would poison the window
+            self._loss_sum = result.loss if self._loss_sum is None else self._loss_sum + result.loss
+            self._loss_steps += 1
+        if self.is_log_step(state.step):
+            self._log(state, result)
+        elif self._bar is not None:
+            self._bar.update(state.step)
+
+    def _log(self, state: RunState, result: StepResult) -> None:
+        window = self.meter.flush()
+        local_loss = (
+            (self._loss_sum / self._loss_steps).item() if self._loss_sum is not None else math.nan
+        )
+        self._loss_sum, self._loss_steps = None, 0
+        weight = self.figures.metric_weight
+        values = [
+            local_loss * weight if weight else 0.0,
+            weight,
+            window["samples_per_s"],
+            window["step_s"],
+            window["data_wait_s"],
+            window["fwd_bwd_s"],
+            window["optimizer_s"],
+        ]
+        memory_keys = self.memory.keys()
+        memory = self.memory.read()
+        values.extend(memory[key] for key in memory_keys)
+        if self.bad_samples is not None:
+            # Weighted like the loss: tensor-parallel peers and pipeline stages load the same
+            # samples, so each data-parallel rank counts once.
+            values.append(float(self.bad_samples()) * weight)
+        ranks = all_gather_floats(values, device=self.device)
+        columns = ranks.unbind(dim=1)
+        loss, weights, samples_per_s, step_s, data_wait_s, fwd_bwd_s, optimizer_s = columns[:7]
+        memory_columns = dict(zip(memory_keys, columns[7:]))
+        metrics = {
+            "train/loss": (loss.sum() / weights.sum()).item(),
+            "train/lr": self.lr(),
+            "train/epoch": state.epoch + state.epoch_sample / self.figures.samples_per_epoch,
+            "perf/samples_per_s": samples_per_s.sum().item(),
+            "perf/step_s": step_s.max().item(),
+            "perf/data_wait_s": data_wait_s.max().item(),
+            "perf/fwd_bwd_s": fwd_bwd_s.max().item(),
+            "perf/optimizer_s": optimizer_s.max().item(),
+            "train/grad_norm": result.grad_norm.item(),
+        }
+        for key, column in memory_columns.items():
+            # Retries add up over ranks (how often the run hit the limit); sizes are per rank.
+            metrics[f"perf/{key}"] = (
+                column.sum() if key == "alloc_retries" else column.max()
+            ).item()
+        metrics.update(self.figures.throughput(metrics["perf/samples_per_s"]))
+        if self.comm_bytes is not None:
+            metrics["comm/bytes_per_step"] = self.comm_bytes(state.step)
+        if state.nonfinite_steps:
+            metrics["train/nonfinite_steps"] = float(state.nonfinite_steps)
+        if self.loss_scale is not None:
+            metrics["train/loss_scale"] = self.loss_scale()
+            metrics["train/skipped_steps"] = float(state.skipped_steps)
+        if self.bad_samples is not None:
+            metrics["data/skipped_samples"] = columns[7 + len(memory_keys)].sum().item()
+        for rank, value in enumerate(samples_per_s.tolist()):
+            metrics[f"perf/samples_per_s_rank{rank}"] = value
+        for rank, value in enumerate(step_s.tolist()):
+            metrics[f"perf/step_s_rank{rank}"] = value
+        state.metrics["train/loss"] = metrics["train/loss"]
+        self.writer.write(state.step, metrics)
+        if self._bar is not None:
+            self._bar.update(
+                state.step,
+                {
+                    "loss": f"{metrics['train/loss']:.4f}",
+                    "lr": f"{metrics['train/lr']:.3g}",
+                    "img/s": f"{metrics['perf/samples_per_s']:.1f}",
+                },
+            )
+        logger.info(
+            "step %d/%d  loss %.4f  lr %.4g  %.1f samples/s  step %.3f s  data %.3f s",
+            state.step,
+            self.total_steps,
+            metrics["train/loss"],
+            metrics["train/lr"],
+            metrics["perf/samples_per_s"],
+            metrics["perf/step_s"],
+            metrics["perf/data_wait_s"],
+        )
+
+    def after_train(self, state: RunState) -> None:
+        self.close()
+        meter = self.meter
+        global_rate = (
+            meter.total_samples / meter.total_seconds * self.figures.world_size
+            if meter.total_seconds > 0
+            else 0.0
+        )
+        summary = {
+            "summary/steps": float(meter.total_steps),
+            "summary/train_seconds": meter.total_seconds,
+            "summary/wall_seconds": time.perf_counter() - self._started,
+            "summary/samples_per_s": global_rate,
+        }
+        state.metrics.update(summary)
+        self.writer.write(state.step, summary)
+        finals = "  ".join(
+            f"{k} {v:.4g}" for k, v in state.metrics.items() if k.startswith(("train/loss", "val/"))
+        )
+        logger.info(
+            "done: %d steps in %.1f s  %.1f samples/s global  %s",
+            meter.total_steps,
+            summary["summary/wall_seconds"],
+            global_rate,
+            finals,
+        )
+
+    def close(self) -> None:
+        if self._bar is not None:
+            self._bar.close()
+            self._bar = None
+
+
+class WatchdogHook(HookBase):
+    """Runs the hang watchdog while training and beats it after every step."""
+
+    def __init__(self, watchdog: Watchdog) -> None:
+        self.watchdog = watchdog
+
+    def before_train(self, state: RunState) -> None:
+        self.watchdog.start()
+
+    def after_step(self, state: RunState, result: StepResult) -> None:
+        self.watchdog.beat()
+
+    def close(self) -> None:
+        self.watchdog.stop()
+
+
+class HeartbeatHook(HookBase):
+    """A rate-limited per-rank line with the step's timings, to spot stragglers."""
+
+    def __init__(self, heartbeat: Heartbeat) -> None:
+        self.heartbeat = heartbeat
+
+    def after_step(self, state: RunState, result: StepResult) -> None:
+        self.heartbeat.maybe_log(state.step, step_s=result.seconds, data_wait_s=result.data_wait_s)

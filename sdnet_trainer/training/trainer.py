@@ -1,0 +1,576 @@
+"""The Trainer: assembles a run from config and drives the training loop.
+
+A custom task subclasses ``Trainer`` and overrides a few small methods (``build_model``,
+``build_datasets``, ``build_optimizer``, ``build_scheduler``, ``compute_loss``, ``eval_step`` /
+``evaluate``, ``build_hooks``). Everything around them (device placement, parallel layout,
+precision, accumulation, clipping, logging, evaluation, checkpoints) is done here, so a subclass
+never writes distributed code. ``build_model`` and ``build_datasets`` read only ``self.cfg``:
+export calls them on a Trainer that was never set up.
+
+    setup:  model (mesh, parallelize) -> data -> optimization (optimizer, comm, precision,
+            schedule) -> observability -> checkpointing (resume) -> hooks
+    fit:    for each step: train_step (micro-steps or the pipeline schedule, then
+            OptimizerStep: norm, agreement, update) -> hooks, in the order of ``build_hooks``
+
+The run's counters live in ``self.state`` (a ``RunState``), which hooks and the checkpointer
+read. Ranks that share data-parallel coordinates load the same samples; metrics count each
+sample once (on the last pipeline stage, tensor-parallel rank 0).
+"""
+
+from __future__ import annotations
+
+import logging
+import socket
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager, nullcontext
+from pathlib import Path
+from typing import Any
+
+import torch
+from hydra.utils import get_class
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor
+from torch.distributed.tensor.parallel import loss_parallel
+from torch.nn.parallel import DistributedDataParallel
+from torch.utils.data import Dataset
+
+from sdnet_trainer.checkpoint.checkpointer import Checkpointer, plain_config, run_meta, run_parts
+from sdnet_trainer.config import Config
+from sdnet_trainer.data import (
+    build_datasets,
+    is_language_model_data,
+    resolve_num_classes,
+    skipped_samples,
+)
+from sdnet_trainer.data.folders import EncodedJpegFolder
+from sdnet_trainer.data.loader import RunData
+from sdnet_trainer.distributed import DistEnv
+from sdnet_trainer.distributed.comm import GradientComm
+from sdnet_trainer.distributed.ddp import unwrap
+from sdnet_trainer.distributed.env import shorten_timeout
+from sdnet_trainer.distributed.mesh import ParallelDims, build_mesh, parallel_dims
+from sdnet_trainer.distributed.parallelize import gradient_sync, parallelize
+from sdnet_trainer.distributed.pipeline import Pipeline
+from sdnet_trainer.errors import ConfigError
+from sdnet_trainer.models import build_model
+from sdnet_trainer.models.init import build_deferred, materialize
+from sdnet_trainer.observability import MetricsWriter, StepMeter
+from sdnet_trainer.observability.flops import run_flops
+from sdnet_trainer.observability.profiler import StepProfiler
+from sdnet_trainer.observability.prometheus import PrometheusExporter, prometheus_enabled
+from sdnet_trainer.training import rng
+from sdnet_trainer.training.batching import BatchLayout, batch_layout
+from sdnet_trainer.training.ema import WeightAverage
+from sdnet_trainer.training.evaluation import evaluate_batches, metric_sums
+from sdnet_trainer.training.health import Heartbeat, PhaseTracker, Watchdog, hang_log_path
+from sdnet_trainer.training.hooks import (
+    EvalHook,
+    HeartbeatHook,
+    HookBase,
+    MetricsHook,
+    ProfilerHook,
+    RunFigures,
+    WatchdogHook,
+)
+from sdnet_trainer.training.optim import build_optimizer, build_scheduler
+from sdnet_trainer.training.precision import Precision
+from sdnet_trainer.training.signals import StopSignals
+from sdnet_trainer.training.state import EpochShape, RunState, StepResult
+from sdnet_trainer.training.stepping import OptimizerStep
+
+logger = logging.getLogger(__name__)
+
+
+class Trainer:
+    # Built by setup(), phase by phase (see setup).
+    layout: BatchLayout
+    dims: ParallelDims
+    mesh: DeviceMesh | None
+    model: nn.Module
+    num_parameters: int
+    pipeline: Pipeline | None  # this rank's stages under parallel.pp > 1
+    metric_weight: float  # 1 where this rank's loss and metrics count (see _setup_model)
+    ema: WeightAverage | None  # model.ema's average of the weights
+    optimizer: torch.optim.Optimizer
+    comm: GradientComm | None  # DDP's gradient communication (comm.*)
+    precision: Precision
+    criterion: nn.Module
+    data: RunData  # the training and validation loaders
+    steps_per_epoch: int
+    epoch_shape: EpochShape
+    total_steps: int  # for max_epochs: counted at the current batch layout (the schedule's length)
+    scheduler: torch.optim.lr_scheduler.LRScheduler
+    writer: MetricsWriter
+    figures: RunFigures
+    watchdog: Watchdog | None  # when health.hang_timeout_s is set
+    stepper: OptimizerStep  # norm, agreement and update after backward
+    checkpointer: Checkpointer
+    hooks: list[HookBase]
+
+    def __init__(
+        self, cfg: Config, *, output_dir: str | Path | None = None, env: DistEnv | None = None
+    ) -> None:
+        self.cfg = cfg
+        self.output_dir = Path(output_dir) if output_dir is not None else Path.cwd()
+        self.env = env if env is not None else DistEnv()
+        self.device = self.env.device
+        self.state = RunState()
+        self.signals = StopSignals()
+        self.phase = PhaseTracker()  # what this rank is doing, for the hang watchdog's report
+        self.meter = StepMeter(self.device)
+
+    # ------------------------------------------------------------------ the subclassing surface
+
+    def build_model(self) -> nn.Module:
+        """The bare model; the Trainer moves and wraps it.
+
+        An override returns the model on the CPU, with its values (built, or loaded): the
+        Trainer moves it to the device, then parallelizes it. The stock models instead are built
+        on the meta device, parallelized, and only then allocated and initialised, each rank its
+        own shard (see ``sdnet_trainer.models.init``); an override can do the same by returning
+        a model on the meta device that has an ``init_steps()`` method."""
+        return build_model(self.cfg.model)
+
+    def build_datasets(self) -> tuple[Dataset, Dataset | None]:
+        """(train, val) map-style datasets; val may be None to skip evaluation."""
+        return build_datasets(self.cfg.data)
+
+    def build_optimizer(self, model: nn.Module) -> torch.optim.Optimizer:
+        """Over the parallelized model (FSDP's sharded parameters); ZeRO-1 under parallel=zero1."""
+        zero = self.cfg.parallel.strategy == "zero1" and self.env.distributed
+        return build_optimizer(model, self.cfg.optim, zero_group=None if zero else False)
+
+    def build_scheduler(
+        self, optimizer: torch.optim.Optimizer, *, total_steps: int
+    ) -> torch.optim.lr_scheduler.LRScheduler:
+        """Stepped once per optimizer step."""
+        return build_scheduler(optimizer, self.cfg.sched, total_steps=total_steps)
+
+    def compute_loss(self, batch: Any) -> torch.Tensor:
+        """The mean loss of one micro-batch (already on the device, inside autocast)."""
+        inputs, targets = batch
+        return self.loss_fn(self.model(inputs), targets)
+
+    def loss_fn(self, outputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        """Cross-entropy over classes, or over the vocabulary at every position of a sequence
+        model's (batch, time, vocab) logits. Also the pipeline's loss on its last stage."""
+        if outputs.dim() == 3:
+            outputs, targets = outputs.flatten(0, 1), targets.flatten(0, 1)
+        return self.criterion(outputs, targets)
+
+    def eval_step(self, batch: Any) -> dict[str, torch.Tensor]:
+        """Metric *sums* over one eval batch plus ``count``; ``evaluate`` adds them over batches
+        and ranks and divides every other key by the total count. Under pipeline parallelism
+        the default runs the batch through the stages and only the last stage returns sums."""
+        inputs, targets = batch
+        if self.pipeline is not None:
+            logits = self.pipeline.forward(inputs)
+            return {} if logits is None else self.metric_sums(logits, targets)
+        return self.metric_sums(unwrap(self.model)(inputs), targets)
+
+    # Loss, top-1 and top-5 hit sums of a batch of logits (see sdnet_trainer.training.evaluation).
+    metric_sums = staticmethod(metric_sums)
+
+    def evaluate(self) -> dict[str, float]:
+        """Metrics over the whole validation set, identical on every rank."""
+        if self.data.val_loader is None:
+            return {}
+        return evaluate_batches(
+            map(self.to_device, self.data.val_loader),
+            self.eval_step,
+            model=unwrap(self.model),
+            autocast=self.precision.autocast,
+            after_batch=self._beat,  # a long evaluation is progress for the hang watchdog
+            weight=self.metric_weight,
+            device=self.device,
+            agree_on_keys=self.dims.pp > 1,  # only the last stage has sums
+        )
+
+    def build_hooks(self) -> list[HookBase]:
+        """Called in this order after every step: the profiler's step, the weight average's
+        update (``model.ema``), evaluation, checkpointing,
+        metrics (after evaluation, so the summary includes the final evaluation), then the hang
+        watchdog's beat and the heartbeat line. Extend the list for periodic work of your own."""
+        cfg, rank, heartbeat_s = self.cfg, self.env.rank, self.cfg.health.heartbeat_s
+        profiler = StepProfiler(
+            cfg.profile, output_dir=self.output_dir, rank=rank, device=self.device
+        )
+        evaluation = EvalHook(
+            self.evaluate,
+            cfg.loop,
+            writer=self.writer,
+            total_steps=self.total_steps,
+            phase=self.phase,
+            swap_average=self.ema.swapped_in if self.ema is not None else None,
+        )
+        metrics = MetricsHook(
+            cfg.logging,
+            self.figures,
+            writer=self.writer,
+            meter=self.meter,
+            device=self.device,
+            lr=lambda: float(self.scheduler.get_last_lr()[0]),
+            comm_bytes=self.comm.bytes_per_step if self.comm is not None else None,
+            loss_scale=self.precision.scaler.get_scale if self.precision.scaling else None,
+            is_main=self.env.is_main,
+            bad_samples=skipped_samples(self.data.train_loader.dataset),
+        )
+        hooks = [
+            ProfilerHook(profiler) if profiler.enabled else None,
+            self.ema,  # updated before it is evaluated or saved
+            evaluation,
+            self.checkpointer,
+            metrics,
+            WatchdogHook(self.watchdog) if self.watchdog else None,
+            HeartbeatHook(Heartbeat(heartbeat_s, rank=rank)) if heartbeat_s else None,
+        ]
+        return [hook for hook in hooks if hook is not None]
+
+    # ------------------------------------------------------------------ assembly
+
+    def setup(self) -> None:
+        """Build the run in its phases; each reads only what the earlier ones built."""
+        # The data first: it decides the class count the model is built with. Seeded as the
+        # model is, so a data set that draws random numbers (a split) is the same on every rank.
+        rng.seed_everything(self.cfg.loop.seed, deterministic=self.cfg.loop.deterministic)
+        train_set, val_set = self.build_datasets()
+        resolve_num_classes(self.cfg, train_set)
+        self._setup_model()
+        self._setup_data(train_set, val_set)
+        self._setup_optimization()
+        self._setup_observability(train_set)
+        self._setup_checkpointing()
+        self.hooks = self.build_hooks()
+        logger.info(
+            f"model {self.cfg.model.name}: {self.num_parameters / 1e6:.2f}M parameters | "
+            f"world size {self.env.world_size} on {self.device} ({self.dims.describe()}, "
+            f"{self.cfg.parallel.strategy}) | {self.layout.describe(self.dims.dp)} | "
+            f"{self.total_steps} steps ({self.steps_per_epoch} per epoch)"
+        )
+
+    def _setup_model(self) -> None:
+        """The mesh and this rank's part of the parallel model."""
+        cfg, env = self.cfg, self.env
+        self.layout = batch_layout(cfg, env.world_size)
+        self.dims = parallel_dims(cfg.parallel, env.world_size)
+        rng.seed_everything(cfg.loop.seed, deterministic=cfg.loop.deterministic)
+        self.mesh = build_mesh(self.dims, self.device.type) if env.distributed else None
+        # Same seed on every rank for the model's initial weights (DDP also broadcasts rank 0's);
+        # pipeline stages and tensor-parallel shards hold the values of identical full models.
+        seeded = torch.get_rng_state()
+        # The stock build_model only constructs (unless it loads pretrained weights), so it can
+        # run on the meta device; an override may load values, and decides for itself.
+        stock = type(self).build_model is Trainer.build_model and cfg.model.weights is None
+        model, steps = build_deferred(self.build_model, on_meta=stock)
+        # loop.deterministic on CUDA: refuse modules without a deterministic backward up front.
+        rng.check_deterministic(model, self.device, deterministic=cfg.loop.deterministic)
+        materialize_parts = None
+        if steps is None:
+            model = model.to(self.device)
+        else:
+
+            def materialize_parts(parts: list[nn.Module]) -> None:
+                # Allocate this rank's shards, then fill them from the generator state a CPU
+                # build would have started from: the same weights as building on the CPU.
+                for part in parts:
+                    part.to_empty(device=self.device)
+                torch.set_rng_state(seeded)
+                materialize(steps)
+
+        self.num_parameters = sum(p.numel() for p in model.parameters())  # of the whole model
+        parallel = parallelize(
+            model,
+            cfg,
+            env,
+            self.mesh,
+            self.dims,
+            loss_fn=self.loss_fn,
+            materialize=materialize_parts,
+        )
+        self.model, self.pipeline = parallel.model, parallel.pipeline
+        # This rank's metrics count once: last pipeline stage, first tensor-parallel peer.
+        last_stage = self.pipeline is None or self.pipeline.has_last
+        first_tp = self.dims.coordinates(env.rank)["tp"] == 0
+        self.metric_weight = 1.0 if last_stage and first_tp else 0.0
+        # model.ema: the average starts as a copy of the initial weights, in their layout.
+        stages = self.pipeline.modules if self.pipeline is not None else []
+        ema = cfg.model.ema
+        self.ema = WeightAverage(self.model, ema, stages=stages) if ema.enabled else None
+        # From here on each rank draws its own random stream (dropout, augmentation).
+        rng.reseed(cfg.loop.seed, rank=env.rank, step=0)
+
+    def _setup_data(self, train_set: Dataset, val_set: Dataset | None) -> None:
+        """Samplers and loaders over the data sets; the schedule's length follows from them."""
+        loop, layout = self.cfg.loop, self.layout
+        self.data = RunData(
+            train_set,
+            val_set,
+            cfg=self.cfg.data,
+            device=self.device,
+            micro_batch_size=layout.micro_batch_size,
+            grad_accum_steps=layout.grad_accum_steps,
+            eval_batch_size=loop.eval_batch_size or layout.micro_batch_size,
+            dp_size=self.dims.dp,
+            dp_rank=self.dims.dp_rank(self.env.rank),
+            seed=loop.seed,
+            channels_last=self.cfg.model.channels_last,
+        )
+        self.steps_per_epoch = self.data.steps_per_epoch
+        self.epoch_shape = EpochShape(layout.global_batch_size, self.steps_per_epoch)
+        self.total_steps = loop.max_steps or (loop.max_epochs or 0) * self.steps_per_epoch
+
+    def _setup_optimization(self) -> None:
+        """Optimizer, gradient communication, precision, loss, schedule and the update step."""
+        cfg = self.cfg
+        self.optimizer = self.build_optimizer(self.model)
+        self.comm = None
+        if isinstance(self.model, DistributedDataParallel):
+            group = self.model.process_group
+            self.comm = GradientComm(self.model, cfg.comm, process_group=group)
+        self.precision = Precision(cfg.precision, device_type=self.device.type)
+        self.criterion = nn.CrossEntropyLoss(label_smoothing=cfg.loss.label_smoothing)
+        self.scheduler = self.build_scheduler(self.optimizer, total_steps=self.total_steps)
+        self.stepper = OptimizerStep(
+            model=self.model,
+            optimizer=self.optimizer,
+            scheduler=self.scheduler,
+            precision=self.precision,
+            comm=self.comm,
+            cfg=cfg.optim,
+            nonfinite=cfg.health.nonfinite,
+            pp_group=self.pipeline.group if self.pipeline is not None else None,
+            device=self.device,
+            state=self.state,
+            phase=self.phase,
+            rank=self.env.rank,
+            host_flags=lambda: (self.signals.received, self.checkpointer.save_due()),
+        )
+
+    def _setup_observability(self, train_set: Dataset) -> None:
+        """Metrics writer, the run's figures (FLOPs for MFU included) and the hang watchdog."""
+        cfg, env, logs = self.cfg, self.env, self.cfg.logging
+        sinks = []
+        if prometheus_enabled(logs.prometheus):  # every rank serves its own /metrics
+            sinks.append(
+                PrometheusExporter(
+                    logs.prometheus,
+                    rank=env.rank,
+                    local_rank=env.local_rank,
+                    world_size=env.world_size,
+                    run_name=cfg.run.name,
+                    run_id=cfg.run.id,
+                    node=socket.gethostname(),
+                    device=self.device,
+                )
+            )
+        self.writer = MetricsWriter(
+            self.output_dir,
+            logs,
+            enabled=env.is_main,
+            run_name=cfg.run.name,
+            config=plain_config(cfg),
+            sinks=sinks,
+        )
+        flops, peak = None, None
+        if logs.flops:  # counted once on a meta-device copy of the model
+            # Decoded on the GPU (data.decode=cuda): count on the same images decoded on the host.
+            counted = train_set.decoded() if isinstance(train_set, EncodedJpegFolder) else train_set
+            flops, peak = run_flops(
+                self.build_model,
+                counted,
+                lambda model, batch: self.loss_fn(model(batch[0]), batch[1]),
+                device=self.device,
+                dtype=self.precision.dtype,
+                peak_override=logs.peak_tflops,
+                tf32=self.precision.tf32,
+            )
+        self.figures = RunFigures(
+            total_steps=self.total_steps,
+            samples_per_epoch=self.steps_per_epoch * self.layout.global_batch_size,
+            metric_weight=self.metric_weight,
+            world_size=env.world_size,
+            tokens_per_sample=(
+                cfg.data.seq_len if is_language_model_data(cfg.data, train_set) else None
+            ),
+            flops_per_sample=flops,
+            peak_tflops=peak,
+        )
+        timeout, log_file = cfg.health.hang_timeout_s, hang_log_path(self.output_dir, env.rank)
+        self.watchdog = (
+            None
+            if timeout is None
+            else Watchdog(timeout, rank=env.rank, describe=self.phase.describe, log_file=log_file)
+        )
+
+    def _setup_checkpointing(self) -> None:
+        """The checkpointer over the run's stateful parts, then ``checkpoint.resume``."""
+        cfg, env = self.cfg, self.env
+        parts = run_parts(
+            model=self.model,
+            optimizer=self.optimizer,
+            scheduler=self.scheduler,
+            state=self.state,
+            scaler=self.precision.scaler if self.precision.scaling else None,
+            comm=self.comm,
+            rng_state=rng.RngState(
+                self.device, seed=cfg.loop.seed, rank=env.rank, step=lambda: self.state.step
+            ),
+            # Another world size cannot map old ranks to new ones: derive from (seed, rank, step).
+            rederive_rng=lambda: rng.reseed(cfg.loop.seed, rank=env.rank, step=self.state.step),
+            ema=self.ema,
+            trackers=self.writer,
+        )
+        meta = run_meta(cfg, type(self), self.layout.global_batch_size, env.world_size)
+        directory = cfg.checkpoint.dir or self.output_dir / "checkpoints"
+        # The run id claims the directory for this run (torchrun's restarts keep it).
+        self.checkpointer = Checkpointer(
+            cfg.checkpoint, directory=directory, parts=parts, rank=env.rank,
+            world_size=env.world_size, meta=meta, run_id=cfg.run.id, phase=self.phase,
+            # A deferred verdict is read before any save: a non-finite step is never saved.
+            before_save=lambda: self.stepper.settle(saving=True),
+            report=self.writer.write,
+        )  # fmt: skip
+        try:
+            resumed = self.checkpointer.resume(self.state) is not None
+        except BaseException:
+            self.checkpointer.close()  # releases the directory for the next attempt
+            raise
+        if resumed and self.epoch_shape.exhausted(self.state.epoch_sample):
+            # A larger global batch than the writer's (elastic keep_per_rank, or a changed config)
+            # may leave no full batch in the interrupted epoch: continue with the next one.
+            self.state.next_epoch()
+
+    # ------------------------------------------------------------------ the loop
+
+    def fit(self) -> dict[str, float]:
+        """Train to ``loop.max_steps`` (or ``max_epochs``); returns the final metrics."""
+        self.setup()
+        first_step = self.state.step + 1  # after a resume too
+        with self._running():
+            while not self._finished():
+                result = self.train_step()
+                self.state.advance(self.epoch_shape)
+                for hook in self.hooks:
+                    hook.after_step(self.state, result)
+                if self.state.step == first_step:
+                    # Set-up and the first step (compilation) are done: a hung collective from
+                    # here on fails after dist.step_timeout_s instead of the long set-up timeout.
+                    shorten_timeout(self.cfg.dist.step_timeout_s, mesh=self.mesh)
+                if result.stop_requested and not self._finished():
+                    self.signals.exit(self.state.step, saved=self.cfg.checkpoint.save_on_exit)
+            self.stepper.settle()  # the last step's verdict, before the final save and evaluation
+            for hook in self.hooks:
+                hook.after_train(self.state)
+        return self.state.metrics
+
+    @contextmanager
+    def _running(self) -> Iterator[None]:
+        """Stop signals and the hooks' lifetimes around the loop; loaders, writer and an async
+        checkpoint in flight are closed on every path."""
+        self.data.start(self.state)
+        try:
+            with self.signals:
+                self.writer.start()  # the tracker runs: a resumed run continues its own
+                for hook in self.hooks:
+                    hook.before_train(self.state)
+                yield
+        finally:
+            for hook in reversed(self.hooks):
+                hook.close()
+            self.data.close()
+            self.writer.close()
+
+    def _finished(self) -> bool:
+        if self.cfg.loop.max_steps:
+            return self.state.step >= self.total_steps
+        return self.state.epoch >= (self.cfg.loop.max_epochs or 0)
+
+    def _beat(self) -> None:
+        """Progress for the hang watchdog (also called inside long evaluations)."""
+        if self.watchdog:
+            self.watchdog.beat()
+
+    def close(self) -> None:
+        """Release the model, optimizer, DDP's comm wrapper and the loaders before the process
+        group goes away; an exception's traceback may keep this Trainer alive past that point."""
+        comm = getattr(self, "comm", None)
+        if comm is not None:
+            comm.release()  # it holds the DDP model too
+        writer = getattr(self, "writer", None)
+        if writer is not None:
+            # Closed by fit on every path; here when set-up failed after it was built (its
+            # Prometheus port, threads and files would outlive this Trainer).
+            writer.close()
+        held = "model pipeline optimizer comm scheduler stepper data checkpointer hooks ema writer"
+        for name in held.split():
+            setattr(self, name, None)
+
+    def train_step(self) -> StepResult:
+        """One optimizer step over ``grad_accum_steps`` micro-batches."""
+        accum, step = self.layout.grad_accum_steps, self.state.step + 1
+        step_started = time.perf_counter()
+        clock = self.meter.clock  # the phases, on the GPU's timeline under CUDA
+        clock.start()
+        # Evaluation switches the unwrapped model and restores it; re-setting it costs ~1 ms.
+        if not unwrap(self.model).training:
+            self.model.train()
+        loss_sum = torch.zeros((), device=self.device)
+        data_wait = 0.0
+        tp_loss = self.cfg.parallel.tensor_parallel.loss_parallel
+        for micro_step in range(accum):
+            started = time.perf_counter()
+            self.phase.enter("data", step=step)
+            batch = self.data.next_batch()
+            data_wait += time.perf_counter() - started  # fetch and copy to the device
+            clock.mark("data_wait")
+            # Data parallelism reduces gradients in backward, on the last micro-step only.
+            sync = micro_step == accum - 1
+            phase = "forward/backward (gradient reduction)" if sync else "forward/backward"
+            self.phase.enter(phase, step=step)
+            # loss_parallel: with vocabulary-sharded logits the loss and its backward run on shards.
+            with gradient_sync(self.model, sync), loss_parallel() if tp_loss else nullcontext():
+                if self.pipeline is not None:  # the schedule runs forward and backward
+                    with self.precision.autocast():
+                        loss = self.pipeline.train_step(*batch)
+                else:
+                    with self.precision.autocast():
+                        loss = self.compute_loss(batch)
+                    self.precision.scaler.scale(loss / accum).backward()
+            if isinstance(loss, DTensor):  # loss_parallel: the replicated loss of vocab shards
+                loss = loss.full_tensor()
+            loss_sum += loss.detach().float()
+            clock.mark("fwd_bwd")
+        loss = loss_sum / accum
+        grad_norm, verdict = self.stepper.apply(loss)
+        clock.mark("optimizer")
+        done = time.perf_counter()
+        # Ranks that share samples (tensor/pipeline peers) share the count as well.
+        samples = self.layout.global_batch_size / self.env.world_size
+        self.meter.step_done(samples=samples, seconds=done - step_started)
+        return StepResult(
+            loss=loss,
+            grad_norm=grad_norm,
+            data_wait_s=data_wait,
+            seconds=done - step_started,
+            nonfinite=verdict.nonfinite,
+            stop_requested=verdict.stop,
+            save_due=verdict.save_due,
+        )
+
+    def to_device(self, batch: Any) -> Any:
+        """Move every tensor in a (nested) batch to the training device."""
+        return self.data.to_device(batch)
+
+
+def resolve_trainer_class(target: str, *, key: str = "trainer._target_") -> type[Trainer]:
+    """The Trainer (sub)class named by the dotted path ``target``; ``key`` names its source in
+    errors."""
+    try:
+        cls = get_class(target)
+    except Exception as err:  # hydra wraps import failures in several exception types
+        raise ConfigError(f"{key}={target!r} cannot be imported: {err}") from None
+    if not (isinstance(cls, type) and issubclass(cls, Trainer)):
+        raise ConfigError(f"{key}={target!r} is not a subclass of sdnet_trainer.Trainer")
+    return cls
