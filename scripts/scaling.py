@@ -14,7 +14,7 @@ How
     sdnet_trainer +recipe=NAME`` launch (the 1-process point too, so all points carry the same
     DDP machinery) with ``OMP_NUM_THREADS=1``, ``loop.max_steps=--steps``, no evaluation, no
     checkpoint, ``loop.micro_batch_size=--micro-batch`` and ``loop.global_batch_size=N x micro``
-    with ``loop.grad_accum_steps=1`` (sdnet_trainer.training.batching.batch_layout's rule for a
+    with ``loop.grad_accum_steps=1`` (sdnet_trainer.distributed.batching.batch_layout's rule for a
     fixed micro-batch without elastic). ``--override`` passes more Hydra overrides to every run.
 
 Outputs (under ``--out``): scaling.csv (procs, samples_per_s, speedup, ideal, efficiency),

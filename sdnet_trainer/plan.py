@@ -45,6 +45,7 @@ from torch.distributed.tensor import DTensor
 
 from sdnet_trainer.config import Config, compose
 from sdnet_trainer.data import is_language_model_data, resolve_num_classes
+from sdnet_trainer.distributed.batching import batch_layout
 from sdnet_trainer.distributed.env import DistEnv
 from sdnet_trainer.distributed.mesh import ParallelDims, build_mesh, parallel_dims
 from sdnet_trainer.distributed.parallelize import _uses_fsdp, parallelize
@@ -52,7 +53,6 @@ from sdnet_trainer.errors import ConfigError
 from sdnet_trainer.models.parallel_spec import parallel_blocks
 from sdnet_trainer.observability.memory import training_state_bytes
 from sdnet_trainer.preflight import validate
-from sdnet_trainer.training.batching import batch_layout
 from sdnet_trainer.training.precision import DTYPES
 from sdnet_trainer.training.trainer import Trainer, resolve_trainer_class
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 from sdnet_trainer.config.checks import check_choice, check_positive
 from sdnet_trainer.config.schema import Config
 from sdnet_trainer.data import validate_data
+from sdnet_trainer.distributed.batching import validate_batch
 from sdnet_trainer.distributed.comm import validate_comm
 from sdnet_trainer.distributed.env import validate_dist
 from sdnet_trainer.distributed.mesh import parallel_dims
@@ -23,7 +24,6 @@ from sdnet_trainer.models.registry import GPT_NAME
 from sdnet_trainer.observability.logs import validate_logging
 from sdnet_trainer.observability.prometheus import validate_prometheus
 from sdnet_trainer.observability.writers import validate_trackers
-from sdnet_trainer.training.batching import validate_batch
 from sdnet_trainer.training.ema import validate_ema
 from sdnet_trainer.training.optim import validate_optim
 from sdnet_trainer.training.precision import validate_precision

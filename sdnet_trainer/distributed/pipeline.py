@@ -26,10 +26,10 @@ from torch.distributed.pipelining import PipelineStage
 from torch.distributed.pipelining.schedules import PipelineScheduleSingle, get_schedule_class
 
 from sdnet_trainer.config.schema import Config, PipelineConfig
+from sdnet_trainer.distributed.batching import batch_layout
 from sdnet_trainer.distributed.mesh import parallel_dims
 from sdnet_trainer.errors import ConfigError
 from sdnet_trainer.models.parallel_spec import Unit, block_unit_indices, pipeline_units
-from sdnet_trainer.training.batching import batch_layout
 
 logger = logging.getLogger(__name__)
 

@@ -47,6 +47,7 @@ from sdnet_trainer.data import (
 from sdnet_trainer.data.folders import EncodedJpegFolder
 from sdnet_trainer.data.loader import RunData
 from sdnet_trainer.distributed import DistEnv
+from sdnet_trainer.distributed.batching import BatchLayout, batch_layout
 from sdnet_trainer.distributed.comm import GradientComm
 from sdnet_trainer.distributed.ddp import unwrap
 from sdnet_trainer.distributed.env import shorten_timeout
@@ -61,7 +62,6 @@ from sdnet_trainer.observability.flops import run_flops
 from sdnet_trainer.observability.profiler import StepProfiler
 from sdnet_trainer.observability.prometheus import PrometheusExporter, prometheus_enabled
 from sdnet_trainer.training import rng
-from sdnet_trainer.training.batching import BatchLayout, batch_layout
 from sdnet_trainer.training.ema import WeightAverage
 from sdnet_trainer.training.evaluation import evaluate_batches, metric_sums
 from sdnet_trainer.training.health import Heartbeat, PhaseTracker, Watchdog, hang_log_path

@@ -8,9 +8,9 @@ from omegaconf.errors import ValidationError
 
 from sdnet_trainer.config import compose, recipe_names
 from sdnet_trainer.config.resolvers import rank0_only, run_id
+from sdnet_trainer.distributed.batching import BatchLayout, batch_layout
 from sdnet_trainer.errors import ConfigError
 from sdnet_trainer.preflight import validate
-from sdnet_trainer.training.batching import BatchLayout, batch_layout
 
 RECIPES = [
     "custom_spirals",

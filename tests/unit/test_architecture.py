@@ -1,0 +1,149 @@
+"""The package's layout as docs/architecture.md describes it: the folders the page names are the
+package's folders, the import rules between them hold, and every import path that README.md and
+docs/ show works."""
+
+from __future__ import annotations
+
+import ast
+import importlib
+import importlib.util
+import re
+from pathlib import Path
+
+import pytest
+
+from tests.support import REPO
+
+PACKAGE = REPO / "sdnet_trainer"
+ARCHITECTURE = REPO / "docs" / "architecture.md"
+# The leaf modules of training/ that lower folders may use: each imports nothing above config/.
+TRAINING_LEAVES = {"rng", "precision", "signals"}
+LOWER = ("data", "distributed", "models", "observability")
+
+
+def _imports(path: Path) -> set[str]:
+    names: set[str] = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.ImportFrom) and node.module:
+            names.add(node.module)
+            names.update(f"{node.module}.{alias.name}" for alias in node.names)
+        elif isinstance(node, ast.Import):
+            names.update(alias.name for alias in node.names)
+    return {name for name in names if name.split(".")[0] == "sdnet_trainer"}
+
+
+def _modules(folder: str) -> list[Path]:
+    return sorted((PACKAGE / folder).rglob("*.py"))
+
+
+def test_the_folders_table_names_every_folder_of_the_package():
+    text = ARCHITECTURE.read_text()
+    table = text.split("## Folders", 1)[1].split("\n## ", 1)[0]
+    named = set(re.findall(r"^\| `([a-z_]+)/` \|", table, flags=re.MULTILINE))
+    folders = {p.name for p in PACKAGE.iterdir() if (p / "__init__.py").exists()}
+    assert named == folders
+
+
+def test_config_imports_nothing_else_of_ours():
+    for path in _modules("config"):
+        for name in _imports(path):
+            assert name.startswith(("sdnet_trainer.config", "sdnet_trainer.errors")), (path, name)
+
+
+@pytest.mark.parametrize("folder", [*LOWER, "checkpoint"])
+def test_lower_folders_use_only_the_leaf_modules_of_training(folder):
+    for path in _modules(folder):
+        if path.name == "checkpointer.py":  # the training loop's hook over the checkpoint folder
+            continue
+        for name in _imports(path):
+            parts = name.split(".")
+            if parts[1:2] == ["training"] and len(parts) > 2:
+                assert parts[2] in TRAINING_LEAVES, (path, name)
+        if folder == "checkpoint":
+            assert not any(n.startswith("sdnet_trainer.training") for n in _imports(path)), path
+
+
+def test_the_leaf_modules_of_training_import_no_other_folder_above_config():
+    for leaf in TRAINING_LEAVES:
+        for name in _imports(PACKAGE / "training" / f"{leaf}.py"):
+            assert name.split(".")[1] in {"config", "errors", "observability"}, (leaf, name)
+
+
+def _doc_texts() -> list[tuple[str, str]]:
+    paths = [REPO / "README.md", *sorted((REPO / "docs").glob("*.md"))]
+    if (REPO / "CONTRIBUTING.md").exists():
+        paths.append(REPO / "CONTRIBUTING.md")
+    return [(str(p.relative_to(REPO)), p.read_text()) for p in paths]
+
+
+def _shown_paths() -> set[tuple[str, str]]:
+    """(module, attribute or "") pairs of every import the docs show, every ``python -m`` module
+    and every dotted ``sdnet_trainer.…`` name in backticks."""
+    shown: set[tuple[str, str]] = set()
+    for _, text in _doc_texts():
+        for module, names in re.findall(r"from (sdnet_trainer[\w.]*) import ([\w, ]+)", text):
+            shown.update((module, name.strip()) for name in names.split(",") if name.strip())
+        for module in re.findall(r"^\s*import (sdnet_trainer[\w.]*)", text, flags=re.MULTILINE):
+            shown.add((module, ""))
+        for module in re.findall(r"python -m (sdnet_trainer[\w.]*)", text):
+            shown.add((module, "__main__"))
+        for dotted in re.findall(r"`(sdnet_trainer(?:\.\w+)+)[`(]", text):
+            shown.add((dotted, "?"))
+    return shown
+
+
+def _resolve(module: str, attribute: str) -> None:
+    if attribute == "__main__":  # `python -m X`: X is a module, or a package with __main__
+        spec = importlib.util.find_spec(module)
+        assert spec is not None, module
+        if spec.submodule_search_locations is not None:
+            assert importlib.util.find_spec(f"{module}.__main__") is not None, module
+        return
+    if attribute == "?":  # a dotted name: the longest importable prefix, then attributes
+        parts = module.split(".")
+        for cut in range(len(parts), 0, -1):
+            try:
+                obj = importlib.import_module(".".join(parts[:cut]))
+            except ModuleNotFoundError:
+                continue
+            for part in parts[cut:]:
+                obj = getattr(obj, part)
+            return
+        raise AssertionError(module)
+    obj = importlib.import_module(module)
+    if attribute:
+        assert hasattr(obj, attribute), f"{module}.{attribute}"
+
+
+def test_every_import_path_the_docs_show_works():
+    shown = _shown_paths()
+    # The paths users have imported from since before the package was grouped, whatever the
+    # docs show today.
+    shown |= {
+        ("sdnet_trainer", "Trainer"),
+        ("sdnet_trainer", "HookBase"),
+        ("sdnet_trainer", "launch"),
+        ("sdnet_trainer", "compose"),
+        ("sdnet_trainer.hooks", "HookBase"),
+        ("sdnet_trainer.trainer", "Trainer"),
+        ("sdnet_trainer.export", "__main__"),
+        ("sdnet_trainer.serve", "__main__"),
+    }
+    assert len(shown) > 20  # the docs' examples were found
+    for module, attribute in sorted(shown):
+        _resolve(module, attribute)
+
+
+def test_the_checker_fails_on_a_path_that_does_not_exist():
+    with pytest.raises((AssertionError, ModuleNotFoundError, AttributeError)):
+        _resolve("sdnet_trainer.no_such_module", "X")
+    with pytest.raises(AssertionError):
+        _resolve("sdnet_trainer.hooks", "NoSuchHook")
+    with pytest.raises(AttributeError):
+        _resolve("sdnet_trainer.training.hooks.NoSuchHook", "?")
+
+
+def test_every_file_path_the_docs_name_exists():
+    for doc, text in _doc_texts():
+        for path in re.findall(r"`(sdnet_trainer/[\w/]+\.py)`", text):
+            assert (REPO / path).exists(), f"{doc} names {path}"
