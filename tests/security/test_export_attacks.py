@@ -196,7 +196,7 @@ def test_a_failed_export_leaves_no_files(checkpoint, tmp_path, monkeypatch):
     def fail(*_: Any) -> None:
         raise ExportError("format=safetensors: failing on purpose")
 
-    monkeypatch.setattr("sdnet_trainer.export.write_safetensors", fail)
+    monkeypatch.setattr("sdnet_trainer.export.writers.write_safetensors", fail)
     assert main([f"checkpoint={ckpt}", f"out={out}", "format=pt,safetensors"]) == (
         EXIT_EXPORT_FAILED
     )
