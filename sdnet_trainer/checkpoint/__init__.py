@@ -1,14 +1,16 @@
-"""Checkpoints: what a run saves and when (``checkpointer``), over the folder it saves into.
+"""Checkpoints: what a run saves and when (``checkpointer``), over the folder it saves into
+(``manager``: the commit protocol, over ``files``, ``lock``, ``disk`` and ``untrusted``, which
+reads a checkpoint that may be hostile).
 
 The names users and the rest of the package import are re-exported here.
 """
 
-from sdnet_trainer.checkpoint.manager import (
-    LOCK,
-    MANIFEST,
+from sdnet_trainer.checkpoint.files import MANIFEST
+from sdnet_trainer.checkpoint.lock import LOCK
+from sdnet_trainer.checkpoint.manager import CheckpointManager
+from sdnet_trainer.checkpoint.untrusted import (
     Checkpoint,
     CheckpointError,
-    CheckpointManager,
     find_checkpoint,
     read_checkpoint,
 )

@@ -21,7 +21,8 @@ from torch.distributed.checkpoint.staging import DefaultStager
 from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_optimizer_state_dict
 
 from sdnet_trainer.checkpoint.checkpointer import Checkpointer, ModelState, OptimizerState, Part
-from sdnet_trainer.checkpoint.manager import CheckpointManager, _StagingWriter
+from sdnet_trainer.checkpoint.disk import StagingWriter
+from sdnet_trainer.checkpoint.manager import CheckpointManager
 from sdnet_trainer.config.schema import CheckpointConfig
 from sdnet_trainer.training.rng import RngState
 from sdnet_trainer.training.state import RunState
@@ -166,14 +167,14 @@ def test_resume_with_dropout_is_bitwise_exact(tmp_path, monkeypatch, async_save)
     # One permit per write, given two steps after its save (a permit cannot be missed by a
     # writer thread that reaches the gate late). Sync writes run inside save(): not held.
     permits = threading.Semaphore(0)
-    write_data = _StagingWriter.write_data
+    write_data = StagingWriter.write_data
 
     def held_write_data(self, plan, planner):
         assert permits.acquire(timeout=60)
         return write_data(self, plan, planner)
 
     if async_save:
-        monkeypatch.setattr(_StagingWriter, "write_data", held_write_data)
+        monkeypatch.setattr(StagingWriter, "write_data", held_write_data)
     model, optimizer = _model_and_optimizer(0)
     state = RunState()
     first = _checkpointer(tmp_path, model, optimizer, state, async_save=async_save)

@@ -28,15 +28,15 @@ from torch.distributed.checkpoint import FileSystemWriter
 from torch.distributed.checkpoint.filesystem import FileSystem
 
 from sdnet_trainer import Trainer
-from sdnet_trainer.checkpoint.checkpointer import Checkpointer
-from sdnet_trainer.checkpoint.manager import (
+from sdnet_trainer.checkpoint import (
     LOCK,
     MANIFEST,
     CheckpointError,
     CheckpointManager,
-    _StagingWriter,
     read_checkpoint,
 )
+from sdnet_trainer.checkpoint.checkpointer import Checkpointer
+from sdnet_trainer.checkpoint.disk import StagingWriter
 from sdnet_trainer.config import CheckpointConfig
 from sdnet_trainer.errors import ConfigError
 from tests.support import TINY, run_cli
@@ -432,7 +432,7 @@ def pickled_failures(monkeypatch, writer: type) -> None:
 def test_disk_full_on_another_rank_keeps_its_errno(tmp_path, monkeypatch, little_free):
     # The writer re-raises the full disk hidden in torch's zip-writer error as the OSError, which
     # pickles with its errno.
-    pickled_failures(monkeypatch, _StagingWriter)
+    pickled_failures(monkeypatch, StagingWriter)
     ckpts = manager(tmp_path, "run-a")
     with disk_full(monkeypatch, room=1000), pytest.raises(CheckpointError) as failed:
         ckpts.save(1, {"w": torch.ones(100_000)})

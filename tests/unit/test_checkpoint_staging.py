@@ -16,7 +16,8 @@ from torch.distributed.checkpoint.staging import DefaultStager
 from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_optimizer_state_dict
 
 from sdnet_trainer.checkpoint.checkpointer import Checkpointer, ModelState, OptimizerState, Part
-from sdnet_trainer.checkpoint.manager import CheckpointManager, _StagingWriter
+from sdnet_trainer.checkpoint.disk import StagingWriter
+from sdnet_trainer.checkpoint.manager import CheckpointManager
 from sdnet_trainer.config.schema import CheckpointConfig
 from sdnet_trainer.training.state import RunState
 
@@ -71,7 +72,7 @@ def spies(monkeypatch) -> dict[str, list]:
     """Records every staged state dict DefaultStager returns, every DefaultStager made, and the
     writer object and folder of every shard write."""
     seen: dict[str, list] = {"staged": [], "stagers": [], "writes": []}
-    stage, init, write_data = DefaultStager.stage, DefaultStager.__init__, _StagingWriter.write_data
+    stage, init, write_data = DefaultStager.stage, DefaultStager.__init__, StagingWriter.write_data
 
     def spy_stage(self, state_dict, **kwargs):
         staged = stage(self, state_dict, **kwargs)
@@ -88,7 +89,7 @@ def spies(monkeypatch) -> dict[str, list]:
 
     monkeypatch.setattr(DefaultStager, "stage", spy_stage)
     monkeypatch.setattr(DefaultStager, "__init__", spy_init)
-    monkeypatch.setattr(_StagingWriter, "write_data", spy_write)
+    monkeypatch.setattr(StagingWriter, "write_data", spy_write)
     return seen
 
 
@@ -156,13 +157,13 @@ def test_a_save_waits_for_the_previous_write_before_restaging(tmp_path, monkeypa
     # The staged buffers are shared by consecutive saves: the second save must not copy into them
     # while the first one's write still reads them.
     release = threading.Event()
-    write_data = _StagingWriter.write_data
+    write_data = StagingWriter.write_data
 
     def held_write_data(self, plan, planner):
         assert release.wait(timeout=60)
         return write_data(self, plan, planner)
 
-    monkeypatch.setattr(_StagingWriter, "write_data", held_write_data)
+    monkeypatch.setattr(StagingWriter, "write_data", held_write_data)
     live = {"w": torch.arange(1000.0)}
     ckpts = CheckpointManager(tmp_path, keep_last=3, async_save=True, rank=0, world_size=1)
     ckpts.save(1, live)
@@ -212,13 +213,13 @@ def test_async_saves_then_resume_is_bitwise_exact(tmp_path, monkeypatch):
     # One permit per write, given two steps after its save (a permit cannot be missed by a
     # writer thread that reaches the gate late).
     permits = threading.Semaphore(0)
-    write_data = _StagingWriter.write_data
+    write_data = StagingWriter.write_data
 
     def held_write_data(self, plan, planner):
         assert permits.acquire(timeout=60)
         return write_data(self, plan, planner)
 
-    monkeypatch.setattr(_StagingWriter, "write_data", held_write_data)
+    monkeypatch.setattr(StagingWriter, "write_data", held_write_data)
     model, optimizer = _model_and_optimizer(0)
     state = RunState()
     first = _checkpointer(tmp_path, model, optimizer, state)

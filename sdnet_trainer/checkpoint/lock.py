@@ -1,0 +1,234 @@
+"""The lock of a checkpoint directory: ``checkpoint.lock``, which names the one run that saves
+into the directory (see ``FolderLock``), and the run's token that names its staging folders.
+"""
+
+from __future__ import annotations
+
+import gc
+import hashlib
+import json
+import logging
+import os
+import re
+import socket
+import time
+import uuid
+import weakref
+from pathlib import Path
+from typing import Any
+
+from sdnet_trainer.checkpoint.files import fsync_dir, invalid_field
+from sdnet_trainer.errors import ConfigError
+
+logger = logging.getLogger(__name__)
+
+LOCK = "checkpoint.lock"
+_LOCK_FIELDS: dict[str, type | tuple[type, ...]] = {
+    "run_id": str,
+    "host": str,
+    "pid": int,
+    "created": (int, float),
+    "token": str,
+}
+
+
+class FolderLock:
+    """``checkpoint.lock`` in a checkpoint directory: JSON naming the run that saves into it (run
+    id, host, pid, created). Rank 0 of that run creates it with O_CREAT|O_EXCL, which is atomic on
+    local filesystems and NFSv3+ alike, so of two runs starting at once exactly one gets it.
+
+    An existing lock is taken over when it names the same run id *and* the same torchrun launch
+    (``TORCHELASTIC_RUN_ID``: torchrun restarted this run's workers; a new launch with the same
+    run id, e.g. two started in the same second with the default time-based id, is not the same
+    run), a process on this host that no longer exists (a crashed or preempted run; logged), or a
+    manager of this process that was dropped without ``close`` (a notebook's earlier Trainer); any
+    other holder, live or on another host (whose processes cannot be checked from here), refuses.
+
+    A lock whose manager is garbage collected, or still held when the interpreter exits, is
+    released then (``weakref.finalize``)."""
+
+    def __init__(self, directory: Path, run_id: str) -> None:
+        self.path = directory / LOCK
+        self.run_id = run_id
+        # The torchrun launch (its rendezvous id: a fresh uuid under --standalone, the job's id
+        # when a scheduler passes --rdzv-id); None in a plain single process.
+        self.launch = os.environ.get("TORCHELASTIC_RUN_ID")
+        self.token = uuid.uuid4().hex  # tells this acquisition's file from a later taker's
+        self.held = False
+        self._release: weakref.finalize | None = None  # deletes the file; set once acquired
+
+    def acquire(self) -> None:
+        for _attempt in range(10):
+            content = {
+                "run_id": self.run_id,
+                "launch": self.launch,
+                "host": socket.gethostname(),
+                "pid": os.getpid(),
+                "created": time.time(),
+                "token": self.token,
+            }
+            try:
+                fd = os.open(self.path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+            except FileExistsError:
+                raw = self._read()
+                if raw is None:  # released meanwhile
+                    continue
+                holder = _parse_lock(raw)
+                why = self._replaceable(holder)
+                if why is None:
+                    raise ConfigError(self._refusal(holder, raw)) from None
+                if self._remove_if_unchanged(raw):
+                    # A restart of this run is routine; replacing a crashed run's lock is news.
+                    same_run = (
+                        holder["run_id"] == self.run_id and holder.get("launch") == self.launch
+                    )
+                    log = logger.info if same_run else logger.warning
+                    log("checkpoint lock %s: taking it over, %s", self.path, why)
+                continue
+            with os.fdopen(fd, "w") as f:
+                json.dump(content, f)
+                f.flush()
+                os.fsync(f.fileno())
+            fsync_dir(self.path.parent)
+            self.held = True
+            _HELD_HERE[self.token] = self
+            self._release = weakref.finalize(self, _release_lock_file, self.path, self.token)
+            return
+        raise ConfigError(
+            f"could not take the checkpoint lock {self.path}: it kept changing hands (several runs "
+            f"starting with checkpoint.dir={self.path.parent} at once?)"
+        )
+
+    def release(self) -> None:
+        """Delete the lock file if it is still this acquisition's (a restarted worker of the same
+        run may have taken it over since)."""
+        if self._release is not None:
+            self._release()  # once: a finalize object runs at most once
+        self.held = False
+
+    def _read(self) -> str | None:
+        """The lock's text, None if there is no lock. A holder writes its JSON right after
+        creating the file: an empty or partial text is read again for a moment."""
+        text = ""
+        for _ in range(20):
+            try:
+                text = self.path.read_text()
+            except FileNotFoundError:
+                return None
+            except OSError as exc:
+                return f"<unreadable: {exc}>"
+            if _parse_lock(text):
+                return text
+            time.sleep(0.1)
+        return text
+
+    def _replaceable(self, holder: dict[str, Any]) -> str | None:
+        """Why the lock of ``holder`` may be taken over; None if it may not."""
+        if not holder:
+            return None  # unreadable: a person must decide
+        same_launch = self.launch is not None and holder.get("launch") == self.launch
+        if holder["run_id"] == self.run_id and same_launch:
+            return f"it is held by the same run {self.run_id!r} (restarted workers)"
+        if holder["host"] != socket.gethostname():
+            return None
+        if holder["pid"] == os.getpid():
+            gc.collect()  # a dropped manager in a reference cycle releases its lock now
+            here = _HELD_HERE.get(holder["token"])
+            if here is None or not here.held:
+                return (
+                    f"its holder, run {holder['run_id']!r} of this process, was dropped without "
+                    f"close()"
+                )
+        elif not _pid_alive(holder["pid"]):
+            return (
+                f"its holder, run {holder['run_id']!r} (pid {holder['pid']} on this host), no "
+                f"longer exists"
+            )
+        return None
+
+    def _remove_if_unchanged(self, raw: str) -> bool:
+        """Remove the lock file if it still holds ``raw``. Renamed aside first, so that of several
+        runs replacing the same stale lock only one removes it; a lock that changed in between is
+        put back (unless yet another run created one meanwhile: three runs starting in the same
+        instant over a stale lock)."""
+        aside = self.path.with_name(f".{LOCK}.{self.token}")
+        try:
+            os.rename(self.path, aside)
+        except FileNotFoundError:
+            return False
+        if aside.read_text() == raw:
+            aside.unlink()
+            return True
+        try:
+            os.link(aside, self.path)
+        except FileExistsError:
+            pass
+        aside.unlink()
+        return False
+
+    def _refusal(self, holder: dict[str, Any], raw: str) -> str:
+        where = f"checkpoint.dir={self.path.parent}"
+        if not holder:
+            return (
+                f"{where} is locked by an unreadable lock file {self.path} ({raw[:200]!r}); if no "
+                f"run is saving into that folder, delete {self.path} and start again"
+            )
+        since = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(holder["created"]))
+        if holder["host"] != socket.gethostname():
+            state = "a process on another host"
+        elif holder["pid"] == os.getpid():
+            state = "this process: close() its Trainer or Checkpointer first"
+        else:
+            state = "a live process on this host"
+        return (
+            f"{where} is in use by run {holder['run_id']!r} (host {holder['host']}, pid "
+            f"{holder['pid']}, {state}, since {since}; lock file {self.path}). Two runs must "
+            f"not save into one checkpoint folder: wait for that run to finish, give this run "
+            f"another checkpoint.dir, or, if that run is gone, delete {self.path} and start again"
+        )
+
+
+# The locks this process holds, by token: a lock file naming this process whose token is not here
+# belongs to a manager that was dropped without close().
+_HELD_HERE: weakref.WeakValueDictionary[str, FolderLock] = weakref.WeakValueDictionary()
+
+
+def _release_lock_file(path: Path, token: str) -> None:
+    """Delete the lock file at ``path`` if it still holds ``token``. Also runs at interpreter exit
+    (from weakref.finalize), so it does not rely on logging."""
+    try:
+        if _parse_lock(path.read_text()).get("token") == token:
+            os.unlink(path)
+    except OSError:
+        pass
+
+
+def _parse_lock(text: str) -> dict[str, Any]:
+    """The holder a lock file names, or {} when it is not a valid lock."""
+    try:
+        holder = json.loads(text)
+    except ValueError:
+        return {}
+    if not isinstance(holder, dict) or invalid_field(holder, _LOCK_FIELDS) is not None:
+        return {}
+    return holder
+
+
+def _pid_alive(pid: int) -> bool:
+    if pid <= 0:
+        return False
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # exists, owned by someone else
+        return True
+    return True
+
+
+def run_token(run_id: str) -> str:
+    """A file-name-safe token of ``run_id`` for staging folder names: readable, and unique through
+    a short hash of the exact id."""
+    readable = re.sub(r"[^A-Za-z0-9_-]+", "-", run_id).strip("-")[:40]
+    digest = hashlib.sha256(run_id.encode()).hexdigest()[:8]
+    return f"{readable}-{digest}" if readable else digest
