@@ -4,11 +4,14 @@ torchrun, locally and from http:// URLs, step for step like the ImageFolder it c
 from __future__ import annotations
 
 import json
+import subprocess
 import sys
 
 import pytest
 
-from tests.support import TINY, read_jsonl, run_cli, run_command
+from sdnet_trainer.config.schema import DataConfig
+from sdnet_trainer.data.shards import DEFAULT_SHARD_SIZE, build_shards
+from tests.support import TINY, cli_env, read_jsonl, run_cli, run_command
 from tests.unit.test_shards import _folder, range_server
 
 
@@ -40,8 +43,47 @@ def test_converter_command_skips_what_is_done(converted):
     assert report["train"] == {"samples": 21, "shards": 6, "written": 0, "skipped": 6}
     assert report["val"]["written"] == 0 and report["classes"] == 3
     assert {p: p.read_bytes() for p in out.rglob("*") if p.is_file()} == before
-    bad = run_command(command[:-1], cwd=base, timeout=120)
+    bad = run_command(command[:-2], cwd=base, timeout=120)  # SRC only
     assert bad.returncode == 2 and "usage:" in bad.output and "Traceback" not in bad.output
+    bad = run_command([*command, "shards=4"], cwd=base, timeout=120)
+    assert bad.returncode == 2 and "unknown: shards" in bad.output
+
+
+def _run_quiet(args: list[str], *, cwd) -> subprocess.CompletedProcess:
+    """``python -W error -m sdnet_trainer.data.shards ARGS`` with stdout and stderr apart: any
+    warning (runpy's about sys.modules included) is an error, and stderr must stay empty."""
+    return subprocess.run(
+        [sys.executable, "-W", "error", "-m", "sdnet_trainer.data.shards", *args],
+        cwd=cwd,
+        env=cli_env(),
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+
+
+def test_converter_command_needs_only_src_and_out(converted):
+    base, src, out, _ = converted
+    done = _run_quiet([str(src), str(base / "default")], cwd=base)
+    assert done.returncode == 0, done.stderr
+    assert done.stderr == ""
+    report = json.loads(done.stdout.strip().splitlines()[-1])
+    assert report["train"] == {"samples": 21, "shards": 1, "written": 1, "skipped": 0}
+    assert report["val"] == {"samples": 6, "shards": 1, "written": 1, "skipped": 0}
+    # The same samples, in the same order, as the shards of 4 written above.
+    whole, _ = build_shards(DataConfig(name="shards", root=str(base / "default")))
+    split, _ = build_shards(DataConfig(name="shards", root=str(out)))
+    assert whole.keys == split.keys and whole.targets == split.targets
+    assert [whole.read(i) for i in range(len(whole))] == [split.read(i) for i in range(len(split))]
+
+
+@pytest.mark.parametrize("flag", ["--help", "-h"])
+def test_converter_command_help(converted, flag):
+    base = converted[0]
+    shown = _run_quiet([flag], cwd=base)
+    assert shown.returncode == 0 and shown.stderr == ""
+    assert shown.stdout.startswith("usage: python -m sdnet_trainer.data.shards")
+    assert f"(default {DEFAULT_SHARD_SIZE})" in shown.stdout
 
 
 def _losses(root, run_dir, *, data_name: str) -> list[float]:

@@ -26,6 +26,7 @@ from sdnet_trainer.config.schema import DataConfig
 from sdnet_trainer.data import BadSampleError, skipped_samples
 from sdnet_trainer.data.folders import build_imagefolder
 from sdnet_trainer.data.shards import (
+    DEFAULT_SHARD_SIZE,
     INDEX_SUFFIX,
     ShardError,
     ShardImages,
@@ -247,10 +248,40 @@ def test_converter_cli(converted, tmp_path, capsys):
     assert main([str(src), str(tmp_path / "out"), "shard_size=8"]) == 0
     report = json.loads(capsys.readouterr().out)
     assert report["classes"] == 3 and report["train"]["shards"] == 3
-    assert main([str(src), str(tmp_path / "out")]) == 2  # shard_size is required
-    assert "usage:" in capsys.readouterr().err
     assert main([str(tmp_path / "nowhere"), str(tmp_path / "o2"), "shard_size=8"]) == 2
     assert "has no train/ folder" in capsys.readouterr().err
+    assert main([str(src)]) == 2  # OUT is missing
+    assert "usage:" in capsys.readouterr().err
+    assert main([str(src), str(tmp_path / "o3"), "shards=8"]) == 2
+    assert "unknown: shards" in capsys.readouterr().err
+    assert main([str(src), str(tmp_path / "o4"), "--shard-size=8"]) == 2
+    assert "(unknown: --shard-size)" in capsys.readouterr().err
+    assert not (tmp_path / "o3").exists() and not (tmp_path / "o4").exists()
+
+
+def test_converter_cli_defaults_shard_size(converted, tmp_path, capsys):
+    src, out = converted
+    assert main([str(src), str(tmp_path / "out")]) == 0
+    report = json.loads(capsys.readouterr().out)
+    # 21 training images and 6 validation images: one shard each at the default size.
+    assert DEFAULT_SHARD_SIZE > 21
+    assert report["train"] == {"samples": 21, "shards": 1, "written": 1, "skipped": 0}
+    assert report["val"]["shards"] == 1 and report["classes"] == 3
+    whole, _ = build_shards(_cfg(tmp_path / "out"))
+    split, _ = build_shards(_cfg(out))
+    assert whole.keys == split.keys and whole.targets == split.targets
+    assert [whole.read(i) for i in range(len(whole))] == [split.read(i) for i in range(len(split))]
+
+
+@pytest.mark.parametrize("flag", ["--help", "-h"])
+def test_converter_cli_help(flag, tmp_path, capsys):
+    assert main([flag]) == 0
+    printed = capsys.readouterr()
+    assert printed.out.startswith("usage: python -m sdnet_trainer.data.shards")
+    assert f"shard_size=N  samples per shard (default {DEFAULT_SHARD_SIZE})" in printed.out
+    assert printed.err == ""
+    assert main([str(tmp_path / "src"), str(tmp_path / "out"), flag]) == 0  # help wins
+    assert not (tmp_path / "out").exists()
 
 
 # --------------------------------------------------------------------------------------------
@@ -484,7 +515,9 @@ def test_truncated_shard_under_skip_replaces_the_lost_samples(converted, tmp_pat
     assert torch.equal(image, train.transform(train.decode(train.read(lost + 1))))
     counter = skipped_samples(train)
     assert counter is not None and counter() == 1
-    warned = [r.getMessage() for r in caplog.records if r.name == "sdnet_trainer.data.shards"]
+    warned = [
+        r.getMessage() for r in caplog.records if r.name.startswith("sdnet_trainer.data.shards")
+    ]
     skipping = [line for line in warned if line.startswith("data: skipping")]
     assert len(skipping) == 1 and str(shard) in skipping[0] and last_key in skipping[0]
 
