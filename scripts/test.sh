@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Install the project with its test extras into ./.venv (created if missing), check lint, format
-# and types (ruff, mypy; settings in pyproject.toml), and run the tests.
+# and types (ruff, mypy; settings in pyproject.toml), build the docs site, and run the tests.
 #   bash scripts/test.sh            # the whole suite: unit, distributed (gloo), end-to-end CLI
 #   bash scripts/test.sh -k ddp     # extra arguments go to pytest
 set -euo pipefail
@@ -14,6 +14,10 @@ fi
 .venv/bin/ruff check .
 .venv/bin/ruff format --check .
 .venv/bin/mypy
+# The docs site (mkdocs.yml): --strict fails on a broken link or anchor, or a page not in the nav.
+site_dir=$(mktemp -d)
+NO_MKDOCS_2_WARNING=1 .venv/bin/mkdocs build --strict --quiet --site-dir "$site_dir"
+rm -rf "$site_dir"
 # One thread per process: the distributed tests run 2 processes on small machines.
 export OMP_NUM_THREADS=1
 exec .venv/bin/python -m pytest -q "$@"

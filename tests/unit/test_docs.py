@@ -14,7 +14,34 @@ from omegaconf import OmegaConf
 from sdnet_trainer import Config
 from tests.support import REPO
 
-HAND_WRITTEN = ["docs/troubleshooting.md", "docs/subclassing.md"]
+HAND_WRITTEN = [
+    "docs/troubleshooting.md",
+    "docs/subclassing.md",
+    "docs/getting-started.md",
+    "docs/recipes.md",
+    "docs/overrides.md",
+    "docs/parallel.md",
+    "docs/data.md",
+    "docs/checkpoints.md",
+    "docs/monitoring.md",
+]
+# Pages that name only a few config keys each: checked together, so that the check that the pattern
+# still finds keys has enough of them to count.
+FEW_KEYS = [
+    "README.md",
+    "CONTRIBUTING.md",
+    "docs/export.md",
+    "docs/serving.md",
+    "docs/benchmarks.md",
+    "docs/multinode.md",
+    "docs/sweeps.md",
+    "docs/gpu.md",
+    "docs/testing.md",
+]
+# Words shaped like keys that are file names in the docs (`checkpoint.lock`, `model.onnx`).
+FILE_SUFFIXES = {"lock", "pt", "pt2", "onnx", "safetensors", "json", "jsonl", "yaml", "csv", "log"}
+# Keys the docs misspell on purpose, to show the error a misspelt key gets.
+MISSPELT_ON_PURPOSE = {"optim.lrr"}
 
 
 @pytest.fixture(scope="module")
@@ -98,16 +125,20 @@ def _named_settings(text: str):
                 yield m[1], (m[2] or "")[1:]
 
 
-@pytest.mark.parametrize("doc", HAND_WRITTEN)
-def test_hand_written_docs_name_only_real_keys(doc):
+@pytest.mark.parametrize("docs", [[doc] for doc in HAND_WRITTEN] + [FEW_KEYS], ids=str)
+def test_hand_written_docs_name_only_real_keys(docs):
     top = {f.name for f in dataclasses.fields(Config)}
     groups = {p.name for p in (REPO / "configs").iterdir() if p.is_dir()}
     wrong = []
     checked = 0
-    for key, value in _named_settings((REPO / doc).read_text()):
+    doc = ", ".join(docs)
+    text = "\n".join((REPO / name).read_text() for name in docs)
+    for key, value in _named_settings(text):
         path = key.split(".")
         if path[0] not in top or (path[0] == "trainer" and path[1:] != ["_target_"]):
             continue  # a module path, a file name, an export argument, a hook's trainer.step
+        if key in MISSPELT_ON_PURPOSE or (len(path) == 2 and path[1] in FILE_SUFFIXES):
+            continue
         checked += 1
         if len(path) == 1:
             if (

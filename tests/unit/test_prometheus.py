@@ -662,7 +662,9 @@ def test_compose_mounts_the_files_of_deploy_monitoring():
         for group in job["static_configs"]
         for target in group["targets"]
     }
-    assert scrape_ports == set(range(9400, 9408))  # README's port=9400, up to 8 local ranks
+    assert scrape_ports == set(
+        range(9400, 9408)
+    )  # docs/monitoring.md's port=9400, up to 8 local ranks
 
 
 def _podmonitor_and_job() -> tuple[dict, dict]:
