@@ -65,12 +65,12 @@ from torchvision.datasets.folder import IMG_EXTENSIONS, find_classes, make_datas
 from sdnet_trainer.config.checks import check_choice
 from sdnet_trainer.config.schema import DataConfig
 from sdnet_trainer.data.augment import build_transforms
-from sdnet_trainer.data.folders import (
+from sdnet_trainer.data.bad_samples import (
     ON_BAD_SAMPLE,
     BadSampleError,
     SkippedSamples,
-    _original_message,
     first_loadable,
+    original_message,
 )
 from sdnet_trainer.data.tokens import BYTE_VOCAB
 from sdnet_trainer.errors import ConfigError
@@ -109,7 +109,7 @@ class ShardError(ConfigError):
     torch's traceback text; as for :class:`BadSampleError`, only the one-line message is kept."""
 
     def __init__(self, message: str) -> None:
-        super().__init__(_original_message(str(message), type(self)))
+        super().__init__(original_message(str(message), type(self)))
 
 
 # --------------------------------------------------------------------------------------------
