@@ -13,7 +13,7 @@ from sdnet_trainer.config.checks import check_choice, check_positive
 from sdnet_trainer.config.schema import Config
 from sdnet_trainer.data import validate_data
 from sdnet_trainer.distributed.batching import validate_batch
-from sdnet_trainer.distributed.comm import validate_comm
+from sdnet_trainer.distributed.comm_hooks import validate_comm
 from sdnet_trainer.distributed.env import validate_dist
 from sdnet_trainer.distributed.mesh import parallel_dims
 from sdnet_trainer.distributed.parallelize import validate_compile, validate_parallel

@@ -14,14 +14,9 @@ from torch.utils.data import Dataset
 from sdnet_trainer.config.checks import check_choice, check_positive
 from sdnet_trainer.config.schema import Config, DataConfig
 from sdnet_trainer.data.augment import BatchMixer, changed_augment_keys, validate_augment
-from sdnet_trainer.data.folders import (
-    ON_BAD_SAMPLE,
-    BadSampleError,
-    CheckedImageFolder,
-    SkippedSamples,
-    build_cifar10,
-    build_imagefolder,
-)
+from sdnet_trainer.data.bad_samples import ON_BAD_SAMPLE, BadSampleError, SkippedSamples
+from sdnet_trainer.data.cifar import build_cifar10
+from sdnet_trainer.data.folders import CheckedImageFolder, build_imagefolder
 from sdnet_trainer.data.hf import HFImages, build_hf
 from sdnet_trainer.data.loader import build_loader, check_loader_options
 from sdnet_trainer.data.sampler import GlobalBatchSampler, ShardedEvalSampler

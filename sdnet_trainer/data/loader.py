@@ -6,7 +6,7 @@ in a given setting (pinning without CUDA, worker options without workers) are dr
 one config works on a laptop and on a GPU node alike.
 
 :class:`RunData` brings batches to the device. On CUDA the image data sets built here deliver
-uint8 pixels that are normalized on the device (see ``data/folders.py``), and every batch is
+uint8 pixels that are normalized on the device (see ``data/normalize.py``), and every batch is
 copied on a side stream from pinned memory, so the copy overlaps the GPU work still queued from
 the previous step instead of waiting behind it. Training batches are then mixed there
 (``data.mixup_alpha``, ``data.cutmix_alpha``; see ``data/augment.py``).
@@ -25,14 +25,9 @@ from torch.utils.data import DataLoader, Dataset, Sampler
 from sdnet_trainer.config.checks import check_choice, check_positive
 from sdnet_trainer.config.schema import DataConfig
 from sdnet_trainer.data.augment import BatchMixer
-from sdnet_trainer.data.folders import (
-    DECODE,
-    DeviceDecoder,
-    DeviceNormalize,
-    EncodedImages,
-    collate_encoded,
-    defer_normalization,
-)
+from sdnet_trainer.data.folders import defer_normalization
+from sdnet_trainer.data.jpeg import DECODE, DeviceDecoder, EncodedImages, collate_encoded
+from sdnet_trainer.data.normalize import DeviceNormalize
 from sdnet_trainer.data.sampler import GlobalBatchSampler, ShardedEvalSampler
 from sdnet_trainer.data.seeding import EpochTaggedBatches, SampleSeeded, draws_random
 from sdnet_trainer.errors import ConfigError

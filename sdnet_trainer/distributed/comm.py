@@ -31,108 +31,22 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.distributed.algorithms.ddp_comm_hooks import (
-    default_hooks,
-    post_localSGD_hook,
-    powerSGD_hook,
-)
+from torch.distributed.algorithms.ddp_comm_hooks import post_localSGD_hook, powerSGD_hook
 from torch.distributed.algorithms.model_averaging.averagers import PeriodicModelAverager
 from torch.nn.parallel import DistributedDataParallel
 
-from sdnet_trainer.config.schema import CommConfig, Config
-from sdnet_trainer.errors import ConfigError
+from sdnet_trainer.config.schema import CommConfig
+from sdnet_trainer.distributed.comm_hooks import (
+    BATCHED_BROKEN,
+    HOOKS,
+    batched_powersgd_works,
+    bf16_hook,
+    check_gloo_bf16,
+    compression_plan,
+    fp16_hook,
+)
 
 logger = logging.getLogger(__name__)
-
-HOOKS = ("none", "fp16", "bf16", "powersgd", "local_sgd")
-# Strategies whose gradients go through DDP's reducer, where a comm hook sits.
-DDP_STRATEGIES = ("ddp", "zero1")
-# bf16 all-reduce in NCCL (release notes of NCCL 2.10.3).
-NCCL_BF16 = (2, 10)
-
-
-def validate_comm(cfg: Config, world_size: int) -> None:
-    """Raise ConfigError for a ``comm.*`` setting that cannot work with the rest of the config."""
-    comm, parallel = cfg.comm, cfg.parallel
-    if comm.hook not in HOOKS:
-        raise ConfigError(f"comm.hook={comm.hook!r} is not one of {', '.join(HOOKS)}")
-    if comm.hook == "none":
-        return
-    if parallel.strategy not in DDP_STRATEGIES:
-        raise ConfigError(
-            f"comm.hook={comm.hook} needs parallel.strategy=ddp or zero1; "
-            f"{parallel.strategy.upper()} reduces gradients itself (parallel.strategy="
-            f"{parallel.strategy}); use comm.hook=none"
-        )
-    if parallel.tp > 1 or parallel.pp > 1:
-        raise ConfigError(
-            f"comm.hook={comm.hook} works on plain DDP gradient buckets; it cannot be "
-            f"combined with parallel.tp={parallel.tp} / parallel.pp={parallel.pp}"
-        )
-    if comm.hook == "powersgd":
-        ps = comm.powersgd
-        if ps.rank < 1:
-            raise ConfigError(
-                f"comm.powersgd.rank={ps.rank} must be >= 1 (the rank of the gradient "
-                f"approximation)"
-            )
-        if ps.min_compression_rate <= 0:
-            raise ConfigError(
-                f"comm.powersgd.min_compression_rate={ps.min_compression_rate} must be > 0"
-            )
-        if (ps.use_error_feedback or ps.warm_start) and ps.start_iter < 2:
-            # torch's PowerSGDState refuses this too: DDP rebuilds its buckets after the first
-            # step, and per-bucket error and warm-start memories must not span that change.
-            raise ConfigError(
-                f"comm.powersgd.start_iter={ps.start_iter} must be >= 2 with "
-                f"use_error_feedback or warm_start (DDP's buckets change after step 1)"
-            )
-        if ps.batched and not batched_powersgd_works():
-            raise ConfigError(_BATCHED_BROKEN)
-        if cfg.loop.max_steps is not None and ps.start_iter >= cfg.loop.max_steps:
-            logger.warning(
-                "comm.powersgd.start_iter=%d >= loop.max_steps=%d: PowerSGD never starts, "
-                "every step is a plain all-reduce",
-                ps.start_iter,
-                cfg.loop.max_steps,
-            )
-    if comm.hook == "local_sgd":
-        ls = comm.local_sgd
-        if ls.period < 1:
-            raise ConfigError(
-                f"comm.local_sgd.period={ls.period} must be >= 1 (steps between parameter averages)"
-            )
-        if ls.start_step < 0:
-            raise ConfigError(f"comm.local_sgd.start_step={ls.start_step} must be >= 0")
-        if parallel.strategy == "zero1":
-            # ZeroRedundancyOptimizer has each rank update only its shard of the parameters and
-            # then broadcasts the shards: replicas become equal again after every step, each shard
-            # moved by one rank's local gradient. That is neither local SGD nor data parallelism.
-            raise ConfigError(
-                "comm.hook=local_sgd cannot run with parallel.strategy=zero1: the "
-                "sharded optimizer re-synchronises all replicas every step; use "
-                "parallel.strategy=ddp"
-            )
-        if ls.period == 1:
-            logger.warning(
-                "comm.local_sgd.period=1 averages the parameters every step: as much "
-                "communication as comm.hook=none, with none of its overlap"
-            )
-    if comm.hook == "bf16":
-        from sdnet_trainer.distributed.env import resolve_backend, resolve_device
-
-        device = resolve_device(cfg.dist, local_rank=0)
-        if device.type == "cuda" and resolve_backend(cfg.dist, device) == "nccl":
-            version = torch.cuda.nccl.version() if dist.is_nccl_available() else (0,)
-            if tuple(version) < NCCL_BF16:
-                raise ConfigError(
-                    f"comm.hook=bf16 needs NCCL >= 2.10 for bf16 all-reduce; this torch "
-                    f"has NCCL {'.'.join(map(str, version))}; use comm.hook=fp16"
-                )
-        # gloo: checked with a one-element all-reduce when GradientComm is built (the group
-        # does not exist yet here).
-    if world_size == 1:
-        logger.warning("comm.hook=%s has no effect in a single process (no DDP wrapper)", comm.hook)
 
 
 class GradientComm:
@@ -178,14 +92,14 @@ class GradientComm:
 
         if self.hook in ("fp16", "bf16"):
             if self.hook == "bf16" and dist.get_backend(process_group) == "gloo":
-                _check_gloo_bf16(process_group)
+                check_gloo_bf16(process_group)
             ddp_model.register_comm_hook(
-                process_group, _fp16_hook if self.hook == "fp16" else _bf16_hook
+                process_group, fp16_hook if self.hook == "fp16" else bf16_hook
             )
         elif self.hook == "powersgd":
             ps = cfg.powersgd
             # A property of the installed torch, refused by validate_comm before launch.
-            assert not ps.batched or batched_powersgd_works(), _BATCHED_BROKEN
+            assert not ps.batched or batched_powersgd_works(), BATCHED_BROKEN
             self._powersgd = powerSGD_hook.PowerSGDState(
                 process_group=process_group,
                 matrix_approximation_rank=ps.rank,
@@ -301,7 +215,7 @@ class GradientComm:
         ps = self.cfg.powersgd
         total = 0
         for p in self._params:
-            plan = _compression_plan(p.shape, ps.rank, ps.min_compression_rate)
+            plan = compression_plan(p.shape, ps.rank, ps.min_compression_rate)
             total += p.element_size() * ((plan[0] + plan[1]) * plan[2] if plan else p.numel())
         return total
 
@@ -400,16 +314,16 @@ class GradientComm:
         rank, rate = self.cfg.powersgd.rank, self.cfg.powersgd.min_compression_rate
         groups: dict[tuple[int, int], list[int]] = {}
         for i in layout:
-            plan = _compression_plan(self._params[i].shape, rank, rate)
+            plan = compression_plan(self._params[i].shape, rank, rate)
             if plan:
                 groups.setdefault(plan[:2], []).append(i)
         return [i for members in groups.values() for i in members]
 
     def _compressed_plan(self, i: int) -> tuple[int, int, int]:
-        """``_compression_plan`` of a parameter from ``_compressed_order`` (one that is
+        """``compression_plan`` of a parameter from ``_compressed_order`` (one that is
         compressed, so it has a plan)."""
         ps = self.cfg.powersgd
-        plan = _compression_plan(self._params[i].shape, ps.rank, ps.min_compression_rate)
+        plan = compression_plan(self._params[i].shape, ps.rank, ps.min_compression_rate)
         assert plan is not None
         return plan
 
@@ -492,7 +406,7 @@ class GradientComm:
                 shapes = {
                     n: plan[1:]
                     for n, p in zip(self._names, self._params)
-                    if (plan := _compression_plan(p.shape, ps.rank, ps.min_compression_rate))
+                    if (plan := compression_plan(p.shape, ps.rank, ps.min_compression_rate))
                 }
                 # Complete memories only: a partial one (never expected between steps) is dropped.
                 full_error = (
@@ -548,57 +462,4 @@ class GradientComm:
             self.averager.step = int(state["averager_step"])
 
 
-_BATCHED_BROKEN = (
-    f"comm.powersgd.batched=true: torch {torch.__version__}'s batched_powerSGD_hook fails at its "
-    f"first compressed step (its _orthogonalize accepts only batches of matrices); use "
-    f"comm.powersgd.batched=false, the per-matrix PowerSGD"
-)
-
-
-def batched_powersgd_works() -> bool:
-    """Whether torch's batched_powerSGD_hook can run: it orthogonalises a single matrix with a
-    helper that, since torch 1.12, asserts a batch of them (still so in torch 2.14)."""
-    try:
-        powerSGD_hook._orthogonalize(torch.ones(2, 1))
-    except AssertionError:
-        return False
-    return True
-
-
-def _compression_plan(shape: torch.Size, rank: int, min_rate: float) -> tuple[int, int, int] | None:
-    """(n, m, r) when powerSGD_hook compresses a gradient of ``shape`` (viewed as n x m) with rank
-    r, None when it all-reduces it as is; the rule of torch's ``_should_compress``."""
-    if len(shape) == 0:
-        return None
-    n = shape[0]
-    m = math.prod(shape[1:])
-    r = min(n, m, rank)
-    compress, _, _ = powerSGD_hook._should_compress(n, m, r, min_rate)
-    return (n, m, r) if compress else None
-
-
-# The hooks' ``bucket`` parameters carry no annotation: DDP compares it with dist.GradBucket, and
-# under ``from __future__ import annotations`` it would be a string.
-def _fp16_hook(process_group: dist.ProcessGroup, bucket):
-    return default_hooks.fp16_compress_hook(process_group, bucket)
-
-
-def _bf16_hook(process_group: dist.ProcessGroup, bucket):
-    # Registered under its own name: DDP refuses a hook named bf16_compress_hook unless torch was
-    # built with NCCL >= 2.10, even for gloo (validate_comm and _check_gloo_bf16 check the backend
-    # actually in use instead).
-    return default_hooks.bf16_compress_hook(process_group, bucket)
-
-
-def _check_gloo_bf16(process_group: dist.ProcessGroup | None) -> None:
-    """gloo gained bf16 reductions late; fail with a config message rather than in backward."""
-    try:
-        dist.all_reduce(torch.zeros(1, dtype=torch.bfloat16), group=process_group)
-    except RuntimeError as err:
-        raise ConfigError(
-            f"comm.hook=bf16: this torch's gloo backend cannot all-reduce bf16 ({err}); "
-            f"use comm.hook=fp16"
-        ) from err
-
-
-__all__ = ["GradientComm", "HOOKS", "batched_powersgd_works", "validate_comm"]
+__all__ = ["GradientComm"]

@@ -12,7 +12,7 @@ from torch.utils.data import default_collate
 
 from sdnet_trainer.config.schema import AugmentConfig
 from sdnet_trainer.data import BadSampleError, build_datasets
-from sdnet_trainer.data.folders import collate_encoded
+from sdnet_trainer.data.jpeg import collate_encoded
 from sdnet_trainer.data.loader import RunData
 from tests.unit.test_input_pipeline import _cfg, _tree
 

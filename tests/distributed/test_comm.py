@@ -1,4 +1,5 @@
-"""sdnet_trainer.distributed.comm: DDP communication hooks under torchrun with two ranks (gloo).
+"""sdnet_trainer.distributed.comm and comm_hooks: DDP communication hooks under torchrun with two
+ranks (gloo).
 
 One launch of tests/distributed/_comm_worker.py (plain DDP + GradientComm, no Trainer) runs every
 scenario; each test checks one part of its results against a reference computed in the same
@@ -21,7 +22,7 @@ from sdnet_trainer.config.schema import (
     ParallelConfig,
     PowerSGDConfig,
 )
-from sdnet_trainer.distributed.comm import batched_powersgd_works, validate_comm
+from sdnet_trainer.distributed.comm_hooks import batched_powersgd_works, validate_comm
 from sdnet_trainer.errors import ConfigError
 from tests.distributed import _comm_worker as worker
 from tests.support import run_cli

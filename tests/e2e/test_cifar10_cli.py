@@ -116,7 +116,7 @@ def write_cifar10(root: Path) -> dict[str, tuple[np.ndarray, list[int]]]:
 
 
 def test_the_loader_reads_the_written_pixels_and_labels(tmp_path):
-    from sdnet_trainer.data.folders import build_cifar10
+    from sdnet_trainer.data.cifar import build_cifar10
 
     written = write_cifar10(tmp_path / "cifar")
     cfg = DataConfig(name="cifar10", root=str(tmp_path / "cifar"))
@@ -174,7 +174,7 @@ class _Hostile:
 
 
 def test_a_file_that_names_code_is_refused_without_running_it(tmp_path, monkeypatch):
-    from sdnet_trainer.data.folders import build_cifar10
+    from sdnet_trainer.data.cifar import build_cifar10
 
     write_cifar10(tmp_path / "cifar")
     (tmp_path / "cifar" / "cifar-10-batches-py" / "data_batch_2").write_bytes(

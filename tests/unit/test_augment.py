@@ -25,8 +25,10 @@ from sdnet_trainer.data.augment import (
     crop_sizes,
     resolve_preset,
 )
-from sdnet_trainer.data.folders import DeviceNormalize, cifar10_transforms, defer_normalization
+from sdnet_trainer.data.cifar import cifar10_transforms
+from sdnet_trainer.data.folders import defer_normalization
 from sdnet_trainer.data.loader import RunData
+from sdnet_trainer.data.normalize import DeviceNormalize
 from sdnet_trainer.errors import ConfigError
 from sdnet_trainer.preflight import validate
 from tests.support import TINY, FaultTrainer

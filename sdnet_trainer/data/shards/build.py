@@ -9,7 +9,7 @@ from typing import Any
 from sdnet_trainer.config.checks import check_choice
 from sdnet_trainer.config.schema import DataConfig
 from sdnet_trainer.data.augment import build_transforms
-from sdnet_trainer.data.folders import ON_BAD_SAMPLE
+from sdnet_trainer.data.bad_samples import ON_BAD_SAMPLE
 from sdnet_trainer.data.shards.images import ShardImages
 from sdnet_trainer.data.shards.index import (
     INDEX_SUFFIX,

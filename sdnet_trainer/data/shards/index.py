@@ -19,7 +19,7 @@ from typing import Any
 import fsspec
 from torchvision.datasets.folder import IMG_EXTENSIONS
 
-from sdnet_trainer.data.folders import _original_message
+from sdnet_trainer.data.bad_samples import original_message
 from sdnet_trainer.errors import ConfigError
 
 logger = logging.getLogger(__name__)
@@ -49,7 +49,7 @@ class ShardError(ConfigError):
     torch's traceback text; as for :class:`BadSampleError`, only the one-line message is kept."""
 
     def __init__(self, message: str) -> None:
-        super().__init__(_original_message(str(message), type(self)))
+        super().__init__(original_message(str(message), type(self)))
 
 
 @dataclass

@@ -17,7 +17,7 @@ from fsspec.implementations.local import LocalFileSystem
 from torch.utils.data import Dataset
 
 from sdnet_trainer.config.checks import check_choice
-from sdnet_trainer.data.folders import (
+from sdnet_trainer.data.bad_samples import (
     ON_BAD_SAMPLE,
     BadSampleError,
     SkippedSamples,
