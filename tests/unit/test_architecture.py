@@ -147,3 +147,16 @@ def test_every_file_path_the_docs_name_exists():
     for doc, text in _doc_texts():
         for path in re.findall(r"`(sdnet_trainer/[\w/]+\.py)`", text):
             assert (REPO / path).exists(), f"{doc} names {path}"
+
+
+# One concern per file: a module past this many lines holds several (the Trainer's phases read top
+# to bottom in one file, so it may be longer).
+MAX_LINES = 520
+LONGER = {"training/trainer.py": 650}
+
+
+def test_no_module_holds_several_concerns_by_size():
+    for path in sorted(PACKAGE.rglob("*.py")):
+        name = str(path.relative_to(PACKAGE))
+        lines = len(path.read_text().splitlines())
+        assert lines <= LONGER.get(name, MAX_LINES), f"{name}: {lines} lines"
