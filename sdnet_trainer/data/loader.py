@@ -33,7 +33,7 @@ from sdnet_trainer.data.folders import (
     collate_encoded,
     defer_normalization,
 )
-from sdnet_trainer.data.sampler import GlobalBatchSampler, ShardedEvalSampler
+from sdnet_trainer.data.sampler import EvalBatchSampler, GlobalBatchSampler
 from sdnet_trainer.data.seeding import EpochTaggedBatches, SampleSeeded, draws_random
 from sdnet_trainer.errors import ConfigError
 
@@ -180,7 +180,9 @@ def eval_loader(
     dp_rank: int,
     collate_fn: Callable[[list[Any]], Any] | None = None,
 ) -> DataLoader:
-    """This data-parallel rank's share of the validation set, every sample exactly once.
+    """This data-parallel rank's share of the validation set, every sample exactly once, padded
+    with whole batches to the same batch count on every rank (see :class:`EvalBatchSampler`; its
+    ``counted_batches`` first batches are the share, the rest are to run but not be counted).
 
     Its workers never persist: evaluation runs now and then, and persistent workers would hold
     their processes and prefetched batches through all the training in between (next to the
@@ -191,16 +193,22 @@ def eval_loader(
             f"the validation set has {size} samples, fewer than the {dp_size} data-parallel ranks "
             f"(data.val_size)"
         )
-    sampler = ShardedEvalSampler(size, world_size=dp_size, rank=dp_rank)
+    sampler = EvalBatchSampler(size, batch_size=batch_size, world_size=dp_size, rank=dp_rank)
     return build_loader(
         dataset,
         cfg=cfg,
         device_type=device_type,
-        sampler=sampler,
-        batch_size=batch_size,
+        batch_sampler=sampler,
         persistent_workers=False,
         collate_fn=collate_fn,
     )
+
+
+def counted_eval_batches(loader: DataLoader) -> int:
+    """How many of ``loader``'s batches count (an :func:`eval_loader`; the rest are padding)."""
+    sampler = loader.batch_sampler
+    assert isinstance(sampler, EvalBatchSampler), "an eval_loader pads with an EvalBatchSampler"
+    return sampler.counted_batches
 
 
 class _BatchPlace(NamedTuple):
@@ -285,6 +293,9 @@ class RunData:
             **dp,
         )
         self.val_loader = None
+        # The validation batches that count; the val loader's later batches are padding, run
+        # so that every rank runs as many forwards as the others (see EvalBatchSampler).
+        self.val_counted_batches = 0
         if val_set is not None:
             self.val_loader = eval_loader(
                 val_set,
@@ -294,6 +305,7 @@ class RunData:
                 collate_fn=collate,
                 **dp,
             )
+            self.val_counted_batches = counted_eval_batches(self.val_loader)
         self.steps_per_epoch = self.train_sampler.steps_per_epoch
         self._batches: Generator[tuple[_BatchPlace, Any], None, None] | None = None
 
