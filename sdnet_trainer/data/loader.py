@@ -1,9 +1,9 @@
 """The one place that turns ``data.*`` loader settings into a ``torch.utils.data.DataLoader``.
 
-Training passes a batch sampler (see :class:`~sdnet_trainer.data.sampler.GlobalBatchSampler`);
-evaluation passes a per-sample sampler plus a batch size. Options torch would reject or warn about
-in a given setting (pinning without CUDA, worker options without workers) are dropped here, so
-one config works on a laptop and on a GPU node alike.
+Training and evaluation pass batch samplers (``GlobalBatchSampler``, ``EvalBatchSampler``; see
+``data/sampler.py``); other callers may pass a per-sample sampler plus a batch size. Options torch
+would reject or warn about in a given setting (pinning without CUDA, worker options without
+workers) are dropped here, so one config works on a laptop and on a GPU node alike.
 
 :class:`RunData` brings batches to the device. On CUDA the image data sets built here deliver
 uint8 pixels that are normalized on the device (see ``data/folders.py``), and every batch is
@@ -81,7 +81,7 @@ def _batching_kwargs(
         raise ValueError("pass either batch_sampler, or both sampler and batch_size")
     if batch_size < 1:
         raise ValueError(f"batch_size must be >= 1, got {batch_size}")
-    # The per-sample path serves evaluation, where every sample must count: keep the short tail.
+    # Every sample of a per-sample sampler counts (evaluation-style): keep the short tail.
     return {"sampler": sampler, "batch_size": batch_size, "drop_last": False}
 
 
