@@ -1,9 +1,9 @@
 """The one place that turns ``data.*`` loader settings into a ``torch.utils.data.DataLoader``.
 
-Training passes a batch sampler (see :class:`~sdnet_trainer.data.sampler.GlobalBatchSampler`);
-evaluation passes a per-sample sampler plus a batch size. Options torch would reject or warn about
-in a given setting (pinning without CUDA, worker options without workers) are dropped here, so
-one config works on a laptop and on a GPU node alike.
+Training and evaluation pass batch samplers (``GlobalBatchSampler``, ``EvalBatchSampler``; see
+``data/sampler.py``); other callers may pass a per-sample sampler plus a batch size. Options torch
+would reject or warn about in a given setting (pinning without CUDA, worker options without
+workers) are dropped here, so one config works on a laptop and on a GPU node alike.
 
 :class:`RunData` brings batches to the device. On CUDA the image data sets built here deliver
 uint8 pixels that are normalized on the device (see ``data/normalize.py``), and every batch is
@@ -28,7 +28,7 @@ from sdnet_trainer.data.augment import BatchMixer
 from sdnet_trainer.data.folders import defer_normalization
 from sdnet_trainer.data.jpeg import DECODE, DeviceDecoder, EncodedImages, collate_encoded
 from sdnet_trainer.data.normalize import DeviceNormalize
-from sdnet_trainer.data.sampler import GlobalBatchSampler, ShardedEvalSampler
+from sdnet_trainer.data.sampler import EvalBatchSampler, GlobalBatchSampler
 from sdnet_trainer.data.seeding import EpochTaggedBatches, SampleSeeded, draws_random
 from sdnet_trainer.errors import ConfigError
 
@@ -76,7 +76,7 @@ def _batching_kwargs(
         raise ValueError("pass either batch_sampler, or both sampler and batch_size")
     if batch_size < 1:
         raise ValueError(f"batch_size must be >= 1, got {batch_size}")
-    # The per-sample path serves evaluation, where every sample must count: keep the short tail.
+    # Every sample of a per-sample sampler counts (evaluation-style): keep the short tail.
     return {"sampler": sampler, "batch_size": batch_size, "drop_last": False}
 
 
@@ -175,7 +175,9 @@ def eval_loader(
     dp_rank: int,
     collate_fn: Callable[[list[Any]], Any] | None = None,
 ) -> DataLoader:
-    """This data-parallel rank's share of the validation set, every sample exactly once.
+    """This data-parallel rank's share of the validation set, every sample exactly once, padded
+    with whole batches to the same batch count on every rank (see :class:`EvalBatchSampler`; its
+    ``counted_batches`` first batches are the share, the rest are to run but not be counted).
 
     Its workers never persist: evaluation runs now and then, and persistent workers would hold
     their processes and prefetched batches through all the training in between (next to the
@@ -186,16 +188,22 @@ def eval_loader(
             f"the validation set has {size} samples, fewer than the {dp_size} data-parallel ranks "
             f"(data.val_size)"
         )
-    sampler = ShardedEvalSampler(size, world_size=dp_size, rank=dp_rank)
+    sampler = EvalBatchSampler(size, batch_size=batch_size, world_size=dp_size, rank=dp_rank)
     return build_loader(
         dataset,
         cfg=cfg,
         device_type=device_type,
-        sampler=sampler,
-        batch_size=batch_size,
+        batch_sampler=sampler,
         persistent_workers=False,
         collate_fn=collate_fn,
     )
+
+
+def counted_eval_batches(loader: DataLoader) -> int:
+    """How many of ``loader``'s batches count (an :func:`eval_loader`; the rest are padding)."""
+    sampler = loader.batch_sampler
+    assert isinstance(sampler, EvalBatchSampler), "an eval_loader pads with an EvalBatchSampler"
+    return sampler.counted_batches
 
 
 class _BatchPlace(NamedTuple):
@@ -280,6 +288,9 @@ class RunData:
             **dp,
         )
         self.val_loader = None
+        # The validation batches that count; the val loader's later batches are padding, run
+        # so that every rank runs as many forwards as the others (see EvalBatchSampler).
+        self.val_counted_batches = 0
         if val_set is not None:
             self.val_loader = eval_loader(
                 val_set,
@@ -289,6 +300,7 @@ class RunData:
                 collate_fn=collate,
                 **dp,
             )
+            self.val_counted_batches = counted_eval_batches(self.val_loader)
         self.steps_per_epoch = self.train_sampler.steps_per_epoch
         self._batches: Generator[tuple[_BatchPlace, Any], None, None] | None = None
 

@@ -8,6 +8,9 @@ a run can resume at any step on any world size with the same global batch.
 
 Evaluation: :class:`ShardedEvalSampler` splits the validation set across ranks with no padding and
 no duplicates, so metrics summed over ranks count every sample exactly once.
+:class:`EvalBatchSampler` batches a rank's share and pads it with whole batches, flagged as
+padding, so every rank runs the same number of forwards (sharded models gather their weights in
+each) while the metrics still count each sample exactly once.
 """
 
 from __future__ import annotations
@@ -181,3 +184,44 @@ class ShardedEvalSampler(Sampler[int]):
 
     def __iter__(self) -> Iterator[int]:
         return iter(self._indices())
+
+
+class EvalBatchSampler(Sampler[list[int]]):
+    """This rank's :class:`ShardedEvalSampler` share in batches of ``batch_size``, then padding
+    batches up to the same batch count on every rank.
+
+    The shares differ by one sample, so their batch counts may differ by one. Under FSDP or
+    tensor parallelism every forward is a collective (the weights are gathered in it): a rank
+    with one batch more would run its extra forward alone and hang until the collective timeout.
+    Each rank therefore runs ``len(self)`` batches, the same on every rank without any
+    communication; the first ``counted_batches`` are its share, the rest are padding, which the
+    evaluation runs but does not count (see ``training/evaluation.py``). A padding batch is a
+    full batch (this rank's indices repeated), so it has the shape the compiled model has seen.
+    """
+
+    def __init__(self, dataset_size: int, *, batch_size: int, world_size: int, rank: int) -> None:
+        _check_positive("batch_size", batch_size)
+        self.shard = ShardedEvalSampler(dataset_size, world_size=world_size, rank=rank)
+        self.batch_size = batch_size
+        self.counted_batches = math.ceil(len(self.shard) / batch_size)
+        # Rank 0's share is the largest: ceil(size / world_size) samples.
+        largest = math.ceil(dataset_size / world_size)
+        self.num_batches = math.ceil(largest / batch_size)
+
+    def __len__(self) -> int:
+        return self.num_batches
+
+    def is_padding(self, batch_index: int) -> bool:
+        """Whether the ``batch_index``-th batch of an iteration is padding (not to be counted)."""
+        return batch_index >= self.counted_batches
+
+    def __iter__(self) -> Iterator[list[int]]:
+        indices = list(self.shard)
+        b = self.batch_size
+        for k in range(self.counted_batches):
+            yield indices[k * b : (k + 1) * b]
+        # A rank with no share (fewer samples than ranks) pads with the first sample; padding
+        # exists only when the data set has samples.
+        pool = indices or [0]
+        for _ in range(self.counted_batches, self.num_batches):
+            yield [pool[i % len(pool)] for i in range(b)]

@@ -70,7 +70,30 @@ def launched_world_size() -> int:
 
 def resolve_device(cfg: DistConfig, local_rank: int) -> torch.device:
     use_cuda = cfg.device == "cuda" or (cfg.device == "auto" and torch.cuda.is_available())
-    return torch.device("cuda", local_rank) if use_cuda else torch.device("cpu")
+    return torch.device("cuda", cuda_index(local_rank)) if use_cuda else torch.device("cpu")
+
+
+def local_world_size_from_env() -> int:
+    """torchrun's LOCAL_WORLD_SIZE, the ranks on this node (1 where no launcher says)."""
+    value = os.environ.get("LOCAL_WORLD_SIZE", "1")
+    try:
+        return int(value)
+    except ValueError:
+        raise ConfigError(f"LOCAL_WORLD_SIZE={value!r} is not an integer") from None
+
+
+def one_gpu_per_task(local_rank: int) -> bool:
+    """Whether this rank's node binds one GPU to each task: several ranks on the node, and this
+    one (not the first) sees exactly one CUDA device. SLURM's ``--gpus-per-task=1`` /
+    ``--gpu-bind`` and container runtimes do this by setting ``CUDA_VISIBLE_DEVICES`` per task,
+    so the device is index 0 in every rank, whatever its LOCAL_RANK."""
+    return local_rank > 0 and local_world_size_from_env() > 1 and torch.cuda.device_count() == 1
+
+
+def cuda_index(local_rank: int) -> int:
+    """The CUDA device index of this local rank: LOCAL_RANK, or 0 where each task is bound to
+    one GPU of its own (see :func:`one_gpu_per_task`). Checked by :func:`check_local_rank`."""
+    return 0 if one_gpu_per_task(local_rank) else local_rank
 
 
 def resolve_backend(cfg: DistConfig, device: torch.device) -> str:
@@ -90,15 +113,17 @@ def group_backend(backend: str, device: torch.device, *, cpu_collectives: bool) 
 
 def check_local_rank(local_rank: int) -> None:
     """A CUDA rank needs a GPU of its own: one clear error instead of CUDA's "invalid device
-    ordinal" at the first ``set_device``."""
+    ordinal" at the first ``set_device``. A task bound to one GPU (exactly one visible, several
+    ranks on the node) takes that one (see :func:`cuda_index`)."""
     count = torch.cuda.device_count()
-    if local_rank >= count:
+    if cuda_index(local_rank) >= count:
         visible = os.environ.get("CUDA_VISIBLE_DEVICES")
         shown = "" if visible is None else f", CUDA_VISIBLE_DEVICES={visible!r}"
         raise ConfigError(
             f"LOCAL_RANK={local_rank} needs GPU {local_rank}, but this machine shows "
             f"{count} CUDA device(s){shown}: start at most {count} process(es) per node "
-            "(torchrun --nproc_per_node) or use dist.device=cpu"
+            "(torchrun --nproc_per_node), bind one GPU to each task (CUDA_VISIBLE_DEVICES per "
+            "rank, e.g. srun --gpus-per-task=1) or use dist.device=cpu"
         )
 
 
@@ -237,6 +262,13 @@ def distributed_session(
     device = resolve_device(cfg, local_rank)
     if device.type == "cuda":
         check_local_rank(local_rank)  # validate_dist said so before launch; also for direct use
+        if device.index != local_rank:
+            logger.info(
+                "LOCAL_RANK=%d sees one CUDA device (CUDA_VISIBLE_DEVICES=%r): one GPU per task, "
+                "running on cuda:0",
+                local_rank,
+                os.environ.get("CUDA_VISIBLE_DEVICES"),
+            )
         torch.cuda.set_device(device)
     elif cfg.pin_cpu_malloc:
         pin_malloc_thresholds()

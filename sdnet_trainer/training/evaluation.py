@@ -2,7 +2,9 @@
 
 A batch contributes *sums* (loss, top-k hits) plus a ``count``; the reduction adds them over every
 batch and rank and divides by the total count, so the result is the exact mean over the whole
-validation set whatever the world size or the last batch's size.
+validation set whatever the world size or the last batch's size. Padding batches (which every
+rank runs so that all run as many forwards, see ``data/sampler.py``'s EvalBatchSampler) are run
+and not counted.
 """
 
 from __future__ import annotations
@@ -31,7 +33,9 @@ def metric_sums(logits: torch.Tensor, targets: torch.Tensor) -> dict[str, torch.
         "loss": F.cross_entropy(logits, targets, reduction="sum"),
         "top1": top[:, 0].sum(),
         "top5": top.any(dim=1).sum(),
-        "count": torch.tensor(targets.shape[0], device=targets.device),
+        # torch.full writes the count on the device; torch.tensor would copy it from the host,
+        # which waits for the GPU's queued work on every eval batch.
+        "count": torch.full((), targets.shape[0], dtype=torch.int64, device=targets.device),
     }
 
 
@@ -46,17 +50,23 @@ def evaluate_batches(
     weight: float,
     device: torch.device,
     agree_on_keys: bool,
+    counted_batches: int | None = None,
 ) -> dict[str, float]:
     """Run ``eval_step`` over every batch with ``model`` in eval mode (restored afterwards), add
-    up its sums and reduce them over ranks (see :func:`reduce_metric_sums`)."""
+    up the sums of the first ``counted_batches`` (None: all) and reduce them over ranks (see
+    :func:`reduce_metric_sums`). The batches after those are padding: their forward still runs,
+    as a sharded model's forward is a collective every rank must join, but their sums are
+    dropped (not weighted by zero: a padding batch's non-finite loss would still poison a sum)."""
     was_training = model.training
     model.eval()
     totals: dict[str, torch.Tensor] = {}
     try:
-        for batch in batches:
+        for index, batch in enumerate(batches):
             with autocast():
                 sums = eval_step(batch)
             after_batch()
+            if counted_batches is not None and index >= counted_batches:
+                continue
             for key, value in sums.items():
                 totals[key] = totals.get(key, 0) + value.detach().double()
     finally:

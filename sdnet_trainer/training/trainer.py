@@ -186,6 +186,7 @@ class Trainer:
             weight=self.metric_weight,
             device=self.device,
             agree_on_keys=self.dims.pp > 1,  # only the last stage has sums
+            counted_batches=self.data.val_counted_batches,  # the rest pad the ranks' batch counts
         )
 
     def build_hooks(self) -> list[HookBase]:

@@ -83,6 +83,16 @@ RESNET_SPLITS = {
     2: ["parallel.pipeline.split_points=[layer2,layer3,layer4]"],
 }
 
+# A validation set whose shares need different batch counts: 65 samples over 4 data-parallel
+# ranks in batches of 4 (the micro-batch) are 5 batches on rank 0 and 4 on the others; over 2 in
+# batches of 8, 5 and 4. Each FSDP forward gathers the weights, so every rank must run as many
+# (padding batches, not counted); the metrics equal one process's over the same 65 samples.
+VAL_REMAINDER = {
+    "gpt_fsdp_val_remainder": GPT + ["parallel=fsdp", "data.val_size=65"],
+    "gpt_fsdp_tp_val_remainder": GPT + ["parallel=fsdp", "parallel.tp=2", "data.val_size=65"],
+}
+VAL_REMAINDER_REF = "gpt_ref_val_remainder"
+
 # name -> (world size, overrides, reference). Every GPT layout is compared with one process on
 # the whole batch; ResNet layouts with one process over the same 4 micro-batches of 4.
 WORLD4 = {
@@ -110,6 +120,7 @@ WORLD4 = {
     ],
     "gpt_ddp_pp": GPT + _pipeline("1F1B", 2),
     "gpt_fsdp_pp": GPT + ["parallel=fsdp"] + _pipeline("1F1B", 2),
+    **VAL_REMAINDER,
     "resnet_fsdp": RESNET + ["parallel=fsdp"],
     # FSDP2 refuses channels_last parameters: the layout rides on the inputs alone there.
     "resnet_fsdp_channels_last": RESNET + ["parallel=fsdp", "model.channels_last=true"],
@@ -135,6 +146,7 @@ def _single(out) -> dict[str, list[str]]:
 
     return {
         "gpt_ref": GPT,
+        VAL_REMAINDER_REF: GPT + ["data.val_size=65"],
         "resnet_ref": RESNET + ["loop.grad_accum_steps=4"],
         "gpt_from_fsdp2": reload("gpt_fsdp2_saved", GPT),
         "gpt_from_pp": reload("gpt_pp_saved", GPT),
@@ -165,6 +177,8 @@ def runs(layout_dir) -> dict[str, dict]:
 
 
 def _reference(name: str) -> str:
+    if name in VAL_REMAINDER:
+        return VAL_REMAINDER_REF
     return "gpt_ref" if name.startswith("gpt") else "resnet_ref"
 
 
@@ -223,6 +237,21 @@ def test_layout_matches_single_process(runs, name):
             ref["metrics"]["val_ema/loss"], rel=1e-4
         )
         assert run["metrics"]["val_ema/loss"] != run["metrics"]["val/loss"]
+
+
+@pytest.mark.parametrize("name", sorted(VAL_REMAINDER))
+def test_uneven_validation_shards_evaluate_like_one_process(runs, name):
+    """The run finished (an extra forward on one rank alone hung it until the collective
+    timeout), and every val/* and val_ema/* metric equals one process's on the same weights:
+    the padding counted for nothing, every sample once."""
+    run, ref = runs[name], runs[VAL_REMAINDER_REF]
+    keys = {k for k in ref["metrics"] if k.startswith(("val/", "val_ema/"))}
+    assert {"val/loss", "val/top1", "val/top5", "val_ema/loss"} <= keys
+    assert keys == {k for k in run["metrics"] if k.startswith(("val/", "val_ema/"))}
+    for key in sorted(keys):
+        assert run["metrics"][key] == pytest.approx(ref["metrics"][key], rel=1e-4, abs=1e-6), key
+    # 65 samples, not 64: the remainder sample changes the mean.
+    assert ref["metrics"]["val/loss"] != runs["gpt_ref"]["metrics"]["val/loss"]
 
 
 @pytest.mark.parametrize(

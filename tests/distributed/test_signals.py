@@ -250,7 +250,7 @@ else:  # leave once the worker has recorded its launcher, before it binds itself
 WORKER = """
 import os, sys, time
 from pathlib import Path
-from sdnet_trainer import signals
+from sdnet_trainer.training import signals
 
 Path(sys.argv[2]).write_text("imported")
 if sys.argv[1] == "late":  # bind only once the launcher is gone: the race after the fork
