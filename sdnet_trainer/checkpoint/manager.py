@@ -84,6 +84,7 @@ from sdnet_trainer.checkpoint.untrusted import (
     find_checkpoint,
     read_checkpoint,
 )
+from sdnet_trainer.errors import ConfigError
 
 logger = logging.getLogger(__name__)
 
@@ -130,7 +131,6 @@ class CheckpointManager:
         self.run_id = run_id
         self._ranks = CheckpointGroup(process_group, rank=rank, world_size=world_size)
         self._pending: Future[None] | None = None
-        self.directory.mkdir(parents=True, exist_ok=True)
         # One writer for every save (each save points it at its staging folder) and, for async
         # saves, one stager whose host buffers are reused; created at the first async save, when
         # it is known whether the state lives on CUDA (pinned buffers) or not.
@@ -143,6 +143,7 @@ class CheckpointManager:
         outcome: str | Exception | None = None
         if rank == 0:
             try:
+                _make_directory(self.directory)
                 if self._lock is not None:
                     self._lock.acquire()
                 outcome = run_token(run_id) if run_id is not None else uuid.uuid4().hex[:12]
@@ -154,6 +155,10 @@ class CheckpointManager:
             raise outcome
         assert isinstance(outcome, str)
         self._token = outcome
+        if rank != 0:
+            # Rank 0 made it; on a filesystem that other nodes do not share (unsupported: their
+            # shards would be out of rank 0's reach), each node needs its own.
+            _make_directory(self.directory)
 
     def staging_dir(self, step: int) -> Path:
         """The folder this manager writes the save of ``step`` into before committing it."""
@@ -525,6 +530,18 @@ class CheckpointManager:
             if self._lock is not None:
                 self._lock.release()
             self._ranks.release()
+
+
+def _make_directory(directory: Path) -> None:
+    """Create the checkpoint directory; a ConfigError naming checkpoint.dir when it cannot be (the
+    preflight check says so before launch; this is for a folder that became uncreatable since)."""
+    try:
+        directory.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise ConfigError(
+            f"checkpoint.dir: cannot create the checkpoint directory {directory} "
+            f"({exc.strerror or exc})"
+        ) from None
 
 
 def _describe(exc: BaseException) -> str:
