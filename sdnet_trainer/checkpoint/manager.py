@@ -618,9 +618,14 @@ def _divide(expected: dict[str, tuple[int, int]], parts: int) -> list[dict[str, 
 
 
 def _check_share(folder: Path, share: dict[str, int]) -> str | None:
-    """The first failure among this rank's share of the files, or None."""
+    """The first failure among this rank's share of the files, or None. Never raises: every rank
+    must reach the gather that follows, or the others would wait there."""
     for name in sorted(share):
-        if (error := checksum_error(folder, name, share[name])) is not None:
+        try:
+            error = checksum_error(folder, name, share[name])
+        except Exception as exc:  # noqa: BLE001 - reported to rank 0 as the file's failure
+            error = f"cannot check {name}: {type(exc).__name__}: {exc}"
+        if error is not None:
             return error
     return None
 
