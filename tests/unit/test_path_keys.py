@@ -24,6 +24,7 @@ CASES = [
     ("checkpoint.dir", ["checkpoint.dir={bad}"]),
     ("run.root", ["run.root={bad}"]),
     ("hydra.run.dir", ["hydra.run.dir={bad}"]),
+    ("hydra.sweep.dir", ["--multirun", "hydra.sweep.dir={bad}"]),
     (
         "logging.mlflow.tracking_uri",
         ["logging.trackers=[jsonl,mlflow]", "logging.mlflow.tracking_uri={bad}"],
