@@ -10,6 +10,7 @@ devices, and the bookkeeping options last.
 from __future__ import annotations
 
 from sdnet_trainer.config.checks import check_choice, check_positive
+from sdnet_trainer.config.paths import check_creatable_folder, is_local_path, local_path
 from sdnet_trainer.config.schema import Config
 from sdnet_trainer.data import validate_data
 from sdnet_trainer.distributed.batching import validate_batch
@@ -51,6 +52,7 @@ def validate(cfg: Config, *, world_size: int) -> None:
     validate_logging(cfg)
     validate_trackers(cfg)
     validate_prometheus(cfg)
+    _validate_paths(cfg)
 
 
 # The checks below belong beside their owners (the Trainer's loop, sdnet_trainer.checkpoint and
@@ -81,6 +83,20 @@ def _validate_checkpoint(cfg: Config) -> None:
     check_positive("checkpoint.keep_last", ckpt.keep_last)
     if not ckpt.resume:
         raise ConfigError("checkpoint.resume must be auto, none or a checkpoint path")
+
+
+def _validate_paths(cfg: Config) -> None:
+    """The folders the run creates outside its run directory (which Hydra has created by now, see
+    ``config.paths.RunDirCheck``): each must be creatable, or the launch stops naming its key.
+    Input folders (``data.root``) are checked by the data's own validators, where a missing one is
+    reported with what it should hold; except a folder CIFAR-10 is to be downloaded into."""
+    if cfg.data.name == "cifar10" and cfg.data.download and cfg.data.root is not None:
+        check_creatable_folder("data.root", cfg.data.root)
+    if cfg.checkpoint.dir is not None:
+        check_creatable_folder("checkpoint.dir", cfg.checkpoint.dir)
+    uri = cfg.logging.mlflow.tracking_uri
+    if "mlflow" in cfg.logging.trackers and uri and is_local_path(uri):
+        check_creatable_folder("logging.mlflow.tracking_uri", local_path(uri))
 
 
 def _validate_health(cfg: Config) -> None:

@@ -1,45 +1,178 @@
-"""A full disk while saving: how it is recognised through DCP's and torch's wrapping, and the
-figures its message gives (the bytes a save needs, the bytes free).
+"""The writer of every save (``StagingWriter``): the checksum of each file as it is written, and a
+full disk recognised through DCP's and torch's wrapping, with the figures its message gives (the
+bytes a save needs, the bytes free).
 
-DCP gathers every rank's failure to rank 0 pickled, without its chain, and torch's zip writer
-reports a lost write as "unexpected pos"; so the writer of every save (``StagingWriter``) re-raises
-a full disk as its OSError, and ``is_disk_full`` looks through the whole failure.
+Checksums: every rank computes the crc32 of each file it writes from the bytes on their way to the
+file (``_ChecksummingFileSystem``), and hands it to rank 0 with its write results, which DCP's save
+gathers on rank 0 anyway; rank 0's ``finish`` collects them (``file_checksums``) for the manifest.
+So no rank reads a shard back to commit a checkpoint, and rank 0 never reads the other ranks'.
+
+A full disk: DCP gathers every rank's failure to rank 0 pickled, without its chain, and torch's zip
+writer reports a lost write as "unexpected pos"; so ``StagingWriter`` re-raises a full disk as its
+OSError, and ``is_disk_full`` looks through the whole failure.
 """
 
 from __future__ import annotations
 
 import errno
+import io
+import logging
 import os
 import shutil
-from collections.abc import Iterator
+import zlib
+from collections.abc import Generator, Iterator
 from contextlib import contextmanager
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
 from torch.distributed.checkpoint import CheckpointException, FileSystemWriter
+from torch.distributed.checkpoint.filesystem import FileSystem
 from torch.distributed.checkpoint.metadata import Metadata
 from torch.distributed.checkpoint.planner import SavePlan, SavePlanner
 from torch.distributed.checkpoint.storage import WriteResult
 from torch.distributed.tensor import DTensor
 from torch.futures import Future as TorchFuture
 
+logger = logging.getLogger(__name__)
+
 _DISK_FULL = (errno.ENOSPC, errno.EDQUOT)
+_CHUNK = 4 * 2**20  # bytes read at a time when a file's checksum must be read back
+
+
+@dataclass(frozen=True)
+class ChecksummedWriteResult(WriteResult):
+    """A WriteResult that also carries the size and crc32 of the whole file its item went to: DCP
+    gathers every rank's write results on rank 0, so the checksums travel with them."""
+
+    file_bytes: int
+    file_crc32: int
 
 
 class StagingWriter(FileSystemWriter):
-    """FileSystemWriter whose disk-full failures keep their errno on the way to rank 0. DCP
-    gathers each rank's exception pickled, which drops its chain; and torch's zip writer reports
-    a failed write of a tensor as "RuntimeError: ... unexpected pos", the OSError (ENOSPC) only
-    in its ``__context__``. So a full disk is re-raised here as the OSError itself."""
+    """FileSystemWriter that checksums every file while writing it and whose disk-full failures
+    keep their errno on the way to rank 0.
+
+    ``file_checksums`` (rank 0, after a save's ``finish``): {file name: (bytes, crc32)} of every
+    file of the save, every rank's shards and ``.metadata``, none of them read back.
+
+    Disk full: DCP gathers each rank's exception pickled, which drops its chain; and torch's zip
+    writer reports a failed write of a tensor as "RuntimeError: ... unexpected pos", the OSError
+    (ENOSPC) only in its ``__context__``. So a full disk is re-raised here as the OSError itself."""
+
+    def __init__(self, path: str | os.PathLike, **kwargs: Any) -> None:
+        super().__init__(path, **kwargs)
+        self._files = _ChecksummingFileSystem()
+        self.fs = self._files
+        self.file_checksums: dict[str, tuple[int, int]] = {}
+
+    def reset(self, checkpoint_id: str | os.PathLike | None = None) -> None:
+        super().reset(checkpoint_id)
+        self._files.written.clear()
+        self.file_checksums = {}
 
     def write_data(self, plan: SavePlan, planner: SavePlanner) -> TorchFuture[list[WriteResult]]:
         with _disk_full_surfaced(self.path):
-            return super().write_data(plan, planner)
+            results = super().write_data(plan, planner).wait()  # FileSystemWriter: already done
+        checksummed: TorchFuture[list[WriteResult]] = TorchFuture()
+        checksummed.set_result([self._with_checksum(result) for result in results])
+        return checksummed
+
+    def _with_checksum(self, result: WriteResult) -> WriteResult:
+        name = result.storage_data.relative_path
+        if (record := self._files.written.get(name)) is None:
+            # The file was not written front to back (a seek): read it back, on this rank.
+            logger.debug("checksumming %s by reading it back", name)
+            record = self._files.written[name] = read_checksum(Path(self.path) / name)
+        return ChecksummedWriteResult(
+            index=result.index,
+            size_in_bytes=result.size_in_bytes,
+            storage_data=result.storage_data,
+            file_bytes=record[0],
+            file_crc32=record[1],
+        )
 
     def finish(self, metadata: Metadata, results: list[list[WriteResult]]) -> None:
         with _disk_full_surfaced(self.path):
             super().finish(metadata, results)
+        checksums = {
+            result.storage_data.relative_path: (result.file_bytes, result.file_crc32)
+            for rank_results in results
+            for result in rank_results
+            if isinstance(result, ChecksummedWriteResult)
+        }
+        for name, record in self._files.written.items():  # this rank's: .metadata, written just now
+            if record is not None:
+                checksums.setdefault(name, record)
+        self.file_checksums = checksums
+
+
+class _ChecksummingFileSystem(FileSystem):
+    """DCP's local file system, keeping the size and crc32 of each file written through it
+    (``written``: {file name: (bytes, crc32)}, None for a file not written front to back). A
+    rename carries the record to the new name (DCP writes ``.metadata`` under a temporary name)."""
+
+    def __init__(self) -> None:
+        self.written: dict[str, tuple[int, int] | None] = {}
+
+    @contextmanager
+    def create_stream(self, path: str | os.PathLike, mode: str) -> Generator[io.IOBase, None, None]:
+        with super().create_stream(path, mode) as raw:
+            if mode != "wb":
+                yield raw
+                return
+            stream = _ChecksummedStream(raw)
+            yield stream  # type: ignore[misc]
+        self.written[Path(path).name] = stream.record()
+
+    def rename(self, path: str | os.PathLike, new_path: str | os.PathLike) -> None:
+        super().rename(path, new_path)
+        if Path(path).name in self.written:
+            self.written[Path(new_path).name] = self.written.pop(Path(path).name)
+
+
+class _ChecksummedStream:
+    """A file opened for writing, with the crc32 of what was written to it. The checksum is that of
+    the file as long as every write appends; a seek elsewhere than the end voids it."""
+
+    def __init__(self, raw: io.IOBase) -> None:
+        self._raw = raw
+        self._crc = 0
+        self._size = 0
+        self._appending = True
+
+    def write(self, data: Any) -> int:
+        n = self._raw.write(data)
+        view = memoryview(data)
+        if n is None or n != view.nbytes:
+            self._appending = False  # a partial write: the file holds something else
+        elif self._appending:
+            self._crc = zlib.crc32(view, self._crc)
+            self._size += n
+        return n
+
+    def seek(self, offset: int, whence: int = os.SEEK_SET) -> int:
+        position = self._raw.seek(offset, whence)
+        if position != self._size:
+            self._appending = False
+        return position
+
+    def record(self) -> tuple[int, int] | None:
+        return (self._size, self._crc) if self._appending else None
+
+    def __getattr__(self, name: str) -> Any:  # tell, flush, fileno, close, ...
+        return getattr(self._raw, name)
+
+
+def read_checksum(path: Path) -> tuple[int, int]:
+    """(bytes, crc32) of a file this process wrote, read back."""
+    crc, size = 0, 0
+    with open(path, "rb") as f:
+        while chunk := f.read(_CHUNK):
+            crc = zlib.crc32(chunk, crc)
+            size += len(chunk)
+    return size, crc
 
 
 @contextmanager

@@ -108,6 +108,23 @@ def remove_tree(path: Path) -> None:
         logger.warning("could not delete %s: %s", path, exc)
 
 
+def move_aside(path: Path) -> Path | None:
+    """Rename a folder to be deleted to a name no listing shows (``.trash_*`` folders keep theirs);
+    the new path, or None if it is gone or cannot be renamed (logged). Deleting it is then
+    ``remove_tree``'s, at leisure: one rename is all a listing or a new save can see."""
+    try:
+        if not path.exists():
+            return None
+        if path.name.startswith(_TRASH_PREFIX):
+            return path
+        aside = _trash_path(path)
+        os.rename(path, aside)
+        return aside
+    except OSError as exc:
+        logger.warning("could not delete %s: %s", path, exc)
+        return None
+
+
 def _trash_path(path: Path) -> Path:
     """Where ``path`` is renamed to be deleted: a name no listing shows, unique per deletion."""
     return path.with_name(f"{_TRASH_PREFIX}{path.name}.{uuid.uuid4().hex[:8]}")

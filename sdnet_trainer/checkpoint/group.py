@@ -28,6 +28,7 @@ class CheckpointGroup:
                 f"CheckpointManager got rank {rank} of {world_size}, but the process "
                 f"group says rank {actual[0]} of {actual[1]}"
             )
+        self.rank, self.world_size = actual
         self.group, self._owns_group = self._checkpoint_group(process_group)
 
     def _checkpoint_group(
@@ -47,14 +48,36 @@ class CheckpointGroup:
         CheckpointError arrives as a CheckpointError naming it: any exception, made picklable."""
         if self.no_dist:
             return obj
-        if isinstance(obj, Exception) and not isinstance(obj, (ConfigError, CheckpointError)):
-            obj = CheckpointError(f"{type(obj).__name__}: {obj}")
-        box = [obj]
+        box = [sendable(obj)]
         dist.broadcast_object_list(box, group=self.group, group_src=0)
         return box[0]
+
+    def to_rank0(self, obj: Any) -> list[Any] | None:
+        """Every rank's ``obj``, in rank order, on rank 0; None on the other ranks (collective)."""
+        if self.no_dist:
+            return [obj]
+        gathered: list[Any] | None = [None] * self.world_size if self.rank == 0 else None
+        dist.gather_object(obj, gathered, group=self.group, group_dst=0)
+        return gathered
+
+    def all_gather(self, obj: Any) -> list[Any]:
+        """Every rank's ``obj``, in rank order, on every rank (collective)."""
+        if self.no_dist:
+            return [obj]
+        gathered: list[Any] = [None] * self.world_size
+        dist.all_gather_object(gathered, obj, group=self.group)
+        return gathered
 
     def release(self) -> None:
         """Destroy the group if this object created it; the caller's group is left alone."""
         if self._owns_group and self.group is not None and dist.is_initialized():
             dist.destroy_process_group(self.group)
         self.group, self._owns_group = None, False
+
+
+def sendable(obj: Any) -> Any:
+    """``obj``, or for an exception other than a ConfigError or CheckpointError, a CheckpointError
+    naming it: any exception, made picklable for another rank."""
+    if isinstance(obj, Exception) and not isinstance(obj, (ConfigError, CheckpointError)):
+        return CheckpointError(f"{type(obj).__name__}: {obj}")
+    return obj

@@ -10,22 +10,34 @@ Layout of the checkpoint directory::
     .trash_*                 a checkpoint being deleted or replaced; never listed
     checkpoint.lock          which run saves into this directory (held from setup to close)
 
-Every rank writes its own shard into the staging folder. DCP's save ends with a gather of all ranks'
-write results on rank 0, which then writes ``.metadata``; so once ``dcp.save`` returns on rank 0,
-every shard is on disk (fsynced: ``sync_files=True``). Rank 0 then commits alone: it writes the
-manifest, renames the staging folder to its final name (atomic on POSIX) and fsyncs the parent
-directory. A checkpoint is therefore visible only once complete, and a crash at any point leaves the
-previous ones intact. Pruning deletes old checkpoints only after a newer one is committed.
+Every rank writes its own shard into the staging folder and computes each file's crc32 from the
+bytes on their way to it (``disk.StagingWriter``). DCP's save ends with a gather of all ranks'
+write results on rank 0, which carry those checksums, and rank 0 then writes ``.metadata``; so once
+``dcp.save`` returns on rank 0, every shard is on disk (fsynced: ``sync_files=True``) and its
+checksum is known there. Rank 0 then commits alone, reading no shard: it writes the manifest from
+the gathered sizes and checksums, renames the staging folder to its final name (atomic on POSIX)
+and fsyncs the parent directory. A checkpoint is therefore visible only once complete, and a crash
+at any point leaves the previous ones intact. The commit is a few metadata operations, so the other
+ranks, already in the next step, never wait on it for long (a rank 0 that read a 0.6 TB checkpoint
+back would outlast ``dist.step_timeout_s``).
+
+Pruning deletes old checkpoints only after a newer one is committed, and off the save's path:
+rank 0 renames each out of sight at the commit, and a background thread deletes the files
+(``close`` waits for it). Resuming verifies the picked checkpoint's checksums with every rank
+reading a share of its files (``resolve_resume``), not rank 0 reading them all.
 
 A checkpoint directory belongs to one run at a time: the manager of a training run takes the lock
 file on rank 0 when it is set up (see ``lock.FolderLock``) and releases it on ``close``.
 
 An async save blocks the loop only while the state is copied into host memory; DCP then writes
-that copy from a background thread and rank 0 commits when it is done. One storage writer and one
-DCP stager (``DefaultStager``) serve every save of a manager: the stager keeps the host copy of
-each tensor's storage from one save to the next (pinned memory when the state is on CUDA), so only
-the first save allocates it; later ones copy into it. An async run therefore holds one extra copy
-of its state in host memory for as long as the manager lives (released by ``close``).
+that copy from a background thread and rank 0 commits when it is done. Only what this rank writes
+is copied: DCP writes a tensor held by several ranks (DDP's replicated model and optimizer state)
+once, so the ranks first agree, by DCP's own dedup rule, which of them writes each one
+(``_written_here``). One storage writer and one DCP stager (``DefaultStager``) serve every save
+of a manager: the stager keeps the host copy of each tensor's storage from one save to the next
+(pinned memory when the state is on CUDA), so only the first save allocates it; later ones copy
+into it. An async run therefore holds one extra copy of its share of the state (under DDP about
+1/world_size of it) in host memory for as long as the manager lives (released by ``close``).
 
 Loading goes through DCP as well, which reshards to the current world size. A checkpoint is
 untrusted input: every read of one (listing, resuming, export, the load itself) goes through
@@ -38,13 +50,14 @@ module, the protocol over them.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import time
 import uuid
 import warnings
 from collections.abc import Iterable, Iterator
-from concurrent.futures import Future
+from concurrent.futures import Future, ThreadPoolExecutor
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
@@ -52,22 +65,26 @@ from typing import Any
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import CheckpointException
+from torch.distributed.checkpoint._dedup_save_plans import dedup_save_plans
+from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
 from torch.distributed.checkpoint.metadata import Metadata
 from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
 from torch.distributed.checkpoint.state_dict_saver import AsyncSaveResponse
 
 from sdnet_trainer.checkpoint import disk, files
-from sdnet_trainer.checkpoint.group import CheckpointGroup
+from sdnet_trainer.checkpoint.group import CheckpointGroup, sendable
 from sdnet_trainer.checkpoint.lock import FolderLock, run_token
 from sdnet_trainer.checkpoint.untrusted import (
     Checkpoint,
     CheckpointError,
     SafeFileSystemReader,
     SafeLoadPlanner,
+    checksum_error,
     crc32,
     find_checkpoint,
     read_checkpoint,
 )
+from sdnet_trainer.errors import ConfigError
 
 logger = logging.getLogger(__name__)
 
@@ -114,17 +131,19 @@ class CheckpointManager:
         self.run_id = run_id
         self._ranks = CheckpointGroup(process_group, rank=rank, world_size=world_size)
         self._pending: Future[None] | None = None
-        self.directory.mkdir(parents=True, exist_ok=True)
         # One writer for every save (each save points it at its staging folder) and, for async
         # saves, one stager whose host buffers are reused; created at the first async save, when
         # it is known whether the state lives on CUDA (pinned buffers) or not.
         self._writer = disk.StagingWriter(self.directory, sync_files=True)
         self._stager: DefaultStager | None = None
+        # Rank 0 deletes pruned folders in this thread, off the save's path (see _prune).
+        self._deleter: ThreadPoolExecutor | None = None
         self._lock = FolderLock(self.directory, run_id) if run_id is not None else None
         # Rank 0 takes the lock and names the staging folders; every rank follows its outcome.
         outcome: str | Exception | None = None
         if rank == 0:
             try:
+                _make_directory(self.directory)
                 if self._lock is not None:
                     self._lock.acquire()
                 outcome = run_token(run_id) if run_id is not None else uuid.uuid4().hex[:12]
@@ -136,6 +155,10 @@ class CheckpointManager:
             raise outcome
         assert isinstance(outcome, str)
         self._token = outcome
+        if rank != 0:
+            # Rank 0 made it; on a filesystem that other nodes do not share (unsupported: their
+            # shards would be out of rank 0's reach), each node needs its own.
+            _make_directory(self.directory)
 
     def staging_dir(self, step: int) -> Path:
         """The folder this manager writes the save of ``step`` into before committing it."""
@@ -159,6 +182,9 @@ class CheckpointManager:
         self.wait()  # one save in flight; surfaces the previous async save's error
         meta = _json_round_trip(meta or {})
         staging = self.staging_dir(step)
+        if self.async_save:
+            # Only what this rank writes is copied to host memory (and kept there for the run).
+            state_dict = self._written_here(state_dict)
         needed = disk.state_nbytes(state_dict)
         if self.rank == 0:
             # Leftover of a crashed save of this same step by this run. Safe before the collective:
@@ -204,6 +230,25 @@ class CheckpointManager:
             upload, step, staging, meta=meta, started=started, needed=needed
         )
         return needed
+
+    def _written_here(self, state_dict: dict[str, Any]) -> dict[str, Any]:
+        """The part of ``state_dict`` that this rank writes, flattened as DCP flattens it (same
+        keys in the checkpoint). DCP writes a tensor that several ranks hold (replicated, as DDP's
+        model and optimizer state are on every rank) once, from the rank its dedup picks; so every
+        rank plans its save as DCP does, the plans are gathered, and DCP's own dedup rule
+        (``dedup_save_plans``, deterministic given the plans) says which rank writes what. The
+        entries another rank writes are dropped here, before they are staged: under DDP each rank
+        stages about 1/world_size of the state instead of all of it. DCP's save of the rest then
+        has nothing left to dedup and writes exactly this split. Collective."""
+        if self._ranks.no_dist or self.world_size == 1:
+            return state_dict
+        planner = DefaultSavePlanner()
+        planner.set_up_planner(state_dict, is_coordinator=self.rank == 0)
+        local = planner.create_local_plan()
+        plans = self._ranks.all_gather(dataclasses.replace(local, planner_data=None))
+        kept = {item.index.fqn for item in dedup_save_plans(plans)[self.rank].items}
+        elsewhere = {item.index.fqn for item in local.items} - kept
+        return {fqn: value for fqn, value in planner.state_dict.items() if fqn not in elsewhere}
 
     def _stager_for(self, state_dict: dict[str, Any]) -> DefaultStager:
         """The run's stager, made at the first async save. Its host buffers are cached per source
@@ -299,9 +344,7 @@ class CheckpointManager:
     ) -> Checkpoint:
         """Rank 0, after DCP's save returned: manifest, atomic rename, then pruning."""
         written = _written_files(staging, metadata)
-        # The checksums cost one sequential read of the whole checkpoint by rank 0 (from the page
-        # cache for the shards this node just wrote, over the network for other nodes' shards on
-        # a shared filesystem); an async save pays it in the background thread.
+        checksums = _checksums(staging, written, self._writer.file_checksums)
         manifest = {
             "format_version": files.FORMAT_VERSION,
             "step": step,
@@ -309,7 +352,7 @@ class CheckpointManager:
             "created": time.time(),
             "meta": meta,
             "files": [
-                {"name": name, "bytes": size, "crc32": crc32(staging / name)}
+                {"name": name, "bytes": size, "crc32": checksums[name]}
                 for name, size in sorted(written.items())
             ],
         }
@@ -330,7 +373,13 @@ class CheckpointManager:
     def _prune(self, *, committed: int) -> None:
         """Delete checkpoints beyond keep_last (oldest first, never the one just committed), this
         run's staging folders of crashed earlier saves and interrupted deletions. Other runs'
-        staging folders are never touched: one may be a save in progress."""
+        staging folders are never touched: one may be a save in progress.
+
+        Off the save's path: each folder is renamed aside here (one rename: no listing sees it half
+        deleted, and no later save of the same step meets it), and its files are deleted by one
+        background thread of rank 0 (``_deleter``; ``close`` waits for it). Deleting a large
+        checkpoint on a network filesystem takes minutes, which a sync save would otherwise add to
+        rank 0's step while the other ranks wait in the next collective."""
         kept = self.checkpoints()[-self.keep_last :]
         oldest_kept = min([c.step for c in kept] + [committed])
         newer = [c.step for c in kept if c.step > committed]
@@ -347,7 +396,15 @@ class CheckpointManager:
                 path.name, oldest_kept=oldest_kept, token=self._token
             ):
                 logger.info("deleting old checkpoint folder %s", path)
-                files.remove_tree(path)
+                self._delete_in_background(path)
+
+    def _delete_in_background(self, path: Path) -> None:
+        aside = files.move_aside(path)
+        if aside is None:
+            return
+        if self._deleter is None:
+            self._deleter = ThreadPoolExecutor(max_workers=1, thread_name_prefix="checkpoint-prune")
+        self._deleter.submit(files.remove_tree, aside)
 
     # ------------------------------------------------------------------ listing and resuming
 
@@ -371,18 +428,36 @@ class CheckpointManager:
         passes verification (sizes, checksums, DCP metadata; None if there is none), anything else
         a path (``find_checkpoint``, where a failed verification is a ConfigError).
 
-        Collective: rank 0 decides and the other ranks follow, so all of them load the same one."""
-        self.wait()  # the broadcast below shares the group with a background save
-        outcome: Checkpoint | Exception | None = None
+        Collective: rank 0 decides and the other ranks follow, so all of them load the same one.
+        The checksums of each checkpoint rank 0 considers are read by all ranks, each file by one
+        of them (``_shared_checksums``): the other ranks serve those requests until rank 0 sends
+        its decision."""
+        self.wait()  # the broadcasts below share the group with a background save
         if self.rank == 0:
+            outcome: Checkpoint | Exception | None
             try:
                 outcome = self._resolve(resume)
             except Exception as exc:  # noqa: BLE001 - re-raised below, on every rank
                 outcome = exc
-        outcome = self._ranks.from_rank0(outcome)
+            self._ranks.from_rank0(_Decided(sendable(outcome)))
+        else:
+            while not isinstance(request := self._ranks.from_rank0(None), _Decided):
+                folder, shares = request
+                self._ranks.to_rank0(_check_share(folder, shares[self.rank]))
+            outcome = request.outcome
         if isinstance(outcome, Exception):
             raise outcome
         return outcome
+
+    def _shared_checksums(self, folder: Path, expected: dict[str, tuple[int, int]]) -> None:
+        """Rank 0, while resolving: the checksums of ``folder``'s files checked by every rank,
+        the files divided by size; a CheckpointError naming the first file that fails."""
+        shares = _divide(expected, self.world_size)
+        self._ranks.from_rank0((folder, shares))
+        reports = self._ranks.to_rank0(_check_share(folder, shares[0]))
+        assert reports is not None  # rank 0
+        if failed := [report for report in reports if report is not None]:
+            raise CheckpointError(failed[0])
 
     def _resolve(self, resume: str) -> Checkpoint | None:
         if resume == "none":
@@ -390,7 +465,7 @@ class CheckpointManager:
         if resume == "auto":
             for _step, path in sorted(files.step_dirs(self.directory), reverse=True):
                 try:
-                    return read_checkpoint(path, verify=True)
+                    return read_checkpoint(path, verify=True, checksums=self._shared_checksums)
                 except CheckpointError as exc:
                     logger.warning(
                         "checkpoint.resume=auto: skipping checkpoint %s: %s; trying the previous "
@@ -399,7 +474,7 @@ class CheckpointManager:
                         exc,
                     )
             return None
-        return find_checkpoint(resume, key="checkpoint.resume")
+        return find_checkpoint(resume, key="checkpoint.resume", checksums=self._shared_checksums)
 
     # ------------------------------------------------------------------ loading
 
@@ -449,9 +524,24 @@ class CheckpointManager:
             if self._stager is not None:
                 self._stager.close()  # drops the host buffers (and unpins them)
                 self._stager = None
+            if self._deleter is not None:
+                self._deleter.shutdown(wait=True)  # the pruned folders' deletions finish
+                self._deleter = None
             if self._lock is not None:
                 self._lock.release()
             self._ranks.release()
+
+
+def _make_directory(directory: Path) -> None:
+    """Create the checkpoint directory; a ConfigError naming checkpoint.dir when it cannot be (the
+    preflight check says so before launch; this is for a folder that became uncreatable since)."""
+    try:
+        directory.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise ConfigError(
+            f"checkpoint.dir: cannot create the checkpoint directory {directory} "
+            f"({exc.strerror or exc})"
+        ) from None
 
 
 def _describe(exc: BaseException) -> str:
@@ -485,6 +575,59 @@ def _written_files(staging: Path, metadata: Metadata) -> dict[str, int]:
                 f"bytes, fewer than the {minimum} it wrote there"
             )
     return sizes
+
+
+def _checksums(
+    staging: Path, written: dict[str, int], recorded: dict[str, tuple[int, int]]
+) -> dict[str, int]:
+    """{name: crc32} of the files of a finished save, from what the ranks recorded while writing
+    them (``disk.StagingWriter``): nothing is read back. A file none recorded (a storage writer
+    that does not record) is read here, with a warning; one whose size differs from what its
+    writer wrote was changed since."""
+    checksums = {}
+    for name, size in written.items():
+        if name not in recorded:
+            logger.warning("no checksum was recorded for %s while saving: reading it", name)
+            checksums[name] = crc32(staging / name)
+            continue
+        recorded_size, checksums[name] = recorded[name]
+        if recorded_size != size:
+            raise CheckpointError(
+                f"{staging / name} holds {size} bytes, but {recorded_size} were written to it"
+            )
+    return checksums
+
+
+@dataclasses.dataclass(frozen=True)
+class _Decided:
+    """Rank 0's decision of ``resolve_resume`` (after any number of checksum requests)."""
+
+    outcome: Checkpoint | Exception | None
+
+
+def _divide(expected: dict[str, tuple[int, int]], parts: int) -> list[dict[str, int]]:
+    """{name: crc32} for each of ``parts`` ranks to check: largest files first, each to the rank
+    with the fewest bytes so far (ties: the lowest rank)."""
+    shares: list[dict[str, int]] = [{} for _ in range(parts)]
+    load = [0] * parts
+    for name, (size, checksum) in sorted(expected.items(), key=lambda kv: (-kv[1][0], kv[0])):
+        rank = min(range(parts), key=lambda r: (load[r], r))
+        shares[rank][name] = checksum
+        load[rank] += size
+    return shares
+
+
+def _check_share(folder: Path, share: dict[str, int]) -> str | None:
+    """The first failure among this rank's share of the files, or None. Never raises: every rank
+    must reach the gather that follows, or the others would wait there."""
+    for name in sorted(share):
+        try:
+            error = checksum_error(folder, name, share[name])
+        except Exception as exc:  # noqa: BLE001 - reported to rank 0 as the file's failure
+            error = f"cannot check {name}: {type(exc).__name__}: {exc}"
+        if error is not None:
+            return error
+    return None
 
 
 def _json_round_trip(meta: dict[str, Any]) -> dict[str, Any]:

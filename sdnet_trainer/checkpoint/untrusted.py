@@ -1,6 +1,6 @@
 """Reading a checkpoint that may be hostile. Every read of a checkpoint folder's files by this
 package goes through this module: listing and picking checkpoints (``read_checkpoint``,
-``find_checkpoint``), checksums (``crc32``, also what a save records), and DCP's load
+``find_checkpoint``), checksums (``crc32``), and DCP's load
 (``SafeFileSystemReader`` with ``SafeLoadPlanner``, which ``CheckpointManager.load`` passes to it).
 
 A checkpoint is untrusted input: it may come from another machine, a download or a shared folder.
@@ -24,8 +24,9 @@ For a crafted one, this module guarantees:
   format version, the step its folder name says, and for each file a plain name, a size and, in
   format 2, a crc32; each listed file must be a regular file (``lstat``: not a symbolic link) of
   that size, and ``.metadata`` must be listed. ``verify=True`` (how ``find_checkpoint`` and
-  ``resume`` pick one to load) also reads every file to compare its crc32 and checks ``.metadata``
-  as a load would.
+  ``resume`` pick one to load) also reads every file to compare its crc32 (a manager's ranks
+  share these reads, each file read by one of them; any rank's mismatch fails the checkpoint,
+  naming the file) and checks ``.metadata`` as a load would.
 
 Not guaranteed: that the values are what the run saved. crc32 catches accidental damage; a forger
 rewrites the manifest too. Nor that the files stay as verified while they are read: whoever can
@@ -44,7 +45,7 @@ import os
 import pickle
 import stat
 import zlib
-from collections.abc import Generator, Iterator
+from collections.abc import Callable, Generator, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field, is_dataclass
 from enum import Enum
@@ -111,13 +112,44 @@ class Checkpoint:
         return frozenset(_read_dcp_metadata(self.path).state_dict_metadata)
 
 
-def read_checkpoint(path: str | Path, *, verify: bool = False) -> Checkpoint:
+# Checks the crc32 of the files of a checkpoint folder, {name: (bytes, crc32)} as its manifest
+# lists them (names already checked to be plain file names of regular files there); raises a
+# CheckpointError naming the first file that fails. ``check_checksums`` reads them all here; a
+# manager spreads the reads over its ranks.
+ChecksumCheck = Callable[[Path, dict[str, tuple[int, int]]], None]
+
+
+def check_checksums(folder: Path, expected: dict[str, tuple[int, int]]) -> None:
+    """Read every file in ``expected`` and compare its crc32 (``.metadata`` first: small)."""
+    for name in sorted(expected, key=lambda n: n != DCP_METADATA):
+        if (error := checksum_error(folder, name, expected[name][1])) is not None:
+            raise CheckpointError(error)
+
+
+def checksum_error(folder: Path, name: str, expected: int) -> str | None:
+    """Why ``folder/name`` fails its checksum (it differs, or cannot be read), or None."""
+    try:
+        actual = crc32(folder / name)
+    except (OSError, CheckpointError) as exc:
+        return f"cannot read {name} to check its checksum: {exc}"
+    if actual != expected:
+        return (
+            f"{name} does not match its checksum (crc32 {actual:08x}, {MANIFEST} says "
+            f"{expected:08x}): corrupted after it was written"
+        )
+    return None
+
+
+def read_checkpoint(
+    path: str | Path, *, verify: bool = False, checksums: ChecksumCheck = check_checksums
+) -> Checkpoint:
     """The checkpoint in ``path`` if its manifest is valid and every listed file is a regular file
     in the folder with the listed size; else CheckpointError saying why.
 
-    ``verify``: also read every file to check its checksum (format 2 manifests), and check that
-    DCP's ``.metadata`` is readable and points only to files the manifest lists. This reads the
-    whole checkpoint once: done when a checkpoint is picked for loading, not when listing."""
+    ``verify``: also read every file to check its checksum (format 2 manifests; ``checksums``
+    does it), and check that DCP's ``.metadata`` is readable and points only to files the manifest
+    lists. This reads the whole checkpoint once: done when a checkpoint is picked for loading, not
+    when listing."""
     path = Path(path)
     manifest = _read_manifest(path)
     name_step = STEP_DIR.match(path.name)
@@ -128,24 +160,27 @@ def read_checkpoint(path: str | Path, *, verify: bool = False) -> Checkpoint:
         )
     listed = _check_files(path, manifest["files"], checksums=manifest["format_version"] >= 2)
     if verify:
-        for name in sorted(listed, key=lambda n: n != DCP_METADATA):  # .metadata first: small
-            expected = listed[name].get("crc32")
-            if expected is not None and (actual := crc32(path / name)) != expected:
-                raise CheckpointError(
-                    f"{name} does not match its checksum (crc32 {actual:08x}, {MANIFEST} says "
-                    f"{expected:08x}): corrupted after it was written"
-                )
+        checksums(
+            path,
+            {
+                name: (entry["bytes"], entry["crc32"])
+                for name, entry in listed.items()
+                if entry.get("crc32") is not None
+            },
+        )
         _check_storage_paths(_read_dcp_metadata(path), set(listed))
     return Checkpoint(
         path=path, step=manifest["step"], world_size=manifest["world_size"], meta=manifest["meta"]
     )
 
 
-def find_checkpoint(value: str | Path, *, key: str) -> Checkpoint:
+def find_checkpoint(
+    value: str | Path, *, key: str, checksums: ChecksumCheck = check_checksums
+) -> Checkpoint:
     """The checkpoint a user named by path (``key`` says where: checkpoint.resume, export's
-    checkpoint=), for resume and export alike, verified (``read_checkpoint(verify=True)``): a
-    step_* folder must pass; a checkpoint directory stands for its newest checkpoint that passes,
-    failing ones skipped with the reason."""
+    checkpoint=), for resume and export alike, verified (``read_checkpoint(verify=True)``, with
+    ``checksums``): a step_* folder must pass; a checkpoint directory stands for its newest
+    checkpoint that passes, failing ones skipped with the reason."""
     path = Path(value).expanduser().resolve()
     if not path.exists():
         raise ConfigError(f"{key}={str(value)!r}: {path} does not exist")
@@ -154,7 +189,7 @@ def find_checkpoint(value: str | Path, *, key: str) -> Checkpoint:
         reasons = []
         for _, candidate in steps:
             try:
-                checkpoint = read_checkpoint(candidate, verify=True)
+                checkpoint = read_checkpoint(candidate, verify=True, checksums=checksums)
             except CheckpointError as err:
                 logger.warning("skipping checkpoint %s: %s", candidate, err)
                 reasons.append(f"{candidate.name}: {err}")
@@ -170,7 +205,7 @@ def find_checkpoint(value: str | Path, *, key: str) -> Checkpoint:
             f"{key}={str(value)!r}: {path} holds no usable checkpoint ({'; '.join(reasons)})"
         )
     try:
-        return read_checkpoint(path, verify=True)
+        return read_checkpoint(path, verify=True, checksums=checksums)
     except CheckpointError as err:
         hint = (
             f"; a run's checkpoints are in {path / 'checkpoints'}"

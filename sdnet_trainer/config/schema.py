@@ -420,8 +420,9 @@ class CheckpointConfig:
     # Committed checkpoints kept; older ones are deleted only after a newer one is committed.
     keep_last: int = 3
     # DCP async save: the loop blocks only while the state is copied into host memory the run
-    # keeps for its next saves (pinned on CUDA): one extra copy of the state in host memory while
-    # the run lasts; the write and the commit finish in the background.
+    # keeps for its next saves (pinned on CUDA): one extra copy of the part of the state this rank
+    # writes (replicated tensors are written by one rank: under DDP about 1/world_size of the
+    # state) in host memory while the run lasts; the write and the commit finish in the background.
     async_save: bool = False
     # auto: the newest complete checkpoint in dir, if any; none: start fresh; or a checkpoint path.
     resume: str = "auto"

@@ -74,6 +74,7 @@ from omegaconf import MISSING
 
 from sdnet_trainer.checkpoint import find_checkpoint
 from sdnet_trainer.config.arguments import parse_key_values
+from sdnet_trainer.config.paths import check_creatable_folder
 from sdnet_trainer.errors import ConfigError
 
 # The package's parts, one concern each; every name is also importable from here.
@@ -210,6 +211,7 @@ def export(args: ExportArgs) -> Exported:
     out = output_folder(args.out, checkpoint)
     # Refuse an output folder export will not write into before the slow work.
     check_output(out, [FILES[fmt] for fmt in names] + [CONFIG_FILE])
+    check_creatable_folder("out", out)
     try:
         # A Trainer that is never set up (no process group, data or optimizer): build_model and
         # the example input read only its config.

@@ -7,6 +7,10 @@
    compares. Each rank also writes expected_rank{r}.pt for the test's single-process checks.
    The sync manager belongs to run ``roundtrip`` (it holds the folder's lock): a manager of another
    run on the same folder must be refused on every rank.
+   Each rank records in io_rank{r}.json the checkpoint shards it opened for reading while saving
+   and while verifying a resume (of a copy of the sync checkpoint in verify/), and the bytes it
+   staged for the async save; then one shard of the copy is corrupted (same size) and resuming it
+   must fail on every rank naming that file.
 2. DIR/kill: step 1 is committed; during the save of step 2 rank 1 SIGKILLs itself once rank 0
    has started writing its shard. The launch therefore fails: the test reads what is on disk.
 
@@ -17,7 +21,11 @@ The state builders are imported by the test for its single-process checks.
 
 from __future__ import annotations
 
+import builtins
+import io
+import json
 import os
+import shutil
 import signal
 import sys
 import threading
@@ -29,9 +37,11 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.checkpoint import FileSystemWriter
+from torch.distributed.checkpoint.staging import DefaultStager
 from torch.distributed.checkpoint.state_dict import get_state_dict
 
 from sdnet_trainer.checkpoint import LOCK, CheckpointManager
+from sdnet_trainer.checkpoint.disk import state_nbytes
 from sdnet_trainer.errors import ConfigError
 
 # Big enough that saving the replicated tensors twice would show in the checkpoint's size.
@@ -125,6 +135,47 @@ def _dying_write_data(self, plan, planner):
     os.kill(os.getpid(), signal.SIGKILL)
 
 
+class ShardReads:
+    """Records the shard files (``*.distcp``) this process opens for reading, by any of Python's
+    ways to open a file, while ``phase`` is set: who reads which shard, for the commit and the
+    resume's verification."""
+
+    def __init__(self) -> None:
+        self.phase: str | None = None
+        self.reads: dict[str, list[str]] = {}
+        self._os_open, self._io_open = os.open, io.open
+
+    def install(self) -> None:
+        def os_open(path, flags, *args, **kwargs):
+            if flags & os.O_ACCMODE == os.O_RDONLY:
+                self._record(path)
+            return self._os_open(path, flags, *args, **kwargs)
+
+        def io_open(file, mode="r", *args, **kwargs):
+            if "r" in mode and "+" not in mode:
+                self._record(file)
+            return self._io_open(file, mode, *args, **kwargs)
+
+        os.open, io.open, builtins.open = os_open, io_open, io_open
+
+    def _record(self, path: object) -> None:
+        name = os.path.basename(os.fsdecode(path)) if isinstance(path, (str, os.PathLike)) else ""
+        if self.phase is not None and name.endswith(".distcp"):
+            self.reads.setdefault(self.phase, []).append(name)
+
+
+_reads = ShardReads()
+_staged_bytes: list[int] = []
+_original_stage = DefaultStager.stage
+
+
+def _measured_stage(self, state_dict, **kwargs):
+    # The bytes this rank's stager copies into host memory (kept for the run).
+    staged = _original_stage(self, state_dict, **kwargs)
+    _staged_bytes.append(state_nbytes(staged))
+    return staged
+
+
 # ---------------------------------------------------------------------- modes
 
 
@@ -157,16 +208,22 @@ def roundtrip(directory: Path, rank: int, world_size: int) -> None:
     )
     state = trained_state(rank)
     torch.save(tensors(state), directory / f"expected_rank{rank}.pt")
+    full_bytes = state_nbytes(state)
+    _reads.install()
+    _reads.phase = "save"
     sync.save(1, state, meta={"kind": "sync"})
 
     FileSystemWriter.write_data = _gated_write_data
+    DefaultStager.stage = _measured_stage
     _writes_may_start.clear()
     asyn.save(2, state, meta={"kind": "async"})
+    DefaultStager.stage = _original_stage
     assert not (directory / "async" / "step_00000002").exists(), "async save blocked until written"
     for value in tensors_in_place(state):
         value.add_(1000)  # the training loop keeps going while the save is written
     _writes_may_start.set()
     asyn.wait()
+    _reads.phase = None
     FileSystemWriter.write_data = _original_write_data
 
     reference = trained_state(rank)
@@ -189,8 +246,50 @@ def roundtrip(directory: Path, rank: int, world_size: int) -> None:
         assert "checkpoint.resume" in str(exc) and "does not exist" in str(exc), exc
     else:
         raise AssertionError("a missing resume path was accepted")
+    verify_shared(directory, rank, world_size)
+    (directory / f"io_rank{rank}.json").write_text(
+        json.dumps(
+            {
+                "reads": _reads.reads,
+                "staged_bytes": _staged_bytes,
+                "full_bytes": full_bytes,
+            }
+        )
+    )
     sync.close()
     asyn.close()
+
+
+def verify_shared(directory: Path, rank: int, world_size: int) -> None:
+    """Resume with verification from a copy of the sync checkpoint: the shards' reads are recorded;
+    then a shard of the copy is damaged (same size, so only its checksum can tell) and resuming it
+    must fail on every rank, naming the file."""
+    copy = directory / "verify" / "step_00000001"
+    if rank == 0:
+        shutil.copytree(directory / "sync" / "step_00000001", copy)
+    dist.barrier()
+    manager = CheckpointManager(
+        directory / "verify", keep_last=3, async_save=False, rank=rank, world_size=world_size
+    )
+    _reads.phase = "verify"
+    assert manager.resolve_resume("auto").path == copy
+    _reads.phase = None
+    dist.barrier()
+    damaged = copy / f"__{world_size - 1}_0.distcp"
+    if rank == 0:
+        data = bytearray(damaged.read_bytes())
+        data[len(data) // 2] ^= 0xFF
+        damaged.write_bytes(bytes(data))
+    dist.barrier()
+    try:
+        manager.resolve_resume(str(copy))
+    except ConfigError as exc:
+        assert f"{damaged.name} does not match its checksum" in str(exc), exc
+        print(f"rank {rank}: corrupt shard {damaged.name} named", flush=True)
+    else:
+        raise AssertionError("a corrupted shard passed verification")
+    assert manager.resolve_resume("auto") is None  # the only checkpoint there is damaged
+    manager.close()
 
 
 def kill(directory: Path, rank: int, world_size: int) -> None:

@@ -24,7 +24,7 @@ from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
-from sdnet_trainer.checkpoint import LOCK, MANIFEST, CheckpointError, CheckpointManager
+from sdnet_trainer.checkpoint import LOCK, MANIFEST, CheckpointError, CheckpointManager, disk, files
 from sdnet_trainer.errors import ConfigError
 from tests.distributed import _checkpoint_worker as worker
 from tests.support import run_cli
@@ -202,6 +202,48 @@ def test_saving_a_step_again_replaces_it(tmp_path):
     target = {"w": torch.zeros(3)}
     ckpts.load(ckpts.latest(), target)
     assert torch.equal(target["w"], torch.full((3,), 2.0))
+
+
+def test_pruning_deletes_in_the_background(tmp_path, monkeypatch):
+    # Deleting a large checkpoint takes minutes on a network filesystem: the save that prunes it
+    # returns at once, the folder already out of sight; close() waits for the deletion.
+    release = threading.Event()
+    deleting: list[Path] = []
+    remove_tree = files.remove_tree
+
+    def held_remove_tree(path: Path) -> None:
+        if path.name.startswith(".trash_"):
+            deleting.append(path)
+            assert release.wait(timeout=10), "the save waited for the deletion"
+        remove_tree(path)
+
+    monkeypatch.setattr(files, "remove_tree", held_remove_tree)
+    ckpts = manager(tmp_path, keep_last=1)
+    ckpts.save(1, {"w": torch.ones(3)})
+    ckpts.save(2, {"w": torch.full((3,), 2.0)})  # prunes step 1
+    assert [p.name.split(".")[1] for p in deleting] == ["trash_step_00000001"]
+    assert [c.step for c in ckpts.checkpoints()] == [2]
+    assert not (tmp_path / "step_00000001").exists()
+    release.set()
+    ckpts.close()
+    assert listing(tmp_path) == ["step_00000002"]
+
+
+def test_checksum_of_a_file_not_written_front_to_back_is_read_back(tmp_path):
+    # The writer checksums the bytes on their way to the file; a seek voids that sum, and the
+    # file is then read back by the rank that wrote it.
+    written = disk._ChecksummingFileSystem()
+    with written.create_stream(tmp_path / "appended", "wb") as stream:
+        stream.write(b"abc")
+        stream.write(memoryview(b"def"))
+    with written.create_stream(tmp_path / "patched", "wb") as stream:
+        stream.write(b"abcdef")
+        stream.seek(0)
+        stream.write(b"X")
+    assert written.written == {"appended": (6, zlib.crc32(b"abcdef")), "patched": None}
+    assert disk.read_checksum(tmp_path / "patched") == (6, zlib.crc32(b"Xbcdef"))
+    written.rename(tmp_path / "appended", tmp_path / "renamed")
+    assert written.written["renamed"] == (6, zlib.crc32(b"abcdef"))
 
 
 # ---------------------------------------------------------------------- validation and resume
@@ -392,6 +434,54 @@ def test_two_ranks_save_sync_and_async_and_load_back(two_ranks):
         manifest = json.loads((path / MANIFEST).read_text())
         assert manifest["world_size"] == 2
         assert {"__0_0.distcp", "__1_0.distcp"} <= {f["name"] for f in manifest["files"]}
+        # Each rank checksummed its own shards; the manifest holds the files' real crc32.
+        for entry in manifest["files"]:
+            data = (path / entry["name"]).read_bytes()
+            assert (entry["bytes"], entry["crc32"]) == (len(data), zlib.crc32(data)), entry
+
+
+def _io_records(two_ranks) -> list[dict]:
+    return [
+        json.loads((two_ranks["dir"] / "roundtrip" / f"io_rank{rank}.json").read_text())
+        for rank in (0, 1)
+    ]
+
+
+def test_two_ranks_commit_reads_no_shard_and_share_the_verification(two_ranks):
+    records = _io_records(two_ranks)
+    for rank, record in enumerate(records):
+        # Saving (sync and async): every rank checksums what it writes as it writes it; rank 0's
+        # commit reads no shard, its own or another rank's.
+        assert record["reads"].get("save", []) == [], (rank, record["reads"])
+    # Resuming with verification: the checksums are read once, each shard by one rank only, and
+    # rank 0 does not read them all.
+    verified = [sorted(record["reads"].get("verify", [])) for record in records]
+    shards = sorted(
+        p.name
+        for p in (two_ranks["dir"] / "roundtrip" / "verify" / "step_00000001").iterdir()
+        if p.suffix == ".distcp"
+    )
+    assert sorted(verified[0] + verified[1]) == shards == ["__0_0.distcp", "__1_0.distcp"]
+    assert verified[0] and verified[1], verified
+    output = two_ranks["output"]
+    for rank in (0, 1):
+        # A shard damaged after the commit (its size kept) still fails verification on every
+        # rank, naming the file, whichever rank read it.
+        assert f"rank {rank}: corrupt shard __1_0.distcp named" in output, output
+
+
+def test_two_ranks_async_save_stages_only_what_the_rank_writes(two_ranks):
+    records = _io_records(two_ranks)
+    full = records[0]["full_bytes"]
+    staged = [record["staged_bytes"] for record in records]
+    assert all(len(s) == 1 for s in staged), staged  # one async save
+    staged_bytes = [s[0] for s in staged]
+    print(f"full state {full} bytes; staged per rank {staged_bytes}")
+    # Under DDP every rank holds the whole replicated state, but DCP writes each replicated tensor
+    # once: each rank stages about half (its share plus its own rng entry), not all of it.
+    for rank_bytes in staged_bytes:
+        assert 0.3 * full < rank_bytes < 0.7 * full, (staged_bytes, full)
+    assert sum(staged_bytes) >= full  # everything is staged by some rank
 
 
 def test_two_ranks_refuse_a_second_run_on_every_rank(two_ranks):
