@@ -77,6 +77,7 @@ from torch.distributed.checkpoint.storage import WriteResult
 from torch.distributed.tensor import DTensor
 from torch.futures import Future as TorchFuture
 
+from sdnet_trainer.compat import reusable_stager
 from sdnet_trainer.distributed.ops import is_distributed
 from sdnet_trainer.errors import ConfigError
 
@@ -284,7 +285,13 @@ class CheckpointManager:
         afresh for each save, gets a new buffer; the old one is dropped with its source). Staging
         is synchronous: save() returns with the copy complete, so the loop may change its tensors
         at once. On CUDA the buffers are pinned and the device-to-host copies are issued without
-        blocking, then waited for together."""
+        blocking, then waited for together.
+
+        Where torch's stager cannot be reused (``compat.reusable_stager``: torch < 2.13), each
+        save gets a new one: the same copy, into host buffers allocated (and pinned) afresh."""
+        if self._stager is not None and not reusable_stager():
+            self._stager.close()  # staged and written: wait() above joined its save
+            self._stager = None
         if self._stager is None:
             cuda = _holds_cuda_tensors(state_dict)
             self._stager = DefaultStager(
@@ -1124,6 +1131,11 @@ class _StagingWriter(FileSystemWriter):
             if (full := _hidden_disk_full(exc, self.path)) is None:
                 raise
             raise full from exc
+        # torch 2.11's FileSystemWriter.finish records where each item's bytes are on a copy of the
+        # metadata (the one it writes), so the metadata dcp.save returns, which the commit reads,
+        # has none; later torch records it on the metadata itself. The same map, either way.
+        if metadata.storage_data is None:
+            metadata.storage_data = {wr.index: wr.storage_data for wrs in results for wr in wrs}
 
 
 def _hidden_disk_full(exc: Exception, path: str | os.PathLike) -> OSError | None:

@@ -25,6 +25,7 @@ from torch import nn
 from torch.distributed.pipelining import PipelineStage
 from torch.distributed.pipelining.schedules import PipelineScheduleSingle, get_schedule_class
 
+from sdnet_trainer.compat import local_stage_handoff
 from sdnet_trainer.config.schema import Config, PipelineConfig
 from sdnet_trainer.distributed.mesh import parallel_dims
 from sdnet_trainer.errors import ConfigError
@@ -74,6 +75,13 @@ def check_schedule(cfg: PipelineConfig, pp: int) -> None:
         raise ConfigError(
             f"parallel.pipeline.schedule={cfg.schedule} places exactly 2 stages per rank; "
             f"set parallel.pipeline.stages_per_rank=2 (not {per_rank})"
+        )
+    if cfg.schedule in V_SCHEDULES and not local_stage_handoff():
+        raise ConfigError(
+            f"parallel.pipeline.schedule={cfg.schedule} needs torch>=2.12 (the two stages of a "
+            f"rank pass tensors to each other locally); torch {torch.__version__} sends them to "
+            f"the rank itself, which fails at the first step: use Interleaved1F1B or "
+            f"InterleavedZeroBubble, or a newer torch"
         )
     if cfg.microbatches < 1:
         raise ConfigError(f"parallel.pipeline.microbatches={cfg.microbatches} must be >= 1")
