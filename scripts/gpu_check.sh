@@ -152,11 +152,15 @@ echo "== machine"
     else
         echo "nvidia-smi: not found"
     fi
-    "$VPY" - <<'EOF'
+    "$VPY" - "$OUT/cuda_available" <<'EOF'
+import sys
+from pathlib import Path
+
 import torch
 import torch.distributed as dist
 
 print(f"torch {torch.__version__}, built for CUDA {torch.version.cuda}")
+Path(sys.argv[1]).write_text("1" if torch.cuda.is_available() else "0")
 if torch.cuda.is_available():
     for i in range(torch.cuda.device_count()):
         p = torch.cuda.get_device_properties(i)
@@ -176,11 +180,7 @@ timeout -k 20 "$PYTEST_TIMEOUT" "$VPY" -m pytest tests/cuda -m cuda -rs -p no:ca
     tee "$OUT/pytest.log"
 pytest_rc=${PIPESTATUS[0]}
 TESTS_S=$((SECONDS - tests_started))
-if "$VPY" -c 'import sys, torch; sys.exit(0 if torch.cuda.is_available() else 1)'; then
-    cuda=1
-else
-    cuda=0
-fi
+cuda=$(cat "$OUT/cuda_available" 2>/dev/null || echo 0)
 
 bench_rc=0
 BENCH_S=0

@@ -7,7 +7,9 @@ scattered version tests:
 
 - ``reusable_stager()``: whether one DCP ``DefaultStager`` can stage many saves;
 - ``local_stage_handoff()``: whether two pipeline stages of one rank pass tensors locally, which
-  the V schedules (ZBVZeroBubble, DualPipeV) need.
+  the V schedules (ZBVZeroBubble, DualPipeV) need;
+- ``pipeline_keeps_buffers()``: whether the pipeline's shape inference leaves buffers (BatchNorm's
+  running statistics) as they were.
 
 torch 2.11's ``FileSystemWriter.finish`` also leaves the metadata ``dcp.save`` returns without its
 storage map; the checkpoint manager's writer fills it in whatever the release, so no version is
@@ -26,6 +28,8 @@ TORCH_MIN = (2, 11)
 REUSABLE_STAGER_SINCE = (2, 13)
 # PipelineStage passes tensors between stages of the same rank without a send (torch 2.12).
 LOCAL_STAGE_HANDOFF_SINCE = (2, 12)
+# PipelineStage restores the buffers its shape-inference forward changed (torch 2.14).
+PIPELINE_KEEPS_BUFFERS_SINCE = (2, 14)
 
 
 def torch_release(version: str | None = None) -> tuple[int, int]:
@@ -63,3 +67,11 @@ def local_stage_handoff() -> bool:
     the rank itself, which gloo refuses ("Pair is not connected") at the first step of a V
     schedule, where each rank holds two adjacent stages (ZBVZeroBubble, DualPipeV)."""
     return torch_release() >= LOCAL_STAGE_HANDOFF_SINCE
+
+
+def pipeline_keeps_buffers() -> bool:
+    """Whether torch's pipeline stages restore the buffers that their shape inference changed
+    (torch >= 2.14). Before that, the real forward each stage runs to learn its shapes, in training
+    mode before the first micro-batch, updates BatchNorm's running statistics once more than a
+    single process does (seen on torch 2.11: the weights train the same, the evaluation differs)."""
+    return torch_release() >= PIPELINE_KEEPS_BUFFERS_SINCE

@@ -86,7 +86,7 @@ def _gpu_check(tmp_path: Path, python: Path, wheels: Path, *args: str, **env: st
     launch = run_command(
         ["bash", str(SCRIPT), *args],
         cwd=tmp_path,
-        timeout=240,
+        timeout=420,  # about 40 s on an idle machine; the CPU is shared
         env={
             **OFFLINE,
             "PYTHON": str(python),

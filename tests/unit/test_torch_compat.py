@@ -10,13 +10,17 @@ import re
 
 import pytest
 import torch
+from torch import nn
 from torch.distributed.checkpoint import FileSystemWriter
 from torch.distributed.checkpoint.staging import DefaultStager
 
 from sdnet_trainer import compat
 from sdnet_trainer.checkpoint.manager import CheckpointError, CheckpointManager
 from sdnet_trainer.config.schema import PipelineConfig
-from sdnet_trainer.distributed.pipeline import check_schedule
+from sdnet_trainer.distributed.pipeline import (
+    check_schedule,
+    warn_if_shape_inference_updates_buffers,
+)
 from sdnet_trainer.errors import ConfigError
 from tests.support import REPO
 
@@ -149,3 +153,17 @@ def test_v_schedules_are_refused_before_launch_on_torch_2_11(monkeypatch, schedu
         check_schedule(cfg, pp=2)
     # The other multi-stage schedules keep working there.
     check_schedule(PipelineConfig(schedule="Interleaved1F1B", stages_per_rank=2), pp=2)
+
+
+def test_pipelines_of_models_with_buffers_warn_before_torch_2_14(monkeypatch, caplog):
+    """torch 2.11 (tests/distributed/test_layouts.py's ResNet pipelines): the weights train as one
+    process's, BatchNorm's running statistics take one more update from the shape inference."""
+    with_buffers = [nn.Sequential(nn.Conv2d(3, 4, 3), nn.BatchNorm2d(4))]
+    plain = [nn.Linear(4, 4)]
+    assert not warn_if_shape_inference_updates_buffers(with_buffers)  # the installed torch
+    monkeypatch.setattr(torch, "__version__", "2.11.0")
+    assert not compat.pipeline_keeps_buffers()
+    assert not warn_if_shape_inference_updates_buffers(plain)
+    with caplog.at_level("WARNING", logger="sdnet_trainer.distributed.pipeline"):
+        assert warn_if_shape_inference_updates_buffers(with_buffers)
+    assert "torch 2.11.0: the pipeline stages infer their shapes" in caplog.text
