@@ -108,7 +108,8 @@ def test_on_torch_2_11_each_async_save_takes_a_stager_of_its_own(
 def test_reusing_the_stager_of_torch_2_11_fails_as_torch_2_11_does(tmp_path, closing_stager):
     """The simulation above is faithful: one stager for all saves (what the manager does on torch
     2.13 and later) breaks at the second save with 2.11's own error."""
-    assert compat.reusable_stager()  # the installed torch: the manager reuses its stager
+    if not compat.reusable_stager():
+        pytest.skip(f"torch {torch.__version__}: the manager already takes a stager per save")
     with pytest.raises(CheckpointError, match="KeyError: <class 'type'>"):
         _three_async_saves(tmp_path).close()
 
@@ -146,7 +147,8 @@ def test_a_save_commits_when_dcp_returns_metadata_without_storage_data(tmp_path,
 @pytest.mark.parametrize("schedule", ["ZBVZeroBubble", "DualPipeV"])
 def test_v_schedules_are_refused_before_launch_on_torch_2_11(monkeypatch, schedule):
     cfg = PipelineConfig(schedule=schedule, stages_per_rank=2, microbatches=4)
-    check_schedule(cfg, pp=2)  # the installed torch hands tensors between a rank's stages
+    if compat.local_stage_handoff():
+        check_schedule(cfg, pp=2)  # this torch hands tensors between a rank's stages
     monkeypatch.setattr(torch, "__version__", "2.11.0+cu130")
     assert not compat.local_stage_handoff()
     with pytest.raises(ConfigError, match=rf"schedule={schedule} needs torch>=2.12 .*2\.11\.0"):
@@ -160,7 +162,8 @@ def test_pipelines_of_models_with_buffers_warn_before_torch_2_14(monkeypatch, ca
     process's, BatchNorm's running statistics take one more update from the shape inference."""
     with_buffers = [nn.Sequential(nn.Conv2d(3, 4, 3), nn.BatchNorm2d(4))]
     plain = [nn.Linear(4, 4)]
-    assert not warn_if_shape_inference_updates_buffers(with_buffers)  # the installed torch
+    if compat.pipeline_keeps_buffers():
+        assert not warn_if_shape_inference_updates_buffers(with_buffers)  # this torch
     monkeypatch.setattr(torch, "__version__", "2.11.0")
     assert not compat.pipeline_keeps_buffers()
     assert not warn_if_shape_inference_updates_buffers(plain)
