@@ -42,6 +42,10 @@ Run (from the repository root, on a machine with one NVIDIA GPU)
     python scripts/bench_gpu.py                      # about 6 minutes on one H100
     python scripts/bench_gpu.py --sections resnet50 --rounds 5
     python scripts/bench_gpu.py --json /tmp/gpu.json # the figures as JSON too (gpu_check.sh)
+    python scripts/bench_gpu.py --quick              # gpu_check.sh's default: about 3 minutes
+
+--quick: ResNet-50 and gpt_1b only, one round of each ResNet-50 side (10 + 30 steps), 15 gpt_1b
+steps, at most 90 s per launch: the figures of a short check, noisier than the default's medians.
 
 Exit status: 0 after a complete measurement; 1 if a launch failed (the other sections still run);
 2 without a CUDA device (nothing is measured).
@@ -71,6 +75,7 @@ from sdnet_trainer.training.state import RunState, StepResult
 from sdnet_trainer.training.trainer import Trainer
 
 SECTIONS = ("resnet50", "gpt_1b", "loader")
+QUICK_SECTIONS = ("resnet50", "gpt_1b")
 SIDES = ("trainer", "hand")
 SPEC_ENV = "SDNET_GPU_BENCH"
 NO_CUDA_EXIT = 2
@@ -490,8 +495,14 @@ def parse_args() -> argparse.Namespace:
     )
     p.add_argument(
         "--sections",
-        default=",".join(SECTIONS),
-        help=f"comma-separated, from {', '.join(SECTIONS)} (default: all)",
+        default=None,
+        help=f"comma-separated, from {', '.join(SECTIONS)} (default: all; resnet50,gpt_1b "
+        "with --quick)",
+    )
+    p.add_argument(
+        "--quick",
+        action="store_true",
+        help="a short run: resnet50 and gpt_1b, one round, fewer steps, 90 s per launch",
     )
     p.add_argument("--rounds", type=int, default=3, help="ResNet-50 rounds per side (3)")
     p.add_argument("--batch", type=int, default=256, help="ResNet-50 images per step (256)")
@@ -512,6 +523,11 @@ def parse_args() -> argparse.Namespace:
     # a size that says nothing about speed: for the CPU test suite (tests/unit/test_cuda_lane.py).
     p.add_argument("--cpu-smoke", action="store_true", help=argparse.SUPPRESS)
     args = p.parse_args()
+    if args.sections is None:
+        args.sections = ",".join(QUICK_SECTIONS if args.quick else SECTIONS)
+    if args.quick:
+        args.rounds, args.warmup, args.steps = 1, 10, 30
+        args.gpt_steps, args.timeout = 15, 90.0
     sections = [s.strip() for s in args.sections.split(",") if s.strip()]
     unknown = [s for s in sections if s not in SECTIONS]
     if unknown or not sections:

@@ -1,78 +1,233 @@
 #!/usr/bin/env bash
-# The GPU check in one command, on a machine with one NVIDIA GPU: install the project with its
-# test extras into ./.venv (created if missing), show the machine (nvidia-smi, torch, CUDA,
-# cuDNN, NCCL), run the CUDA tests (pytest -m cuda, tests/cuda/), run scripts/bench_gpu.py, and
-# print one table: the tests' pass/fail counts and the benchmark figures.
-#   bash scripts/gpu_check.sh                     # about 15 minutes on one H100
-#   bash scripts/gpu_check.sh -k fit              # extra arguments go to pytest
-#   GPU_CHECK_BENCH=0 bash scripts/gpu_check.sh   # the tests only
-#   GPU_CHECK_OUT=/tmp/gpu bash scripts/gpu_check.sh   # keep the outputs there (default: a temp dir)
-#   GPU_CHECK_INSTALL=0 bash scripts/gpu_check.sh # use .venv as it is (no pip install)
-# Exit status: 1 if a CUDA test failed or errored (or pytest could not run), else 2 without a CUDA
-# device (the tests skip and nothing is measured), else 3 if the benchmark failed, else 0.
+# The GPU check in one command, on a node with one NVIDIA GPU, its own torch and no network
+# (docs/gpu_check.md). It uses the node's Python as it is: a throwaway venv on top of it
+# (--system-site-packages: the node's torch, torchvision, pytest, ...), the packages the node lacks
+# installed there from a wheel folder made beforehand by scripts/gpu_wheels.sh (pip never reads an
+# index), and the project installed in place without dependencies. Then it shows the machine
+# (nvidia-smi, torch, CUDA, cuDNN, NCCL), runs the CUDA tests (tests/cuda only, -m cuda), runs a
+# short scripts/bench_gpu.py, and prints one table, last: the tests' counts, the benchmark figures
+# and the time each part took.
+#   bash scripts/gpu_wheels.sh gpu_wheels          # beforehand, where the package index is reached
+#   bash scripts/gpu_check.sh                      # on the node: at most about 8 minutes on one H100
+#   bash scripts/gpu_check.sh -k fit               # extra arguments go to pytest
+#   GPU_CHECK_FULL=1 bash scripts/gpu_check.sh     # the long version: every CUDA test, 3 rounds
+#                                                  # of the benchmark and its loader section
+# The default profile leaves out three slow CUDA tests that others cover (the compiled and
+# profiled gpt_tiny fit, ZeRO-1 on the one-rank NCCL group, FSDP2 over gloo on two ranks) and runs
+# bench_gpu.py --quick; a -k of your own replaces that selection.
+# Environment:
+#   PYTHON                    the node's Python, with its torch (default python3)
+#   GPU_CHECK_WHEELS=DIR      the wheel folder (default ./gpu_wheels)
+#   GPU_CHECK_OUT=DIR         the table (summary.txt), logs, JUnit report, benchmark results
+#                             (default: a new temporary folder)
+#   GPU_CHECK_VENV=DIR        keep the venv there and reuse it on the next run (default: a
+#                             temporary one, removed at the end)
+#   GPU_CHECK_BENCH=0         the tests only
+#   GPU_CHECK_TEST_TIMEOUT=S  seconds per CUDA test (default 300)
+#   GPU_CHECK_PYTEST_TIMEOUT=S  seconds for the whole pytest step (default 330; 2400 with FULL)
+# Exit status: 1 if the setup failed, a CUDA test failed or errored, or pytest could not run,
+# collect or finish in time; else 2 without a CUDA device (the setup and the collection done, the
+# tests skipped, nothing measured); else 3 if the benchmark failed; else 0.
 set -uo pipefail
-cd "$(dirname "$0")/.."
+cd "$(dirname "$0")/.." || exit 1
+REPO=$(pwd)
 PYTHON=${PYTHON:-python3}
-OUT=${GPU_CHECK_OUT:-$(mktemp -d "${TMPDIR:-/tmp}/gpu_check.XXXXXX")}
-mkdir -p "$OUT"
-
-if [ ! -x .venv/bin/python ]; then
-    "$PYTHON" -m venv .venv || exit 1
-fi
-# GPU machines are often offline: with the project and the test tools already in .venv, a failed
-# install is a warning, not the end of the check.
-if [ "${GPU_CHECK_INSTALL:-1}" != "0" ] && ! .venv/bin/python -m pip install --quiet -e '.[test]'; then
-    echo "gpu_check: installing '.[test]' failed (offline?); trying the .venv as it is" >&2
-fi
-if ! .venv/bin/python -c 'import sdnet_trainer, pytest, pytest_timeout' 2>/dev/null; then
-    echo "gpu_check: .venv lacks the project or its test tools: pip install -e '.[test]'" >&2
-    exit 1
-fi
-
-echo "== machine"
-if command -v nvidia-smi >/dev/null 2>&1; then
-    nvidia-smi
+WHEELS=${GPU_CHECK_WHEELS:-$REPO/gpu_wheels}
+FULL=${GPU_CHECK_FULL:-0}
+TEST_TIMEOUT=${GPU_CHECK_TEST_TIMEOUT:-300}
+if [ "$FULL" = "1" ]; then
+    PYTEST_TIMEOUT=${GPU_CHECK_PYTEST_TIMEOUT:-2400}
+    SELECT=()
+    BENCH_ARGS=()
+    BENCH_TIMEOUT=2400
 else
-    echo "nvidia-smi: not found"
+    PYTEST_TIMEOUT=${GPU_CHECK_PYTEST_TIMEOUT:-330}
+    SELECT=(-k "not (compiled_and_profiled and gpt_tiny) and not (nccl_process_group and zero1) and not fsdp_over_gloo")
+    BENCH_ARGS=(--quick)
+    BENCH_TIMEOUT=200
 fi
-.venv/bin/python - <<'EOF'
+OUT=${GPU_CHECK_OUT:-$(mktemp -d "${TMPDIR:-/tmp}/gpu_check.XXXXXX")}
+mkdir -p "$OUT" && OUT=$(cd "$OUT" && pwd) || exit 1
+SETUP_LOG=$OUT/setup.log
+: >"$SETUP_LOG"
+STARTED=$SECONDS
+
+# Never the network: pip reads no index and no configuration that could name one.
+export PIP_NO_INDEX=1 PIP_CONFIG_FILE=/dev/null PIP_DISABLE_PIP_VERSION_CHECK=1 PIP_NO_INPUT=1
+
+fail() {
+    echo "gpu_check: $*" >&2
+    echo "gpu_check: setup log: $SETUP_LOG" >&2
+    exit 1
+}
+
+echo "== setup (log: $SETUP_LOG)"
+# The torch this project supports, as pyproject.toml declares it, against the node's.
+need=$(sed -n 's/^ *"torch>=\([0-9.]*\)".*/\1/p' pyproject.toml | head -n 1)
+"$PYTHON" - "$need" <<'EOF' || exit 1
+import re
+import sys
+
+need = sys.argv[1]
+try:
+    import torch
+except Exception as exc:
+    sys.exit(f"gpu_check: {sys.executable} cannot import torch ({exc}): set PYTHON to the node's "
+             "Python with torch")
+have = tuple(int(v) for v in re.match(r"(\d+)\.(\d+)", torch.__version__).groups())
+if have < tuple(int(v) for v in need.split(".")[:2]):
+    sys.exit(f"gpu_check: this project needs torch>={need} (pyproject.toml); {sys.executable} "
+             f"has torch {torch.__version__}")
+print(f"{sys.executable}: Python {sys.version.split()[0]}, torch {torch.__version__}")
+EOF
+
+VENV=${GPU_CHECK_VENV:-}
+if [ -z "$VENV" ]; then
+    VENV=$(mktemp -d "${TMPDIR:-/tmp}/gpu_check_venv.XXXXXX") || exit 1
+    trap 'rm -rf "$VENV"' EXIT
+fi
+VPY=$VENV/bin/python
+if [ ! -x "$VPY" ]; then
+    "$PYTHON" -m venv --system-site-packages --without-pip "$VENV" >>"$SETUP_LOG" 2>&1 ||
+        fail "'$PYTHON -m venv --system-site-packages' failed"
+    # --system-site-packages shows the base interpreter's packages; where PYTHON is itself a venv
+    # or a conda environment, its own site folders (and the user's) are added as well.
+    purelib=$("$VPY" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])') || exit 1
+    "$PYTHON" - >"$purelib/_gpu_check_base.pth" <<'EOF' || exit 1
+import site
+
+folders = list(site.getsitepackages())
+if site.ENABLE_USER_SITE:
+    folders.append(site.getusersitepackages())
+print("import site; " + "; ".join(f"site.addsitedir({folder!r})" for folder in folders))
+EOF
+fi
+if ! "$VPY" -m pip --version >>"$SETUP_LOG" 2>&1; then
+    "$VPY" -m ensurepip --default-pip >>"$SETUP_LOG" 2>&1 || fail "no pip for $VPY"
+fi
+pip_install() {
+    "$VPY" -m pip install --no-index --find-links "$WHEELS" "$@" >>"$SETUP_LOG" 2>&1
+}
+
+# What the node lacks (Hydra, OmegaConf, the ANTLR runtime), from the wheel folder; pip leaves
+# what the node already has as it is.
+if ! pip_install -r scripts/gpu_lane_requirements.txt; then
+    tail -n 5 "$SETUP_LOG" >&2
+    fail "cannot install scripts/gpu_lane_requirements.txt from the wheel folder $WHEELS: make it" \
+        "with 'bash scripts/gpu_wheels.sh DIR' on a machine that reaches the package index, bring" \
+        "it along and set GPU_CHECK_WHEELS=DIR"
+fi
+grep -h "^Successfully installed" "$SETUP_LOG" | sed 's/^/installed from the wheel folder: /'
+# The project in place (edits made on the node take effect at once), without dependencies; it
+# needs setuptools >= 70.1, from the wheel folder where the node's is missing or older.
+if ! "$VPY" -c 'import setuptools, sys; sys.exit(tuple(map(int, setuptools.__version__.split(".")[:2])) < (70, 1))' 2>/dev/null; then
+    pip_install "setuptools>=70.1" || fail "setuptools>=70.1 is neither on the node nor in $WHEELS"
+fi
+"$VPY" -m pip install --no-index --no-deps --no-build-isolation -e . >>"$SETUP_LOG" 2>&1 ||
+    fail "installing the project (pip install --no-deps --no-build-isolation -e .) failed"
+"$VPY" - "$REPO" <<'EOF' || fail "the venv lacks what the CUDA tests need"
+import sys
+from pathlib import Path
+
+missing = []
+for module in ("pytest", "pytest_timeout", "hydra", "omegaconf", "sdnet_trainer"):
+    try:
+        __import__(module)
+    except ImportError as exc:
+        missing.append(f"{module} ({exc})")
+if missing:
+    sys.exit(f"gpu_check: cannot import {', '.join(missing)}")
+import sdnet_trainer
+
+if not Path(sdnet_trainer.__file__).resolve().is_relative_to(Path(sys.argv[1]).resolve()):
+    sys.exit(f"gpu_check: sdnet_trainer comes from {sdnet_trainer.__file__}, not {sys.argv[1]}")
+EOF
+SETUP_S=$((SECONDS - STARTED))
+
+echo
+echo "== machine"
+{
+    if command -v nvidia-smi >/dev/null 2>&1; then
+        nvidia-smi
+    else
+        echo "nvidia-smi: not found"
+    fi
+    "$VPY" - "$OUT/cuda_available" <<'EOF'
+import sys
+from pathlib import Path
+
 import torch
 import torch.distributed as dist
 
 print(f"torch {torch.__version__}, built for CUDA {torch.version.cuda}")
+Path(sys.argv[1]).write_text("1" if torch.cuda.is_available() else "0")
 if torch.cuda.is_available():
     for i in range(torch.cuda.device_count()):
         p = torch.cuda.get_device_properties(i)
         print(f"  cuda:{i} {p.name}, {p.total_memory / 2**30:.0f} GiB, compute {p.major}.{p.minor}")
-    print(f"cuDNN {torch.backends.cudnn.version()}, NCCL "
-          f"{'.'.join(map(str, torch.cuda.nccl.version())) if dist.is_nccl_available() else 'none'}")
+    nccl = ".".join(map(str, torch.cuda.nccl.version())) if dist.is_nccl_available() else "none"
+    print(f"cuDNN {torch.backends.cudnn.version()}, NCCL {nccl}")
 else:
     print("torch.cuda.is_available() is False: the CUDA tests will skip")
 EOF
+} 2>&1 | tee "$OUT/machine.txt"
 
 echo
-echo "== pytest -m cuda -rs"
-.venv/bin/python -m pytest -m cuda -rs --junitxml="$OUT/cuda_tests.xml" "$@" 2>&1 | tee "$OUT/pytest.log"
+echo "== pytest tests/cuda -m cuda (${TEST_TIMEOUT} s per test, ${PYTEST_TIMEOUT} s in all)"
+tests_started=$SECONDS
+timeout -k 20 "$PYTEST_TIMEOUT" "$VPY" -m pytest tests/cuda -m cuda -rs -p no:cacheprovider \
+    --timeout="$TEST_TIMEOUT" --junitxml="$OUT/cuda_tests.xml" ${SELECT[@]+"${SELECT[@]}"} "$@" 2>&1 |
+    tee "$OUT/pytest.log"
 pytest_rc=${PIPESTATUS[0]}
+TESTS_S=$((SECONDS - tests_started))
+cuda=$(cat "$OUT/cuda_available" 2>/dev/null || echo 0)
 
 bench_rc=0
+BENCH_S=0
 if [ "${GPU_CHECK_BENCH:-1}" != "0" ]; then
     echo
-    echo "== scripts/bench_gpu.py"
-    .venv/bin/python scripts/bench_gpu.py --json "$OUT/bench.json" --out "$OUT/bench" 2>&1 \
-        | tee "$OUT/bench.log"
+    echo "== scripts/bench_gpu.py ${BENCH_ARGS[*]:-(full)}"
+    bench_started=$SECONDS
+    timeout -k 20 "$BENCH_TIMEOUT" "$VPY" scripts/bench_gpu.py ${BENCH_ARGS[@]+"${BENCH_ARGS[@]}"} \
+        --json "$OUT/bench.json" --out "$OUT/bench" 2>&1 | tee "$OUT/bench.log"
     bench_rc=${PIPESTATUS[0]}
+    BENCH_S=$((SECONDS - bench_started))
+fi
+
+# The verdict, then the table (printed last, and kept as summary.txt).
+if [ "$pytest_rc" -ne 0 ]; then
+    status=1
+    if [ "$pytest_rc" -eq 124 ] || [ "$pytest_rc" -eq 137 ]; then
+        verdict="FAILED: pytest did not finish within ${PYTEST_TIMEOUT} s"
+    elif [ "$pytest_rc" -eq 5 ]; then
+        verdict="FAILED: pytest collected no CUDA test"
+    else
+        verdict="FAILED: pytest exit code $pytest_rc"
+    fi
+elif [ "$cuda" -eq 0 ]; then
+    status=2
+    verdict="no CUDA device: the setup and the collection ran, the CUDA tests skipped, nothing was measured"
+elif [ "$bench_rc" -ne 0 ]; then
+    status=3
+    verdict="the CUDA tests passed; the benchmark FAILED (exit code $bench_rc, see bench.log)"
+else
+    status=0
+    verdict="passed"
 fi
 
 echo
-.venv/bin/python - "$OUT" "$pytest_rc" "$bench_rc" <<'EOF'
+"$VPY" - "$OUT" "$pytest_rc" "$bench_rc" "$status" "$verdict" "$SETUP_S" "$TESTS_S" \
+    "$BENCH_S" "$((SECONDS - STARTED))" <<'EOF' | tee "$OUT/summary.txt"
 import json
 import sys
 import xml.etree.ElementTree as ET
 from pathlib import Path
 
-out, pytest_rc, bench_rc = Path(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3])
-rows = []
+import torch
+
+out, pytest_rc, bench_rc, status, verdict = Path(sys.argv[1]), *map(int, sys.argv[2:5]), sys.argv[5]
+setup_s, tests_s, bench_s, total_s = map(int, sys.argv[6:10])
+rows = [("torch", f"{torch.__version__} (CUDA {torch.version.cuda})")]
 report = out / "cuda_tests.xml"
 if report.exists():
     root = ET.parse(report).getroot()
@@ -97,9 +252,9 @@ if bench.exists():
     if resnet:
         for side in ("trainer", "hand"):
             cell = resnet[side]
-            rows.append((f"resnet50 bf16 images/s, {side}",
+            rows.append((f"resnet50 bf16 channels_last images/s, {side}",
                          cell["failed"] or num(cell["images_per_s"])))
-        rows.append(("resnet50 trainer / hand", num(resnet["ratio"], "{:.3f}")))
+        rows.append(("resnet50 trainer / hand (paired)", num(resnet["ratio"], "{:.3f}")))
         rows.append(("resnet50 A100 AMP, NVIDIA (context)", "2,470"))
     gpt = figures.get("gpt_1b")
     if gpt:
@@ -112,26 +267,18 @@ if bench.exists():
                      num(loader.get("cores_for_trainer_rate"), "{:.1f}")))
 elif bench_rc == 2:
     rows.append(("benchmarks", "not run: no CUDA device"))
+elif bench_rc in (124, 137):
+    rows.append(("benchmarks", "did not finish in time; see bench.log"))
 elif bench_rc:
-    rows.append(("benchmarks", f"failed (exit code {bench_rc}); see {out / 'bench.log'}"))
+    rows.append(("benchmarks", f"failed (exit code {bench_rc}); see bench.log"))
 else:
     rows.append(("benchmarks", "skipped (GPU_CHECK_BENCH=0)"))
+rows.append(("seconds: setup, tests, benchmark, all", f"{setup_s}, {tests_s}, {bench_s}, {total_s}"))
+rows.append(("result", f"{verdict} (exit code {status})"))
 
 width = max(len(name) for name, _ in rows)
 print(f"== gpu_check summary (outputs in {out})")
 for name, value in rows:
     print(f"{name:<{width}}  {value}")
 EOF
-
-# pytest's 5 (nothing collected) means the CUDA tests are missing: a failure here as well.
-if [ "$pytest_rc" -ne 0 ]; then
-    exit 1
-fi
-if ! .venv/bin/python -c 'import sys, torch; sys.exit(0 if torch.cuda.is_available() else 1)'; then
-    echo "gpu_check: no CUDA device: the CUDA tests skipped and nothing was measured" >&2
-    exit 2
-fi
-if [ "$bench_rc" -ne 0 ]; then
-    exit 3
-fi
-exit 0
+exit "$status"

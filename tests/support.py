@@ -508,6 +508,13 @@ class ProbeTrainer(Trainer):
         self.write_probe()
         return metrics
 
+    def compute_loss(self, batch):
+        # Where the training batches were when the model saw them (inputs and targets).
+        if not hasattr(self, "batch_devices"):
+            self.batch_devices: set[str] = set()
+        self.batch_devices.update(str(t.device) for t in batch if isinstance(t, torch.Tensor))
+        return super().compute_loss(batch)
+
     def write_probe(self) -> None:
         import torch.distributed as dist
         from torch.distributed.fsdp import FSDPModule
@@ -537,6 +544,7 @@ class ProbeTrainer(Trainer):
             "skipped_steps": self.state.skipped_steps,
             "nonfinite_steps": self.state.nonfinite_steps,
             "steps": self.state.step,
+            "batch_devices": sorted(getattr(self, "batch_devices", ())),
         }
         path = self.output_dir / PROBE_FILE.format(rank=self.env.rank)
         path.write_text(json.dumps(probe, indent=1))
@@ -544,6 +552,32 @@ class ProbeTrainer(Trainer):
 
 def read_probe(run_dir: Path, rank: int = 0) -> dict:
     return json.loads((run_dir / PROBE_FILE.format(rank=rank)).read_text())
+
+
+# ---------------------------------------------------------------------- CUDA tests: device check
+
+
+def assert_on_cuda(*things: object) -> None:
+    """Every CUDA test calls this (or asserts ``<x>.type == "cuda"`` itself) on what it trained
+    or computed, so a run that fell back to the CPU fails instead of passing: the lint in
+    tests/unit/test_cuda_test_lint.py checks that each test in tests/cuda/ does. Accepts tensors,
+    modules (every parameter and buffer; at least one), devices, device strings (``"cuda:0"``,
+    as a probe records them) and lists or sets of these (at least one item)."""
+    for thing in things:
+        if isinstance(thing, (list, tuple, set, frozenset)):
+            assert thing, "nothing to check: an empty collection of devices"
+            assert_on_cuda(*thing)
+        elif isinstance(thing, nn.Module):
+            tensors = [*thing.parameters(), *thing.buffers()]
+            assert tensors, f"{type(thing).__name__} has no parameters or buffers"
+            off = sorted({str(t.device) for t in tensors if t.device.type != "cuda"})
+            assert not off, f"{type(thing).__name__} has tensors on {off}, not on CUDA"
+        elif isinstance(thing, torch.Tensor):
+            assert thing.device.type == "cuda", f"a tensor on {thing.device}, not on CUDA"
+        elif isinstance(thing, (torch.device, str)):
+            assert torch.device(thing).type == "cuda", f"{thing!r} is not a CUDA device"
+        else:
+            raise TypeError(f"assert_on_cuda cannot read a device from {type(thing).__name__}")
 
 
 # ---------------------------------------------------------------------- real data, shards, HTTP
@@ -627,3 +661,68 @@ def http_server(directory: Path) -> Iterator[str]:
         thread.join(timeout=10)
         loop.run_until_complete(runner.cleanup())
         loop.close()
+
+
+# ---------------------------------------------------------------------- a GPU image's Python
+# scripts/gpu_check.sh runs on GPU nodes whose Python comes with torch and most of what the
+# project uses, but not Hydra: tests/unit/test_gpu_check_offline.py simulates such a Python here.
+
+# Top-level names (packages, modules, distributions, normalized) that a GPU image's Python lacks.
+GPU_IMAGE_LACKS = frozenset(
+    {
+        "hydra",
+        "hydra_core",
+        "hydra_plugins",
+        "hydra_submitit_launcher",
+        "hydra_optuna_sweeper",
+        "omegaconf",
+        "antlr4",
+        "antlr4_python3_runtime",
+        "fastapi",
+        "uvicorn",
+        "python_multipart",
+        "multipart",
+        "mlflow",
+        "mlflow_skinny",
+        "ruff",
+        "mypy",
+        "mypyc",
+        "sdnet_trainer",
+    }
+)
+
+
+def _site_entry_name(name: str) -> str:
+    """``hydra_core-1.3.8.dist-info`` -> ``hydra_core``; ``omegaconf`` -> ``omegaconf``."""
+    for suffix in (".dist-info", ".egg-info", ".egg-link", ".pth", ".py"):
+        name = name.removesuffix(suffix)
+    return name.split("-")[0].lower().replace(".", "_")
+
+
+def gpu_image_python(root: Path, *, lacking: frozenset[str] = GPU_IMAGE_LACKS) -> Path:
+    """A Python, ``root/venv/bin/python``, that sees the packages of the site-packages folder this
+    process's torch comes from, except ``lacking`` and every editable install: a symlink for each
+    kept entry in ``root/site``, added by a ``.pth`` as a site folder (its ``.pth`` files run).
+    pip comes from there too. Returns the interpreter's path."""
+    source = Path(torch.__file__).resolve().parents[1]
+    site = root / "site"
+    site.mkdir(parents=True)
+    for entry in source.iterdir():
+        name = _site_entry_name(entry.name)
+        if name in lacking or entry.name.startswith("__editable__") or name == "__pycache__":
+            continue
+        (site / entry.name).symlink_to(entry)
+    venv = root / "venv"
+    subprocess.run(
+        [sys.executable, "-m", "venv", "--without-pip", str(venv)], check=True, timeout=120
+    )
+    python = venv / "bin" / "python"
+    own_site = subprocess.run(
+        [str(python), "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
+        check=True,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    ).stdout.strip()
+    (Path(own_site) / "_gpu_image.pth").write_text(f"import site; site.addsitedir({str(site)!r})\n")
+    return python

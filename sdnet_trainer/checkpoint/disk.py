@@ -96,6 +96,11 @@ class StagingWriter(FileSystemWriter):
     def finish(self, metadata: Metadata, results: list[list[WriteResult]]) -> None:
         with _disk_full_surfaced(self.path):
             super().finish(metadata, results)
+        # torch 2.11's FileSystemWriter.finish records where each item's bytes are on a copy of the
+        # metadata (the one it writes), so the metadata dcp.save returns, which the commit reads,
+        # has none; later torch records it on the metadata itself. The same map, either way.
+        if metadata.storage_data is None:
+            metadata.storage_data = {wr.index: wr.storage_data for wrs in results for wr in wrs}
         checksums = {
             result.storage_data.relative_path: (result.file_bytes, result.file_crc32)
             for rank_results in results

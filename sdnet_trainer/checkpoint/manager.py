@@ -84,6 +84,7 @@ from sdnet_trainer.checkpoint.untrusted import (
     find_checkpoint,
     read_checkpoint,
 )
+from sdnet_trainer.compat import reusable_stager
 from sdnet_trainer.errors import ConfigError
 
 logger = logging.getLogger(__name__)
@@ -256,7 +257,13 @@ class CheckpointManager:
         afresh for each save, gets a new buffer; the old one is dropped with its source). Staging
         is synchronous: save() returns with the copy complete, so the loop may change its tensors
         at once. On CUDA the buffers are pinned and the device-to-host copies are issued without
-        blocking, then waited for together."""
+        blocking, then waited for together.
+
+        Where torch's stager cannot be reused (``compat.reusable_stager``: torch < 2.13), each
+        save gets a new one: the same copy, into host buffers allocated (and pinned) afresh."""
+        if self._stager is not None and not reusable_stager():
+            self._stager.close()  # staged and written: wait() above joined its save
+            self._stager = None
         if self._stager is None:
             cuda = any(t.is_cuda for t in disk.local_tensors(state_dict))
             self._stager = DefaultStager(

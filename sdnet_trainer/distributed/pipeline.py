@@ -25,6 +25,7 @@ from torch import nn
 from torch.distributed.pipelining import PipelineStage
 from torch.distributed.pipelining.schedules import PipelineScheduleSingle, get_schedule_class
 
+from sdnet_trainer.compat import local_stage_handoff, pipeline_keeps_buffers
 from sdnet_trainer.config.schema import Config, PipelineConfig
 from sdnet_trainer.distributed.batching import batch_layout
 from sdnet_trainer.distributed.mesh import parallel_dims
@@ -74,6 +75,13 @@ def check_schedule(cfg: PipelineConfig, pp: int) -> None:
         raise ConfigError(
             f"parallel.pipeline.schedule={cfg.schedule} places exactly 2 stages per rank; "
             f"set parallel.pipeline.stages_per_rank=2 (not {per_rank})"
+        )
+    if cfg.schedule in V_SCHEDULES and not local_stage_handoff():
+        raise ConfigError(
+            f"parallel.pipeline.schedule={cfg.schedule} needs torch>=2.12 (the two stages of a "
+            f"rank pass tensors to each other locally); torch {torch.__version__} sends them to "
+            f"the rank itself, which fails at the first step: use Interleaved1F1B or "
+            f"InterleavedZeroBubble, or a newer torch"
         )
     if cfg.microbatches < 1:
         raise ConfigError(f"parallel.pipeline.microbatches={cfg.microbatches} must be >= 1")
@@ -285,6 +293,7 @@ def build_pipeline(
     device: torch.device,
     loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
 ) -> Pipeline:
+    warn_if_shape_inference_updates_buffers(modules)
     stages = [
         PipelineStage(module, stage, num_stages, device, group=group)
         for module, stage in zip(modules, ids)
@@ -295,6 +304,22 @@ def build_pipeline(
     else:
         schedule = cls(stages, n_microbatches=cfg.microbatches, loss_fn=loss_fn)
     return Pipeline(schedule, stages, modules, ids, num_stages, cfg, group)
+
+
+def warn_if_shape_inference_updates_buffers(modules: list[nn.Module]) -> bool:
+    """Warn (and return True) where this torch's pipeline stages will update the stages' buffers
+    once more than a single process would (``compat.pipeline_keeps_buffers``): BatchNorm's running
+    statistics, hence evaluation, then differ slightly from one process's; the weights do not."""
+    if pipeline_keeps_buffers() or not any(True for m in modules for _ in m.buffers()):
+        return False
+    logger.warning(
+        "torch %s: the pipeline stages infer their shapes with one training-mode forward before "
+        "the first micro-batch, which updates buffers such as BatchNorm's running statistics "
+        "once more than a single process does (torch 2.14 restores them); evaluation may differ "
+        "slightly from a single process",
+        torch.__version__,
+    )
+    return True
 
 
 # Activations cross stages with a small header first (rank, dtype, shape), so evaluation needs no

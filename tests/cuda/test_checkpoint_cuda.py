@@ -1,6 +1,7 @@
 """Checkpoints of a model on one GPU.
 
-- Async saves stage the CUDA state into pinned host memory, the same buffers at every save.
+- Async saves stage the CUDA state into pinned host memory, the same buffers at every save where
+  torch's stager can be reused (torch >= 2.13, ``compat.reusable_stager``), fresh ones otherwise.
 - Checkpoint exactness with dropout, sync and async: a run resumed from a checkpoint continues
   bitwise as the uninterrupted run, dropout masks included (the CUDA random stream is part of
   the checkpoint), while async writes overlap the training steps that follow them.
@@ -23,9 +24,11 @@ from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_op
 from sdnet_trainer.checkpoint.checkpointer import Checkpointer, ModelState, OptimizerState, Part
 from sdnet_trainer.checkpoint.disk import StagingWriter
 from sdnet_trainer.checkpoint.manager import CheckpointManager
+from sdnet_trainer.compat import reusable_stager
 from sdnet_trainer.config.schema import CheckpointConfig
 from sdnet_trainer.training.rng import RngState
 from sdnet_trainer.training.state import RunState
+from tests.support import assert_on_cuda
 
 pytestmark = [
     pytest.mark.cuda,
@@ -76,16 +79,20 @@ def _snapshot(model: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, t
 
 def test_async_staging_is_pinned_and_reused(tmp_path, monkeypatch):
     staged: list[dict] = []
+    stagers: list[DefaultStager] = []
     stage = DefaultStager.stage
 
     def spy_stage(self, state_dict, **kwargs):
         result = stage(self, state_dict, **kwargs)
         staged.append(result)
+        stagers.append(self)
         return result
 
     monkeypatch.setattr(DefaultStager, "stage", spy_stage)
     model, optimizer = _model_and_optimizer(0)
     _train_step(model, optimizer, 0)
+    moments = optimizer.state[next(model.parameters())]
+    assert_on_cuda(model, moments["exp_avg"], moments["exp_avg_sq"])
     ckpts = CheckpointManager(tmp_path, keep_last=2, async_save=True, rank=0, world_size=1)
     expected = {}
     for step in (1, 2):
@@ -102,14 +109,18 @@ def test_async_staging_is_pinned_and_reused(tmp_path, monkeypatch):
     assert len(staged) == 2
     first, second = _tensors(staged[0]), _tensors(staged[1])
     assert first.keys() == second.keys() == expected[1].keys()
+    reused = reusable_stager()
+    # One stager for the run where torch allows; otherwise a stager (and host buffers) per save.
+    assert (stagers[0] is stagers[1]) is reused
     pinned = 0
     for key, tensor in first.items():
         assert tensor.device.type == "cpu", key
         # torch's stager pins every buffer but the tiniest (AdamW's 4-byte step counters).
         if tensor.untyped_storage().nbytes() >= 5:
-            assert tensor.is_pinned(), key
+            assert tensor.is_pinned() and second[key].is_pinned(), key
             pinned += 1
-        assert second[key].untyped_storage().data_ptr() == tensor.untyped_storage().data_ptr()
+        if reused:
+            assert second[key].untyped_storage().data_ptr() == tensor.untyped_storage().data_ptr()
     assert pinned >= 8  # 4 weights and biases, and their exp_avg and exp_avg_sq
     for step in (1, 2):
         checkpoint = next(c for c in ckpts.checkpoints() if c.step == step)
@@ -199,6 +210,7 @@ def test_resume_with_dropout_is_bitwise_exact(tmp_path, monkeypatch, async_save)
     for step in range(state.step, 9):
         _train_step(model, optimizer, step)
     second.close()
+    assert_on_cuda(model)
     got = _snapshot(model, optimizer)
     assert got.keys() == reference.keys()
     for key, value in reference.items():

@@ -6,7 +6,8 @@
 - DDP, FSDP2 and ZeRO-1 under torchrun on a one-rank NCCL process group.
 
 Each run records what it was built as (``tests.support.ProbeTrainer``), so a run that silently
-fell back to the CPU, to gloo or to eager mode fails here instead of passing.
+fell back to the CPU, to gloo or to eager mode fails here instead of passing: the model's device
+and the devices of the batches it trained on are asserted to be CUDA.
 """
 
 from __future__ import annotations
@@ -17,9 +18,17 @@ import pickle
 import pytest
 import torch
 
-from sdnet_trainer import Trainer, compose
+from sdnet_trainer import compose
 from sdnet_trainer.distributed import distributed_session
-from tests.support import CUDA, TINY_RUN, read_jsonl, read_probe, run_cli
+from tests.support import (
+    CUDA,
+    TINY_RUN,
+    ProbeTrainer,
+    assert_on_cuda,
+    read_jsonl,
+    read_probe,
+    run_cli,
+)
 
 pytestmark = pytest.mark.cuda
 
@@ -36,7 +45,8 @@ LOG_KEYS = {
     "perf/tflops_per_s",
 }
 # ResNet-18 (ImageNet stem) on 64x64 synthetic images; gpt_tiny on the synthetic token language.
-# 30 steps: the first compile of each block takes most of the minute.
+# 30 steps: the first compile of each block takes most of the minute. scripts/gpu_check.sh runs
+# the gpt_tiny case only in its full profile (GPU_CHECK_FULL=1).
 MODELS = {
     "resnet18": [
         "model=resnet18",
@@ -54,7 +64,7 @@ def _losses(rows: list[dict]) -> list[float]:
     return [row["train/loss"] for row in rows if "train/loss" in row]
 
 
-@pytest.mark.timeout(900)
+@pytest.mark.timeout(300)
 @pytest.mark.parametrize("model", sorted(MODELS))
 def test_one_gpu_fit_bf16_compiled_and_profiled(tmp_path, model):
     run_dir = tmp_path / "run"
@@ -75,12 +85,13 @@ def test_one_gpu_fit_bf16_compiled_and_profiled(tmp_path, model):
             f"hydra.run.dir={run_dir}",
         ],
         cwd=tmp_path,
-        timeout=800,
+        timeout=270,
     )
     assert launch.returncode == 0, launch.output
 
     probe = read_probe(run_dir)
     assert probe["device"] == "cuda:0" and probe["steps"] == 30, probe
+    assert_on_cuda(probe["device"], probe["batch_devices"])
     assert probe["param_dtypes"] == ["torch.float32"], probe  # autocast: fp32 master weights
     assert probe["compiled_modules"] > 0 and probe["dynamo_graphs"] > 0, probe
     if model == "resnet18":
@@ -111,9 +122,10 @@ def test_one_gpu_fit_bf16_compiled_and_profiled(tmp_path, model):
     assert "by self CUDA time" in log and "world size 1 on cuda:0" in log
 
 
-class OverflowTrainer(Trainer):
+class OverflowTrainer(ProbeTrainer):
     """Sets every gradient of one parameter to inf in step ``OVERFLOW_STEP`` (a finite loss, as
-    an fp16 overflow in backward gives) and keeps a copy of the parameters after every step."""
+    an fp16 overflow in backward gives) and keeps a copy of the parameters after every step
+    (ProbeTrainer: also the devices of the batches)."""
 
     OVERFLOW_STEP = 3
 
@@ -157,6 +169,7 @@ def test_fp16_overflow_step_is_skipped_by_the_grad_scaler_and_counted(tmp_path):
 
     state, k = trainer.state, OverflowTrainer.OVERFLOW_STEP
     assert state.step == 6
+    assert_on_cuda(trainer.model, trainer.batch_devices)
     assert state.skipped_steps == 1, "the GradScaler's skip was not counted"
     assert state.nonfinite_steps == 0, "an fp16 overflow is routine, not a health event"
     assert all(math.isfinite(v) for v in trainer.losses), trainer.losses
@@ -173,11 +186,15 @@ def test_fp16_overflow_step_is_skipped_by_the_grad_scaler_and_counted(tmp_path):
     assert rows[0]["train/loss_scale"] == init_scale  # step 1, before the overflow
 
 
-@pytest.mark.timeout(600)
+@pytest.mark.timeout(240)
 @pytest.mark.parametrize("strategy", ["ddp", "fsdp", "zero1"])
 def test_one_rank_nccl_process_group(tmp_path, strategy):
     """torchrun with one process: the NCCL group carries the step's agreement, the metrics'
-    gathers and the checkpoint's collectives; ZeRO-1 shards its optimizer over the group."""
+    gathers and the checkpoint's collectives; FSDP2 shards the model over the one-rank mesh (its
+    parameters DTensors); ZeRO-1 shards its optimizer over the group. DDP at world size 1 wraps
+    nothing (parallelize wraps DDP only over more than one data-parallel rank): that case checks
+    the group, the device and the checkpoints, not a wrapper. scripts/gpu_check.sh runs zero1
+    only in its full profile (GPU_CHECK_FULL=1)."""
     run_dir = tmp_path / "run"
     launch = run_cli(
         [
@@ -193,12 +210,16 @@ def test_one_rank_nccl_process_group(tmp_path, strategy):
         ],
         cwd=tmp_path,
         nproc=1,
-        timeout=500,
+        timeout=210,
     )
     assert launch.returncode == 0, launch.output
     probe = read_probe(run_dir)
     assert probe["backend"] == "nccl" and probe["world_size"] == 1, probe
     assert probe["device"] == "cuda:0" and probe["steps"] == 20, probe
+    assert_on_cuda(probe["device"], probe["batch_devices"])
+    if strategy == "fsdp":
+        # FSDP2's one-rank path: FSDPModule wrappers (torch.distributed.fsdp) and DTensor weights.
+        assert probe["fsdp"] is True and probe["dtensor_params"] > 0, probe
     if strategy == "zero1":
         assert probe["optimizer_class"] == "ZeroRedundancyOptimizer", probe
     losses = _losses(read_jsonl(run_dir / "metrics.jsonl"))

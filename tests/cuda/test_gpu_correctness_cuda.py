@@ -31,7 +31,15 @@ from sdnet_trainer.observability.profiler import StepProfiler
 from sdnet_trainer.training import rng
 from sdnet_trainer.training.state import RunState
 from tests.cuda import _gpu_correctness_worker as worker
-from tests.support import CUDA, REPO, TINY_RUN, cli_env, run_cli
+from tests.support import (
+    CUDA,
+    REPO,
+    TINY_RUN,
+    assert_on_cuda,
+    cli_env,
+    read_probe,
+    run_cli,
+)
 
 pytestmark = pytest.mark.cuda
 
@@ -51,6 +59,7 @@ def group_results(tmp_path_factory) -> tuple[dict, Path]:
 
 def test_cpu_offloaded_gradients_reduce_over_gloo(group_results):
     offload = group_results[0]["cpu_offload"]
+    assert_on_cuda(offload["compute_devices"])  # computed on the GPU, parameters at rest on the CPU
     assert offload["backend"] == "cuda:nccl,cpu:gloo"
     assert offload["grad_devices"] == ["cpu"]  # CPU DTensors: the case that needed gloo
     assert offload["norm"] == pytest.approx(offload["reference"], rel=1e-5)
@@ -66,27 +75,54 @@ def test_the_flight_recorder_dumps_into_the_run_directory(group_results):
     }
     for key, value in want.items():
         assert recorder[key] == os.environ.get(key, value), key  # a user's setting is kept
+    # The recorder is on and holds what a timeout would dump there: the CUDA all-reduces this
+    # rank issued on the NCCL group (the shortened-timeout check's two, at least).
+    recorded = results["recorded"]
+    assert "nccl:all_reduce" in recorded["names"] and recorded["entries"] >= 2, recorded
+    assert_on_cuda(results["shorten_timeout"]["device"])
+    if "TORCH_FR_DUMP_TEMP_FILE" not in os.environ:
+        assert (out_dir / "nccl_flight_recorder").is_dir()
 
 
 def test_the_shortened_nccl_group_still_runs_collectives(group_results):
-    assert group_results[0]["shorten_timeout"] == {"value": 1.0}
+    shortened = group_results[0]["shorten_timeout"]
+    assert_on_cuda(shortened["device"])
+    assert shortened["value"] == 1.0  # the all-reduces ran, on the world and on a mesh group
+    # The session's timeout (dist.timeout_s=300) on the default group before; the step timeout
+    # (30 s) on the default group and on both mesh groups after, as their NCCL backends report.
+    assert shortened["before"]["world"] == 300.0, shortened
+    assert shortened["after"] == {"world": 30.0, "a": 30.0, "b": 30.0}, shortened
 
 
 def test_release_lets_the_cuda_ddp_model_go(group_results):
-    assert group_results[0]["release"] == {"kept_before_release": True, "kept_after_release": False}
+    release = group_results[0]["release"]
+    assert_on_cuda(release["model_device"])
+    assert release == {
+        "kept_before_release": True,
+        "kept_after_release": False,
+        "model_device": "cuda:0",
+    }
 
 
-@pytest.mark.timeout(600)
+@pytest.mark.timeout(240)
 def test_a_short_run_with_the_default_watchdog_exits_promptly(tmp_path):
     run_dir = tmp_path / "run"
     started = time.monotonic()
     launch = run_cli(
-        [*CUDA, *TINY_RUN, "loop.max_steps=4", f"hydra.run.dir={run_dir}"],
+        [
+            *CUDA,
+            *TINY_RUN,
+            "trainer._target_=tests.support.ProbeTrainer",
+            "loop.max_steps=4",
+            f"hydra.run.dir={run_dir}",
+        ],
         cwd=tmp_path,
         nproc=1,
     )
     seconds = time.monotonic() - started
     assert launch.returncode == 0, launch.output
+    probe = read_probe(run_dir)
+    assert_on_cuda(probe["device"], probe["batch_devices"])
     # The watchdog is on by default (health.hang_timeout_s=1200) and stopped at the end: the
     # process did not wait for its thread or its faulthandler timer.
     assert "watchdog armed on rank 0: timeout 1200 s" in (run_dir / "hang_rank0.log").read_text()
@@ -108,6 +144,7 @@ resnet = torchvision.models.resnet18(num_classes=10).to(gpu).to(memory_format=to
 rng.check_deterministic(resnet, gpu, deterministic=True)
 x = torch.randn(2, 3, 64, 64, device=gpu).to(memory_format=torch.channels_last)
 resnet(x).sum().backward()
+print("resnet devices:", next(resnet.parameters()).device, x.device)
 print("resnet backward ok")
 pooled = nn.Sequential(nn.Conv2d(3, 4, 3), nn.AdaptiveAvgPool2d(2)).to(gpu)
 try:
@@ -134,6 +171,8 @@ def test_deterministic_check_agrees_with_torchs_cuda_kernels():
     assert done.returncode == 0, done.stdout + done.stderr
     # ResNets pool to 1x1, a mean: their backward runs deterministically, as the check says.
     assert "resnet backward ok" in done.stdout
+    (devices,) = [line for line in done.stdout.splitlines() if line.startswith("resnet devices:")]
+    assert_on_cuda(devices.split()[2:])
     # A real 2x2 pool: refused by the check, and torch's backward indeed raises.
     assert "refused: loop.deterministic=true" in done.stdout
     assert "torch raised: True" in done.stdout
@@ -176,6 +215,7 @@ def test_a_cpu_checkpoint_resumes_on_cuda_with_a_derived_cuda_stream(tmp_path):
     assert loader.resume(resumed) is not None  # no "Missing key rng/rank0.cuda"
     loader.close()
     draws = torch.rand(4, device=GPU)
+    assert_on_cuda(draws)
     assert torch.equal(torch.rand(4), expected_cpu)
     with torch.cuda.device(GPU):
         torch.cuda.manual_seed(rng.derive_seed(seed, rank=0, step=step))
@@ -210,6 +250,7 @@ def test_the_profiler_never_traces_the_autotuning_step(tmp_path):
     model = nn.Sequential(nn.Conv2d(3, 8, 3), nn.ReLU(), nn.Conv2d(8, 8, 3)).to(GPU)
     cfg = ProfileConfig(enabled=True, wait=0, warmup=0, active=2)
     profiler = StepProfiler(cfg, output_dir=tmp_path, rank=0, device=GPU)
+    assert_on_cuda(model)
     with profiler:
         for _ in range(5):
             model(torch.randn(4, 3, 32, 32, device=GPU)).sum().backward()

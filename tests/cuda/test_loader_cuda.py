@@ -14,6 +14,7 @@ from sdnet_trainer.config.schema import AugmentConfig
 from sdnet_trainer.data import BadSampleError, build_datasets
 from sdnet_trainer.data.jpeg import collate_encoded
 from sdnet_trainer.data.loader import RunData
+from tests.support import assert_on_cuda
 from tests.unit.test_input_pipeline import _cfg, _tree
 
 pytestmark = pytest.mark.cuda
@@ -93,7 +94,8 @@ def test_the_copy_runs_beside_queued_work_without_host_syncs(tmp_path):
         assert not compute.query()
         torch.cuda.synchronize()
         assert images.shape == (4, 3, 16, 16) and images.dtype == torch.float32
-        assert labels.device.type == "cuda" and torch.isfinite(images).all()
+        assert_on_cuda(images, labels)
+        assert torch.isfinite(images).all()
     finally:
         torch.cuda.set_sync_debug_mode("default")
         data.close()
@@ -124,6 +126,9 @@ def test_decode_cuda_batches_match_the_cpu_decoder(tmp_path):
 def test_decode_cuda_names_a_file_nvjpeg_cannot_decode(tmp_path):
     train, _ = build_datasets(_cfg(_tree(tmp_path), decode="cuda"))
     samples = [train[i][0] for i in range(3)]
+    # The intact files decode on the GPU; then one of them is cut short.
+    intact, _ = collate_encoded([(s, 0) for s in samples])
+    assert_on_cuda(train.device_decoder(intact, DEVICE))
     broken = samples[1]
     broken.data = torch.cat([broken.data[:200], torch.zeros(50, dtype=torch.uint8)])
     batch, _ = collate_encoded([(s, 0) for s in samples])

@@ -10,7 +10,7 @@ from torch import nn
 from sdnet_trainer import Trainer, compose
 from sdnet_trainer.distributed import distributed_session
 from sdnet_trainer.models import build_model
-from tests.support import CUDA
+from tests.support import CUDA, assert_on_cuda
 
 pytestmark = pytest.mark.cuda
 
@@ -51,6 +51,7 @@ def test_stock_model_initialised_on_the_gpu_equals_the_cpu_build(tmp_path, monke
         trainer = Trainer(cfg, output_dir=tmp_path, env=env)
         trainer.setup()
         try:
+            assert_on_cuda(trainer.model)
             state = {k: v.detach().cpu() for k, v in trainer.model.state_dict().items()}
             devices = {p.device.type for p in trainer.model.parameters()}
         finally:

@@ -13,6 +13,7 @@ import torch.nn.functional as F
 from sdnet_trainer.config.schema import PrecisionConfig
 from sdnet_trainer.observability.flops import PEAK_TFLOPS, device_model, peak_tflops
 from sdnet_trainer.training.precision import DTYPES, Precision, choose_dtype, tf32_enabled
+from tests.support import assert_on_cuda
 
 pytestmark = pytest.mark.cuda
 
@@ -52,7 +53,9 @@ def test_auto_is_bf16_on_a_gpu_with_bf16_tensor_cores(caplog):
     assert precision.dtype == expected
     x = torch.randn(64, 64, device=GPU)
     with precision.autocast():
-        assert (x @ x).dtype == expected
+        product = x @ x
+    assert product.dtype == expected
+    assert_on_cuda(x, product)
     assert f"precision.dtype=auto: {precision.dtype_name}" in caplog.text
     assert torch.cuda.get_device_name(GPU) in caplog.text  # the reason names the GPU
 
@@ -65,6 +68,7 @@ def test_precision_tf32_switches_fp32_matmuls_and_convolutions_to_tf32():
     b = torch.randn(1024, 1024, device=GPU, generator=gen)
     x = torch.randn(8, 128, 32, 32, device=GPU, generator=gen)
     w = torch.randn(128, 128, 3, 3, device=GPU, generator=gen)
+    assert_on_cuda(a, b, x, w)
     matmul_reference = a.double() @ b.double()
     conv_reference = F.conv2d(x.double(), w.double(), padding=1)
     errors = {}

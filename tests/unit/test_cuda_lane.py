@@ -100,11 +100,27 @@ def test_cpu_tests_see_no_gpu_in_this_process_nor_in_the_ones_they_start(
     assert compose(TINY).dist.device == "cpu"
 
 
-def test_gpu_check_script_parses():
+@pytest.mark.parametrize("script", ["gpu_check.sh", "gpu_wheels.sh"])
+def test_gpu_scripts_parse(script):
     result = subprocess.run(
-        ["bash", "-n", str(SCRIPTS / "gpu_check.sh")], capture_output=True, text=True, timeout=30
+        ["bash", "-n", str(SCRIPTS / script)], capture_output=True, text=True, timeout=30
     )
     assert result.returncode == 0, result.stderr
+
+
+def test_bench_gpu_quick_is_the_short_profile(bench_gpu, monkeypatch):
+    """gpu_check.sh's default benchmark: ResNet-50 (one round of each side) and gpt_1b, fewer
+    steps, 90 s per launch; sections given explicitly still win."""
+    monkeypatch.setattr(sys, "argv", ["bench_gpu.py", "--quick"])
+    args = bench_gpu.parse_args()
+    assert args.sections == ["resnet50", "gpt_1b"]
+    assert (args.rounds, args.warmup, args.steps, args.gpt_steps) == (1, 10, 30, 15)
+    assert args.timeout == 90.0
+    monkeypatch.setattr(sys, "argv", ["bench_gpu.py", "--quick", "--sections", "gpt_1b"])
+    assert bench_gpu.parse_args().sections == ["gpt_1b"]
+    monkeypatch.setattr(sys, "argv", ["bench_gpu.py"])
+    full = bench_gpu.parse_args()
+    assert full.sections == ["resnet50", "gpt_1b", "loader"] and full.rounds == 3
 
 
 def test_bench_gpu_without_cuda_exits_2_with_its_message(tmp_path):

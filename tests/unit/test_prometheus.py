@@ -19,23 +19,27 @@ import types
 import urllib.request
 from pathlib import Path
 
-import psutil
 import pytest
 import torch
 import yaml
-from prometheus_client.parser import text_string_to_metric_families
 
-from sdnet_trainer.config.schema import Config, PrometheusConfig
-from sdnet_trainer.errors import ConfigError
-from sdnet_trainer.observability import hardware
-from sdnet_trainer.observability.hardware import GPU_METRICS, HardwareSampler
-from sdnet_trainer.observability.meters import resident_memory_mb
-from sdnet_trainer.observability.prometheus import (
+# The monitor extra: without it these tests skip with the reason, and collection goes on.
+psutil = pytest.importorskip("psutil", reason="the monitor extra (psutil) is not installed")
+pytest.importorskip("prometheus_client", reason="the monitor extra is not installed")
+
+from prometheus_client.parser import text_string_to_metric_families  # noqa: E402
+
+from sdnet_trainer.config.schema import Config, PrometheusConfig  # noqa: E402
+from sdnet_trainer.errors import ConfigError  # noqa: E402
+from sdnet_trainer.observability import hardware  # noqa: E402
+from sdnet_trainer.observability.hardware import GPU_METRICS, HardwareSampler  # noqa: E402
+from sdnet_trainer.observability.meters import resident_memory_mb  # noqa: E402
+from sdnet_trainer.observability.prometheus import (  # noqa: E402
     PrometheusExporter,
     metric_names,
     validate_prometheus,
 )
-from tests.support import REPO, wait_until
+from tests.support import REPO, wait_until  # noqa: E402
 
 MONITORING = REPO / "deploy" / "monitoring"
 DASHBOARD = MONITORING / "grafana" / "dashboards" / "sdnet_training.json"

@@ -16,6 +16,7 @@ import torch
 from PIL import Image
 
 pytest.importorskip("fastapi", reason="the serve extra is not installed")
+pytest.importorskip("uvicorn", reason="the serve extra is not installed")
 
 import uvicorn  # noqa: E402
 
