@@ -35,6 +35,9 @@ from torch.distributed.checkpoint.storage import WriteResult
 from torch.distributed.tensor import DTensor
 from torch.futures import Future as TorchFuture
 
+from sdnet_trainer.checkpoint import files
+from sdnet_trainer.checkpoint.untrusted import CheckpointError, crc32
+
 logger = logging.getLogger(__name__)
 
 _DISK_FULL = (errno.ENOSPC, errno.EDQUOT)
@@ -264,3 +267,47 @@ def amount(n: int) -> str:
         if value < 1024 or unit == "TiB":
             break
     return f"{value:.1f} {unit} ({n} bytes)"
+
+
+def written_files(staging: Path, metadata: Metadata) -> dict[str, int]:
+    """{name: bytes} of every file of a finished save: DCP's .metadata and the shard files it points
+    into, each checked to hold the byte ranges DCP recorded for it. Taken from DCP's metadata rather
+    than a directory listing, which a network filesystem may serve stale to rank 0."""
+    needed = {files.DCP_METADATA: 1}
+    for info in metadata.storage_data.values():  # FileSystemWriter: where each item's bytes are
+        needed[info.relative_path] = max(
+            needed.get(info.relative_path, 0), info.offset + info.length
+        )
+    sizes = {}
+    for name, minimum in needed.items():
+        try:
+            sizes[name] = (staging / name).stat().st_size
+        except FileNotFoundError:
+            raise CheckpointError(f"DCP's save finished but {staging / name} is missing") from None
+        if sizes[name] < minimum:
+            raise CheckpointError(
+                f"DCP's save finished but {staging / name} holds {sizes[name]} "
+                f"bytes, fewer than the {minimum} it wrote there"
+            )
+    return sizes
+
+
+def recorded_checksums(
+    staging: Path, written: dict[str, int], recorded: dict[str, tuple[int, int]]
+) -> dict[str, int]:
+    """{name: crc32} of the files of a finished save, from what the ranks recorded while writing
+    them (``disk.StagingWriter``): nothing is read back. A file none recorded (a storage writer
+    that does not record) is read here, with a warning; one whose size differs from what its
+    writer wrote was changed since."""
+    checksums = {}
+    for name, size in written.items():
+        if name not in recorded:
+            logger.warning("no checksum was recorded for %s while saving: reading it", name)
+            checksums[name] = crc32(staging / name)
+            continue
+        recorded_size, checksums[name] = recorded[name]
+        if recorded_size != size:
+            raise CheckpointError(
+                f"{staging / name} holds {size} bytes, but {recorded_size} were written to it"
+            )
+    return checksums

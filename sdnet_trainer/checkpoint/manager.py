@@ -33,24 +33,25 @@ An async save blocks the loop only while the state is copied into host memory; D
 that copy from a background thread and rank 0 commits when it is done. Only what this rank writes
 is copied: DCP writes a tensor held by several ranks (DDP's replicated model and optimizer state)
 once, so the ranks first agree, by DCP's own dedup rule, which of them writes each one
-(``_written_here``). One storage writer and one DCP stager (``DefaultStager``) serve every save
-of a manager: the stager keeps the host copy of each tensor's storage from one save to the next
-(pinned memory when the state is on CUDA), so only the first save allocates it; later ones copy
-into it. An async run therefore holds one extra copy of its share of the state (under DDP about
-1/world_size of it) in host memory for as long as the manager lives (released by ``close``).
+(``host_copy.written_here``). One storage writer and one DCP stager (``DefaultStager``) serve
+every save of a manager: the stager keeps the host copy of each tensor's storage from one save to
+the next (pinned memory when the state is on CUDA), so only the first save allocates it; later
+ones copy into it. An async run therefore holds one extra copy of its share of the state (under
+DDP about 1/world_size of it) in host memory for as long as the manager lives (released by
+``close``).
 
 Loading goes through DCP as well, which reshards to the current world size. A checkpoint is
 untrusted input: every read of one (listing, resuming, export, the load itself) goes through
 ``untrusted``, whose docstring says what a hostile checkpoint can and cannot do.
 
 The parts: ``files`` (names in the folder, atomic and durable file steps), ``lock`` (the folder's
-lock), ``group`` (the ranks' process group), ``disk`` (a full disk), ``untrusted`` (reading); this
-module, the protocol over them.
+lock), ``group`` (the ranks' process group), ``disk`` (writing, checksums, a full disk),
+``host_copy`` (an async save's host copy), ``verify`` (checksums checked by every rank),
+``untrusted`` (reading); this module, the protocol over them.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import logging
 import time
@@ -65,13 +66,11 @@ from typing import Any
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import CheckpointException
-from torch.distributed.checkpoint._dedup_save_plans import dedup_save_plans
-from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
 from torch.distributed.checkpoint.metadata import Metadata
-from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
+from torch.distributed.checkpoint.staging import DefaultStager
 from torch.distributed.checkpoint.state_dict_saver import AsyncSaveResponse
 
-from sdnet_trainer.checkpoint import disk, files
+from sdnet_trainer.checkpoint import disk, files, host_copy, verify
 from sdnet_trainer.checkpoint.group import CheckpointGroup, sendable
 from sdnet_trainer.checkpoint.lock import FolderLock, run_token
 from sdnet_trainer.checkpoint.untrusted import (
@@ -79,12 +78,9 @@ from sdnet_trainer.checkpoint.untrusted import (
     CheckpointError,
     SafeFileSystemReader,
     SafeLoadPlanner,
-    checksum_error,
-    crc32,
     find_checkpoint,
     read_checkpoint,
 )
-from sdnet_trainer.compat import reusable_stager
 from sdnet_trainer.errors import ConfigError
 
 logger = logging.getLogger(__name__)
@@ -185,7 +181,9 @@ class CheckpointManager:
         staging = self.staging_dir(step)
         if self.async_save:
             # Only what this rank writes is copied to host memory (and kept there for the run).
-            state_dict = self._written_here(state_dict)
+            state_dict = host_copy.written_here(
+                state_dict, ranks=self._ranks, rank=self.rank, world_size=self.world_size
+            )
         needed = disk.state_nbytes(state_dict)
         if self.rank == 0:
             # Leftover of a crashed save of this same step by this run. Safe before the collective:
@@ -196,6 +194,7 @@ class CheckpointManager:
         try:
             with _single_process_quiet():
                 if self.async_save:
+                    self._stager = host_copy.stager_for(self._stager, state_dict)
                     # async_save copies every tensor into the stager's host buffers before it
                     # returns, then writes from that copy in DCP's writer thread. The buffers are
                     # free again: wait() above joined the previous save, the last one to read them.
@@ -203,7 +202,7 @@ class CheckpointManager:
                         state_dict,
                         checkpoint_id=staging,
                         storage_writer=self._writer,
-                        async_stager=self._stager_for(state_dict),
+                        async_stager=self._stager,
                         process_group=self._ranks.group,
                         no_dist=self._ranks.no_dist,
                     )
@@ -231,50 +230,6 @@ class CheckpointManager:
             upload, step, staging, meta=meta, started=started, needed=needed
         )
         return needed
-
-    def _written_here(self, state_dict: dict[str, Any]) -> dict[str, Any]:
-        """The part of ``state_dict`` that this rank writes, flattened as DCP flattens it (same
-        keys in the checkpoint). DCP writes a tensor that several ranks hold (replicated, as DDP's
-        model and optimizer state are on every rank) once, from the rank its dedup picks; so every
-        rank plans its save as DCP does, the plans are gathered, and DCP's own dedup rule
-        (``dedup_save_plans``, deterministic given the plans) says which rank writes what. The
-        entries another rank writes are dropped here, before they are staged: under DDP each rank
-        stages about 1/world_size of the state instead of all of it. DCP's save of the rest then
-        has nothing left to dedup and writes exactly this split. Collective."""
-        if self._ranks.no_dist or self.world_size == 1:
-            return state_dict
-        planner = DefaultSavePlanner()
-        planner.set_up_planner(state_dict, is_coordinator=self.rank == 0)
-        local = planner.create_local_plan()
-        plans = self._ranks.all_gather(dataclasses.replace(local, planner_data=None))
-        kept = {item.index.fqn for item in dedup_save_plans(plans)[self.rank].items}
-        elsewhere = {item.index.fqn for item in local.items} - kept
-        return {fqn: value for fqn, value in planner.state_dict.items() if fqn not in elsewhere}
-
-    def _stager_for(self, state_dict: dict[str, Any]) -> DefaultStager:
-        """The run's stager, made at the first async save. Its host buffers are cached per source
-        storage and reused by every later save (a tensor whose storage is new, e.g. a state built
-        afresh for each save, gets a new buffer; the old one is dropped with its source). Staging
-        is synchronous: save() returns with the copy complete, so the loop may change its tensors
-        at once. On CUDA the buffers are pinned and the device-to-host copies are issued without
-        blocking, then waited for together.
-
-        Where torch's stager cannot be reused (``compat.reusable_stager``: torch < 2.13), each
-        save gets a new one: the same copy, into host buffers allocated (and pinned) afresh."""
-        if self._stager is not None and not reusable_stager():
-            self._stager.close()  # staged and written: wait() above joined its save
-            self._stager = None
-        if self._stager is None:
-            cuda = any(t.is_cuda for t in disk.local_tensors(state_dict))
-            self._stager = DefaultStager(
-                StagingOptions(
-                    use_pinned_memory=cuda,
-                    use_shared_memory=False,  # the writer is a thread of this process
-                    use_async_staging=False,
-                    use_non_blocking_copy=cuda,
-                )
-            )
-        return self._stager
 
     def _save_failed(
         self,
@@ -350,8 +305,8 @@ class CheckpointManager:
         self, step: int, staging: Path, metadata: Metadata, *, meta: dict[str, Any], started: float
     ) -> Checkpoint:
         """Rank 0, after DCP's save returned: manifest, atomic rename, then pruning."""
-        written = _written_files(staging, metadata)
-        checksums = _checksums(staging, written, self._writer.file_checksums)
+        written = disk.written_files(staging, metadata)
+        checksums = disk.recorded_checksums(staging, written, self._writer.file_checksums)
         manifest = {
             "format_version": files.FORMAT_VERSION,
             "step": step,
@@ -437,8 +392,8 @@ class CheckpointManager:
 
         Collective: rank 0 decides and the other ranks follow, so all of them load the same one.
         The checksums of each checkpoint rank 0 considers are read by all ranks, each file by one
-        of them (``_shared_checksums``): the other ranks serve those requests until rank 0 sends
-        its decision."""
+        of them (``verify``): the other ranks serve those requests until rank 0 sends its
+        decision."""
         self.wait()  # the broadcasts below share the group with a background save
         if self.rank == 0:
             outcome: Checkpoint | Exception | None
@@ -446,12 +401,9 @@ class CheckpointManager:
                 outcome = self._resolve(resume)
             except Exception as exc:  # noqa: BLE001 - re-raised below, on every rank
                 outcome = exc
-            self._ranks.from_rank0(_Decided(sendable(outcome)))
+            self._ranks.from_rank0(verify.Decided(sendable(outcome)))
         else:
-            while not isinstance(request := self._ranks.from_rank0(None), _Decided):
-                folder, shares = request
-                self._ranks.to_rank0(_check_share(folder, shares[self.rank]))
-            outcome = request.outcome
+            outcome = verify.follow_rank0(self._ranks, self.rank)
         if isinstance(outcome, Exception):
             raise outcome
         return outcome
@@ -459,12 +411,7 @@ class CheckpointManager:
     def _shared_checksums(self, folder: Path, expected: dict[str, tuple[int, int]]) -> None:
         """Rank 0, while resolving: the checksums of ``folder``'s files checked by every rank,
         the files divided by size; a CheckpointError naming the first file that fails."""
-        shares = _divide(expected, self.world_size)
-        self._ranks.from_rank0((folder, shares))
-        reports = self._ranks.to_rank0(_check_share(folder, shares[0]))
-        assert reports is not None  # rank 0
-        if failed := [report for report in reports if report is not None]:
-            raise CheckpointError(failed[0])
+        verify.check_on_every_rank(self._ranks, folder, expected, self.world_size)
 
     def _resolve(self, resume: str) -> Checkpoint | None:
         if resume == "none":
@@ -559,82 +506,6 @@ def _describe(exc: BaseException) -> str:
             f"rank {rank}: {type(e).__name__}: {e}" for rank, (e, _) in exc.failures.items()
         )
     return f"{type(exc).__name__}: {exc}"
-
-
-def _written_files(staging: Path, metadata: Metadata) -> dict[str, int]:
-    """{name: bytes} of every file of a finished save: DCP's .metadata and the shard files it points
-    into, each checked to hold the byte ranges DCP recorded for it. Taken from DCP's metadata rather
-    than a directory listing, which a network filesystem may serve stale to rank 0."""
-    needed = {files.DCP_METADATA: 1}
-    for info in metadata.storage_data.values():  # FileSystemWriter: where each item's bytes are
-        needed[info.relative_path] = max(
-            needed.get(info.relative_path, 0), info.offset + info.length
-        )
-    sizes = {}
-    for name, minimum in needed.items():
-        try:
-            sizes[name] = (staging / name).stat().st_size
-        except FileNotFoundError:
-            raise CheckpointError(f"DCP's save finished but {staging / name} is missing") from None
-        if sizes[name] < minimum:
-            raise CheckpointError(
-                f"DCP's save finished but {staging / name} holds {sizes[name]} "
-                f"bytes, fewer than the {minimum} it wrote there"
-            )
-    return sizes
-
-
-def _checksums(
-    staging: Path, written: dict[str, int], recorded: dict[str, tuple[int, int]]
-) -> dict[str, int]:
-    """{name: crc32} of the files of a finished save, from what the ranks recorded while writing
-    them (``disk.StagingWriter``): nothing is read back. A file none recorded (a storage writer
-    that does not record) is read here, with a warning; one whose size differs from what its
-    writer wrote was changed since."""
-    checksums = {}
-    for name, size in written.items():
-        if name not in recorded:
-            logger.warning("no checksum was recorded for %s while saving: reading it", name)
-            checksums[name] = crc32(staging / name)
-            continue
-        recorded_size, checksums[name] = recorded[name]
-        if recorded_size != size:
-            raise CheckpointError(
-                f"{staging / name} holds {size} bytes, but {recorded_size} were written to it"
-            )
-    return checksums
-
-
-@dataclasses.dataclass(frozen=True)
-class _Decided:
-    """Rank 0's decision of ``resolve_resume`` (after any number of checksum requests)."""
-
-    outcome: Checkpoint | Exception | None
-
-
-def _divide(expected: dict[str, tuple[int, int]], parts: int) -> list[dict[str, int]]:
-    """{name: crc32} for each of ``parts`` ranks to check: largest files first, each to the rank
-    with the fewest bytes so far (ties: the lowest rank)."""
-    shares: list[dict[str, int]] = [{} for _ in range(parts)]
-    load = [0] * parts
-    for name, (size, checksum) in sorted(expected.items(), key=lambda kv: (-kv[1][0], kv[0])):
-        rank = min(range(parts), key=lambda r: (load[r], r))
-        shares[rank][name] = checksum
-        load[rank] += size
-    return shares
-
-
-def _check_share(folder: Path, share: dict[str, int]) -> str | None:
-    """The first failure among this rank's share of the files, or None. Never raises: every rank
-    must reach the gather that follows, or the others would wait there."""
-    for name in sorted(share):
-        try:
-            error = checksum_error(folder, name, share[name])
-        except Exception as exc:  # noqa: BLE001 - reported to rank 0 as the file's failure
-            error = f"cannot check {name}: {type(exc).__name__}: {exc}"
-        if error is not None:
-            return error
-    return None
 
 
 def _json_round_trip(meta: dict[str, Any]) -> dict[str, Any]:
