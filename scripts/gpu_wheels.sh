@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The wheel folder that scripts/gpu_check.sh installs from on a GPU node without network access.
 # Run it beforehand on a machine that reaches the package index, then bring the folder to the node
-# with the working tree (docs/gpu_check.md):
+# with the working tree (docs/gpu.md):
 #   bash scripts/gpu_wheels.sh gpu_wheels     # DIR, default ./gpu_wheels (gpu_check.sh's default)
 # It downloads exactly scripts/gpu_lane_requirements.txt (Hydra, OmegaConf and the ANTLR runtime
 # they pin: what the CUDA lane needs beyond a GPU image's Python), as wheels for CPython 3.12 on
