@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The GPU check in one command, on a node with one NVIDIA GPU, its own torch and no network
-# (docs/gpu_check.md). It uses the node's Python as it is: a throwaway venv on top of it
+# (docs/gpu.md). It uses the node's Python as it is: a throwaway venv on top of it
 # (--system-site-packages: the node's torch, torchvision, pytest, ...), the packages the node lacks
 # installed there from a wheel folder made beforehand by scripts/gpu_wheels.sh (pip never reads an
 # index), and the project installed in place without dependencies. Then it shows the machine
