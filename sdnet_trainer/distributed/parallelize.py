@@ -16,7 +16,6 @@ sharding, mixed precision and DTensor checkpoints as at scale, on a mesh of one.
 
 from __future__ import annotations
 
-import functools
 import logging
 import weakref
 from collections.abc import Callable, Iterator
@@ -265,15 +264,27 @@ def checkpoint_block(block: nn.Module) -> None:
     ``checkpoint_wrapper`` before compiling does. The composable ``checkpoint`` works by forward
     hooks that dynamo refuses to trace: a graph break at every block, and ``compile.fullgraph=true``
     fails. Unlike ``checkpoint_wrapper`` no module is inserted, so parameter names stay as they
-    are."""
-    forward = block.forward
+    are: the block's class becomes a subclass whose ``forward`` checkpoints the original (as
+    ``fully_shard`` swaps classes), so a copy of the block checkpoints its own forward."""
+    cls = type(block)
+    if cls in _CHECKPOINTED.values():
+        return  # checkpointed already
+    if cls not in _CHECKPOINTED:
+        _CHECKPOINTED[cls] = _checkpointed_class(cls)
+    block.__class__ = _CHECKPOINTED[cls]
 
-    @functools.wraps(forward)
-    def checkpointed(*args: Any, **kwargs: Any) -> Any:
-        return checkpoint(forward, *args, use_reentrant=False, **kwargs)
 
-    # An instance attribute takes precedence over the class's forward in Module.__call__.
-    block.forward = checkpointed
+# A block class -> its checkpointed subclass, made once per class.
+_CHECKPOINTED: dict[type[nn.Module], type[nn.Module]] = {}
+
+
+def _checkpointed_class(cls: type[nn.Module]) -> type[nn.Module]:
+    class Checkpointed(cls):  # type: ignore[valid-type,misc]  # a subclass of a runtime class
+        def forward(self, *args: Any, **kwargs: Any) -> Any:
+            return checkpoint(super().forward, *args, use_reentrant=False, **kwargs)
+
+    Checkpointed.__name__ = Checkpointed.__qualname__ = f"Checkpointed{cls.__name__}"
+    return Checkpointed
 
 
 def _fully_shard(

@@ -17,7 +17,7 @@ from torch._dynamo.utils import counters
 from sdnet_trainer.config import compose
 from sdnet_trainer.distributed.env import DistEnv
 from sdnet_trainer.distributed.mesh import ParallelDims
-from sdnet_trainer.distributed.parallelize import parallelize
+from sdnet_trainer.distributed.parallelize import checkpoint_block, parallelize
 from sdnet_trainer.models import build_model
 
 # aot_eager: dynamo and AOTAutograd (the partitioner that honours the checkpoint) without
@@ -78,3 +78,20 @@ def test_checkpointed_blocks_compile_whole_and_keep_activations_out_of_memory():
     torch.testing.assert_close(loss_ac, eager_loss)
     torch.testing.assert_close(loss, eager_loss)
     assert grads_ac.keys() == eager_grads.keys()  # names unchanged: checkpoints interchangeable
+
+
+def test_a_checkpointed_block_keeps_its_names_and_its_copies_recompute_themselves():
+    block = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.GELU(), torch.nn.Linear(8, 4))
+    names = list(block.state_dict())
+    checkpoint_block(block)
+    checkpoint_block(block)  # twice is once: no checkpoint inside a checkpoint
+    assert isinstance(block, torch.nn.Sequential) and list(block.state_dict()) == names
+    assert sum(c.__name__.startswith("Checkpointed") for c in type(block).__mro__) == 1
+    copied = copy.deepcopy(block)
+    calls = {"original": 0, "copy": 0}
+    block[0].register_forward_hook(lambda *_: calls.__setitem__("original", calls["original"] + 1))
+    copied[0].register_forward_hook(lambda *_: calls.__setitem__("copy", calls["copy"] + 1))
+    copied(torch.randn(2, 4, requires_grad=True)).sum().backward()
+    # The copy ran its own forward, then recomputed it in backward; the original never ran.
+    assert calls == {"original": 0, "copy": 2}
+    assert all(p.grad is not None for p in copied.parameters())
