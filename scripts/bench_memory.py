@@ -1,4 +1,5 @@
-"""Per-rank training-state memory of DDP, ZeRO-1, FSDP ZeRO-2 and FSDP ZeRO-3, side by side.
+"""Per-rank training-state memory of DDP, ZeRO-1, FSDP ZeRO-2 and FSDP ZeRO-3, side by side, and
+of FSDP's two gradient reductions under accumulation.
 
 What it measures
     For each layout, the bytes one rank holds for parameters, gradients and optimizer state
@@ -14,6 +15,14 @@ What it measures
     parameter bytes a rank holds as backward starts (its shards plus whatever FSDP keeps
     gathered; all parameters under DDP and ZeRO-1). Activations, temporaries and communication
     buffers are in no column.
+
+    Gradient accumulation under FSDP (the two "accum" rows, ``loop.grad_accum_steps=4``, the same
+    micro-batch): ``parallel.fsdp.grad_sync=every_microstep`` (the default) reduce-scatters after
+    every micro-step, so a rank holds only gradient shards; ``last_microstep`` accumulates an
+    unsharded fp32 gradient of every parameter until the last micro-step. At rest both hold the
+    same shards, so the difference shows in the peak RSS column and in "grads held": the
+    gradient bytes a rank holds after the first micro-step's backward (the shards' gradients,
+    plus the unsharded ones FSDP keeps while the reduction waits).
 
     Second, coarser figure: each rank's peak resident set size (``peak_memory_mb``), max over
     ranks. On the CPU it includes the Python runtime, torch's libraries, the data set,
@@ -37,6 +46,8 @@ How
 Run (from the repository root; about 2 minutes on 2 CPU cores with the defaults)
     python scripts/bench_memory.py
     python scripts/bench_memory.py --nproc 2 --steps 2 -- model=gpt_tiny
+    python scripts/bench_memory.py --nproc 2 --layouts "FSDP accum every" "FSDP accum last" \
+        -- model.gpt.dim=768     # FSDP's two reductions under accumulation, larger gradients
 
 Exit status 0 with the table printed; 1 if a launch fails or times out.
 """
@@ -65,7 +76,11 @@ LAYOUTS = {
     "ZeRO-1": ["parallel=zero1"],
     "FSDP ZeRO-2": ["parallel=fsdp", "parallel.fsdp.reshard_after_forward=false"],
     "FSDP ZeRO-3": ["parallel=fsdp"],
+    "FSDP accum every": ["parallel=fsdp", "parallel.fsdp.grad_sync=every_microstep"],
+    "FSDP accum last": ["parallel=fsdp", "parallel.fsdp.grad_sync=last_microstep"],
 }
+# Micro-steps per optimizer step of the layouts that accumulate (the others: 1).
+ACCUM_STEPS = {"FSDP accum every": 4, "FSDP accum last": 4}
 WORKLOAD = ["model=gpt_small", "data=tokens", "optim=adamw"]
 
 
@@ -84,6 +99,15 @@ def parse_args() -> argparse.Namespace:
         "--out", type=Path, default=None, help="output directory (default: a new temp dir)"
     )
     p.add_argument(
+        "--layouts",
+        nargs="+",
+        choices=list(LAYOUTS),
+        default=list(LAYOUTS),
+        metavar="NAME",
+        help="the layouts to launch, by their names in the table (default: all); DDP, the "
+        "reference of the ratios, always runs",
+    )
+    p.add_argument(
         "--timeout", type=float, default=600.0, help="seconds per launch before it is killed"
     )
     p.add_argument(
@@ -93,6 +117,7 @@ def parse_args() -> argparse.Namespace:
         help="config overrides, after --; they replace the default workload's keys",
     )
     args = p.parse_args()
+    args.layouts = ["DDP", *(name for name in args.layouts if name != "DDP")]
     if args.nproc < 2:
         p.error("--nproc must be at least 2: one process shards nothing")
     if args.steps < 1 or args.batch_size < 1:
@@ -107,12 +132,14 @@ def _key(override: str) -> str:
     return override.split("=", 1)[0].lstrip("+~")
 
 
-def overrides(args: argparse.Namespace, layout: list[str]) -> list[str]:
-    """The workload, the user's overrides in place of keys they name, then the layout's keys."""
+def overrides(args: argparse.Namespace, name: str | None = None) -> list[str]:
+    """The workload, the user's overrides in place of keys they name, then the layout's keys
+    (``name`` None: the workload alone)."""
+    accum = ACCUM_STEPS.get(name or "", 1)
     run = [
         f"loop.max_steps={args.steps}",
-        f"loop.global_batch_size={args.batch_size * args.nproc}",
-        "loop.grad_accum_steps=1",
+        f"loop.global_batch_size={args.batch_size * args.nproc * accum}",
+        f"loop.grad_accum_steps={accum}",
         "data.train_size=256",
         "data.val_size=64",
         # Nothing but training: an evaluation forward would leave FSDP's root gathered, and the
@@ -125,12 +152,16 @@ def overrides(args: argparse.Namespace, layout: list[str]) -> list[str]:
         "checkpoint.every_n_minutes=null",
         "checkpoint.resume=none",
         "checkpoint.save_on_exit=false",
+        # glibc returns freed blocks: the peak RSS follows what is live at once rather than the
+        # heap's high-water mark (pinned thresholds keep every freed buffer; FSDP's per-micro-step
+        # reductions free and re-allocate them, which showed as more, not less, memory).
+        "dist.pin_cpu_malloc=false",
     ]
     merged = {_key(o): o for o in WORKLOAD + run}
     merged.update(
         {_key(o): o for o in args.overrides}
     )  # later overrides of a key would be ambiguous
-    return list(merged.values()) + layout
+    return list(merged.values()) + (LAYOUTS[name] if name is not None else [])
 
 
 def launch(name: str, args: argparse.Namespace, out: Path) -> dict:
@@ -141,7 +172,7 @@ def launch(name: str, args: argparse.Namespace, out: Path) -> dict:
         out / f"{stem}_overrides.json",
         out / f"{stem}.log",
     )
-    spec.write_text(json.dumps(overrides(args, LAYOUTS[name])))
+    spec.write_text(json.dumps(overrides(args, name)))
     run_launch(torchrun(args.nproc, str(WORKER), str(out_json), str(spec)), log_path, args.timeout)
     return json.loads(out_json.read_text())
 
@@ -160,6 +191,7 @@ def row(result: dict) -> dict[str, float]:
         "optim": most(lambda r: r["optim"]),
         "total": most(lambda r: r["params"] + r["grads"] + r["optim"]),
         "params_bwd": most(lambda r: r["params"] + r["unsharded_in_backward"]),
+        "grads_held": most(lambda r: r["grads_after_first_microstep"]),
         "rss": max(r["peak_rss_mb"] for r in ranks),
     }
 
@@ -168,12 +200,13 @@ def print_table(rows: dict[str, dict[str, float]], nproc: int) -> None:
     ddp = rows["DDP"]["total"]
     print(
         f"{'layout':<20}{'params MB':>11}{'grads MB':>10}{'optim MB':>10}{'total MB':>10}"
-        f"{'vs DDP':>8}{'params in bwd MB':>18}{'peak RSS MB':>13}"
+        f"{'vs DDP':>8}{'params in bwd MB':>18}{'grads held MB':>15}{'peak RSS MB':>13}"
     )
     for name, r in rows.items():
+        held = f"{r['grads_held']:.2f}" if name in ACCUM_STEPS else "-"
         print(
             f"{name:<20}{r['params']:>11.2f}{r['grads']:>10.2f}{r['optim']:>10.2f}{r['total']:>10.2f}"
-            f"{r['total'] / ddp:>8.3f}{r['params_bwd']:>18.2f}{r['rss']:>13.0f}"
+            f"{r['total'] / ddp:>8.3f}{r['params_bwd']:>18.2f}{held:>15}{r['rss']:>13.0f}"
         )
     base = rows["DDP"]
     print(
@@ -187,17 +220,17 @@ def main() -> int:
     args = parse_args()
     out = (args.out or Path(tempfile.mkdtemp(prefix="bench_memory_"))).resolve()
     out.mkdir(parents=True, exist_ok=True)
-    workload = overrides(args, [])
+    workload = overrides(args)
     print(
-        f"bench_memory: {', '.join(LAYOUTS)} on {args.nproc} processes, {args.steps} steps each; "
-        f"output in {out}",
+        f"bench_memory: {', '.join(args.layouts)} on {args.nproc} processes, {args.steps} "
+        f"steps each; output in {out}",
         flush=True,
     )
     print(f"workload: {' '.join(workload)}", flush=True)
     started = time.perf_counter()
     rows = {}
     try:
-        for name in LAYOUTS:
+        for name in args.layouts:
             launch_started = time.perf_counter()
             rows[name] = row(launch(name, args, out))
             print(f"  {name}: {time.perf_counter() - launch_started:.0f} s", flush=True)
@@ -210,8 +243,10 @@ def main() -> int:
         f"(MB = 2^20 bytes), each column the max over the {args.nproc} ranks."
     )
     print(
-        "params in bwd: parameter bytes held as backward starts. peak RSS: the whole process "
-        "(Python runtime, data, activations and allocator cache included)."
+        "params in bwd: parameter bytes held as backward starts. grads held (accum rows, "
+        f"{max(ACCUM_STEPS.values())} micro-steps): gradient bytes held after the first "
+        "micro-step. peak RSS: the whole process (Python runtime, data, activations and "
+        "allocator cache included)."
     )
     print_table(rows, args.nproc)
     print(f"({time.perf_counter() - started:.0f} s in all)")

@@ -216,6 +216,13 @@ class FSDPConfig:
     # CUDA only: keep sharded parameters, gradients and optimizer state in CPU memory
     # (CPUOffloadPolicy).
     cpu_offload: bool = False
+    # Gradient reduction under loop.grad_accum_steps > 1. every_microstep: reduce-scatter after
+    # each micro-step's backward, so a rank only ever holds its gradient shard (1/dp_shard of the
+    # fp32 gradients; the communication of one step times grad_accum_steps). last_microstep:
+    # accumulate unsharded gradients locally and reduce-scatter once, after the last micro-step
+    # (one reduction per step, but every rank holds a full-size fp32 gradient of every
+    # parameter until then: 4 bytes x parameters, ~28 GB for 7B).
+    grad_sync: str = "every_microstep"
 
 
 @dataclass

@@ -4,22 +4,27 @@
     -> FSDP2 (fully_shard per block, then the root) or DDP
 
 Every step is torch's own (``torch.distributed.pipelining``, DTensor ``parallelize_module`` via the
-model's plan, composable ``checkpoint``, ``Module.compile``, ``fully_shard``, DDP). Activation
+model's plan, ``torch.utils.checkpoint``, ``Module.compile``, ``fully_shard``, DDP). Activation
 checkpointing and compile act on blocks in place, so parameter names never change and checkpoints
 stay interchangeable between layouts.
+
+FSDP2 wraps whenever ``parallel.strategy=fsdp`` has data-parallel ranks to shard over, and also on
+a one-rank world that has a process group (``torchrun --nproc_per_node=1``): the same meta build,
+sharding, mixed precision and DTensor checkpoints as at scale, on a mesh of one. A plain process
+(no process group, no mesh) runs the bare model.
 """
 
 from __future__ import annotations
 
 import logging
+import weakref
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Protocol, cast
+from typing import Any, Protocol, cast
 
 import torch
 from torch import nn
-from torch.distributed._composable import checkpoint as checkpoint_activations
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import (
     CPUOffloadPolicy,
@@ -29,6 +34,7 @@ from torch.distributed.fsdp import (
     fully_shard,
 )
 from torch.nn.parallel import DistributedDataParallel
+from torch.utils.checkpoint import checkpoint
 
 from sdnet_trainer.config.checks import check_choice, check_positive
 from sdnet_trainer.config.schema import Config
@@ -45,6 +51,8 @@ logger = logging.getLogger(__name__)
 STRATEGIES = ("ddp", "fsdp", "zero1")
 FSDP_DTYPES = ("auto", *DTYPES)
 COMPILE_MODES = (None, "default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs")
+# parallel.fsdp.grad_sync: reduce-scatter after every micro-step's backward, or after the last only.
+FSDP_GRAD_SYNC = ("every_microstep", "last_microstep")
 
 
 def validate_parallel(cfg: Config, world_size: int) -> None:
@@ -97,6 +105,7 @@ def validate_parallel(cfg: Config, world_size: int) -> None:
         )
     check_choice("parallel.fsdp.param_dtype", parallel.fsdp.param_dtype, FSDP_DTYPES)
     check_choice("parallel.fsdp.reduce_dtype", parallel.fsdp.reduce_dtype, FSDP_DTYPES[1:])
+    check_choice("parallel.fsdp.grad_sync", parallel.fsdp.grad_sync, FSDP_GRAD_SYNC)
     tp_cfg = parallel.tensor_parallel
     if dims.tp == 1 and (tp_cfg.loss_parallel or tp_cfg.sequence_parallel):
         raise ConfigError(
@@ -177,7 +186,12 @@ def parallelize(
     # The inputs alone carry the layout there: the loader hands over channels_last images, and
     # convolutions (cuDNN, oneDNN) follow a channels_last input with contiguous weights, so every
     # activation stays NHWC.
-    fsdp_wrapped = _uses_fsdp(parallel.strategy, dims)
+    fsdp_wrapped = _uses_fsdp(parallel.strategy, dims) and mesh is not None
+    if parallel.strategy == "fsdp" and mesh is None:
+        logger.warning(
+            "parallel.strategy=fsdp in a single process without a process group: the model runs "
+            "unwrapped; launch with torchrun --nproc_per_node=1 for FSDP2 on one rank"
+        )
     if cfg.model.channels_last and not fsdp_wrapped:
         model.to(memory_format=torch.channels_last)
     blocks = [b for b in parallel_blocks(model) if b is not None]
@@ -188,7 +202,7 @@ def parallelize(
                 f"blocks to checkpoint"
             )
         for block in blocks:
-            checkpoint_activations(block)
+            checkpoint_block(block)
     if cfg.compile.enabled:
         kwargs = {
             "backend": cfg.compile.backend,
@@ -232,9 +246,45 @@ def parallelize(
 
 
 def _uses_fsdp(strategy: str, dims: ParallelDims) -> bool:
-    """Whether :func:`parallelize` wraps the model with FSDP2: sharding, or replication under
-    pipeline parallelism (see the DDP x PP branch there)."""
-    return (strategy == "fsdp" and dims.dp > 1) or (dims.dp_replicate > 1 and dims.pp > 1)
+    """Whether :func:`parallelize` wraps the model with FSDP2 (given a mesh): sharding, FSDP2 on a
+    one-rank world, or replication under pipeline parallelism (see the DDP x PP branch there)."""
+    one_rank = dims.sizes == (1,) * len(dims.sizes)
+    return (strategy == "fsdp" and (dims.dp > 1 or one_rank)) or (
+        dims.dp_replicate > 1 and dims.pp > 1
+    )
+
+
+def checkpoint_block(block: nn.Module) -> None:
+    """Activation checkpointing of ``block``, in place: its forward runs inside
+    ``torch.utils.checkpoint`` (non-reentrant), so only the block's inputs are kept for backward
+    and the rest is recomputed there.
+
+    The forward itself is wrapped, not hooked: ``Module.compile`` then traces the checkpoint as
+    one region of the block's graph (a higher-order op the partitioner recomputes), as torchtitan's
+    ``checkpoint_wrapper`` before compiling does. The composable ``checkpoint`` works by forward
+    hooks that dynamo refuses to trace: a graph break at every block, and ``compile.fullgraph=true``
+    fails. Unlike ``checkpoint_wrapper`` no module is inserted, so parameter names stay as they
+    are: the block's class becomes a subclass whose ``forward`` checkpoints the original (as
+    ``fully_shard`` swaps classes), so a copy of the block checkpoints its own forward."""
+    cls = type(block)
+    if cls in _CHECKPOINTED.values():
+        return  # checkpointed already
+    if cls not in _CHECKPOINTED:
+        _CHECKPOINTED[cls] = _checkpointed_class(cls)
+    block.__class__ = _CHECKPOINTED[cls]
+
+
+# A block class -> its checkpointed subclass, made once per class.
+_CHECKPOINTED: dict[type[nn.Module], type[nn.Module]] = {}
+
+
+def _checkpointed_class(cls: type[nn.Module]) -> type[nn.Module]:
+    class Checkpointed(cls):  # type: ignore[valid-type,misc]  # a subclass of a runtime class
+        def forward(self, *args: Any, **kwargs: Any) -> Any:
+            return checkpoint(super().forward, *args, use_reentrant=False, **kwargs)
+
+    Checkpointed.__name__ = Checkpointed.__qualname__ = f"Checkpointed{cls.__name__}"
+    return Checkpointed
 
 
 def _fully_shard(
@@ -252,8 +302,13 @@ def _fully_shard(
         param_dtype=None if param_dtype == "fp32" else DTYPES[param_dtype],
         reduce_dtype=DTYPES[fsdp.reduce_dtype],
     )
-    offload = CPUOffloadPolicy() if fsdp.cpu_offload else OffloadPolicy()
+    # Pinned host memory makes the shards' copies to the GPU asynchronous; pinning needs CUDA.
+    offload = (
+        CPUOffloadPolicy(pin_memory=device.type == "cuda") if fsdp.cpu_offload else OffloadPolicy()
+    )
     for part in parts:
+        if fsdp.grad_sync == "last_microstep":
+            _SYNC_ON_LAST_MICROSTEP.add(part)
         inside = {id(m) for m in part.modules()}
         for block in blocks:
             if id(block) in inside:
@@ -290,6 +345,10 @@ def _param_dtype(parts: list[nn.Module], cfg: Config, device: torch.device) -> s
     return requested
 
 
+# FSDP roots built with parallel.fsdp.grad_sync=last_microstep (weak: a dropped model leaves).
+_SYNC_ON_LAST_MICROSTEP: weakref.WeakSet[nn.Module] = weakref.WeakSet()
+
+
 def set_gradient_sync(modules: list[nn.Module], enabled: bool) -> None:
     """FSDP2's counterpart of DDP's no_sync: skip the reduce-scatter on accumulation micro-steps."""
     for module in modules:
@@ -297,11 +356,24 @@ def set_gradient_sync(modules: list[nn.Module], enabled: bool) -> None:
             module.set_requires_gradient_sync(enabled)
 
 
+def defers_gradient_sync(model: nn.Module) -> bool:
+    """Whether :func:`gradient_sync` skips the reduction of ``model``'s gradients on the
+    micro-steps before the last: always under DDP, under FSDP2 only with
+    ``parallel.fsdp.grad_sync=last_microstep``."""
+    return isinstance(model, DistributedDataParallel) or model in _SYNC_ON_LAST_MICROSTEP
+
+
 @contextmanager
 def gradient_sync(model: nn.Module, enabled: bool) -> Iterator[None]:
-    """Reduce gradients in this backward (``enabled``), or not: DDP's ``no_sync``, FSDP's
-    ``requires_gradient_sync``, on all but the last micro-step of an accumulation."""
-    if enabled:
+    """Reduce gradients in this backward (``enabled``: the last micro-step of an accumulation),
+    or, where the layout defers it, not.
+
+    DDP defers with ``no_sync``: its unreduced gradients are full-size anyway, so skipping the
+    all-reduce costs no memory. FSDP2 reduce-scatters on every micro-step by default, so a rank
+    holds only its gradient shard; deferring (``requires_gradient_sync=False``) would keep an
+    unsharded fp32 gradient of every parameter until the last micro-step, which the user opts
+    into with ``parallel.fsdp.grad_sync=last_microstep``."""
+    if enabled or not defers_gradient_sync(model):
         yield
     elif isinstance(model, DistributedDataParallel):
         with model.no_sync():
@@ -317,8 +389,11 @@ def gradient_sync(model: nn.Module, enabled: bool) -> Iterator[None]:
 __all__ = [
     "COMPILE_MODES",
     "FSDP_DTYPES",
+    "FSDP_GRAD_SYNC",
     "STRATEGIES",
     "ParallelModel",
+    "checkpoint_block",
+    "defers_gradient_sync",
     "gradient_sync",
     "parallelize",
     "set_gradient_sync",

@@ -3,7 +3,8 @@ weights a CPU build with the same seed gives.
 
 A large model is never whole on a rank: the Trainer builds it under ``torch.device("meta")``
 (shapes only), shards it (tensor parallel, FSDP), allocates this rank's pieces with
-``Module.to_empty`` and only then writes values, with :func:`materialize`.
+:func:`allocate` (``Module.to_empty``; under FSDP's CPU offload the parameters in CPU memory, the
+buffers on the device) and only then writes values, with :func:`materialize`.
 
 The values are *full-tensor equivalent* and equal to the CPU build's. An init is a list of
 :class:`InitStep`, in the order a CPU build draws random numbers (construction's
@@ -29,6 +30,7 @@ from typing import Protocol, cast
 
 import torch
 from torch import nn
+from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
 from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 from torchvision.models.resnet import BasicBlock, Bottleneck, ResNet
@@ -161,6 +163,27 @@ def build_deferred(
     return model, steps
 
 
+def allocate(module: nn.Module, device: torch.device, *, cpu_offload: bool = False) -> None:
+    """Allocate ``module``'s meta tensors (uninitialised: :func:`materialize` writes them).
+
+    Everything goes to ``device``, except under FSDP2's CPU offload (``cpu_offload`` and
+    ``module`` wrapped by ``fully_shard``): there the sharded parameters belong in CPU memory,
+    where FSDP keeps them between uses and copies them to the device for each all-gather (its
+    lazy init refuses parameters allocated anywhere else), while buffers, which FSDP does not
+    manage, must be on ``device`` with the computation. ``module.to_empty(device=device)`` alone
+    would put the shards on the device, so offloaded runs could not start."""
+    if not (cpu_offload and isinstance(module, FSDPModule)):
+        module.to_empty(device=device)
+        return
+    # fully_shard(module) manages every parameter below it (blocks and the root's rest), so all
+    # parameters are FSDP shards; FSDPModule's _apply re-registers them (pinned) on the CPU.
+    module.to_empty(device=torch.device("cpu"))
+    for sub in module.modules():
+        for name, buffer in sub._buffers.items():
+            if buffer is not None:
+                sub._buffers[name] = torch.empty_like(buffer, device=device)
+
+
 @torch.no_grad()
 def materialize(steps: list[InitStep]) -> None:
     """Run ``steps`` on full-size CPU stand-ins, in order, writing into every real tensor that is
@@ -237,6 +260,7 @@ __all__ = [
     "REPLACED_STEM",
     "ZERO_INIT_RESIDUAL",
     "InitStep",
+    "allocate",
     "build_deferred",
     "construction_resets",
     "init_steps",

@@ -56,7 +56,7 @@ from sdnet_trainer.distributed.parallelize import gradient_sync, parallelize
 from sdnet_trainer.distributed.pipeline import Pipeline
 from sdnet_trainer.errors import ConfigError
 from sdnet_trainer.models import build_model
-from sdnet_trainer.models.init import build_deferred, materialize
+from sdnet_trainer.models.init import allocate, build_deferred, materialize
 from sdnet_trainer.observability import MetricsWriter, StepMeter
 from sdnet_trainer.observability.flops import run_flops
 from sdnet_trainer.observability.profiler import StepProfiler
@@ -276,7 +276,7 @@ class Trainer:
                 # Allocate this rank's shards, then fill them from the generator state a CPU
                 # build would have started from: the same weights as building on the CPU.
                 for part in parts:
-                    part.to_empty(device=self.device)
+                    allocate(part, self.device, cpu_offload=cfg.parallel.fsdp.cpu_offload)
                 torch.set_rng_state(seeded)
                 materialize(steps)
 
@@ -526,7 +526,8 @@ class Trainer:
             batch = self.data.next_batch()
             data_wait += time.perf_counter() - started  # fetch and copy to the device
             clock.mark("data_wait")
-            # Data parallelism reduces gradients in backward, on the last micro-step only.
+            # DDP reduces gradients in backward on the last micro-step only; FSDP2 reduce-scatters
+            # on every micro-step unless parallel.fsdp.grad_sync=last_microstep (gradient_sync).
             sync = micro_step == accum - 1
             phase = "forward/backward (gradient reduction)" if sync else "forward/backward"
             self.phase.enter(phase, step=step)
