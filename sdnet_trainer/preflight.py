@@ -15,7 +15,6 @@ from sdnet_trainer.config.schema import Config
 from sdnet_trainer.data import validate_data
 from sdnet_trainer.distributed.batching import validate_batch
 from sdnet_trainer.distributed.comm_hooks import validate_comm
-from sdnet_trainer.distributed.compile_graphs import validate_compile_graphs
 from sdnet_trainer.distributed.env import validate_dist
 from sdnet_trainer.distributed.mesh import parallel_dims
 from sdnet_trainer.distributed.parallelize import validate_compile, validate_parallel
@@ -44,8 +43,7 @@ def validate(cfg: Config, *, world_size: int) -> None:
         validate_gpt(cfg, tp=parallel_dims(cfg.parallel, world_size).tp)
     validate_pipeline(cfg, world_size)
     validate_comm(cfg, world_size)
-    validate_compile(cfg)
-    validate_compile_graphs(cfg, world_size)
+    validate_compile(cfg, world_size)
     validate_dist(cfg)
     _validate_checkpoint(cfg)
     _validate_health(cfg)

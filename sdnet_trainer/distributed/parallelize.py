@@ -51,6 +51,8 @@ logger = logging.getLogger(__name__)
 STRATEGIES = ("ddp", "fsdp", "zero1")
 FSDP_DTYPES = ("auto", *DTYPES)
 COMPILE_MODES = (None, "default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs")
+# The compile.mode values under which inductor records CUDA graphs.
+CUDA_GRAPH_MODES = ("reduce-overhead", "max-autotune")
 # parallel.fsdp.grad_sync: reduce-scatter after every micro-step's backward, or after the last only.
 FSDP_GRAD_SYNC = ("every_microstep", "last_microstep")
 
@@ -113,13 +115,34 @@ def validate_parallel(cfg: Config, world_size: int) -> None:
         )
 
 
-def validate_compile(cfg: Config) -> None:
-    """``compile.mode``, checked before launch."""
-    if cfg.compile.mode not in COMPILE_MODES:
+def validate_compile(cfg: Config, world_size: int) -> None:
+    """``compile.mode``, checked before launch.
+
+    ``reduce-overhead`` and ``max-autotune`` have inductor record CUDA graphs of the compiled
+    blocks. A graph replays fixed memory addresses and kernels, while DDP's bucketed all-reduce
+    and FSDP2's per-block all-gather / reduce-scatter run collectives on their own streams and
+    buffers around those blocks; torch documents neither combination as supported and no test
+    here has run one. So the pair is refused (``parallel.strategy=fsdp``, or more than one
+    data-parallel rank under any strategy) rather than left to fail, or to give wrong gradients,
+    on the first multi-GPU step; ``max-autotune-no-cudagraphs`` keeps the tuned kernels."""
+    mode = cfg.compile.mode
+    if mode not in COMPILE_MODES:
         raise ConfigError(
-            f"compile.mode={cfg.compile.mode!r} is not one of "
-            f"{', '.join(str(m) for m in COMPILE_MODES)}"
+            f"compile.mode={mode!r} is not one of {', '.join(str(m) for m in COMPILE_MODES)}"
         )
+    if not cfg.compile.enabled or mode not in CUDA_GRAPH_MODES:
+        return
+    dims = parallel_dims(cfg.parallel, world_size)
+    strategy = cfg.parallel.strategy
+    if strategy != "fsdp" and dims.dp == 1:
+        return
+    wrapper = "FSDP2" if strategy == "fsdp" else "DDP"
+    raise ConfigError(
+        f"compile.enabled=true with compile.mode={mode} records CUDA graphs, which this project "
+        f"does not run under {wrapper} (parallel.strategy={strategy}, {dims.dp} data-parallel "
+        f"rank(s) of world size {world_size}): use compile.mode=default or "
+        f"max-autotune-no-cudagraphs, or a single process with parallel.strategy=ddp"
+    )
 
 
 class _TensorParallelModel(Protocol):

@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 
 from sdnet_trainer.config import compose
-from sdnet_trainer.distributed.compile_graphs import validate_compile_graphs
+from sdnet_trainer.distributed.parallelize import validate_compile
 from sdnet_trainer.errors import ConfigError
 from sdnet_trainer.preflight import validate
 
@@ -50,5 +50,5 @@ def test_cuda_graphs_pass_where_nothing_wraps_the_model_or_compile_is_off(mode):
     validate(_cfg(mode, ["parallel.tp=2"]), world_size=2)  # tensor parallel alone, no DDP
     off = _cfg(mode, ["parallel=fsdp"])
     off.compile.enabled = False  # the mode of a compile that does not happen
-    validate_compile_graphs(off, 2)
+    validate_compile(off, 2)
     validate(off, world_size=2)
