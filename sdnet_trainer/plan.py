@@ -31,15 +31,15 @@ from __future__ import annotations
 import json
 import math
 import sys
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
+from typing import TypeVar
 
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.distributed._composable import checkpoint as checkpoint_activations
 from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
 
@@ -48,7 +48,7 @@ from sdnet_trainer.data import is_language_model_data, resolve_num_classes
 from sdnet_trainer.distributed.batching import batch_layout
 from sdnet_trainer.distributed.env import DistEnv
 from sdnet_trainer.distributed.mesh import ParallelDims, build_mesh, parallel_dims
-from sdnet_trainer.distributed.parallelize import _uses_fsdp, parallelize
+from sdnet_trainer.distributed.parallelize import _uses_fsdp, checkpoint_block, parallelize
 from sdnet_trainer.errors import ConfigError
 from sdnet_trainer.models.parallel_spec import parallel_blocks
 from sdnet_trainer.observability.memory import training_state_bytes
@@ -258,15 +258,12 @@ def _sample_input(cfg: Config, batch: int) -> torch.Tensor:
     return torch.zeros(batch, 3, data.image_size, data.image_size, device="meta")
 
 
-def _activation_estimate(
-    cfg: Config, trainer: Trainer, dims: ParallelDims, stage_numel: int, stage: int
-) -> int:
-    """Bytes saved for backward (see the module docstring): an estimate, not a measurement."""
-    with torch.device("meta"):
-        model = trainer.build_model()
-    if cfg.model.activation_checkpointing:
-        for block in parallel_blocks(model):
-            checkpoint_activations(block)
+T = TypeVar("T")
+
+
+def saved_for_backward(forward: Callable[[], T]) -> tuple[int, T]:
+    """Bytes autograd keeps for backward while ``forward`` runs (on the meta device too), and
+    what ``forward`` returned."""
     saved = 0
 
     def pack(t: torch.Tensor) -> torch.Tensor:
@@ -275,7 +272,20 @@ def _activation_estimate(
         return t
 
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        model(_sample_input(cfg, _micro_batch(cfg, dims)))
+        result = forward()
+    return saved, result
+
+
+def _activation_estimate(
+    cfg: Config, trainer: Trainer, dims: ParallelDims, stage_numel: int, stage: int
+) -> int:
+    """Bytes saved for backward (see the module docstring): an estimate, not a measurement."""
+    with torch.device("meta"):
+        model = trainer.build_model()
+    if cfg.model.activation_checkpointing:
+        for block in parallel_blocks(model):
+            checkpoint_block(block)  # as parallelize applies it
+    saved, _ = saved_for_backward(lambda: model(_sample_input(cfg, _micro_batch(cfg, dims))))
     in_flight = min(cfg.parallel.pipeline.microbatches, dims.pp - stage) if dims.pp > 1 else 1
     # A stage's share of the activations taken as its share of the parameters.
     stage_fraction = stage_numel / max(1, sum(p.numel() for p in model.parameters()))

@@ -20,11 +20,9 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_
 from torch.distributed.tensor import DTensor
 
 from sdnet_trainer import Trainer
-from sdnet_trainer.config import compose
-from sdnet_trainer.config.schema import DistConfig
-from sdnet_trainer.distributed import all_reduce_sum, distributed_session
+from sdnet_trainer.distributed import all_reduce_sum
 from sdnet_trainer.distributed.ops import all_gather_objects
-from sdnet_trainer.preflight import validate
+from tests.distributed._layout_worker import run_cases
 
 
 class AccumulationRecorder(Trainer):
@@ -45,7 +43,7 @@ class AccumulationRecorder(Trainer):
         self.losses.append((all_reduce_sum(out.loss.detach().clone()) / self.env.world_size).item())
         return out
 
-    def record(self) -> dict:
+    def record(self, _fit_result: object = None) -> dict:
         state = get_model_state_dict(self.model, options=StateDictOptions(full_state_dict=True))
         return {
             "losses": self.losses,
@@ -63,19 +61,7 @@ def _held(param: torch.Tensor) -> tuple[bool, int, int]:
 
 
 def main(out: Path, cases: dict[str, list[str]]) -> None:
-    out.mkdir(parents=True, exist_ok=True)
-    with distributed_session(DistConfig()) as env:
-        for name, overrides in cases.items():
-            cfg = compose(overrides)
-            validate(cfg, world_size=env.world_size)
-            trainer = AccumulationRecorder(cfg, output_dir=out / name, env=env)
-            try:
-                trainer.fit()
-                record = trainer.record()
-            finally:
-                trainer.close()
-            if env.is_main:
-                torch.save(record, out / f"{name}.pt")
+    run_cases(out, cases, AccumulationRecorder)
 
 
 if __name__ == "__main__":

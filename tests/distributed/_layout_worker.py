@@ -72,19 +72,25 @@ class LayoutRecorder(Trainer):
         }
 
 
-def main(out: Path, cases: dict[str, list[str]]) -> None:
+def run_cases(out: Path, cases: dict[str, list[str]], recorder: type[Trainer]) -> None:
+    """Train every case in one process group, each with a Trainer of class ``recorder`` (whose
+    ``record(fit_result)`` says what to keep); rank 0 saves each record as ``out/<case>.pt``."""
     out.mkdir(parents=True, exist_ok=True)
     with distributed_session(DistConfig()) as env:
         for name, overrides in cases.items():
             cfg = compose(overrides)
             validate(cfg, world_size=env.world_size)
-            trainer = LayoutRecorder(cfg, output_dir=out / name, env=env)
+            trainer = recorder(cfg, output_dir=out / name, env=env)
             try:
-                record = trainer.record(trainer.fit())
+                record = trainer.record(trainer.fit())  # type: ignore[attr-defined]
             finally:
                 trainer.close()
             if env.is_main:
                 torch.save(record, out / f"{name}.pt")
+
+
+def main(out: Path, cases: dict[str, list[str]]) -> None:
+    run_cases(out, cases, LayoutRecorder)
 
 
 if __name__ == "__main__":

@@ -19,6 +19,7 @@ from sdnet_trainer.distributed.env import DistEnv
 from sdnet_trainer.distributed.mesh import ParallelDims
 from sdnet_trainer.distributed.parallelize import checkpoint_block, parallelize
 from sdnet_trainer.models import build_model
+from sdnet_trainer.plan import saved_for_backward
 
 # aot_eager: dynamo and AOTAutograd (the partitioner that honours the checkpoint) without
 # generating code. fullgraph: a graph break is an error, not a silent split.
@@ -33,15 +34,7 @@ def _build(overrides: list[str], plain: torch.nn.Module | None = None) -> torch.
 
 def _saved_bytes_and_grads(model: torch.nn.Module, tokens: torch.Tensor):
     """Bytes autograd keeps for backward over one forward, and the gradients."""
-    saved = 0
-
-    def pack(t: torch.Tensor) -> torch.Tensor:
-        nonlocal saved
-        saved += t.numel() * t.element_size()
-        return t
-
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        logits = model(tokens[:, :-1])
+    saved, logits = saved_for_backward(lambda: model(tokens[:, :-1]))
     loss = torch.nn.functional.cross_entropy(logits.flatten(0, 1), tokens[:, 1:].flatten())
     loss.backward()
     return saved, loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters()}
