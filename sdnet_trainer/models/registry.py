@@ -57,7 +57,10 @@ def _num_classes(cfg: ModelConfig) -> int:
     if cfg.num_classes is None:
         # The Trainer fills it in from the data before building (data.resolve_num_classes).
         raise ConfigError(
-            f"model.num_classes is not set for model.name={cfg.name!r}: set it, or data.num_classes"
+            f"model.num_classes is not set for model.name={cfg.name!r}: the Trainer takes the "
+            f"class count from the data (or data.num_classes); to build the model by hand, pass "
+            f"it: compose([..., 'model.num_classes=10']), or set cfg.model.num_classes before "
+            f"build_model(cfg.model)"
         )
     return cfg.num_classes
 

@@ -7,6 +7,7 @@ import logging
 from pathlib import Path
 
 import pytest
+import torch
 from PIL import Image
 
 from sdnet_trainer import Trainer, compose
@@ -76,3 +77,16 @@ def test_data_that_states_nothing_needs_the_key():
     cfg.model.num_classes = 7
     resolve_num_classes(cfg, object())  # type: ignore[arg-type]
     assert cfg.data.num_classes == 7
+
+
+def test_a_model_built_by_hand_without_a_class_count_says_how_to_pass_it():
+    from sdnet_trainer.models import build_model
+
+    with pytest.raises(ConfigError) as err:
+        build_model(compose(["+recipe=quickstart"]).model)
+    message = str(err.value)
+    assert "model.num_classes is not set" in message
+    assert "'model.num_classes=10'" in message and "build_model(cfg.model)" in message
+    # The docs' example, as written there, builds the quickstart's model.
+    model = build_model(compose(["+recipe=quickstart", "model.num_classes=10"]).model)
+    assert model(torch.zeros(2, 3, 32, 32)).shape == (2, 10)
