@@ -4,6 +4,7 @@ overrides on ``sys.argv``, and export's ``main``."""
 
 from __future__ import annotations
 
+import logging
 import sys
 
 import pytest
@@ -33,6 +34,25 @@ CASES = [
     ("data.root", ["data=imagefolder", "data.root={bad}"]),
     ("data.root", ["data=cifar10", "data.image_size=32", "data.download=true", "data.root={bad}"]),
 ]
+
+
+@pytest.fixture(autouse=True)
+def _restore_logging():
+    """The command line's main configures logging (Hydra's, then ours) on this process's stderr,
+    which pytest closes after the test: later tests would log into a closed stream."""
+    loggers = [logging.getLogger(), logging.getLogger("sdnet_trainer")]
+    saved = [(log, list(log.handlers), log.level, log.propagate) for log in loggers]
+    yield
+    for log, handlers, level, propagate in saved:
+        for handler in log.handlers[:]:
+            if handler not in handlers:
+                log.removeHandler(handler)
+                handler.close()
+        for handler in handlers:
+            if handler not in log.handlers:
+                log.addHandler(handler)
+        log.setLevel(level)
+        log.propagate = propagate
 
 
 @pytest.fixture(params=["under_proc", "under_a_file"])
