@@ -23,8 +23,8 @@
 #   GPU_CHECK_VENV=DIR        keep the venv there and reuse it on the next run (default: a
 #                             temporary one, removed at the end)
 #   GPU_CHECK_BENCH=0         the tests only
-#   GPU_CHECK_TEST_TIMEOUT=S  seconds per CUDA test (default 300)
-#   GPU_CHECK_PYTEST_TIMEOUT=S  seconds for the whole pytest step (default 330; 2400 with FULL)
+#   GPU_CHECK_TEST_TIMEOUT=S  seconds per CUDA test (default 240)
+#   GPU_CHECK_PYTEST_TIMEOUT=S  seconds for the whole pytest step (default 270; 2400 with FULL)
 # Exit status: 1 if the setup failed, a CUDA test failed or errored, or pytest could not run,
 # collect or finish in time; else 2 without a CUDA device (the setup and the collection done, the
 # tests skipped, nothing measured); else 3 if the benchmark failed; else 0.
@@ -34,17 +34,17 @@ REPO=$(pwd)
 PYTHON=${PYTHON:-python3}
 WHEELS=${GPU_CHECK_WHEELS:-$REPO/gpu_wheels}
 FULL=${GPU_CHECK_FULL:-0}
-TEST_TIMEOUT=${GPU_CHECK_TEST_TIMEOUT:-300}
+TEST_TIMEOUT=${GPU_CHECK_TEST_TIMEOUT:-240}
 if [ "$FULL" = "1" ]; then
     PYTEST_TIMEOUT=${GPU_CHECK_PYTEST_TIMEOUT:-2400}
     SELECT=()
     BENCH_ARGS=()
     BENCH_TIMEOUT=2400
 else
-    PYTEST_TIMEOUT=${GPU_CHECK_PYTEST_TIMEOUT:-330}
+    PYTEST_TIMEOUT=${GPU_CHECK_PYTEST_TIMEOUT:-270}
     SELECT=(-k "not (compiled_and_profiled and gpt_tiny) and not (nccl_process_group and zero1) and not fsdp_over_gloo")
     BENCH_ARGS=(--quick)
-    BENCH_TIMEOUT=200
+    BENCH_TIMEOUT=180
 fi
 OUT=${GPU_CHECK_OUT:-$(mktemp -d "${TMPDIR:-/tmp}/gpu_check.XXXXXX")}
 mkdir -p "$OUT" && OUT=$(cd "$OUT" && pwd) || exit 1
@@ -175,7 +175,7 @@ EOF
 echo
 echo "== pytest tests/cuda -m cuda (${TEST_TIMEOUT} s per test, ${PYTEST_TIMEOUT} s in all)"
 tests_started=$SECONDS
-timeout -k 20 "$PYTEST_TIMEOUT" "$VPY" -m pytest tests/cuda -m cuda -rs -p no:cacheprovider \
+timeout -k 10 "$PYTEST_TIMEOUT" "$VPY" -m pytest tests/cuda -m cuda -rs -p no:cacheprovider \
     --timeout="$TEST_TIMEOUT" --junitxml="$OUT/cuda_tests.xml" ${SELECT[@]+"${SELECT[@]}"} "$@" 2>&1 |
     tee "$OUT/pytest.log"
 pytest_rc=${PIPESTATUS[0]}
@@ -188,7 +188,7 @@ if [ "${GPU_CHECK_BENCH:-1}" != "0" ]; then
     echo
     echo "== scripts/bench_gpu.py ${BENCH_ARGS[*]:-(full)}"
     bench_started=$SECONDS
-    timeout -k 20 "$BENCH_TIMEOUT" "$VPY" scripts/bench_gpu.py ${BENCH_ARGS[@]+"${BENCH_ARGS[@]}"} \
+    timeout -k 10 "$BENCH_TIMEOUT" "$VPY" scripts/bench_gpu.py ${BENCH_ARGS[@]+"${BENCH_ARGS[@]}"} \
         --json "$OUT/bench.json" --out "$OUT/bench" 2>&1 | tee "$OUT/bench.log"
     bench_rc=${PIPESTATUS[0]}
     BENCH_S=$((SECONDS - bench_started))
