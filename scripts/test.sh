@@ -3,8 +3,15 @@
 # and types (ruff, mypy; settings in pyproject.toml), build the docs site, and run the tests.
 #   bash scripts/test.sh            # the whole suite: unit, distributed (gloo), end-to-end CLI
 #   bash scripts/test.sh -k ddp     # extra arguments go to pytest
+#   bash scripts/test.sh --quick    # while editing: the quick tier (the unit tests but the slowest;
+#                                   # tests/conftest.py), after the same install, lint and types
 set -euo pipefail
 cd "$(dirname "$0")/.."
+tier=()
+if [ "${1:-}" = "--quick" ]; then
+    tier=(-m quick)
+    shift
+fi
 PYTHON=${PYTHON:-python3}
 if [ ! -x .venv/bin/python ]; then
     "$PYTHON" -m venv .venv
@@ -20,4 +27,4 @@ NO_MKDOCS_2_WARNING=1 .venv/bin/mkdocs build --strict --quiet --site-dir "$site_
 rm -rf "$site_dir"
 # One thread per process: the distributed tests run 2 processes on small machines.
 export OMP_NUM_THREADS=1
-exec .venv/bin/python -m pytest -q "$@"
+exec .venv/bin/python -m pytest -q ${tier[@]+"${tier[@]}"} "$@"

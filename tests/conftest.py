@@ -12,7 +12,9 @@
 
 from __future__ import annotations
 
+import os
 from collections.abc import Generator
+from pathlib import Path
 
 import pytest
 import torch
@@ -26,7 +28,40 @@ NO_CUDA_REASON = "no CUDA device"
 CUDA_AVAILABLE = torch.cuda.is_available()
 
 
+# The two tiers (``bash scripts/test.sh --quick`` runs the first, CI and the plain command both):
+# every test is in exactly one. By default the unit tests are quick and the multi-process,
+# end-to-end, security and CUDA tests full; a ``full`` marker moves a slow unit test out of the
+# quick tier, a ``quick`` marker moves a fast multi-process test into it (tests/unit/test_tiers.py).
+QUICK, FULL = "quick", "full"
+QUICK_FOLDERS = ("unit",)
+TESTS = Path(__file__).resolve().parent
+TIERS_FILE = "SDNET_TEST_TIERS_FILE"  # where test_tiers.py asks for each test's tiers
+
+
+def tier_of(item: pytest.Item) -> str:
+    explicit = {m.name for m in item.iter_markers() if m.name in (QUICK, FULL)}
+    if len(explicit) > 1:
+        raise pytest.UsageError(f"{item.nodeid} is marked both quick and full")
+    if explicit:
+        return explicit.pop()
+    try:
+        parts = item.path.relative_to(TESTS).parts  # <folder>/test_x.py
+    except ValueError:  # a test outside this tree (a test's own temporary suite)
+        return FULL
+    return QUICK if len(parts) > 1 and parts[0] in QUICK_FOLDERS else FULL
+
+
+@pytest.hookimpl(tryfirst=True)  # before `-m quick` / `-m full` selects by the marker
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    for item in items:
+        tier = tier_of(item)
+        if item.get_closest_marker(tier) is None:
+            item.add_marker(tier)
+    if path := os.environ.get(TIERS_FILE):
+        with open(path, "w") as f:
+            for item in items:
+                tiers = sorted({m.name for m in item.iter_markers() if m.name in (QUICK, FULL)})
+                f.write(f"{item.nodeid}\t{','.join(tiers)}\n")
     if CUDA_AVAILABLE:
         return
     skip = pytest.mark.skip(reason=NO_CUDA_REASON)

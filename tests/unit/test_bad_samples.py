@@ -120,6 +120,7 @@ def test_error_names_the_file_in_one_line(tmp_path, index, num_workers):
         assert "(OSError: " in message
 
 
+@pytest.mark.full  # seconds: out of the quick tier
 def test_cli_reports_a_bad_file_without_a_traceback(tmp_path):
     root = _tree(tmp_path / "data", {GARBAGE: "garbage"})
     launch = run_cli(
@@ -141,6 +142,7 @@ def test_cli_reports_a_bad_file_without_a_traceback(tmp_path):
     assert "Traceback" not in launch.output, launch.output
 
 
+@pytest.mark.full  # seconds: out of the quick tier
 def test_on_bad_sample_is_validated():
     validate_data(compose(["data.on_bad_sample=skip"]))
     with pytest.raises(ConfigError, match=r"data.on_bad_sample='skp'.*did you mean 'skip'"):

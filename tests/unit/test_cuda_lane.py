@@ -123,6 +123,7 @@ def test_bench_gpu_quick_is_the_short_profile(bench_gpu, monkeypatch):
     assert full.sections == ["resnet50", "gpt_1b", "loader"] and full.rounds == 3
 
 
+@pytest.mark.full  # seconds: out of the quick tier
 def test_bench_gpu_without_cuda_exits_2_with_its_message(tmp_path):
     launch = run_command(
         [sys.executable, str(SCRIPTS / "bench_gpu.py"), "--out", str(tmp_path / "out")],
@@ -167,6 +168,7 @@ def test_bench_gpu_runs_compose_as_described(bench_gpu, tmp_path):
     assert gpt.logging.flops  # MFU comes from the Trainer's own FLOP count
 
 
+@pytest.mark.full  # seconds: out of the quick tier
 def test_bench_gpu_machinery_runs_on_the_cpu(tmp_path):
     """--cpu-smoke: both ResNet sides launched and timed (a ResNet-18 at 32x32, fp32), the loader
     section on generated JPEGs, the table and the JSON that gpu_check.sh reads."""

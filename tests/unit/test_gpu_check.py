@@ -23,6 +23,9 @@ import pytest
 
 from tests.support import REPO, gpu_image_python, run_command
 
+# Each test runs the whole check (an install and a collection): out of the quick tier.
+pytestmark = pytest.mark.full
+
 SCRIPT = REPO / "scripts" / "gpu_check.sh"
 # What scripts/gpu_lane_requirements.txt names: the wheels a GPU node gets from the folder.
 LANE = ("hydra-core", "omegaconf", "antlr4-python3-runtime")

@@ -202,6 +202,7 @@ def _read(path: Path) -> str:
     return path.read_text() if path.exists() else ""
 
 
+@pytest.mark.full  # seconds: out of the quick tier
 def test_watchdog_ends_a_process_that_makes_no_progress(children):
     hung = children["hangs"]
     assert hung.exitcode == EXIT_HANG == 4, hung

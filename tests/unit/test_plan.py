@@ -5,11 +5,14 @@ from __future__ import annotations
 
 import json
 
+import pytest
+
 from tests.support import run_cli
 
 LAYOUT = ["+recipe=gpt_tp_fsdp", "model=gpt_1b", "parallel.tp=8", "parallel.pp=4"]
 
 
+@pytest.mark.full  # seconds: out of the quick tier
 def test_a_config_error_of_the_launch_is_reported_without_it(tmp_path):
     # The recipe's 32 sequences over 32 data-parallel ranks leave 1 per rank: not 4 micro-batches.
     launch = run_cli(["--dry-run", "world_size=1024", *LAYOUT], cwd=tmp_path, timeout=300)
@@ -17,11 +20,13 @@ def test_a_config_error_of_the_launch_is_reported_without_it(tmp_path):
     assert "config error:" in launch.output and "parallel.pipeline.microbatches=4" in launch.output
 
 
+@pytest.mark.full  # seconds: out of the quick tier
 def test_world_size_is_required(tmp_path):
     launch = run_cli(["--dry-run", *LAYOUT], cwd=tmp_path, timeout=300)
     assert launch.returncode == 2 and "world_size=N" in launch.output
 
 
+@pytest.mark.full  # seconds: out of the quick tier
 def test_1024_ranks_of_gpt_1b_plan_in_one_process(tmp_path):
     plan = tmp_path / "plan.json"
     args = ["--dry-run", "world_size=1024", *LAYOUT, "loop.global_batch_size=128", f"json={plan}"]

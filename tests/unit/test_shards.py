@@ -595,6 +595,7 @@ def test_corrupt_member_under_skip_loads_the_next_sample(converted, tmp_path):
         (lambda doc: _entry(doc, 2, key=lambda k: doc["samples"][0][0]), "lists the key twice"),
     ],
 )
+@pytest.mark.full  # seconds: out of the quick tier
 def test_bad_index_is_one_error_naming_the_shard(converted, tmp_path, edit, expected):
     out = _copy(converted, tmp_path)
     path = _index_path(out)
