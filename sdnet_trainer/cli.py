@@ -32,7 +32,7 @@ from sdnet_trainer.config import CONFIG_MODULE, Config, to_config
 from sdnet_trainer.distributed import distributed_session, launched_world_size
 from sdnet_trainer.distributed.launchers import export_scheduler_env
 from sdnet_trainer.distributed.ops import all_gather_objects
-from sdnet_trainer.errors import ConfigError
+from sdnet_trainer.errors import EXIT_CONFIG_ERROR, ConfigError
 from sdnet_trainer.observability import setup_logging
 from sdnet_trainer.preflight import validate
 from sdnet_trainer.training.health import EXIT_NONFINITE, NonFiniteError
@@ -41,7 +41,6 @@ from sdnet_trainer.training.trainer import Trainer, resolve_trainer_class
 
 logger = logging.getLogger("sdnet_trainer")
 
-EXIT_CONFIG_ERROR = 2
 EXIT_CHECKPOINT = 5
 INTERRUPTED_OUTSIDE_LOOP = "SIGINT: interrupted outside the training loop, no checkpoint saved"
 

@@ -1,4 +1,7 @@
-"""The one exception type for bad user input."""
+"""The one exception type for bad user input, and the exit code it ends a command with."""
+
+# Every command (training, the dry run, Hydra's run-folder check) exits with this on a ConfigError.
+EXIT_CONFIG_ERROR = 2
 
 
 class ConfigError(ValueError):

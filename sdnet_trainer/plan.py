@@ -49,14 +49,12 @@ from sdnet_trainer.distributed.batching import batch_layout
 from sdnet_trainer.distributed.env import DistEnv
 from sdnet_trainer.distributed.mesh import ParallelDims, build_mesh, parallel_dims
 from sdnet_trainer.distributed.parallelize import _uses_fsdp, checkpoint_block, parallelize
-from sdnet_trainer.errors import ConfigError
+from sdnet_trainer.errors import EXIT_CONFIG_ERROR, ConfigError
 from sdnet_trainer.models.parallel_spec import parallel_blocks
 from sdnet_trainer.observability.memory import training_state_bytes
 from sdnet_trainer.preflight import validate
 from sdnet_trainer.training.precision import DTYPES
 from sdnet_trainer.training.trainer import Trainer, resolve_trainer_class
-
-EXIT_CONFIG_ERROR = 2
 
 
 @dataclass

@@ -41,7 +41,6 @@ from sdnet_trainer.checkpoint.untrusted import CheckpointError, crc32
 logger = logging.getLogger(__name__)
 
 _DISK_FULL = (errno.ENOSPC, errno.EDQUOT)
-_CHUNK = 4 * 2**20  # bytes read at a time when a file's checksum must be read back
 
 
 @dataclass(frozen=True)
@@ -175,12 +174,7 @@ class _ChecksummedStream:
 
 def read_checksum(path: Path) -> tuple[int, int]:
     """(bytes, crc32) of a file this process wrote, read back."""
-    crc, size = 0, 0
-    with open(path, "rb") as f:
-        while chunk := f.read(_CHUNK):
-            crc = zlib.crc32(chunk, crc)
-            size += len(chunk)
-    return size, crc
+    return path.stat().st_size, crc32(path)
 
 
 @contextmanager

@@ -17,9 +17,7 @@ from typing import Any
 from hydra.experimental.callback import Callback
 from omegaconf import DictConfig
 
-from sdnet_trainer.errors import ConfigError
-
-EXIT_CONFIG_ERROR = 2  # the CLI's exit code for a config error (cli.py)
+from sdnet_trainer.errors import EXIT_CONFIG_ERROR, ConfigError
 
 
 def check_creatable_folder(key: str, value: str | os.PathLike) -> None:

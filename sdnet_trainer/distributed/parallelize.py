@@ -17,7 +17,6 @@ sharding, mixed precision and DTensor checkpoints as at scale, on a mesh of one.
 from __future__ import annotations
 
 import logging
-import weakref
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -330,8 +329,6 @@ def _fully_shard(
         CPUOffloadPolicy(pin_memory=device.type == "cuda") if fsdp.cpu_offload else OffloadPolicy()
     )
     for part in parts:
-        if fsdp.grad_sync == "last_microstep":
-            _SYNC_ON_LAST_MICROSTEP.add(part)
         inside = {id(m) for m in part.modules()}
         for block in blocks:
             if id(block) in inside:
@@ -368,10 +365,6 @@ def _param_dtype(parts: list[nn.Module], cfg: Config, device: torch.device) -> s
     return requested
 
 
-# FSDP roots built with parallel.fsdp.grad_sync=last_microstep (weak: a dropped model leaves).
-_SYNC_ON_LAST_MICROSTEP: weakref.WeakSet[nn.Module] = weakref.WeakSet()
-
-
 def set_gradient_sync(modules: list[nn.Module], enabled: bool) -> None:
     """FSDP2's counterpart of DDP's no_sync: skip the reduce-scatter on accumulation micro-steps."""
     for module in modules:
@@ -379,15 +372,17 @@ def set_gradient_sync(modules: list[nn.Module], enabled: bool) -> None:
             module.set_requires_gradient_sync(enabled)
 
 
-def defers_gradient_sync(model: nn.Module) -> bool:
+def defers_gradient_sync(model: nn.Module, *, fsdp_grad_sync: str) -> bool:
     """Whether :func:`gradient_sync` skips the reduction of ``model``'s gradients on the
     micro-steps before the last: always under DDP, under FSDP2 only with
-    ``parallel.fsdp.grad_sync=last_microstep``."""
-    return isinstance(model, DistributedDataParallel) or model in _SYNC_ON_LAST_MICROSTEP
+    ``fsdp_grad_sync`` (``parallel.fsdp.grad_sync``) ``last_microstep``."""
+    if isinstance(model, DistributedDataParallel):
+        return True
+    return isinstance(model, FSDPModule) and fsdp_grad_sync == "last_microstep"
 
 
 @contextmanager
-def gradient_sync(model: nn.Module, enabled: bool) -> Iterator[None]:
+def gradient_sync(model: nn.Module, enabled: bool, *, fsdp_grad_sync: str) -> Iterator[None]:
     """Reduce gradients in this backward (``enabled``: the last micro-step of an accumulation),
     or, where the layout defers it, not.
 
@@ -396,7 +391,7 @@ def gradient_sync(model: nn.Module, enabled: bool) -> Iterator[None]:
     holds only its gradient shard; deferring (``requires_gradient_sync=False``) would keep an
     unsharded fp32 gradient of every parameter until the last micro-step, which the user opts
     into with ``parallel.fsdp.grad_sync=last_microstep``."""
-    if enabled or not defers_gradient_sync(model):
+    if enabled or not defers_gradient_sync(model, fsdp_grad_sync=fsdp_grad_sync):
         yield
     elif isinstance(model, DistributedDataParallel):
         with model.no_sync():

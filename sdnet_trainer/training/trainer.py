@@ -520,6 +520,7 @@ class Trainer:
         loss_sum = torch.zeros((), device=self.device)
         data_wait = 0.0
         tp_loss = self.cfg.parallel.tensor_parallel.loss_parallel
+        fsdp_grad_sync = self.cfg.parallel.fsdp.grad_sync
         for micro_step in range(accum):
             started = time.perf_counter()
             self.phase.enter("data", step=step)
@@ -532,7 +533,10 @@ class Trainer:
             phase = "forward/backward (gradient reduction)" if sync else "forward/backward"
             self.phase.enter(phase, step=step)
             # loss_parallel: with vocabulary-sharded logits the loss and its backward run on shards.
-            with gradient_sync(self.model, sync), loss_parallel() if tp_loss else nullcontext():
+            with (
+                gradient_sync(self.model, sync, fsdp_grad_sync=fsdp_grad_sync),
+                loss_parallel() if tp_loss else nullcontext(),
+            ):
                 if self.pipeline is not None:  # the schedule runs forward and backward
                     with self.precision.autocast():
                         loss = self.pipeline.train_step(*batch)
