@@ -93,10 +93,10 @@ class AugmentConfig:
 
 @dataclass
 class DataConfig:
-    # synthetic | imagefolder | cifar10 | shards | hf (images) or tokens | text | shards | hf
-    # (language models). shards: WebDataset-layout tar shards (data.root: a folder with train/ and
-    # val/ shard sets, a brace pattern or a URL of either); hf: a Hugging Face dataset saved with
-    # save_to_disk, or parquet/arrow files, in data.root.
+    # synthetic | imagefolder | cifar10 | shards | hf (images) or tokens | text | chat | shards |
+    # hf (language models). shards: WebDataset-layout tar shards (data.root: a folder with train/
+    # and val/ shard sets, a brace pattern or a URL of either); hf: a Hugging Face dataset saved
+    # with save_to_disk, or parquet/arrow files, in data.root.
     name: str = "synthetic"
     # imagefolder: a folder with train/ and val/ class sub-folders; cifar10: torchvision's root;
     # text: a UTF-8 text file (or a folder of .txt files), read as bytes.
@@ -128,7 +128,18 @@ class DataConfig:
     image_column: str = "image"
     label_column: str = "label"
     text_column: Optional[str] = None
+    # hf, text, chat: a tokenizer.json (or a folder with it and tokenizer_config.json, whose
+    # bos_token / eos_token / chat_template are used) or a tiktoken BPE file; see
+    # sdnet_trainer/data/tokenizer.py. text: null reads bytes; with a tokenizer, .txt, .jsonl
+    # (data.text_column, null: "text") and .parquet files are tokenized once into a token cache.
     tokenizer: Optional[str] = None
+    # text, chat: where the token cache goes; null: .sdnet_tokens/ beside the data.
+    cache_dir: Optional[str] = None
+    # text with a tokenizer: leave out of the loss each target that follows an EOS (the next
+    # document's first token). Attention is not blocked at document boundaries.
+    mask_documents: bool = False
+    # chat: null renders with the tokenizer's own chat_template; or a named one (chatml, llama3).
+    chat_template: Optional[str] = None
     # Epoch tail that does not fill a global batch: drop it (True) or wrap around (False).
     drop_last: bool = True
     shuffle: bool = True

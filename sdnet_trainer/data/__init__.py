@@ -15,6 +15,7 @@ from sdnet_trainer.config.checks import check_choice, check_positive
 from sdnet_trainer.config.schema import Config, DataConfig
 from sdnet_trainer.data.augment import BatchMixer, changed_augment_keys, validate_augment
 from sdnet_trainer.data.bad_samples import ON_BAD_SAMPLE, BadSampleError, SkippedSamples
+from sdnet_trainer.data.chat import build_chat
 from sdnet_trainer.data.cifar import build_cifar10
 from sdnet_trainer.data.folders import CheckedImageFolder, build_imagefolder
 from sdnet_trainer.data.hf import HFImages, build_hf
@@ -22,19 +23,15 @@ from sdnet_trainer.data.loader import build_loader, check_loader_options
 from sdnet_trainer.data.sampler import GlobalBatchSampler, ShardedEvalSampler
 from sdnet_trainer.data.shards import ShardImages, ShardText, build_shards
 from sdnet_trainer.data.synthetic import SyntheticImages, build_synthetic
-from sdnet_trainer.data.tokens import (
-    MarkovTokens,
-    TextBytes,
-    TokenWindows,
-    build_text,
-    build_tokens,
-)
+from sdnet_trainer.data.text import build_text
+from sdnet_trainer.data.token_cache import IGNORE_INDEX, PackedTokens
+from sdnet_trainer.data.tokens import MarkovTokens, TextBytes, TokenWindows, build_tokens
 from sdnet_trainer.errors import ConfigError
 
 logger = logging.getLogger(__name__)
 
 # The language-model data sets: (inputs, targets) token sequences rather than labelled images.
-LM_DATASETS = ("tokens", "text")
+LM_DATASETS = ("tokens", "text", "chat")
 
 # (train, val); val is None where the data has no validation split.
 _BUILDERS: dict[str, Callable[[DataConfig], tuple[Dataset, Dataset | None]]] = {
@@ -44,6 +41,7 @@ _BUILDERS: dict[str, Callable[[DataConfig], tuple[Dataset, Dataset | None]]] = {
     # Language models: (inputs, targets) token sequences.
     "tokens": build_tokens,
     "text": build_text,
+    "chat": build_chat,
     # Labelled images, or text for a language model when data.text_column is set.
     "hf": build_hf,
     # Tar shards (WebDataset layout) of images or of text, local or at an fsspec URL.
@@ -189,6 +187,8 @@ __all__ = [
     "BadSampleError",
     "CheckedImageFolder",
     "HFImages",
+    "IGNORE_INDEX",
+    "PackedTokens",
     "ShardImages",
     "ShardText",
     "GlobalBatchSampler",

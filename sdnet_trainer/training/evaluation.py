@@ -17,25 +17,45 @@ import torch
 import torch.nn.functional as F
 from torch.distributed.tensor import DTensor
 
+from sdnet_trainer.data.token_cache import IGNORE_INDEX
 from sdnet_trainer.distributed import all_reduce_sum
 from sdnet_trainer.distributed.ops import all_gather_objects
 
 
+def token_cross_entropy(
+    logits: torch.Tensor, targets: torch.Tensor, *, label_smoothing: float = 0.0
+) -> torch.Tensor:
+    """The mean cross-entropy over the targets that count: ``IGNORE_INDEX`` (-100) targets (chat
+    prompts, masked document boundaries) add nothing to the loss or to the gradient. A batch
+    without a counted target has loss 0 (not 0/0). ``logits`` may be vocabulary-sharded
+    (tensor-parallel ``loss_parallel``): the sum is computed on the shards, the count is a plain
+    scalar tensor, and nothing waits for the device."""
+    total = F.cross_entropy(
+        logits,
+        targets,
+        ignore_index=IGNORE_INDEX,
+        reduction="sum",
+        label_smoothing=label_smoothing,
+    )
+    return total / (targets != IGNORE_INDEX).sum().clamp(min=1)
+
+
 def metric_sums(logits: torch.Tensor, targets: torch.Tensor) -> dict[str, torch.Tensor]:
-    """Loss, top-1 and top-5 hits summed over samples (over positions for sequence models)."""
+    """Loss, top-1 and top-5 hits summed over samples (over positions for sequence models);
+    ``IGNORE_INDEX`` targets are left out of every sum and of the count."""
     if isinstance(logits, DTensor):  # vocabulary-sharded logits (tensor-parallel loss_parallel)
         logits = logits.full_tensor()
     logits = logits.float()
     if logits.dim() == 3:
         logits, targets = logits.flatten(0, 1), targets.flatten(0, 1)
+    counted = targets != IGNORE_INDEX
     top = logits.topk(min(5, logits.shape[1]), dim=1).indices.eq(targets[:, None])
     return {
-        "loss": F.cross_entropy(logits, targets, reduction="sum"),
-        "top1": top[:, 0].sum(),
-        "top5": top.any(dim=1).sum(),
-        # torch.full writes the count on the device; torch.tensor would copy it from the host,
-        # which waits for the GPU's queued work on every eval batch.
-        "count": torch.full((), targets.shape[0], dtype=torch.int64, device=targets.device),
+        "loss": F.cross_entropy(logits, targets, ignore_index=IGNORE_INDEX, reduction="sum"),
+        "top1": (top[:, 0] & counted).sum(),
+        "top5": (top.any(dim=1) & counted).sum(),
+        # Counted on the device: a host count would wait for the GPU's queued work every batch.
+        "count": counted.sum(),
     }
 
 

@@ -63,7 +63,7 @@ from sdnet_trainer.observability.profiler import StepProfiler
 from sdnet_trainer.observability.prometheus import PrometheusExporter, prometheus_enabled
 from sdnet_trainer.training import rng
 from sdnet_trainer.training.ema import WeightAverage
-from sdnet_trainer.training.evaluation import evaluate_batches, metric_sums
+from sdnet_trainer.training.evaluation import evaluate_batches, metric_sums, token_cross_entropy
 from sdnet_trainer.training.health import Heartbeat, PhaseTracker, Watchdog, hang_log_path
 from sdnet_trainer.training.hooks import (
     EvalHook,
@@ -155,9 +155,15 @@ class Trainer:
 
     def loss_fn(self, outputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         """Cross-entropy over classes, or over the vocabulary at every position of a sequence
-        model's (batch, time, vocab) logits. Also the pipeline's loss on its last stage."""
+        model's (batch, time, vocab) logits: the mean over the positions whose target is not
+        -100 (``token_cross_entropy``; chat prompts, masked document boundaries), per
+        micro-batch. Also the pipeline's loss on its last stage."""
         if outputs.dim() == 3:
-            outputs, targets = outputs.flatten(0, 1), targets.flatten(0, 1)
+            return token_cross_entropy(
+                outputs.flatten(0, 1),
+                targets.flatten(0, 1),
+                label_smoothing=self.cfg.loss.label_smoothing,
+            )
         return self.criterion(outputs, targets)
 
     def eval_step(self, batch: Any) -> dict[str, torch.Tensor]:
