@@ -92,6 +92,8 @@ def _validate_paths(cfg: Config) -> None:
         check_creatable_folder("data.root", cfg.data.root)
     if cfg.checkpoint.dir is not None:
         check_creatable_folder("checkpoint.dir", cfg.checkpoint.dir)
+    if cfg.data.cache_dir is not None:  # the token cache of data=text / data=chat
+        check_creatable_folder("data.cache_dir", cfg.data.cache_dir)
     uri = cfg.logging.mlflow.tracking_uri
     if "mlflow" in cfg.logging.trackers and uri and is_local_path(uri):
         check_creatable_folder("logging.mlflow.tracking_uri", local_path(uri))

@@ -98,8 +98,8 @@ class DataConfig:
     # and val/ shard sets, a brace pattern or a URL of either); hf: a Hugging Face dataset saved
     # with save_to_disk, or parquet/arrow files, in data.root.
     name: str = "synthetic"
-    # imagefolder: a folder with train/ and val/ class sub-folders; cifar10: torchvision's root;
-    # text: a UTF-8 text file (or a folder of .txt files), read as bytes.
+    # imagefolder: train/ and val/ class folders; cifar10: torchvision's root; text, chat: a file
+    # or a folder of them (.txt as bytes without data.tokenizer; .txt/.jsonl/.parquet with one).
     root: Optional[str] = None
     download: bool = False
     image_size: int = 32
@@ -118,27 +118,20 @@ class DataConfig:
     synthetic_seed: int = 1234
     signal: float = 1.0
     noise: float = 1.0
-    # tokens / text: tokens per sample (inputs; targets are the same shifted by one) and the
+    # tokens / text / chat: tokens per sample (targets: the inputs shifted by one) and the
     # vocabulary, normally interpolated from model.gpt.
     seq_len: int = 128
     vocab_size: int = 256
-    # hf: the columns holding the image and its label, or the text (a text column makes it a
-    # language-model data set: tokenized with the Hugging Face tokenizer named by data.tokenizer,
-    # or read as UTF-8 bytes when that is null).
+    # hf: the columns of the image and its label, or of the text (then language-model data:
+    # data.tokenizer's ids, or UTF-8 bytes when null); text: the jsonl/parquet text (null: text).
     image_column: str = "image"
     label_column: str = "label"
     text_column: Optional[str] = None
-    # hf, text, chat: a tokenizer.json (or a folder with it and tokenizer_config.json, whose
-    # bos_token / eos_token / chat_template are used) or a tiktoken BPE file; see
-    # sdnet_trainer/data/tokenizer.py. text: null reads bytes; with a tokenizer, .txt, .jsonl
-    # (data.text_column, null: "text") and .parquet files are tokenized once into a token cache.
+    # text/chat (see data/text.py, chat.py, tokenizer.py): the tokenizer, the token cache's folder
+    # (null: beside the data), no loss after EOS, the template (null: the tokenizer's; chatml ...)
     tokenizer: Optional[str] = None
-    # text, chat: where the token cache goes; null: .sdnet_tokens/ beside the data.
     cache_dir: Optional[str] = None
-    # text with a tokenizer: leave out of the loss each target that follows an EOS (the next
-    # document's first token). Attention is not blocked at document boundaries.
     mask_documents: bool = False
-    # chat: null renders with the tokenizer's own chat_template; or a named one (chatml, llama3).
     chat_template: Optional[str] = None
     # Epoch tail that does not fill a global batch: drop it (True) or wrap around (False).
     drop_last: bool = True

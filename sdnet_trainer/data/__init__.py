@@ -15,6 +15,7 @@ from sdnet_trainer.config.checks import check_choice, check_positive
 from sdnet_trainer.config.schema import Config, DataConfig
 from sdnet_trainer.data.augment import BatchMixer, changed_augment_keys, validate_augment
 from sdnet_trainer.data.bad_samples import ON_BAD_SAMPLE, BadSampleError, SkippedSamples
+from sdnet_trainer.data.chat import TEMPLATES as CHAT_TEMPLATES
 from sdnet_trainer.data.chat import build_chat
 from sdnet_trainer.data.cifar import build_cifar10
 from sdnet_trainer.data.folders import CheckedImageFolder, build_imagefolder
@@ -91,6 +92,8 @@ def validate_data(cfg: Config) -> None:
             )
     check_positive("data.image_size", data.image_size)
     check_choice("data.on_bad_sample", data.on_bad_sample, ON_BAD_SAMPLE)
+    if data.chat_template is not None:
+        check_choice("data.chat_template", data.chat_template, sorted(CHAT_TEMPLATES))
     check_loader_options(data)
     if data.name in _GENERATED_IMAGES and changed_augment_keys(data.augment):
         logger.warning(

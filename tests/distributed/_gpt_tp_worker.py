@@ -6,8 +6,9 @@ Builds the same small GPT on every rank, once as the single-process reference an
 combination of loss_parallel / sequence_parallel sharded over a 2-rank TP mesh, and records how
 far the TP logits, loss, gradients (as full tensors) and the parameters after one SGD step with
 gradient clipping are from the reference; also a pruned last pipeline stage sharded after the
-split, and dropout under sequence parallel. Rank 0 writes every rank's numbers to OUT.json (a
-list, one entry per rank); the test holds the tolerances. Everything shares one launch, as
+split, dropout under sequence parallel, and the Trainer's LM loss with -100 targets. Rank 0
+writes every rank's numbers to OUT.json (a list, one entry per rank); the test holds the
+tolerances. Everything shares one launch, as
 starting processes is the slow part.
 """
 
@@ -26,7 +27,9 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.parallel import loss_parallel as loss_parallel_context
 
+from sdnet_trainer.data.token_cache import IGNORE_INDEX
 from sdnet_trainer.models.gpt import GPT
+from sdnet_trainer.training.evaluation import token_cross_entropy
 
 # Small, but with more than one head per rank, a vocabulary that splits unevenly (32 + 31 rows),
 # and a sequence shorter than the context (12 < 16), which sequence parallel cuts into two halves.
@@ -39,7 +42,12 @@ def full(t: torch.Tensor) -> torch.Tensor:
 
 
 def train_step(
-    model: GPT, tokens: torch.Tensor, targets: torch.Tensor, *, loss_parallel: bool
+    model: GPT,
+    tokens: torch.Tensor,
+    targets: torch.Tensor,
+    *,
+    loss_parallel: bool,
+    loss_fn=F.cross_entropy,
 ) -> dict:
     """One forward/backward/SGD step; returns full-tensor logits, loss, grads and new params.
 
@@ -48,7 +56,7 @@ def train_step(
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9, weight_decay=0.1)
     with loss_parallel_context() if loss_parallel else nullcontext():
         logits = model(tokens)
-        loss = F.cross_entropy(logits.flatten(0, 1), targets.flatten())
+        loss = loss_fn(logits.flatten(0, 1), targets.flatten())
         loss.backward()
     layout = repr(logits.placements) if isinstance(logits, DTensor) else None
     grads = {name: full(p.grad).clone() for name, p in model.named_parameters()}
@@ -138,6 +146,31 @@ def main(out_path: str) -> None:
         results[f"pipeline_stage,sequence_parallel={sequence_parallel}"] = pruned_stage_error(
             mesh, inputs, reference["logits"], sequence_parallel=sequence_parallel
         )
+    # Targets of -100 (chat prompts, masked document boundaries) under the Trainer's LM loss, on
+    # full logits and on vocabulary shards: the same loss and gradients as one process, whose
+    # loss is the plain cross-entropy of the targets that count.
+    masked = targets.clone()
+    masked[:, ::3] = IGNORE_INDEX
+    torch.manual_seed(0)
+    plain = train_step(
+        GPT(**SIZES), inputs, masked, loss_parallel=False, loss_fn=token_cross_entropy
+    )
+    kept = masked != IGNORE_INDEX
+    results["ignore_index_reference"] = abs(
+        plain["loss"].item() - F.cross_entropy(plain["logits"][kept], masked[kept]).item()
+    )
+    for loss_parallel in (False, True):
+        torch.manual_seed(0)
+        model = GPT(**SIZES)
+        model.apply_tensor_parallel(mesh, loss_parallel=loss_parallel, sequence_parallel=False)
+        out = train_step(
+            model, inputs, masked, loss_parallel=loss_parallel, loss_fn=token_cross_entropy
+        )
+        results[f"ignore_index,loss_parallel={loss_parallel}"] = {
+            "loss": abs(out["loss"].item() - plain["loss"].item()),
+            "grads": max_diff(out["grads"], plain["grads"]),
+            "differs_from_unmasked": abs(out["loss"].item() - reference["loss"].item()),
+        }
     # Dropout is allowed with sequence parallel: each rank drops in its own slice of the sequence.
     torch.manual_seed(0)
     model = GPT(**SIZES, dropout=0.1).train()

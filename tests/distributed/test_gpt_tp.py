@@ -75,3 +75,15 @@ def test_dropout_runs_under_sequence_parallel(tp_results):
             ranks_results["reference_loss"],
         )
         assert loss != reference and loss == pytest.approx(reference, rel=0.2)
+
+
+@pytest.mark.parametrize("loss_parallel", [False, True])
+def test_ignored_targets_on_vocabulary_shards(tp_results, loss_parallel):
+    """The Trainer's LM loss (token_cross_entropy) with -100 targets: on 2 TP ranks, with full or
+    vocabulary-sharded logits, the loss and gradients of one process, which are those of the
+    targets that count (prompt positions add nothing)."""
+    for ranks_results in tp_results:
+        result = ranks_results[f"ignore_index,loss_parallel={loss_parallel}"]
+        assert result["loss"] < 1e-5 and result["grads"] < 1e-6, result
+        assert result["differs_from_unmasked"] > 1e-3, result  # the -100 targets were left out
+        assert ranks_results["ignore_index_reference"] < 1e-6
