@@ -145,3 +145,53 @@ def test_mixed_batches_on_two_processes_resume_bitwise(digits, tmp_path):
     assert got["losses"] == expected["losses"][3:]
     for name, value in expected["params"].items():
         assert torch.equal(got["params"][name], value), name
+
+
+def test_text_resume_on_one_process_trains_every_token_once(tmp_path):
+    """data=text through a BPE tokenizer's token cache (built here, in this process; the launches
+    map it): stopped at step 3 on 2 processes and resumed on 1, the run trains every window of
+    the epoch exactly once, so every token of the training split is a target exactly once."""
+    from sdnet_trainer.config.schema import DataConfig
+    from sdnet_trainer.data import build_datasets
+    from tests.unit.test_text_data import corpus_line, write_tokenizer
+
+    tokenizer = write_tokenizer(tmp_path / "tokenizer")
+    corpus = tmp_path / "corpus.jsonl"
+    seq_len, batch, documents = 32, 8, 300
+    while True:  # an epoch of whole global batches covers the whole training split
+        corpus.write_text("".join(f'{{"text": "{corpus_line(i)}"}}\n' for i in range(documents)))
+        cfg = DataConfig(
+            name="text", root=str(corpus), tokenizer=str(tokenizer), seq_len=seq_len, vocab_size=320
+        )
+        train, _ = build_datasets(cfg)
+        if len(train) % batch == 0:
+            break
+        documents += 1
+    steps = len(train) // batch
+    args = [
+        *CPU,
+        "trainer._target_=tests.support.FaultTrainer",
+        "model=gpt_tiny",
+        "model.gpt.vocab_size=320",
+        "data=text",
+        f"data.root={corpus}",
+        f"data.tokenizer={tokenizer}",
+        "optim=adamw",
+        "optim.lr=0.001",
+        f"loop.global_batch_size={batch}",
+        f"loop.max_steps={steps}",
+        "loop.eval_at_end=false",
+        "loop.eval_at_epoch_end=false",
+        "logging.log_every_n_steps=2",
+        f"hydra.run.dir={tmp_path / 'run'}",
+    ]
+    stopped = run_cli(args, cwd=tmp_path, nproc=2, env={**ENV, "SDNET_TEST_SIGTERM": "0:2"})
+    assert "SIGTERM: stopped at step 3" in stopped.output, stopped.output
+    assert "token cache: reusing" in stopped.output  # mapped, not tokenized again
+    resumed = run_cli(args, cwd=tmp_path, env=ENV)
+    assert resumed.returncode == 0, resumed.output
+    assert "written by 2 ranks; random streams re-derived" in resumed.output
+    seen = seen_samples(tmp_path / "run")
+    assert sorted(seen) == list(range(len(train)))  # every window of the epoch exactly once
+    targets = sorted(p for i in seen for p in range(i * seq_len + 1, (i + 1) * seq_len + 1))
+    assert targets == list(range(1, len(train) * seq_len + 1))  # every token exactly once
