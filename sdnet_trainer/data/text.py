@@ -116,6 +116,11 @@ def split_windows(
 def build_text(cfg: DataConfig) -> tuple[Dataset, Dataset]:
     """The (train, val) pair of ``data=text``: bytes, or the token cache of ``data.tokenizer``."""
     if cfg.tokenizer is None:
+        if cfg.mask_documents:
+            raise ConfigError(
+                "data.mask_documents=true needs data.tokenizer: bytes of text have no document "
+                "boundaries (EOS) to mask"
+            )
         return build_text_bytes(cfg)
     tokenizer = load_tokenizer(cfg.tokenizer)
     check_vocab(cfg, tokenizer)

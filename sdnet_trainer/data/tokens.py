@@ -8,8 +8,9 @@ guessing. Sample ``i`` is a pure function of ``(seed, split, i)``, so ``ds[i]`` 
 call and in every DataLoader worker; the transition table depends on the seed only, so train and
 val speak the same language.
 
-``text``: the bytes of a UTF-8 file (or of a folder's ``.txt`` files) as tokens 0..255, cut into
-windows; the last ~10% of the bytes are held out for validation.
+``text`` without ``data.tokenizer``: the bytes of a UTF-8 file (or of a folder's ``.txt`` files) as
+tokens 0..255, cut into windows; the last ~10% of the bytes are held out for validation. With a
+tokenizer, ``data/text.py`` tokenizes the files into a token cache instead.
 
 A sample is ``(inputs, targets)``: two int64 tensors of ``seq_len`` tokens, ``targets`` being
 ``inputs`` shifted left by one, so each position is trained to predict the token after it.

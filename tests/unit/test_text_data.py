@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import base64
 import json
+import pickle
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -245,6 +247,30 @@ def test_text_checks_the_vocabulary_and_keeps_bytes_without_tokenizer(tmp_path, 
     plain = DataConfig(name="text", root=str(tmp_path / "corpus" / "a.txt"), seq_len=8)
     train, _ = build_datasets(plain)
     assert type(train).__name__ == "TextBytes"
+    plain.mask_documents = True
+    with pytest.raises(ConfigError, match="data.mask_documents=true needs data.tokenizer"):
+        build_datasets(plain)
+
+
+def test_concurrent_builds_tokenize_once_and_workers_reopen_the_maps(
+    tmp_path, tokenizer_dir, monkeypatch
+):
+    """Ranks starting together: one builds, the others wait on the lock and map its files. A
+    data set pickled for a spawned loader worker carries the file names, not the tokens."""
+    write_corpus(tmp_path / "corpus")
+    builds = []
+    encode = text_module.encode_documents
+    monkeypatch.setattr(
+        text_module, "encode_documents", lambda *a, **k: builds.append(1) or encode(*a, **k)
+    )
+    cfg = text_config(tmp_path / "corpus", tokenizer_dir)
+    with ThreadPoolExecutor(3) as pool:
+        results = list(pool.map(lambda _: build_datasets(cfg)[0], range(3)))
+    assert builds == [1]
+    assert all(r.cache.tokens.tolist() == results[0].cache.tokens.tolist() for r in results)
+    copy = pickle.loads(pickle.dumps(results[0]))
+    assert len(pickle.dumps(results[0])) < 1000 and isinstance(copy.cache.tokens, np.memmap)
+    assert all(torch.equal(a, b) for a, b in zip(copy[5], results[0][5]))
 
 
 # ----------------------------------------------------------------------------------------- chat
@@ -303,6 +329,10 @@ def test_chat_trains_on_the_assistant_tokens_only(tmp_path, tokenizer_dir):
     # The tokenizer's template and the named fallback are the same chatml here.
     named, _ = build_datasets(chat_config(root, tokenizer_dir, chat_template="chatml"))
     assert named.cache.name == train.cache.name
+    # Llama 3's layout: the replies and their <|eot_id|> are trained, the headers are not.
+    llama, _ = build_datasets(chat_config(root, tokenizer_dir, chat_template="llama3"))
+    trained = llama.cache.tokens[llama.cache.trained.astype(bool)].tolist()
+    assert tok.decode(trained) == "sat on a mat<|eot_id|>ran far away<|eot_id|>" * 12
 
 
 def test_chat_errors_name_the_key_or_the_line(tmp_path, tokenizer_dir):
