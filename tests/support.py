@@ -637,6 +637,42 @@ def image_folder_to_hf(src: Path, out: Path) -> Path:
     return out
 
 
+# A language nothing needs to download: a byte-level BPE tokenizer trained on generated lines
+# (tests/unit/test_text_data.py, tests/distributed/test_data_resume.py).
+EOS_TOKEN, IM_START, IM_END = "<|endoftext|>", "<|im_start|>", "<|im_end|>"
+_SENTENCE = "the cat sat on a mat while dogs ran far away from home and birds sang loud"
+_WORDS = _SENTENCE.split()
+
+
+def corpus_line(i: int) -> str:
+    """Line ``i`` of the generated corpus: 4 to 8 of its 17 words."""
+    return " ".join(_WORDS[(i * 7 + k * 3) % len(_WORDS)] for k in range(4 + i % 5))
+
+
+def write_bpe_tokenizer(folder: Path, *, template: str | None) -> Path:
+    """A byte-level BPE of 300 tokens (EOS, then the ChatML markers, as ids 0, 1, 2) trained on
+    the corpus, saved as transformers saves one: ``tokenizer.json`` and a
+    ``tokenizer_config.json`` naming EOS and ``template`` (the chat template; None: none)."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    tokenizer = Tokenizer(models.BPE())
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tokenizer.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=300,
+        special_tokens=[EOS_TOKEN, IM_START, IM_END],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+    )
+    tokenizer.train_from_iterator([corpus_line(i) for i in range(200)], trainer=trainer)
+    folder.mkdir(parents=True, exist_ok=True)
+    tokenizer.save(str(folder / "tokenizer.json"))
+    config: dict[str, object] = {"eos_token": EOS_TOKEN, "bos_token": None}
+    if template is not None:
+        config["chat_template"] = template
+    (folder / "tokenizer_config.json").write_text(json.dumps(config))
+    return folder
+
+
 @contextlib.contextmanager
 def http_server(directory: Path) -> Iterator[str]:
     """``directory`` served read-only over HTTP on a free port of 127.0.0.1 by aiohttp (range

@@ -1,6 +1,7 @@
 """Exact resume on the data sets read from files other than an image folder: tar shards
 (data=shards) and a Hugging Face dataset on disk (data=hf), both made from scikit-learn's digits
-(scripts/make_digits.py), under torchrun with gloo.
+(scripts/make_digits.py), and tokenized text (data=text through its token cache), under torchrun
+with gloo.
 
 A run stopped by SIGTERM at step 3 is resumed twice from the same checkpoint: with 2 processes it
 ends bitwise equal to the uninterrupted 2-process run; with 1 process (the global batch kept) it
@@ -22,10 +23,12 @@ from tests.support import (
     DIGITS_TRAIN,
     FINAL_STATE,
     convert_to_shards,
+    corpus_line,
     image_folder_to_hf,
     make_digits,
     run_cli,
     seen_samples,
+    write_bpe_tokenizer,
 )
 
 GLOBAL_BATCH = 64
@@ -153,9 +156,8 @@ def test_text_resume_on_one_process_trains_every_token_once(tmp_path):
     the epoch exactly once, so every token of the training split is a target exactly once."""
     from sdnet_trainer.config.schema import DataConfig
     from sdnet_trainer.data import build_datasets
-    from tests.unit.test_text_data import corpus_line, write_tokenizer
 
-    tokenizer = write_tokenizer(tmp_path / "tokenizer")
+    tokenizer = write_bpe_tokenizer(tmp_path / "tokenizer", template=None)
     corpus = tmp_path / "corpus.jsonl"
     seq_len, batch, documents = 32, 8, 300
     while True:  # an epoch of whole global batches covers the whole training split

@@ -27,53 +27,13 @@ from sdnet_trainer.errors import ConfigError
 from sdnet_trainer.models.gpt import GPT
 from sdnet_trainer.training.evaluation import metric_sums
 from sdnet_trainer.training.trainer import Trainer
+from tests.support import EOS_TOKEN, IM_END, IM_START, corpus_line, write_bpe_tokenizer
 
-EOS, IM_START, IM_END = "<|endoftext|>", "<|im_start|>", "<|im_end|>"
-WORDS = [
-    "the",
-    "cat",
-    "sat",
-    "on",
-    "a",
-    "mat",
-    "while",
-    "dogs",
-    "ran",
-    "far",
-    "away",
-    "from",
-    "home",
-    "and",
-    "birds",
-    "sang",
-    "loud",
-]
-
-
-def corpus_line(i: int) -> str:
-    return " ".join(WORDS[(i * 7 + k * 3) % len(WORDS)] for k in range(4 + i % 5))
+EOS = EOS_TOKEN
 
 
 def write_tokenizer(folder: Path, *, template: str | None = TEMPLATES["chatml"]) -> Path:
-    """A byte-level BPE trained on the corpus, saved as transformers saves one."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-
-    tokenizer = Tokenizer(models.BPE())
-    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tokenizer.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(
-        vocab_size=300,
-        special_tokens=[EOS, IM_START, IM_END],
-        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-    )
-    tokenizer.train_from_iterator([corpus_line(i) for i in range(200)], trainer=trainer)
-    folder.mkdir(parents=True, exist_ok=True)
-    tokenizer.save(str(folder / "tokenizer.json"))
-    config = {"eos_token": EOS, "bos_token": None}
-    if template is not None:
-        config["chat_template"] = template
-    (folder / "tokenizer_config.json").write_text(json.dumps(config))
-    return folder
+    return write_bpe_tokenizer(folder, template=template)
 
 
 @pytest.fixture(scope="module")
