@@ -124,31 +124,35 @@ def open_cache(
     encode: Callable[[], Iterable[Piece]],
     total_bytes: int,
 ) -> TokenCache:
-    """The cache of ``sources`` under ``settings``: mapped if it exists, else built by ``encode``
-    (by this process, or awaited from the one that holds the lock)."""
-    try:
-        folder.mkdir(parents=True, exist_ok=True)
-    except OSError as err:
-        raise ConfigError(
-            f"data.cache_dir: the token cache folder {folder} cannot be made: {err}"
-        ) from err
+    """The cache of ``sources`` under ``settings``: mapped if it exists (a read-only folder will
+    do), else built by ``encode`` (by this process, or awaited from the one holding the lock)."""
     prefix, name = cache_names(root, sources, settings)
     meta = folder / f"{name}.json"
-    with _locked(folder / f"{prefix}lock"):
-        if not meta.is_file():
-            _build(
-                folder,
-                name,
-                encode(),
-                dtype=token_dtype(vocab_size),
-                with_trained=with_trained,
-                total_bytes=total_bytes,
-                settings=settings,
-            )
-            _remove_obsolete(folder, prefix, keep=name)
-        else:
-            logger.info("token cache: reusing %s", meta)
+    if meta.is_file():
+        logger.info("token cache: reusing %s", meta)
         return TokenCache(folder, name)
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+        with _locked(folder / f"{prefix}lock"):
+            if meta.is_file():  # built by another process while this one waited
+                logger.info("token cache: reusing %s", meta)
+            else:
+                _build(
+                    folder,
+                    name,
+                    encode(),
+                    dtype=token_dtype(vocab_size),
+                    with_trained=with_trained,
+                    total_bytes=total_bytes,
+                    settings=settings,
+                )
+                _remove_obsolete(folder, prefix, keep=name)
+    except OSError as err:
+        raise ConfigError(
+            f"the token cache cannot be written in {folder}: {err}; set data.cache_dir to a "
+            f"writable folder"
+        ) from err
+    return TokenCache(folder, name)
 
 
 @contextlib.contextmanager

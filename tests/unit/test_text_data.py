@@ -163,6 +163,10 @@ def test_text_cache_packs_documents_with_eos_built_once_rebuilt_on_change(
         text_config(tmp_path / "corpus", tokenizer_dir, cache_dir=str(tmp_path / "c"))
     )
     assert masked.cache.folder == tmp_path / "c" and builds == [1, 1, 1]
+    blocked = text_config(tmp_path / "corpus", tokenizer_dir, cache_dir=str(tmp_path / "c" / "x"))
+    (tmp_path / "c" / "x").write_text("a file where the cache's folder would be")
+    with pytest.raises(ConfigError, match="set data.cache_dir to a writable folder"):
+        build_datasets(blocked)
     masked.mask_eos = tokenizer.eos_id
     for i in range(len(masked)):
         inputs, targets = masked[i]
