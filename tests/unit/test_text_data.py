@@ -160,20 +160,38 @@ def test_text_cache_packs_documents_with_eos_built_once_rebuilt_on_change(
 
     # Another place for the cache, and the documents' boundaries masked.
     masked, _ = build_datasets(
-        text_config(tmp_path / "corpus", tokenizer_dir, cache_dir=str(tmp_path / "c"))
+        text_config(
+            tmp_path / "corpus", tokenizer_dir, cache_dir=str(tmp_path / "c"), mask_documents=True
+        )
     )
     assert masked.cache.folder == tmp_path / "c" and builds == [1, 1, 1]
+    assert masked.mask_eos == tokenizer.eos_id
     blocked = text_config(tmp_path / "corpus", tokenizer_dir, cache_dir=str(tmp_path / "c" / "x"))
     (tmp_path / "c" / "x").write_text("a file where the cache's folder would be")
     with pytest.raises(ConfigError, match="set data.cache_dir to a writable folder"):
         build_datasets(blocked)
-    masked.mask_eos = tokenizer.eos_id
     for i in range(len(masked)):
         inputs, targets = masked[i]
         plain = torch.tensor(masked.cache.tokens[i * 8 + 1 : i * 8 + 9].astype(np.int64))
         after_eos = inputs == tokenizer.eos_id
         assert torch.equal(targets[~after_eos], plain[~after_eos])
         assert (targets[after_eos] == IGNORE_INDEX).all()
+
+
+def test_documents_open_with_the_tokenizers_bos(tmp_path):
+    folder = write_tokenizer(tmp_path / "tok")
+    config = json.loads((folder / "tokenizer_config.json").read_text())
+    (folder / "tokenizer_config.json").write_text(json.dumps({**config, "bos_token": IM_START}))
+    (tmp_path / "docs.jsonl").write_text(
+        "".join(json.dumps({"body": corpus_line(i)}) + "\n" for i in range(40))
+    )
+    cfg = text_config(tmp_path / "docs.jsonl", folder, text_column="body")
+    train, _ = build_datasets(cfg)
+    tokenizer = load_tokenizer(str(folder))
+    expected = [
+        i for n in range(40) for i in [1, *tokenizer.encode([corpus_line(n)])[0], tokenizer.eos_id]
+    ]
+    assert tokenizer.bos_id == 1 and train.cache.tokens.tolist() == expected
 
 
 def test_token_dtype_widens_past_16_bits():
