@@ -13,7 +13,10 @@ transformers = pytest.importorskip("transformers")
 
 from fastapi.testclient import TestClient  # noqa: E402
 
+from sdnet_trainer.config import Config  # noqa: E402
 from sdnet_trainer.errors import ConfigError  # noqa: E402
+from sdnet_trainer.export import config_yaml  # noqa: E402
+from sdnet_trainer.models.hf_causal_lm import HFCausalLM  # noqa: E402
 from sdnet_trainer.serve.app import create_app  # noqa: E402
 from sdnet_trainer.serve.args import ServeArgs  # noqa: E402
 from sdnet_trainer.serve.decoding import CausalLMDecoder  # noqa: E402
@@ -175,3 +178,17 @@ def test_a_folder_is_refused_for_onnx_and_ema(folder):
         load_served(ServeArgs(checkpoint=str(folder), backend="onnx"))
     with pytest.raises(ConfigError, match="no EMA"):
         load_served(ServeArgs(checkpoint=str(folder), ema=True))
+
+
+def test_an_hf_causal_lm_export_serves_with_the_cache_too(folder, served, tmp_path):
+    """model=hf_causal_lm trained here, exported (config.yaml + model.pt): the same decoder."""
+    cfg = Config()
+    cfg.model.name, cfg.model.hf_config = "hf_causal_lm", str(folder)
+    cfg.data.name, cfg.data.vocab_size, cfg.data.seq_len = "tokens", VOCAB, 16
+    lm = transformers.AutoModelForCausalLM.from_pretrained(folder, local_files_only=True)
+    torch.save(HFCausalLM(lm).state_dict(), tmp_path / "model.pt")
+    (tmp_path / "config.yaml").write_text(config_yaml(cfg))
+    exported, _ = load_served(ServeArgs(checkpoint=str(tmp_path), device="cpu"))
+    assert exported.decoder is not None and exported.stop_ids == (EOS,)
+    jobs = [_job(served, prompt, steps=8) for prompt in PROMPTS]
+    assert exported.run(jobs) == served.run(jobs)
