@@ -56,7 +56,14 @@ class HFCausalLM(nn.Module):
         self.seq_len = context_length(config.to_dict())
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
-        logits: torch.Tensor = self.lm(input_ids=tokens, use_cache=False).logits
+        extra = {}
+        if tokens.is_meta:
+            # Shapes only (the dry run, the FLOPs count): transformers' mask preparation reads
+            # values (a packed-sequence check calls .item()), but passes a 4-D mask through.
+            length = tokens.shape[1]
+            causal = torch.ones(length, length, dtype=torch.bool, device=tokens.device).tril()
+            extra["attention_mask"] = causal.expand(tokens.shape[0], 1, length, length)
+        logits: torch.Tensor = self.lm(input_ids=tokens, use_cache=False, **extra).logits
         return logits
 
     def parallel_blocks(self) -> list[nn.Module]:

@@ -78,6 +78,10 @@ def test_builds_from_a_config_or_saved_weights_and_returns_the_logits(folder, tm
         logits = model(tokens)
         torch.testing.assert_close(logits, model.lm(input_ids=tokens).logits)
     assert logits.shape == (2, 9, VOCAB)
+    # On the meta device too (the dry run, the FLOPs count): shapes only, no values read.
+    with torch.device("meta"):
+        meta = build_model(cfg.model)
+        assert meta(torch.zeros(2, 9, dtype=torch.int64)).shape == (2, 9, VOCAB)
     model.lm.save_pretrained(tmp_path / "saved")
     loaded = build_model(
         compose([*hf_run(folder)[:2], f"model.weights=hf:{tmp_path / 'saved'}"]).model
