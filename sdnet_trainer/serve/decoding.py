@@ -69,7 +69,7 @@ class CausalLMDecoder:
     def prefill(self, ids: torch.Tensor, mask: torch.Tensor) -> tuple[torch.Tensor, Any]:
         if not self.use_cache:
             return self._whole(ids, mask), ids
-        output = self._forward(ids, mask, _positions(mask), cache=None)
+        output = self._forward(ids, mask, _positions(mask), cache=self._new_cache())
         return output.logits[:, -1].float().cpu(), _cache_of(output)
 
     def step(
@@ -81,6 +81,15 @@ class CausalLMDecoder:
         positions = _positions(mask)[:, -1:]
         output = self._forward(tokens[:, None], mask, positions, cache=state)
         return output.logits[:, -1].float().cpu(), _cache_of(output)
+
+    def _new_cache(self) -> Any:
+        """None where the model makes its own cache (from its config: sliding-window layers);
+        releases before the ``cache`` keyword make a legacy tuple cache unless given one."""
+        if self.cache_key == "cache":
+            return None
+        from transformers import DynamicCache
+
+        return DynamicCache()
 
     def _whole(self, ids: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
         output = self._forward(ids, mask, _positions(mask), cache=None, use_cache=False)

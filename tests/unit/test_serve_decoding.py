@@ -6,6 +6,8 @@ application refuses what does not fit with a 4xx naming the field."""
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import pytest
 import torch
 
@@ -192,3 +194,37 @@ def test_an_hf_causal_lm_export_serves_with_the_cache_too(folder, served, tmp_pa
     assert exported.decoder is not None and exported.stop_ids == (EOS,)
     jobs = [_job(served, prompt, steps=8) for prompt in PROMPTS]
     assert exported.run(jobs) == served.run(jobs)
+
+
+class PastKeyValuesAPI(torch.nn.Module):
+    """The model as transformers releases before the ``cache`` keyword call it:
+    ``past_key_values`` in and out."""
+
+    def __init__(self, lm) -> None:
+        super().__init__()
+        self.lm = lm
+
+    def forward(
+        self, input_ids, attention_mask, position_ids, past_key_values=None, use_cache=None
+    ):
+        assert past_key_values is not None or not use_cache  # the decoder made the first one
+        out = self.lm(
+            input_ids=input_ids,
+            attention_mask=attention_mask,
+            position_ids=position_ids,
+            cache=past_key_values,
+            use_cache=use_cache,
+        )
+        return SimpleNamespace(logits=out.logits, past_key_values=out.cache)
+
+
+def test_the_decoder_speaks_the_older_past_key_values_api(served):
+    jobs = [_job(served, p, steps=8) for p in PROMPTS]
+    expected = served.run(jobs)
+    cached = served.decoder
+    served.decoder = CausalLMDecoder(PastKeyValuesAPI(cached.lm), torch.device("cpu"))
+    try:
+        assert served.decoder.cache_key == "past_key_values"
+        assert served.run(jobs) == expected
+    finally:
+        served.decoder = cached
