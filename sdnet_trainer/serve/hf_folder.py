@@ -6,8 +6,8 @@ The model is loaded with ``AutoModelForCausalLM.from_pretrained``: local files o
 only (no pickled ``.bin`` weights), no code from the folder (``trust_remote_code`` stays off). It
 generates with its KV cache (:class:`~sdnet_trainer.serve.decoding.CausalLMDecoder`); its
 end-of-sequence ids (``generation_config.json``, else ``config.json``) end every request. Text
-prompts go through ``tokenizer.json`` without special tokens; without one the server takes token
-ids only.
+prompts go through ``tokenizer.json``, with the special tokens its post-processor puts before a
+text (a Llama's BOS) and none after; without one the server takes token ids only.
 """
 
 from __future__ import annotations
@@ -93,9 +93,25 @@ def eos_ids(lm: Any) -> list[int]:
     return []
 
 
+class PrefixedCodec(Codec):
+    """The folder's tokenizer, with the tokens its post-processor puts before a text (a Llama's
+    BOS), as ``transformers``' tokenizer gives a prompt; nothing after it (an EOS would end
+    it)."""
+
+    def __init__(self, tokenizer: Any) -> None:
+        super().__init__("tokenizer", tokenizer)
+        plain = list(tokenizer.encode("a", add_special_tokens=False).ids)
+        full = list(tokenizer.encode("a", add_special_tokens=True).ids)
+        starts = [i for i in range(len(full)) if full[i : i + len(plain)] == plain]
+        self.prefix = full[: starts[0]] if plain and starts else []
+
+    def encode(self, text: str) -> list[int]:
+        return [*self.prefix, *super().encode(text)]
+
+
 def _codec(folder: Path) -> Codec:
     if (folder / "tokenizer.json").is_file():
-        return Codec("tokenizer", load_tokenizer(str(folder)))
+        return PrefixedCodec(load_tokenizer(str(folder)))
     return Codec("ids")
 
 

@@ -228,3 +228,24 @@ def test_the_decoder_speaks_the_older_past_key_values_api(served):
         assert served.run(jobs) == expected
     finally:
         served.decoder = cached
+
+
+def test_text_prompts_get_the_tokenizers_leading_special_tokens(folder, tmp_path):
+    tokenizers = pytest.importorskip("tokenizers")
+    words = {"[UNK]": 0, "<s>": 1, "</s>": 2, "hello": 3, "world": 4}
+    tok = tokenizers.Tokenizer(tokenizers.models.WordLevel(words, unk_token="[UNK]"))
+    tok.pre_tokenizer = tokenizers.pre_tokenizers.Whitespace()
+    tok.post_processor = tokenizers.processors.TemplateProcessing(
+        single="<s> $A </s>", special_tokens=[("<s>", 1), ("</s>", 2)]
+    )
+    for path in folder.iterdir():
+        (tmp_path / path.name).write_bytes(path.read_bytes())
+    tok.save(str(tmp_path / "tokenizer.json"))
+    model, _ = load_served(ServeArgs(checkpoint=str(tmp_path), device="cpu"))
+    # The BOS before the text, as transformers' tokenizer gives it; no EOS after it.
+    assert model.job("hello world", max_new_tokens=2, temperature=0.0, seed=None).tokens == [
+        1,
+        3,
+        4,
+    ]
+    assert model.text([4, 3]) == "world hello"
