@@ -21,6 +21,7 @@ from sdnet_trainer.distributed.parallelize import validate_compile, validate_par
 from sdnet_trainer.distributed.pipeline import validate_pipeline
 from sdnet_trainer.errors import ConfigError
 from sdnet_trainer.models.gpt import validate_gpt
+from sdnet_trainer.models.hf_causal_lm import HF_CAUSAL_LM, validate_hf_causal_lm
 from sdnet_trainer.models.registry import GPT_NAME
 from sdnet_trainer.observability.logs import validate_logging
 from sdnet_trainer.observability.prometheus import validate_prometheus
@@ -41,6 +42,9 @@ def validate(cfg: Config, *, world_size: int) -> None:
     validate_parallel(cfg, world_size)
     if cfg.model.name == GPT_NAME:
         validate_gpt(cfg, tp=parallel_dims(cfg.parallel, world_size).tp)
+    if cfg.model.name == HF_CAUSAL_LM:
+        dims = parallel_dims(cfg.parallel, world_size)
+        validate_hf_causal_lm(cfg, tp=dims.tp, pp=dims.pp)
     validate_pipeline(cfg, world_size)
     validate_comm(cfg, world_size)
     validate_compile(cfg, world_size)

@@ -48,8 +48,12 @@ class ModelConfig:
     # Replace the ImageNet stem (7x7/2 conv + max-pool) with a 3x3/1 conv: the usual ResNet
     # adaptation for 32x32 inputs such as CIFAR-10.
     cifar_stem: bool = False
-    # torchvision weights enum name (e.g. "IMAGENET1K_V2"); downloads on first use.
+    # torchvision weights enum name (e.g. "IMAGENET1K_V2"); downloads on first use. For
+    # model.name=hf_causal_lm: hf:PATH, a folder saved by transformers (config.json + safetensors).
     weights: Optional[str] = None
+    # model.name=hf_causal_lm: a folder with a transformers config.json (or that file), built with
+    # random weights.
+    hf_config: Optional[str] = None
     # Extra keyword arguments for the model constructor.
     kwargs: Dict[str, Any] = field(default_factory=dict)
     # The GPT-style decoder (model.name=gpt); sizes from tiny to ~1B parameters

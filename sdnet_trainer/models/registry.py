@@ -18,6 +18,7 @@ from torch import nn
 from sdnet_trainer.config.schema import ModelConfig
 from sdnet_trainer.errors import ConfigError
 from sdnet_trainer.models.gpt import GPT
+from sdnet_trainer.models.hf_causal_lm import HF_CAUSAL_LM, build_hf_causal_lm
 from sdnet_trainer.models.init import REPLACED_STEM, ZERO_INIT_RESIDUAL
 from sdnet_trainer.models.simple_cnn import SimpleCNN
 
@@ -31,7 +32,7 @@ GPT_NAME = "gpt"
 
 
 def available_models() -> list[str]:
-    return sorted([*OWN_MODELS, GPT_NAME]) + torchvision.models.list_models(
+    return sorted([*OWN_MODELS, GPT_NAME, HF_CAUSAL_LM]) + torchvision.models.list_models(
         module=torchvision.models
     )
 
@@ -40,6 +41,8 @@ def build_model(cfg: ModelConfig) -> nn.Module:
     model: nn.Module
     if cfg.name == GPT_NAME:
         model = _gpt_model(cfg)
+    elif cfg.name == HF_CAUSAL_LM:
+        model = build_hf_causal_lm(cfg)
     elif cfg.name in OWN_MODELS:
         if cfg.weights is not None:
             raise ConfigError(

@@ -10,7 +10,8 @@ on. The API (its OpenAPI page is /docs):
     POST /v1/predict   image models: a PNG/JPEG as multipart (field ``file``) or base64 JSON
                        ({"image": ...}), or {"tensor": [...]}; returns the top-k classes.
                        language models: {"prompt": "text" or [ids], "max_new_tokens": 32,
-                       "temperature": 0}; returns the continuation.
+                       "temperature": 0, "top_p": 1, "stop": [ids], "seed": 0}; returns the
+                       continuation.
     GET  /v1/model     what the model takes and returns
     GET  /healthz      alive;   GET /readyz   the model is loaded and takes requests
     GET  /metrics      Prometheus: requests, latency, batch sizes, errors
@@ -18,7 +19,8 @@ on. The API (its OpenAPI page is /docs):
 Arguments, as ``key=value``:
 
     checkpoint=PATH      a step_NNNNNNNN/ folder, a run's checkpoints/ directory (its newest valid
-                         step), or an export folder (config.yaml + model.pt / model.onnx)
+                         step), an export folder (config.yaml + model.pt / model.onnx), or a
+                         transformers model folder (config.json + safetensors; the llm extra)
     host=127.0.0.1       port=8000 (0: any free port; the one taken is printed)
     backend=torch        torch | onnx (onnxruntime; a checkpoint is exported in memory first)
     device=auto          auto | cpu | cuda | cuda:N
@@ -81,12 +83,10 @@ def require_serve_extra() -> None:
 def build_app(args: Any) -> Any:
     """Load the model named by ``args`` and return the application serving it."""
     from sdnet_trainer.serve.app import create_app
-    from sdnet_trainer.serve.model import load, resolve
+    from sdnet_trainer.serve.model import load_served
 
-    source = resolve(args)
-    logger.info("loading %s (backend=%s)", source.describe(), args.backend)
-    model = load(args, source)
-    return create_app(model, args, source=source.describe())
+    model, source = load_served(args)
+    return create_app(model, args, source=source)
 
 
 def app_from_env() -> Any:
@@ -113,10 +113,10 @@ def check_loads(args: Any) -> None:
     """Load the model of ``args`` once, on the CPU, and drop it: a model that cannot be served is
     then a ConfigError (ExportError) here, before any worker process starts. The device is
     checked, not used: a CUDA context made here would stay with the parent for its lifetime."""
-    from sdnet_trainer.serve.model import load, resolve, serving_device
+    from sdnet_trainer.serve.model import load_served, serving_device
 
     serving_device(args.device)
-    load(replace(args, device="cpu"), resolve(args))
+    load_served(replace(args, device="cpu"))
 
 
 def listen(host: str, port: int) -> socket.socket:

@@ -104,6 +104,19 @@ class GenerateRequest(BaseModel):
     seed: Optional[int] = Field(
         None, ge=0, lt=2**63, description="Seed of the sampling (temperature > 0)."
     )
+    top_p: float = Field(
+        1.0,
+        gt=0.0,
+        le=1.0,
+        allow_inf_nan=False,
+        description="Sampling draws from the most likely tokens holding this much probability.",
+    )
+    stop: list[StrictInt] = Field(
+        default_factory=list,
+        max_length=256,
+        description="Token ids that end the generation (returned last), beside the model's "
+        "end-of-sequence ids.",
+    )
 
 
 class Generation(BaseModel):
@@ -470,7 +483,8 @@ def _language_route(
         PREDICT,
         response_model=Generation,
         summary="Continue a prompt",
-        description="Generates max_new_tokens tokens after the prompt (greedy at temperature 0).",
+        description="Generates up to max_new_tokens tokens after the prompt (greedy at "
+        "temperature 0), ending early at a stop token.",
         openapi_extra={"requestBody": request_body},
     )
     async def predict(request: Request) -> dict[str, Any]:
@@ -493,4 +507,6 @@ def _job(model: LanguageModel, body: bytes) -> Job:
         max_new_tokens=parsed.max_new_tokens,
         temperature=parsed.temperature,
         seed=parsed.seed,
+        top_p=parsed.top_p,
+        stop=parsed.stop,
     )

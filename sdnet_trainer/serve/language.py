@@ -4,25 +4,30 @@ A prompt is text or token ids, as the training data's tokenizer says: UTF-8 byte
 data (``data=text``, text shards, ``data=hf`` without a tokenizer), the Hugging Face tokenizer of
 ``data.tokenizer``, or token ids alone (``data=tokens``, whose language has no text).
 
-Generation feeds the model the whole sequence again for each new token (the models here keep no
-cache), cropped to the model's context from the left once it is longer. ``temperature=0`` picks
-the most likely token (greedy); above 0 the token is drawn from ``softmax(logits / temperature)``
-with the request's ``seed`` (a random one when none is given). A batch runs its prompts of equal
-length together (no padding, so each row computes what it would alone).
+Generation: a model with a decoder (:mod:`sdnet_trainer.serve.decoding`: ``transformers`` models,
+the project's ``hf_causal_lm``) runs a whole batch together with a KV cache, prompts of different
+lengths left-padded, and refuses a prompt plus ``max_new_tokens`` longer than its context. Other
+models (the project's GPT, ONNX graphs) keep no cache: the whole sequence is fed again for each
+new token, cropped to the model's context from the left once it is longer, and a batch runs its
+prompts of equal length together (no padding, so each row computes what it would alone).
+Decoding, either way: ``temperature=0`` picks the most likely token (greedy); above 0 the token
+is drawn from ``softmax(logits / temperature)``, cut to its ``top_p`` nucleus, with the request's
+``seed`` (a random one when none is given). A job ends at its ``max_new_tokens`` or at a stop
+token (the model's end-of-sequence ids and the request's ``stop`` ids), which is returned last.
 """
 
 from __future__ import annotations
 
 import secrets
 from collections import defaultdict
-from collections.abc import Callable
-from dataclasses import dataclass
+from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any, Union
 
 import torch
 
 from sdnet_trainer.config.schema import DataConfig
 from sdnet_trainer.data.hf import load_tokenizer
+from sdnet_trainer.serve.decoding import Decoder, Job, generate, pick, until_stop
 from sdnet_trainer.serve.errors import InputError
 
 if TYPE_CHECKING:
@@ -82,16 +87,6 @@ def codec(data: DataConfig) -> Codec:
     return Codec("ids")
 
 
-@dataclass(frozen=True)
-class Job:
-    """One request's generation."""
-
-    tokens: list[int]
-    max_new_tokens: int
-    temperature: float
-    seed: int | None
-
-
 class LanguageModel:
     """A causal language model: prompts become jobs (:meth:`job`), a batch of jobs becomes the
     new tokens of each (:meth:`run`)."""
@@ -99,13 +94,23 @@ class LanguageModel:
     kind = "language"
 
     def __init__(
-        self, runner: Runner, *, context: int, vocab_size: int, codec: Codec, max_new_tokens: int
+        self,
+        runner: Runner,
+        *,
+        context: int,
+        vocab_size: int,
+        codec: Codec,
+        max_new_tokens: int,
+        decoder: Decoder | None = None,
+        stop_ids: Sequence[int] = (),
     ) -> None:
         self.runner = runner
         self.context = context
         self.vocab_size = vocab_size
         self.codec = codec
         self.max_new_tokens = max_new_tokens
+        self.decoder = decoder  # None: the runner, no cache (see the module docstring)
+        self.stop_ids = tuple(stop_ids)  # the model's end-of-sequence ids
 
     def job(
         self,
@@ -114,9 +119,12 @@ class LanguageModel:
         max_new_tokens: int | None,
         temperature: float,
         seed: int | None,
+        top_p: float = 1.0,
+        stop: Sequence[int] = (),
     ) -> Job:
         """The request as a job, or an InputError (422) naming what does not fit;
-        ``max_new_tokens`` None: DEFAULT_NEW_TOKENS, or this server's limit if lower."""
+        ``max_new_tokens`` None: DEFAULT_NEW_TOKENS, or this server's limit if lower (and, with
+        a decoder, what the context leaves after the prompt)."""
         if isinstance(prompt, str):
             if self.codec.kind != "ids" and len(prompt) > self.codec.max_chars(self.context):
                 raise InputError(
@@ -140,21 +148,39 @@ class LanguageModel:
             raise InputError(
                 422, f"prompt: token id {bad} is outside the vocabulary 0..{self.vocab_size - 1}"
             )
+        bad = next((t for t in stop if not 0 <= t < self.vocab_size), None)
+        if bad is not None:
+            raise InputError(
+                422, f"stop: token id {bad} is outside the vocabulary 0..{self.vocab_size - 1}"
+            )
+        # With a cache the sequence cannot slide past the context: the prompt and what it
+        # generates must fit in it.
+        room = self.context - len(tokens) if self.decoder is not None else None
         if max_new_tokens is None:
-            max_new_tokens = min(DEFAULT_NEW_TOKENS, self.max_new_tokens)
+            max_new_tokens = min(
+                DEFAULT_NEW_TOKENS, self.max_new_tokens, *([room] if room is not None else [])
+            )
         if max_new_tokens > self.max_new_tokens:
             raise InputError(
                 422,
                 f"max_new_tokens: {max_new_tokens} is more than this server generates per "
                 f"request ({self.max_new_tokens})",
             )
+        if room is not None and max_new_tokens > room:
+            raise InputError(
+                422,
+                f"max_new_tokens: {max_new_tokens} new tokens after a prompt of {len(tokens)} "
+                f"tokens is more than the model's context of {self.context} tokens holds",
+            )
         if temperature > 0 and seed is None:
             seed = secrets.randbits(63)
-        return Job(tokens, max_new_tokens, float(temperature), seed)
+        return Job(tokens, max_new_tokens, float(temperature), seed, float(top_p), tuple(stop))
 
     def run(self, jobs: list[Job]) -> list[list[int]]:
-        """The new tokens of every job, in order: jobs whose prompts have the same length
-        generate together, one forward pass per token."""
+        """The new tokens of every job, in order: all together with a decoder; else jobs whose
+        prompts have the same length generate together, one forward pass per token."""
+        if self.decoder is not None:
+            return generate(self.decoder, jobs, stop_ids=self.stop_ids)
         results: list[list[int]] = [[] for _ in jobs]
         groups: dict[int, list[int]] = defaultdict(list)
         for i, job in enumerate(jobs):
@@ -162,12 +188,12 @@ class LanguageModel:
         for length, rows in groups.items():
             generated = self._generate([jobs[i] for i in rows])
             for row, i in enumerate(rows):
-                results[i] = generated[row, length : length + jobs[i].max_new_tokens].tolist()
+                new = generated[row, length : length + jobs[i].max_new_tokens].tolist()
+                results[i] = until_stop(new, {*self.stop_ids, *jobs[i].stop})
         return results
 
     def _generate(self, jobs: list[Job]) -> torch.Tensor:
         ids = torch.tensor([job.tokens for job in jobs], dtype=torch.int64)
-        temperatures = [job.temperature for job in jobs]
         generators = [
             torch.Generator().manual_seed(job.seed) if job.seed is not None else None
             for job in jobs
@@ -175,7 +201,8 @@ class LanguageModel:
         for _ in range(max(job.max_new_tokens for job in jobs)):
             logits = self.runner(ids[:, -self.context :])[:, -1, :].float()
             step = [
-                _pick(logits[row], temperatures[row], generators[row]) for row in range(len(jobs))
+                pick(logits[row], job.temperature, job.top_p, generators[row])
+                for row, job in enumerate(jobs)
             ]
             ids = torch.cat([ids, torch.tensor(step, dtype=torch.int64)[:, None]], dim=1)
         return ids
@@ -191,13 +218,6 @@ class LanguageModel:
             "prompt": "text or token ids" if self.codec.kind != "ids" else "token ids",
             "tokenizer": self.codec.kind,
             "max_new_tokens": self.max_new_tokens,
+            "kv_cache": self.decoder is not None,
+            "stop_ids": list(self.stop_ids),
         }
-
-
-def _pick(logits: torch.Tensor, temperature: float, generator: torch.Generator | None) -> int:
-    if temperature == 0:
-        return int(logits.argmax())
-    probs = torch.softmax(logits.double() / temperature, dim=-1)
-    if not bool(torch.isfinite(probs).all()):  # a temperature so small that it overflows
-        return int(logits.argmax())
-    return int(torch.multinomial(probs, 1, generator=generator))

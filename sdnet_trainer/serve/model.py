@@ -36,8 +36,11 @@ from sdnet_trainer.checkpoint import MANIFEST, Checkpoint, find_checkpoint
 from sdnet_trainer.config import Config
 from sdnet_trainer.data import is_language_model_data
 from sdnet_trainer.errors import ConfigError
+from sdnet_trainer.models.hf_causal_lm import HF_CAUSAL_LM, HFCausalLM
 from sdnet_trainer.serve.args import ServeArgs
+from sdnet_trainer.serve.decoding import CausalLMDecoder
 from sdnet_trainer.serve.errors import first_line
+from sdnet_trainer.serve.hf_folder import eos_ids, is_hf_folder, load_hf_folder
 from sdnet_trainer.serve.images import ImageModel, class_names, eval_transform
 from sdnet_trainer.serve.language import LanguageModel, codec
 from sdnet_trainer.training.trainer import Trainer
@@ -97,7 +100,7 @@ def resolve(args: ServeArgs) -> Source:
         cfg = export.training_config(checkpoint)
         cls = export.trainer_class(checkpoint, cfg, args.trainer)
         folder = None
-    language = is_language_model_data(cfg.data) or cfg.model.name == "gpt"
+    language = is_language_model_data(cfg.data) or cfg.model.name in ("gpt", HF_CAUSAL_LM)
     return Source(cfg, cls, checkpoint, folder, "language" if language else "image")
 
 
@@ -105,6 +108,21 @@ def is_export_folder(path: Path) -> bool:
     return (
         path.is_dir() and (path / export.CONFIG_FILE).is_file() and not (path / MANIFEST).exists()
     )
+
+
+def load_served(args: ServeArgs) -> tuple[Served, str]:
+    """The model ``args.checkpoint`` names, ready for requests, and its description: a
+    ``transformers`` model folder (config.json), or a checkpoint or export folder of this
+    project."""
+    path = Path(args.checkpoint).expanduser()
+    if is_hf_folder(path):
+        folder = path.resolve()
+        logger.info("loading the transformers model folder %s", folder)
+        model = load_hf_folder(args, folder, serving_device(args.device))
+        return model, f"the transformers model folder {folder}"
+    source = resolve(args)
+    logger.info("loading %s (backend=%s)", source.describe(), args.backend)
+    return load(args, source), source.describe()
 
 
 def load(args: ServeArgs, source: Source) -> Served:
@@ -130,12 +148,16 @@ def load(args: ServeArgs, source: Source) -> Served:
                 f"the model of {source.describe()} returns shape {list(output.shape)} for token "
                 f"ids of shape {list(example.shape)}; serving expects logits (batch, tokens, vocab)"
             )
+        lm = _hf_causal_lm(runner)
         return LanguageModel(
             runner,
             context=runner.context if runner.context is not None else data.seq_len,
             vocab_size=int(output.shape[-1]),
             codec=codec(data),
             max_new_tokens=args.max_new_tokens,
+            # A transformers model (model.name=hf_causal_lm) generates with its KV cache.
+            decoder=CausalLMDecoder(lm, device) if lm is not None else None,
+            stop_ids=eos_ids(lm) if lm is not None else (),
         )
     if output.dim() != 2:
         raise ConfigError(
@@ -151,6 +173,12 @@ def load(args: ServeArgs, source: Source) -> Served:
         max_pixels=args.max_image_pixels,
         top_k=args.top_k,
     )
+
+
+def _hf_causal_lm(runner: Runner) -> nn.Module | None:
+    """The transformers model inside a TorchRunner's HFCausalLM, else None."""
+    model = getattr(runner, "model", None)
+    return model.lm if isinstance(model, HFCausalLM) else None
 
 
 def serving_device(name: str) -> torch.device:

@@ -1,0 +1,225 @@
+"""Any ``transformers`` causal language model, trained as it is (``model.name=hf_causal_lm``).
+
+``model.hf_config=PATH`` (a folder with ``config.json``, or that file) builds the architecture
+with random weights (``AutoModelForCausalLM.from_config``); ``model.weights=hf:PATH`` loads a
+saved model folder (``from_pretrained``, local files only, fp32). ``model.kwargs`` overrides
+fields of the config (``num_hidden_layers``, ``attn_implementation``, ...).
+
+:class:`HFCausalLM` is the one adapter between such a model and the Trainer: its forward takes the
+token ids alone and returns the logits tensor (``output.logits``, no cache), as the project's GPT
+does, so the loss, evaluation, FLOPs count and export paths stay the same. Its decoder layers,
+found from the model's own ``_no_split_modules`` (the classes ``transformers`` itself never splits
+across devices), are the blocks FSDP2 shards one by one and activation checkpointing and compile
+wrap. DDP and FSDP2 (and ZeRO-1) run it; tensor and pipeline parallelism do not (see
+:func:`validate_hf_causal_lm`).
+
+``transformers`` is the ``llm`` extra: it is imported only when such a model is built.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import logging
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from sdnet_trainer.config.schema import Config, ModelConfig
+from sdnet_trainer.data import is_language_model_data
+from sdnet_trainer.errors import ConfigError
+
+logger = logging.getLogger(__name__)
+
+HF_CAUSAL_LM = "hf_causal_lm"
+# model.weights=hf:PATH: a folder saved by save_pretrained (config.json + safetensors).
+HF_WEIGHTS = "hf:"
+LLM_EXTRA_HINT = "pip install 'sdnet_trainer[llm]'"
+# config.json fields that give the longest sequence a model takes, by architecture.
+CONTEXT_FIELDS = ("max_position_embeddings", "n_positions", "max_sequence_length", "seq_length")
+
+
+class HFCausalLM(nn.Module):
+    """A ``transformers`` causal LM seen as this project's language models are: int64 tokens
+    (B, T) in, logits (B, T, vocab) out. The model is ``self.lm``, so its parameters are named
+    ``lm.<transformers' own name>``."""
+
+    def __init__(self, lm: nn.Module) -> None:
+        super().__init__()
+        self.lm = lm
+        # A transformers PreTrainedModel: its config is a PretrainedConfig.
+        config: Any = lm.config
+        self.vocab_size = int(config.vocab_size)
+        # The context (serving reads it as a GPT's seq_len); None where config.json gives none.
+        self.seq_len = context_length(config.to_dict())
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        extra = {}
+        if tokens.is_meta:
+            # Shapes only (the dry run, the FLOPs count): transformers' mask preparation reads
+            # values (a packed-sequence check calls .item()), but passes a 4-D mask through.
+            length = tokens.shape[1]
+            causal = torch.ones(length, length, dtype=torch.bool, device=tokens.device).tril()
+            extra["attention_mask"] = causal.expand(tokens.shape[0], 1, length, length)
+        logits: torch.Tensor = self.lm(input_ids=tokens, use_cache=False, **extra).logits
+        return logits
+
+    def parallel_blocks(self) -> list[nn.Module]:
+        """The decoder layers, in order: FSDP2 units, activation checkpointing, compile."""
+        return decoder_layers(self.lm)
+
+
+def decoder_layers(lm: nn.Module) -> list[nn.Module]:
+    """The repeated layers of a ``transformers`` model: the modules of the classes named in its
+    ``_no_split_modules``, else the children of its longest ModuleList of one class."""
+    names = set(getattr(lm, "_no_split_modules", None) or ())
+    layers = [m for m in lm.modules() if type(m).__name__ in names]
+    if layers:
+        return layers
+    lists: list[list[nn.Module]] = [
+        list(m)
+        for m in lm.modules()
+        if isinstance(m, nn.ModuleList) and len({type(c) for c in m}) == 1 and len(m) > 0
+    ]
+    return max(lists, key=len) if lists else []
+
+
+def context_length(config: dict[str, Any]) -> int | None:
+    for key in CONTEXT_FIELDS:
+        value = config.get(key)
+        if isinstance(value, int) and value > 0:
+            return value
+    return None
+
+
+def require_transformers(key: str) -> Any:
+    """The ``transformers`` module, or a ConfigError naming ``key`` and the extra to install."""
+    try:
+        import transformers
+    except ImportError as err:
+        raise ConfigError(
+            f"{key} needs the `transformers` package (the llm extra), which is not installed: "
+            f"{LLM_EXTRA_HINT}"
+        ) from err
+    return transformers
+
+
+def build_hf_causal_lm(cfg: ModelConfig) -> HFCausalLM:
+    """The model of ``model.hf_config`` (random init, from the torch generator) or of
+    ``model.weights=hf:PATH`` (its saved weights, fp32)."""
+    key, folder = source_folder(cfg)
+    transformers = require_transformers(f"model.name={HF_CAUSAL_LM}")
+    try:
+        config = transformers.AutoConfig.from_pretrained(
+            str(folder), local_files_only=True, **dict(cfg.kwargs)
+        )
+        if key == "model.weights":
+            lm = transformers.AutoModelForCausalLM.from_pretrained(
+                str(folder),
+                config=config,
+                local_files_only=True,
+                **{dtype_key(transformers): torch.float32},
+            )
+        else:
+            lm = transformers.AutoModelForCausalLM.from_config(config)
+    except (OSError, ValueError, KeyError, TypeError) as err:
+        raise ConfigError(
+            f"{key}={str(folder)!r}: transformers cannot build a causal LM from it: "
+            f"{type(err).__name__}: {str(err).strip().splitlines()[0] if str(err) else ''}"
+        ) from err
+    return HFCausalLM(lm)
+
+
+def source_folder(cfg: ModelConfig) -> tuple[str, Path]:
+    """Which key names the model (``model.weights`` or ``model.hf_config``) and its folder."""
+    weights, hf_config = cfg.weights, getattr(cfg, "hf_config", None)
+    if weights is not None and hf_config is not None:
+        raise ConfigError(
+            f"model.weights={weights!r} and model.hf_config={hf_config!r}: give one; the weights' "
+            f"folder holds its own config.json"
+        )
+    if weights is not None:
+        if not weights.startswith(HF_WEIGHTS):
+            raise ConfigError(
+                f"model.weights={weights!r}: model.name={HF_CAUSAL_LM} loads a saved transformers "
+                f"folder, written model.weights={HF_WEIGHTS}PATH"
+            )
+        key, path = "model.weights", Path(weights[len(HF_WEIGHTS) :]).expanduser()
+    elif hf_config is not None:
+        key, path = "model.hf_config", Path(hf_config).expanduser()
+        if path.name == "config.json" and path.is_file():
+            path = path.parent
+    else:
+        raise ConfigError(
+            f"model.name={HF_CAUSAL_LM} needs model.hf_config=PATH (a folder with config.json: "
+            f"random weights) or model.weights={HF_WEIGHTS}PATH (a saved model folder)"
+        )
+    if not (path / "config.json").is_file():
+        raise ConfigError(f"{key}={str(path)!r}: no config.json there")
+    return key, path
+
+
+def dtype_key(transformers: Any) -> str:
+    """from_pretrained's dtype keyword: ``dtype`` from transformers 4.56, ``torch_dtype`` before."""
+    major, minor = (int(p) for p in transformers.__version__.split(".")[:2])
+    return "dtype" if (major, minor) >= (4, 56) else "torch_dtype"
+
+
+def validate_hf_causal_lm(cfg: Config, *, tp: int, pp: int) -> None:
+    """``model.name=hf_causal_lm`` against the layout and the data, before launch."""
+    if tp > 1 or pp > 1:
+        raise ConfigError(
+            f"model.name={HF_CAUSAL_LM} with parallel.tp={tp}, parallel.pp={pp}: a transformers "
+            f"model is trained as it is, and it has neither a tensor-parallel plan here (which "
+            f"of its layers split by rows or columns) nor a pipeline split (its forward passes "
+            f"masks, positions and rotary tables between layers, not one tensor); train it with "
+            f"parallel.tp=1 and parallel.pp=1 under parallel=ddp or parallel=fsdp (one FSDP2 unit "
+            f"per decoder layer), or use one of this project's own model families (model=gpt_*) "
+            f"for tensor and pipeline parallelism"
+        )
+    key, folder = source_folder(cfg.model)
+    if importlib.util.find_spec("transformers") is None:
+        raise ConfigError(
+            f"model.name={HF_CAUSAL_LM} needs the `transformers` package (the llm extra), which "
+            f"is not installed: {LLM_EXTRA_HINT}"
+        )
+    config = {**_read_config(folder / "config.json"), **dict(cfg.model.kwargs)}
+    data = cfg.data
+    if not is_language_model_data(data):
+        return
+    vocab = config.get("vocab_size")
+    if isinstance(vocab, int) and data.vocab_size is not None and data.vocab_size > vocab:
+        raise ConfigError(
+            f"data.vocab_size={data.vocab_size} is larger than the model's vocabulary "
+            f"(vocab_size={vocab} in {folder / 'config.json'}, {key})"
+        )
+    context = context_length(config)
+    if context is not None and data.seq_len > context:
+        raise ConfigError(
+            f"data.seq_len={data.seq_len} is longer than the model's context ({context} in "
+            f"{folder / 'config.json'}, {key})"
+        )
+
+
+def _read_config(path: Path) -> dict[str, Any]:
+    try:
+        data = json.loads(path.read_text())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as err:
+        raise ConfigError(f"{path} is not a readable JSON config: {err}") from None
+    if not isinstance(data, dict):
+        raise ConfigError(f"{path} does not hold a config (a JSON object)")
+    return data
+
+
+__all__ = [
+    "HF_CAUSAL_LM",
+    "HFCausalLM",
+    "build_hf_causal_lm",
+    "context_length",
+    "decoder_layers",
+    "dtype_key",
+    "require_transformers",
+    "validate_hf_causal_lm",
+]
