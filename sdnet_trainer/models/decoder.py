@@ -37,19 +37,16 @@ class Decoder(nn.Module):
     A pipeline split sets the units other stages hold to None; every method here skips them."""
 
     layout: ClassVar[DecoderLayout]
-    embed: nn.Module | None
-    blocks: nn.ModuleList | None
-    norm: nn.Module | None
-    head: nn.Module | None
 
     def pipeline_units(self) -> list[str]:
         """Child module names whose sequential application (``x = unit(x)``) equals ``forward``."""
-        assert self.blocks is not None  # the split asks before pruning
-        return ["embed", *(f"blocks.{i}" for i in range(len(self.blocks))), "norm", "head"]
+        blocks: Any = self.get_submodule("blocks")  # the split asks before pruning
+        return ["embed", *(f"blocks.{i}" for i in range(len(blocks))), "norm", "head"]
 
     def parallel_blocks(self) -> list[nn.Module]:
         """The repeated units to wrap one by one (FSDP, activation checkpointing, compile)."""
-        return list(self.blocks) if self.blocks is not None else []
+        blocks = getattr(self, "blocks", None)
+        return list(blocks) if blocks is not None else []
 
     def check_tensor_parallel(self, tp: int, *, sequence_parallel: bool) -> None:
         raise NotImplementedError
@@ -84,8 +81,9 @@ class Decoder(nn.Module):
             loss_parallel=loss_parallel,
             sequence_parallel=sequence_parallel,
         )
-        if sequence_parallel and self.embed is not None:
-            self.embed.sequence_shards = tp
+        embed = getattr(self, "embed", None)
+        if sequence_parallel and embed is not None:
+            embed.sequence_shards = tp
 
 
 class Replicated(ParallelStyle):

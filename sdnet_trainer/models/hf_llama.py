@@ -209,10 +209,11 @@ def _rope(config: dict[str, Any], source: str) -> tuple[float, dict[str, Any]]:
     return float(theta), scaling
 
 
-def hf_config_of(model: nn.Module, *, dtype: torch.dtype) -> dict[str, Any]:
+def hf_config_of(llama: nn.Module, *, dtype: torch.dtype) -> dict[str, Any]:
     """config.json for ``model`` (a :class:`~sdnet_trainer.models.llama.Llama`), as
     ``transformers.LlamaConfig`` reads it (the ``rope_theta`` / ``rope_scaling`` spelling that
     transformers 4 and 5 both read)."""
+    model: Any = llama  # its sizes are plain attributes
     sizes = {theirs: getattr(model, ours) for ours, theirs in CONFIG_KEYS}
     scaling = dict(model.rope_scaling)
     return {

@@ -256,10 +256,11 @@ class Llama(Decoder):
         super().apply_tensor_parallel(
             tp_mesh, loss_parallel=loss_parallel, sequence_parallel=sequence_parallel
         )
-        if self.tie_embeddings and self.embed is not None and self.head is not None:
+        embed, head = getattr(self, "embed", None), getattr(self, "head", None)
+        if self.tie_embeddings and embed is not None and head is not None:
             # Both are split by vocabulary rows (Shard(0)); the plan gave each its own DTensor
             # parameter, which are made one again.
-            self.head.weight = self.embed.tok.weight
+            head.weight = embed.tok.weight
 
 
 def _normal_init(module: nn.Module, *, std: float) -> None:

@@ -121,6 +121,17 @@ def llama_sizes(cfg: ModelConfig) -> dict[str, Any]:
     return {**sizes, **cfg.kwargs}
 
 
+def decoder_sizes(cfg: ModelConfig) -> tuple[int, int] | None:
+    """(width, layer count) of a decoder language model's config; None for other models."""
+    if cfg.name == GPT_NAME:
+        sizes = {**_as_dict(cfg.gpt), **cfg.kwargs}
+    elif cfg.name == LLAMA_NAME:
+        sizes = llama_sizes(cfg)
+    else:
+        return None
+    return int(sizes["dim"]), int(sizes["n_layers"])
+
+
 def _as_dict(section: Any) -> dict[str, Any]:
     # The schema's dataclass normally; a DictConfig or dict when a caller builds the config by hand.
     if dataclasses.is_dataclass(section) and not isinstance(section, type):

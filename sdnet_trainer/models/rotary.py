@@ -53,6 +53,8 @@ class Rotary(nn.Module):
     0..T-1. Its one buffer (the inverse frequencies) is computed, never saved: checkpoints hold
     only the projections."""
 
+    inv_freq: torch.Tensor
+
     def __init__(self, head_dim: int, *, theta: float, scaling: dict | None = None) -> None:
         super().__init__()
         self.head_dim = head_dim
