@@ -199,8 +199,7 @@ class Llama(Decoder):
         )
         self.norm = RMSNorm(dim, norm_eps)
         self.head = nn.Linear(dim, vocab_size, bias=False)
-        if tie_embeddings:
-            self.head.weight = self.embed.tok.weight
+        self._tie()
         with torch.no_grad():
             for step in self._llama_steps():
                 step.fn(step.module)
@@ -231,6 +230,18 @@ class Llama(Decoder):
                 steps.append(InitStep(module, partial(_normal_init, std=std)))
         return steps
 
+    def _apply(self, fn: Any, recurse: bool = True) -> Any:
+        # Module._apply (to(), to_empty(): the allocation after a meta build) makes a new
+        # parameter per module, which would untie the output layer from the embedding.
+        result = super()._apply(fn, recurse)
+        self._tie()
+        return result
+
+    def _tie(self) -> None:
+        embed, head = getattr(self, "embed", None), getattr(self, "head", None)
+        if self.tie_embeddings and embed is not None and head is not None:
+            head.weight = embed.tok.weight
+
     def pipeline_units(self) -> list[str]:
         if self.tie_embeddings:
             raise ConfigError(
@@ -256,11 +267,9 @@ class Llama(Decoder):
         super().apply_tensor_parallel(
             tp_mesh, loss_parallel=loss_parallel, sequence_parallel=sequence_parallel
         )
-        embed, head = getattr(self, "embed", None), getattr(self, "head", None)
-        if self.tie_embeddings and embed is not None and head is not None:
-            # Both are split by vocabulary rows (Shard(0)); the plan gave each its own DTensor
-            # parameter, which are made one again.
-            head.weight = embed.tok.weight
+        # Both are split by vocabulary rows (Shard(0)); the plan gave each its own DTensor
+        # parameter, which are made one again.
+        self._tie()
 
 
 def _normal_init(module: nn.Module, *, std: float) -> None:
