@@ -11,50 +11,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Dict, List, Optional
 
-
-@dataclass
-class GPTConfig:
-    vocab_size: int = 256
-    seq_len: int = 128  # the context length: the largest sequence the position embedding covers
-    dim: int = 128
-    n_layers: int = 4
-    n_heads: int = 4
-    mlp_ratio: float = 4.0
-    dropout: float = 0.0
-
-
-@dataclass
-class RopeScalingConfig:
-    # default: plain rotary frequencies; llama3: Llama 3.1's scaling for long contexts (the
-    # low frequencies slowed by `factor`, a smooth blend between low_freq_factor and
-    # high_freq_factor of the original context's wavelengths), as Hugging Face's rope_type.
-    rope_type: str = "default"
-    factor: float = 8.0
-    low_freq_factor: float = 1.0
-    high_freq_factor: float = 4.0
-    original_max_position_embeddings: int = 8192
-
-
-@dataclass
-class LlamaConfig:
-    # The Llama architecture (model.name=llama; configs/model/llama3_*): RMSNorm, rotary
-    # positions, a SwiGLU MLP, grouped-query attention. Hugging Face's LlamaConfig names in
-    # brackets; model.hf_config / model.weights=hf:PATH take them from a config.json instead.
-    vocab_size: int = 256
-    seq_len: int = 128  # the longest sequence it is used on (max_position_embeddings)
-    dim: int = 128  # (hidden_size)
-    n_layers: int = 2  # (num_hidden_layers)
-    n_heads: int = 4  # (num_attention_heads)
-    # Key/value heads, each shared by n_heads / n_kv_heads query heads; null: n_heads (no
-    # grouping). (num_key_value_heads)
-    n_kv_heads: Optional[int] = None
-    hidden_dim: int = 344  # the MLP's channels (intermediate_size)
-    norm_eps: float = 1.0e-5  # (rms_norm_eps)
-    rope_theta: float = 500000.0
-    rope_scaling: RopeScalingConfig = field(default_factory=RopeScalingConfig)
-    # The output layer shares the token embedding's weights (tie_word_embeddings); not with
-    # pipeline parallelism, where the two live on different stages.
-    tie_embeddings: bool = False
+# model.gpt and model.llama, the language models' sizes, are defined beside this module.
+from sdnet_trainer.config.language_models import GPTConfig, LlamaConfig
 
 
 @dataclass
@@ -82,19 +40,17 @@ class ModelConfig:
     # Replace the ImageNet stem (7x7/2 conv + max-pool) with a 3x3/1 conv: the usual ResNet
     # adaptation for 32x32 inputs such as CIFAR-10.
     cifar_stem: bool = False
-    # torchvision weights enum name (e.g. "IMAGENET1K_V2"); downloads on first use. For
-    # model.name=llama: hf:PATH, a local Hugging Face checkpoint folder (config.json and
-    # safetensors), its architecture and weights, each rank reading only the slices it holds.
+    # torchvision weights enum name (e.g. "IMAGENET1K_V2"); downloads on first use. llama:
+    # hf:PATH, a local Hugging Face folder (config.json, safetensors): architecture and weights.
     weights: Optional[str] = None
-    # model.name=llama: the architecture from a Hugging Face config.json (a file or its folder)
-    # instead of model.llama, without its weights.
+    # llama: the architecture alone from a Hugging Face config.json (or its folder).
     hf_config: Optional[str] = None
     # Extra keyword arguments for the model constructor.
     kwargs: Dict[str, Any] = field(default_factory=dict)
     # The GPT-style decoder (model.name=gpt); sizes from tiny to ~1B parameters
     # (configs/model/gpt_*).
     gpt: GPTConfig = field(default_factory=GPTConfig)
-    # The Llama family (model.name=llama): configs/model/llama3_{debug,1b,8b,70b}.
+    # The Llama family (model.name=llama; configs/model/llama3_*).
     llama: LlamaConfig = field(default_factory=LlamaConfig)
     # Recompute each block's activations in backward instead of keeping them (per transformer
     # block, per ResNet residual block): less memory for about one more forward pass.
