@@ -88,7 +88,7 @@ from sdnet_trainer.config.paths import check_creatable_folder
 from sdnet_trainer.errors import ConfigError
 
 # The package's parts, one concern each; every name is also importable from here.
-from sdnet_trainer.export.hf import hf_file_names, tokenizer_of, write_hf
+from sdnet_trainer.export.hf import hf_file_names, source_config, tokenizer_of, write_hf
 from sdnet_trainer.export.output import (
     EXPORT_MANIFEST,
     check_output,
@@ -267,7 +267,7 @@ def export(args: ExportArgs) -> Exported:
         for fmt in names:
             if fmt == "hf":
                 tokenizer = args.tokenizer or tokenizer_of(cfg)
-                write_hf(model, staging, tokenizer=tokenizer)
+                write_hf(model, staging, tokenizer=tokenizer, source=source_config(cfg))
                 continue
             diff = write(fmt, model, inputs, staging / FILES[fmt], opset=args.opset)
             if diff is not None:

@@ -5,7 +5,10 @@ Written: ``config.json`` (the architecture, ``models/hf_llama.py``'s ``hf_config
 weights under Hugging Face's names in safetensors shards of at most :data:`SHARD_BYTES`
 (``model-00001-of-0000N.safetensors``) with their index ``model.safetensors.index.json``, and the
 run's tokenizer files when its config names a local tokenizer (``data.tokenizer``: a folder
-holding them, or a ``tokenizer.json``). A tied output layer is stored once, as the embedding, and
+holding them, or a ``tokenizer.json``). A run that started from a Hugging Face folder
+(``model.weights=hf:PATH`` or ``model.hf_config``) passes on that config's special token ids and
+its ``generation_config.json``; otherwise the ids are null (transformers' defaults, 1 and 2, are
+not Llama 3's). A tied output layer is stored once, as the embedding, and
 ``tie_word_embeddings`` says so. The tensors keep the checkpoint's dtype (float32 for a run's
 weights and its average).
 """
@@ -23,8 +26,15 @@ from typing import Any
 import torch
 from torch import nn
 
+from sdnet_trainer.errors import ConfigError
 from sdnet_trainer.export.writers import ExportError
-from sdnet_trainer.models.hf_llama import INDEX_FILE, hf_config_of, to_hf_name
+from sdnet_trainer.models.hf_llama import (
+    INDEX_FILE,
+    hf_config_of,
+    hf_weights_folder,
+    read_hf_config,
+    to_hf_name,
+)
 from sdnet_trainer.models.llama import Llama
 
 logger = logging.getLogger(__name__)
@@ -38,7 +48,6 @@ TOKENIZER_FILES = (
     "special_tokens_map.json",
     "tokenizer.model",
     "chat_template.jinja",
-    "generation_config.json",
 )
 
 
@@ -52,9 +61,11 @@ def write_hf(
     folder: Path,
     *,
     tokenizer: str | None = None,
+    source: Path | None = None,
     shard_bytes: int = SHARD_BYTES,
 ) -> list[str]:
-    """Write ``model`` (a Llama) as a Hugging Face folder into ``folder``; the names written."""
+    """Write ``model`` (a Llama) as a Hugging Face folder into ``folder``; the names written.
+    ``source``: the Hugging Face config.json (or its folder) the run started from."""
     if not isinstance(model, Llama):
         raise ExportError(
             f"format=hf writes Llama models (model.name=llama); this checkpoint's model is a "
@@ -79,9 +90,11 @@ def write_hf(
     total = sum(t.numel() * t.element_size() for t in tensors.values())
     index = {"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))}
     (folder / INDEX_FILE).write_text(json.dumps(index, indent=2) + "\n")
-    config = hf_config_of(model, dtype=dtype)
+    config = {**hf_config_of(model, dtype=dtype), **_token_ids(source)}
     (folder / HF_CONFIG).write_text(json.dumps(config, indent=2) + "\n")
     written += [INDEX_FILE, HF_CONFIG]
+    if source is not None:
+        written += _copy_files((source if source.is_dir() else source.parent), folder, _GENERATION)
     if tokenizer:
         written += copy_tokenizer(Path(tokenizer).expanduser(), folder)
     return written
@@ -101,6 +114,41 @@ def _shards(tensors: dict[str, torch.Tensor], limit: int) -> list[list[str]]:
     return shards
 
 
+_TOKEN_IDS = ("bos_token_id", "eos_token_id", "pad_token_id")
+_GENERATION = ("generation_config.json",)
+
+
+def _token_ids(source: Path | None) -> dict[str, Any]:
+    ids: dict[str, Any] = dict.fromkeys(_TOKEN_IDS)
+    if source is None:
+        return ids
+    try:
+        config = read_hf_config(source, key="the run's Hugging Face config")
+    except ConfigError as err:
+        logger.warning("format=hf: special token ids not carried over: %s", err)
+        return ids
+    for key in _TOKEN_IDS:
+        value = config.get(key)
+        ok = isinstance(value, int) or (
+            isinstance(value, list) and all(isinstance(v, int) for v in value)
+        )
+        ids[key] = value if ok and not isinstance(value, bool) else None
+    return ids
+
+
+def source_config(cfg: Any) -> Path | None:
+    """The Hugging Face config the run started from (``model.weights=hf:`` or
+    ``model.hf_config``), if any."""
+    model = getattr(cfg, "model", None)
+    if model is None:
+        return None
+    folder = hf_weights_folder(getattr(model, "weights", None))
+    if folder is not None:
+        return folder
+    hf_config = getattr(model, "hf_config", None)
+    return Path(hf_config).expanduser() if hf_config else None
+
+
 def copy_tokenizer(source: Path, folder: Path) -> list[str]:
     """The tokenizer files of ``source`` (a folder of them, or one ``tokenizer.json``) copied
     into ``folder``: regular files only, never through a link. A tokenizer named by a hub id
@@ -116,19 +164,29 @@ def copy_tokenizer(source: Path, folder: Path) -> list[str]:
             str(source),
         )
         return []
+    copied = _copy(files, folder)
+    if "tokenizer.json" not in copied and "tokenizer.model" not in copied:
+        logger.warning("format=hf: %s holds no tokenizer.json or tokenizer.model", source)
+    return copied
+
+
+def _copy_files(source: Path, folder: Path, names: tuple[str, ...]) -> list[str]:
+    return _copy({name: source / name for name in names}, folder)
+
+
+def _copy(files: dict[str, Path], folder: Path) -> list[str]:
+    """Copy each existing regular file (never through a link) to ``folder/name``."""
     copied = []
     for name, path in files.items():
         try:
             info = os.lstat(path)
-        except FileNotFoundError:
+        except OSError:
             continue
         if not stat.S_ISREG(info.st_mode):
             logger.warning("format=hf: %s is not a regular file; not copied", path)
             continue
         shutil.copyfile(path, folder / name, follow_symlinks=False)
         copied.append(name)
-    if "tokenizer.json" not in copied and "tokenizer.model" not in copied:
-        logger.warning("format=hf: %s holds no tokenizer.json or tokenizer.model", source)
     return copied
 
 
@@ -144,6 +202,7 @@ __all__ = [
     "SHARD_BYTES",
     "copy_tokenizer",
     "hf_file_names",
+    "source_config",
     "tokenizer_of",
     "write_hf",
 ]

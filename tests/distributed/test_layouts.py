@@ -63,6 +63,8 @@ LLAMA = COMMON + [
     "optim.momentum=0.9",
     "optim.clip_grad_norm=0.5",
 ]
+# Llama 3.2 1B's layout: the output layer shares the token embedding's weight.
+LLAMA_TIED = LLAMA + ["model.llama.tie_embeddings=true"]
 RESNET = COMMON + [
     "model=resnet18",
     "model.cifar_stem=true",
@@ -147,6 +149,8 @@ WORLD4 = {
         "parallel.tensor_parallel.loss_parallel=true",
         "parallel.tensor_parallel.sequence_parallel=true",
     ],
+    # One parameter under two names, split by vocabulary rows under TP and sharded by FSDP.
+    "llama_tied_fsdp_tp": LLAMA_TIED + ["parallel=fsdp", "parallel.tp=2"],
     "resnet_fsdp": RESNET + ["parallel=fsdp"],
     # FSDP2 refuses channels_last parameters: the layout rides on the inputs alone there.
     "resnet_fsdp_channels_last": RESNET + ["parallel=fsdp", "model.channels_last=true"],
@@ -173,6 +177,7 @@ def _single(out) -> dict[str, list[str]]:
     return {
         "gpt_ref": GPT,
         "llama_ref": LLAMA,
+        "llama_tied_ref": LLAMA_TIED,
         VAL_REMAINDER_REF: GPT + ["data.val_size=65"],
         "resnet_ref": RESNET + ["loop.grad_accum_steps=4"],
         "gpt_from_fsdp2": reload("gpt_fsdp2_saved", GPT),
@@ -243,6 +248,8 @@ def runs(layout_dir) -> dict[str, dict]:
 def _reference(name: str) -> str:
     if name in VAL_REMAINDER:
         return VAL_REMAINDER_REF
+    if name.startswith("llama_tied"):
+        return "llama_tied_ref"
     return f"{name.split('_')[0]}_ref"
 
 
@@ -294,6 +301,8 @@ def test_layout_matches_single_process(runs, name):
             min(ref["grad_norms"]) > 0.5
         )  # optim.clip_grad_norm=0.5 scaled every step's gradients
     _assert_same_training(run, ref, name.split("_")[0])
+    if "tied" in name:  # still one weight after training
+        assert torch.equal(run["params"]["head.weight"], run["params"]["embed.tok.weight"])
     if language_model or name in WORLD2:
         # Evaluation over sharded / pipelined models equals the single process's. Not for ResNets
         # with several data-parallel ranks: each keeps its own BatchNorm running statistics.

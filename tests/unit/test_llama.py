@@ -319,7 +319,7 @@ def llama_run(tmp_path_factory):
 @pytest.mark.full  # trains 3 steps and exports twice, about 6 s
 @pytest.mark.parametrize("ema", [False, True])
 def test_export_hf_round_trips_through_transformers(llama_run, tmp_path, ema):
-    checkpoint, weights, average, _ = llama_run
+    checkpoint, weights, average, hf_dir = llama_run
     tokenizer = tmp_path / "tok"
     tokenizer.mkdir()
     (tokenizer / "tokenizer.json").write_text("{}")
@@ -336,6 +336,11 @@ def test_export_hf_round_trips_through_transformers(llama_run, tmp_path, ema):
     )
     names = {p.name for p in result.files}
     assert {"config.json", "model.safetensors.index.json", "tokenizer.json"} <= names
+    # The source folder's special token ids and generation config are passed on.
+    source = json.loads((hf_dir / "config.json").read_text())
+    exported = json.loads((out / "config.json").read_text())
+    assert exported["eos_token_id"] == source["eos_token_id"] is not None
+    assert "generation_config.json" in names
     assert "tokenizer_config.json" in names and any(n.startswith("model-000") for n in names)
     reloaded = transformers.AutoModelForCausalLM.from_pretrained(out).eval()
     expected = average if ema else weights
