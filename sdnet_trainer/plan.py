@@ -51,6 +51,7 @@ from sdnet_trainer.distributed.mesh import ParallelDims, build_mesh, parallel_di
 from sdnet_trainer.distributed.parallelize import _uses_fsdp, checkpoint_block, parallelize
 from sdnet_trainer.errors import EXIT_CONFIG_ERROR, ConfigError
 from sdnet_trainer.models.parallel_spec import parallel_blocks
+from sdnet_trainer.models.registry import decoder_sizes
 from sdnet_trainer.observability.memory import training_state_bytes
 from sdnet_trainer.preflight import validate
 from sdnet_trainer.training.precision import DTYPES
@@ -293,20 +294,21 @@ def _activation_estimate(
 def _model_parallel_collectives(
     cfg: Config, dims: ParallelDims, trainer: Trainer, stage: int
 ) -> list[Collective]:
-    """Tensor parallel (GPT): per block two all-reduces of the (micro-batch, seq, dim) stream in
-    forward and two in backward (with sequence parallel: a reduce-scatter and an all-gather in
-    their place). Pipeline: per micro-batch one send forward and one backward at each stage
-    boundary this rank has."""
+    """Tensor parallel (GPT, Llama): per block two all-reduces of the (micro-batch, seq, dim)
+    stream in forward and two in backward (with sequence parallel: a reduce-scatter and an
+    all-gather in their place). Pipeline: per micro-batch one send forward and one backward at
+    each stage boundary this rank has."""
     out: list[Collective] = []
-    gpt = cfg.model.gpt
-    if cfg.model.name != "gpt" or (dims.tp == 1 and dims.pp == 1):
+    sizes = decoder_sizes(cfg.model)
+    if sizes is None or (dims.tp == 1 and dims.pp == 1):
         return out
+    dim, n_layers = sizes
     micro = batch_layout(cfg, dims.pp * dims.dp * dims.tp).grad_accum_steps
     if dims.pp > 1:
         micro = cfg.parallel.pipeline.microbatches
     dtype = _gpu_dtype(cfg)
-    stream = _micro_batch(cfg, dims) * cfg.data.seq_len * gpt.dim * _dtype_bytes(dtype)
-    layers = math.ceil(gpt.n_layers / dims.pp)
+    stream = _micro_batch(cfg, dims) * cfg.data.seq_len * dim * _dtype_bytes(dtype)
+    layers = math.ceil(n_layers / dims.pp)
     if dims.tp > 1:
         if cfg.parallel.tensor_parallel.sequence_parallel:
             for kind in ("reduce_scatter", "all_gather"):

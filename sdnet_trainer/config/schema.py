@@ -11,16 +11,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Dict, List, Optional
 
-
-@dataclass
-class GPTConfig:
-    vocab_size: int = 256
-    seq_len: int = 128  # the context length: the largest sequence the position embedding covers
-    dim: int = 128
-    n_layers: int = 4
-    n_heads: int = 4
-    mlp_ratio: float = 4.0
-    dropout: float = 0.0
+# model.gpt and model.llama, the language models' sizes, are defined beside this module.
+from sdnet_trainer.config.language_models import GPTConfig, LlamaConfig
 
 
 @dataclass
@@ -48,17 +40,19 @@ class ModelConfig:
     # Replace the ImageNet stem (7x7/2 conv + max-pool) with a 3x3/1 conv: the usual ResNet
     # adaptation for 32x32 inputs such as CIFAR-10.
     cifar_stem: bool = False
-    # torchvision weights enum name (e.g. "IMAGENET1K_V2"); downloads on first use. For
-    # model.name=hf_causal_lm: hf:PATH, a folder saved by transformers (config.json + safetensors).
+    # torchvision weights enum name (e.g. "IMAGENET1K_V2"); downloads on first use. llama and
+    # hf_causal_lm: hf:PATH, a local Hugging Face folder (config.json, safetensors).
     weights: Optional[str] = None
-    # model.name=hf_causal_lm: a folder with a transformers config.json (or that file), built with
-    # random weights.
+    # llama and hf_causal_lm: the architecture alone, random weights, from a Hugging Face
+    # config.json (or its folder).
     hf_config: Optional[str] = None
     # Extra keyword arguments for the model constructor.
     kwargs: Dict[str, Any] = field(default_factory=dict)
     # The GPT-style decoder (model.name=gpt); sizes from tiny to ~1B parameters
     # (configs/model/gpt_*).
     gpt: GPTConfig = field(default_factory=GPTConfig)
+    # The Llama family (model.name=llama; configs/model/llama3_*).
+    llama: LlamaConfig = field(default_factory=LlamaConfig)
     # Recompute each block's activations in backward instead of keeping them (per transformer
     # block, per ResNet residual block): less memory for about one more forward pass.
     activation_checkpointing: bool = False

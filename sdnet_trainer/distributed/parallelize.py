@@ -195,7 +195,7 @@ def parallelize(
         if not supports_tensor_parallel(model):
             raise ConfigError(
                 f"parallel.tp={dims.tp}: model.name={cfg.model.name!r} has no tensor-parallel "
-                f"plan (the gpt family has one); use parallel.tp=1"
+                f"plan (the gpt and llama families have one); use parallel.tp=1"
             )
         assert mesh is not None  # more than one rank: the caller built the mesh
         # The check above found the method; nn.Module's attribute typing cannot express it.

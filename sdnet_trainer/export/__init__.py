@@ -13,6 +13,11 @@ loop state. What serving and inference tools want is the model alone, whole, in 
     model.pt2           a ``torch.export`` program (``torch.export.load(path).module()``)
     config.yaml         the training config, so the network can be rebuilt for the weights
 
+and, for a Llama (``model.name=llama``), ``format=hf``: a Hugging Face checkpoint folder
+(``config.json``, ``model-0000i-of-0000N.safetensors`` and ``model.safetensors.index.json``, the
+run's tokenizer files) that ``transformers.AutoModelForCausalLM.from_pretrained(out)`` loads as it
+is (``export/hf.py``).
+
 The checkpoint carries the resolved training config, from which a Trainer rebuilds the bare model
 (``Trainer.build_model``); the weights are loaded through DCP, which reassembles them from any
 parallel layout and world size. Loading reads with the checkpoint module's restricted unpicklers.
@@ -41,12 +46,17 @@ A checkpoint is untrusted input: it may come from anywhere, and export reads it 
 Arguments, as ``key=value``:
 
     checkpoint=PATH   a step_NNNNNNNN/ folder, or a checkpoint directory (its newest valid step)
-    format=pt         pt | safetensors | onnx | torch_export | all, or several: format=pt,onnx
+    format=pt         pt | safetensors | onnx | torch_export | hf | all, or several:
+                      format=pt,onnx (all: every format but hf, which a Llama asks by name;
+                      hf and safetensors do not share a folder: transformers would read the
+                      wrong weights file)
     out=DIR           default: <checkpoint>/export
     opset=N           ONNX opset version (default: the exporter's)
     trainer=DOTTED    the Trainer class that rebuilds the model (default: sdnet_trainer.Trainer;
                       the checkpoint's recorded class is never imported unless named here)
     ema=true          the moving average of the weights (a run with model.ema) instead of them
+    tokenizer=PATH    format=hf: the tokenizer files to put beside the model (a folder of them or
+                      a tokenizer.json); default: the run's data.tokenizer when it is a local path
 
 ONNX and torch.export trace the model on an example batch (see ``example_inputs``) with a dynamic
 batch dimension where the model allows it, and check the exported program's outputs against
@@ -78,6 +88,7 @@ from sdnet_trainer.config.paths import check_creatable_folder
 from sdnet_trainer.errors import ConfigError
 
 # The package's parts, one concern each; every name is also importable from here.
+from sdnet_trainer.export.hf import hf_file_names, source_config, tokenizer_of, write_hf
 from sdnet_trainer.export.output import (
     EXPORT_MANIFEST,
     check_output,
@@ -97,6 +108,7 @@ from sdnet_trainer.export.rebuild import (
     training_config,
 )
 from sdnet_trainer.export.writers import (
+    ALL_FORMATS,
     EXTRA_HINT,
     FILES,
     FORMATS,
@@ -131,6 +143,7 @@ __all__ = [
     "trainer_class",
     "trainer_hint",
     "training_config",
+    "write_hf",
     "write_onnx",
     "write_safetensors",
 ]
@@ -159,6 +172,8 @@ class ExportArgs:
     # Export the exponential moving average of the weights (a run with model.ema) instead of the
     # weights themselves.
     ema: bool = False
+    # format=hf: the tokenizer files to copy beside the model; null: the run's data.tokenizer.
+    tokenizer: Optional[str] = None
 
 
 @dataclass(frozen=True)
@@ -189,12 +204,18 @@ def formats(value: str) -> list[str]:
     """``format=`` as a list of format names, in the order of FORMATS."""
     names = {part.strip() for part in str(value).split(",") if part.strip()}
     if "all" in names:
-        names = set(FORMATS) | (names - {"all"})
+        names = set(ALL_FORMATS) | (names - {"all"})
     unknown = sorted(names - set(FORMATS))
     if unknown or not names:
         raise ConfigError(
             f"format={value!r}: choose from {', '.join(FORMATS)}, all, or several joined "
             f"by commas" + (f" (unknown: {', '.join(unknown)})" if unknown else "")
+        )
+    if {"hf", "safetensors"} <= names:
+        raise ConfigError(
+            f"format={value!r}: hf and safetensors in one folder would give transformers two "
+            f"weight files (it reads model.safetensors first); export them to separate out= "
+            f"folders"
         )
     return [name for name in FORMATS if name in names]
 
@@ -210,7 +231,10 @@ def export(args: ExportArgs) -> Exported:
     cls = trainer_class(checkpoint, cfg, args.trainer)
     out = output_folder(args.out, checkpoint)
     # Refuse an output folder export will not write into before the slow work.
-    check_output(out, [FILES[fmt] for fmt in names] + [CONFIG_FILE])
+    check_output(
+        out,
+        [FILES[fmt] for fmt in names] + [CONFIG_FILE] + (hf_file_names() if "hf" in names else []),
+    )
     check_creatable_folder("out", out)
     try:
         # A Trainer that is never set up (no process group, data or optimizer): build_model and
@@ -241,6 +265,10 @@ def export(args: ExportArgs) -> Exported:
     diffs: dict[str, float] = {}
     with staging_folder(out) as (folder, staging):
         for fmt in names:
+            if fmt == "hf":
+                tokenizer = args.tokenizer or tokenizer_of(cfg)
+                write_hf(model, staging, tokenizer=tokenizer, source=source_config(cfg))
+                continue
             diff = write(fmt, model, inputs, staging / FILES[fmt], opset=args.opset)
             if diff is not None:
                 diffs[fmt] = diff

@@ -16,15 +16,22 @@ from sdnet_trainer.errors import ConfigError
 
 logger = logging.getLogger(__name__)
 
-FORMATS = ("pt", "safetensors", "onnx", "torch_export")
+FORMATS = ("pt", "safetensors", "onnx", "torch_export", "hf")
+# format=all: every format any model exports (hf is for Llama models only, so it is asked by name).
+ALL_FORMATS = ("pt", "safetensors", "onnx", "torch_export")
 FILES = {
     "pt": "model.pt",
     "safetensors": "model.safetensors",
     "onnx": "model.onnx",
     "torch_export": "model.pt2",
+    "hf": "config.json",  # with the shards and their index (export/hf.py)
 }
 # The optional packages each format imports; together they are the project's `export` extra.
-REQUIRES = {"safetensors": ("safetensors",), "onnx": ("onnx", "onnxscript", "onnxruntime")}
+REQUIRES = {
+    "safetensors": ("safetensors",),
+    "onnx": ("onnx", "onnxscript", "onnxruntime"),
+    "hf": ("safetensors",),
+}
 EXTRA_HINT = "pip install 'sdnet_trainer[export]'"
 
 # The exported graph may reorder float operations; beyond this it computes something else.

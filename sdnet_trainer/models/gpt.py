@@ -1,13 +1,15 @@
 """A GPT-style decoder-only language model, laid out for every parallelism the trainer offers.
 
 The structure is deliberately flat: ``embed -> blocks[0..n) -> norm -> head``, each a child
-module that takes and returns one tensor. That one shape serves three consumers:
+module that takes and returns one tensor. That one shape, shared with the Llama family, serves
+three consumers through :class:`~sdnet_trainer.models.decoder.Decoder` and the GPT's declared
+:data:`~sdnet_trainer.models.parallel_spec.GPT_LAYOUT`:
 
-- pipeline parallelism cuts the model at unit boundaries (:meth:`GPT.pipeline_units`), which is
-  also why the head is *not* weight-tied to the token embedding: they may live on different stages;
+- pipeline parallelism cuts the model at unit boundaries (``pipeline_units``), which is also why
+  the head is *not* weight-tied to the token embedding: they may live on different stages;
 - FSDP, activation checkpointing and ``torch.compile`` wrap one transformer block at a time
-  (:meth:`GPT.parallel_blocks`);
-- tensor parallelism (:meth:`GPT.apply_tensor_parallel`) shards the linear layers Megatron-style.
+  (``parallel_blocks``);
+- tensor parallelism (``apply_tensor_parallel``) shards the linear layers Megatron-style.
   Attention derives the number of heads from the *local* projection width, so the same forward
   runs unchanged whether a rank holds all heads or only its share of them.
 """
@@ -21,22 +23,13 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 from torch import nn
-from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_module
-from torch.distributed.tensor.parallel import (
-    ColwiseParallel,
-    ParallelStyle,
-    PrepareModuleInput,
-    PrepareModuleOutput,
-    RowwiseParallel,
-    SequenceParallel,
-    parallelize_module,
-)
 
 from sdnet_trainer.config.schema import Config
 from sdnet_trainer.data import is_language_model_data
 from sdnet_trainer.errors import ConfigError
+from sdnet_trainer.models.decoder import Decoder
 from sdnet_trainer.models.init import InitStep, construction_resets, materialize
+from sdnet_trainer.models.parallel_spec import GPT_LAYOUT
 
 # GPT-2's initialisation: small enough that a deep stack starts near the identity function.
 _INIT_STD = 0.02
@@ -126,9 +119,11 @@ class Block(nn.Module):
         return x + self.mlp(self.norm2(x))
 
 
-class GPT(nn.Module):
+class GPT(Decoder):
     """Decoder-only transformer: int64 tokens (B, T) with T <= seq_len -> logits (B, T,
     vocab_size)."""
+
+    layout = GPT_LAYOUT
 
     def __init__(
         self,
@@ -200,34 +195,8 @@ class GPT(nn.Module):
                 steps.append(InitStep(module, _identity_norm))
         return steps
 
-    def pipeline_units(self) -> list[str]:
-        """Child module names whose sequential application (``x = unit(x)``) equals ``forward``."""
-        return ["embed", *(f"blocks.{i}" for i in range(len(self.blocks))), "norm", "head"]
-
-    def parallel_blocks(self) -> list[nn.Module]:
-        """The repeated units to wrap one by one (FSDP, activation checkpointing, compile)."""
-        return list(self.blocks)
-
-    def apply_tensor_parallel(
-        self, tp_mesh: DeviceMesh, *, loss_parallel: bool, sequence_parallel: bool
-    ) -> None:
-        """Shard the model over ``tp_mesh`` (a 1-D DeviceMesh) in place, Megatron-style.
-
-        Every rank gets the full (B, T) token tensor. Per block, q/k/v and ``w1`` are split by
-        output columns and ``wo``/``w2`` by input rows, so each block needs one all-reduce in
-        forward for attention and one for the MLP (a reduce-scatter plus an all-gather with
-        ``sequence_parallel``, which also splits norms, dropout and the residual stream along the
-        sequence). The output is the full logits tensor on every rank, or with ``loss_parallel``
-        a DTensor sharded over the vocabulary (``Shard(-1)``), for a cross-entropy computed under
-        ``torch.distributed.tensor.parallel.loss_parallel()``. Every parameter becomes a DTensor
-        on ``tp_mesh``, so optimizers and gradient clipping see one kind of tensor.
-
-        Units a pipeline split has pruned (set to None) are skipped, so a pipeline stage can be
-        sharded after the split.
-        """
-        tp = tp_mesh.size()
-        # The same rules validate_gpt applies to model.gpt before launch; model.kwargs can override
-        # those sizes, and a GPT can be built without the config.
+    def check_tensor_parallel(self, tp: int, *, sequence_parallel: bool) -> None:
+        """Whether this GPT shards over ``tp`` ranks (see :meth:`Decoder.apply_tensor_parallel`)."""
         check_tensor_parallel(
             n_heads=self.n_heads,
             dim=self.dim,
@@ -237,9 +206,6 @@ class GPT(nn.Module):
             tp=tp,
             sequence_parallel=sequence_parallel,
         )
-        _apply_tp(self, tp_mesh, loss_parallel=loss_parallel, sequence_parallel=sequence_parallel)
-        if sequence_parallel and self.embed is not None:
-            self.embed.sequence_shards = tp
 
 
 def _normal_init(module: nn.Module, *, std: float) -> None:
@@ -292,7 +258,7 @@ def check_tensor_parallel(
     sequence_parallel: bool,
 ) -> None:
     """Whether a GPT of these sizes shards over ``tp`` ranks (Megatron-style, see
-    :meth:`GPT.apply_tensor_parallel`)."""
+    :meth:`Decoder.apply_tensor_parallel`)."""
     if n_heads % tp:
         raise ConfigError(
             f"model.gpt.n_heads={n_heads} must be divisible by parallel.tp={tp}: "
@@ -336,106 +302,3 @@ def _check_sizes(**sizes: Any) -> None:
         )
     if not 0.0 <= sizes["dropout"] < 1.0:
         raise ConfigError(f"model.gpt.dropout={sizes['dropout']} must be in [0, 1)")
-
-
-# ---------------------------------------------------------------------------- tensor parallelism
-
-
-class _Replicated(ParallelStyle):
-    """Parameters replicated as DTensors; plain tensor inputs are taken as replicated.
-
-    torch's TP styles have none for "the same on every rank": without it the norms (without
-    sequence parallel) and the position embedding would keep plain-tensor parameters beside
-    DTensor ones, which foreach optimizers and gradient clipping refuse to mix.
-    """
-
-    def __init__(self, *, use_local_output: bool = True) -> None:
-        super().__init__()
-        self.use_local_output = use_local_output
-
-    @staticmethod
-    def _prepare_input(module: nn.Module, inputs: tuple, mesh: DeviceMesh) -> tuple:
-        return tuple(
-            DTensor.from_local(t, mesh, (Replicate(),), run_check=False)
-            if isinstance(t, torch.Tensor) and not isinstance(t, DTensor)
-            else t
-            for t in inputs
-        )
-
-    @staticmethod
-    def _prepare_output(
-        use_local_output: bool, module: nn.Module, output: Any, mesh: DeviceMesh
-    ) -> Any:
-        return output.to_local() if use_local_output and isinstance(output, DTensor) else output
-
-    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
-        # No partition function: distribute_module replicates every parameter, broadcasting from
-        # rank 0 so the copies agree even where the ranks initialised differently.
-        return distribute_module(
-            module,
-            device_mesh,
-            None,
-            # torch annotates input_fn as returning None, but the forward pre-hook it installs
-            # passes on the inputs it returns (as its docstring says).
-            self._prepare_input,  # type: ignore[arg-type]
-            partial(self._prepare_output, self.use_local_output),
-        )
-
-
-def _apply_tp(
-    model: GPT, mesh: DeviceMesh, *, loss_parallel: bool, sequence_parallel: bool
-) -> None:
-    # The layout of the residual stream between TP regions: the whole sequence on every rank, or
-    # each rank's slice of it. It is passed around as plain local tensors, as torchtitan does.
-    stream = Shard(1) if sequence_parallel else Replicate()
-
-    def norm_style() -> ParallelStyle:
-        return SequenceParallel() if sequence_parallel else _Replicated()
-
-    top_plan = {
-        # Vocabulary rows split over ranks; the partial sums are reduced straight into `stream`
-        # (an all-reduce, or a reduce-scatter under sequence parallel).
-        "embed.tok": RowwiseParallel(
-            input_layouts=Replicate(), output_layouts=stream, use_local_output=False
-        ),
-        # Small (seq_len x dim): replicated, added to the token embedding as a DTensor.
-        "embed.pos": _Replicated(use_local_output=False),
-        "embed": PrepareModuleOutput(
-            output_layouts=stream, desired_output_layouts=stream, use_local_output=True
-        ),
-        "norm": norm_style(),
-        "head": ColwiseParallel(
-            input_layouts=stream,
-            output_layouts=Shard(-1) if loss_parallel else Replicate(),
-            use_local_output=not loss_parallel,
-        ),
-    }
-    present = {name for name, _ in model.named_children()}
-    plan = {key: style for key, style in top_plan.items() if key.split(".")[0] in present}
-    if plan:
-        parallelize_module(model, mesh, plan)
-    for block in model.blocks if model.blocks is not None else ():
-        if block is None:
-            continue
-        parallelize_module(
-            block,
-            mesh,
-            {
-                "norm1": norm_style(),
-                # One gather of the block input for q, k and v together (and in backward one
-                # reduction of their three input gradients) instead of one per projection.
-                "attn": PrepareModuleInput(
-                    input_layouts=(stream,), desired_input_layouts=(Replicate(),)
-                ),
-                "attn.wq": ColwiseParallel(),
-                "attn.wk": ColwiseParallel(),
-                "attn.wv": ColwiseParallel(),
-                "attn.wo": RowwiseParallel(output_layouts=stream),
-                "norm2": norm_style(),
-                "mlp": PrepareModuleInput(
-                    input_layouts=(stream,), desired_input_layouts=(Replicate(),)
-                ),
-                "mlp.w1": ColwiseParallel(),
-                "mlp.w2": RowwiseParallel(output_layouts=stream),
-            },
-        )

@@ -163,6 +163,12 @@ def build_deferred(
     return model, steps
 
 
+def without_parameters(steps: list[InitStep]) -> list[InitStep]:
+    """The steps of modules that own no parameters (computed buffers such as rotary
+    frequencies): what is left to initialise when a checkpoint sets every parameter."""
+    return [s for s in steps if not any(p is not None for p in s.module._parameters.values())]
+
+
 def allocate(module: nn.Module, device: torch.device, *, cpu_offload: bool = False) -> None:
     """Allocate ``module``'s meta tensors (uninitialised: :func:`materialize` writes them).
 
@@ -266,4 +272,5 @@ __all__ = [
     "init_steps",
     "materialize",
     "resnet_init_steps",
+    "without_parameters",
 ]

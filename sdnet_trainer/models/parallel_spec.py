@@ -7,8 +7,11 @@
   points are given by module name (``layer3``, ``blocks.4``).
 - **Tensor-parallel plan**: a model that supports it has ``apply_tensor_parallel(tp_mesh, ...)``.
 
-A model states these itself with ``parallel_blocks()`` / ``pipeline_units()`` methods (the GPT
-does); torchvision ResNets and the project's SimpleCNN are described here.
+A model states these itself with ``parallel_blocks()`` / ``pipeline_units()`` methods; torchvision
+ResNets and the project's SimpleCNN are described here. The decoder-only language models (GPT,
+Llama) share one implementation of all three (``models/decoder.py``), driven by the
+:class:`DecoderLayout` each family declares below: which modules a block has and how tensor
+parallelism splits them.
 """
 
 from __future__ import annotations
@@ -31,6 +34,44 @@ class Unit:
 
     name: str
     flatten: bool = False
+
+
+@dataclass(frozen=True)
+class Region:
+    """One tensor-parallel region of a block: ``name``'s input is gathered once (the whole
+    sequence on every rank), the ``colwise`` projections split by output columns, the ``rowwise``
+    ones by input rows, whose partial sums are reduced back into the residual stream."""
+
+    name: str
+    colwise: tuple[str, ...]
+    rowwise: tuple[str, ...]
+
+
+@dataclass(frozen=True)
+class DecoderLayout:
+    """A decoder family's module names: ``embed -> blocks[i] -> norm -> head``, where ``embed``
+    holds the token embedding ``embed.tok`` (split by vocabulary rows under tensor parallelism)
+    and ``replicated`` small tables kept whole on every rank; each block has the ``norms`` and
+    the ``regions`` (attention, MLP) in that order."""
+
+    norms: tuple[str, ...]
+    regions: tuple[Region, ...]
+    replicated: tuple[str, ...] = ()
+
+
+ATTENTION = Region("attn", colwise=("wq", "wk", "wv"), rowwise=("wo",))
+# GPT: learned positions beside the tokens, LayerNorms, a GELU MLP.
+GPT_LAYOUT = DecoderLayout(
+    norms=("norm1", "norm2"),
+    regions=(ATTENTION, Region("mlp", colwise=("w1",), rowwise=("w2",))),
+    replicated=("embed.pos",),
+)
+# Llama: rotary positions inside attention (nothing to replicate), RMSNorms, a SwiGLU MLP whose
+# gate (w1) and up (w3) projections split alike.
+LLAMA_LAYOUT = DecoderLayout(
+    norms=("norm1", "norm2"),
+    regions=(ATTENTION, Region("mlp", colwise=("w1", "w3"), rowwise=("w2",))),
+)
 
 
 class _DeclaresBlocks(Protocol):
@@ -88,6 +129,10 @@ def supports_tensor_parallel(model: nn.Module) -> bool:
 
 
 __all__ = [
+    "GPT_LAYOUT",
+    "LLAMA_LAYOUT",
+    "DecoderLayout",
+    "Region",
     "Unit",
     "block_unit_indices",
     "parallel_blocks",

@@ -1,7 +1,9 @@
 """Build a model from ``ModelConfig``: a name, a class count, and a few adaptations.
 
-Classifiers take ``model.num_classes``; the GPT language model takes its sizes from ``model.gpt``
-instead (its vocabulary is its class count), so it has a path of its own.
+Classifiers take ``model.num_classes``; the language models take their sizes from ``model.gpt``
+or ``model.llama`` instead (the vocabulary is the class count), so they have paths of their own.
+A Llama's sizes may also come from a Hugging Face config.json (``model.hf_config``, or the folder
+of ``model.weights=hf:PATH``, whose weights the Trainer loads into each rank's shards).
 """
 
 from __future__ import annotations
@@ -19,7 +21,9 @@ from sdnet_trainer.config.schema import ModelConfig
 from sdnet_trainer.errors import ConfigError
 from sdnet_trainer.models.gpt import GPT
 from sdnet_trainer.models.hf_causal_lm import HF_CAUSAL_LM, build_hf_causal_lm
+from sdnet_trainer.models.hf_llama import hf_weights_folder, llama_sizes_from_hf, read_hf_config
 from sdnet_trainer.models.init import REPLACED_STEM, ZERO_INIT_RESIDUAL
+from sdnet_trainer.models.llama import Llama
 from sdnet_trainer.models.simple_cnn import SimpleCNN
 
 logger = logging.getLogger(__name__)
@@ -27,12 +31,13 @@ logger = logging.getLogger(__name__)
 # The project's own models: name -> constructor(num_classes=..., **kwargs).
 OWN_MODELS: dict[str, Callable[..., nn.Module]] = {"simple_cnn": SimpleCNN}
 
-# The language model, configured by model.gpt rather than model.num_classes.
+# The language models, configured by model.gpt / model.llama rather than model.num_classes.
 GPT_NAME = "gpt"
+LLAMA_NAME = "llama"
 
 
 def available_models() -> list[str]:
-    return sorted([*OWN_MODELS, GPT_NAME, HF_CAUSAL_LM]) + torchvision.models.list_models(
+    return sorted([*OWN_MODELS, GPT_NAME, LLAMA_NAME, HF_CAUSAL_LM]) + torchvision.models.list_models(
         module=torchvision.models
     )
 
@@ -41,6 +46,8 @@ def build_model(cfg: ModelConfig) -> nn.Module:
     model: nn.Module
     if cfg.name == GPT_NAME:
         model = _gpt_model(cfg)
+    elif cfg.name == LLAMA_NAME:
+        model = Llama(**llama_sizes(cfg))
     elif cfg.name == HF_CAUSAL_LM:
         model = build_hf_causal_lm(cfg)
     elif cfg.name in OWN_MODELS:
@@ -83,6 +90,49 @@ def _gpt_model(cfg: ModelConfig) -> GPT:
             f"it takes the keys of model.gpt: {', '.join(sizes)}"
         )
     return GPT(**{**sizes, **cfg.kwargs})
+
+
+def llama_sizes(cfg: ModelConfig) -> dict[str, Any]:
+    """The Llama's constructor arguments: from the Hugging Face config.json of
+    ``model.weights=hf:PATH`` or ``model.hf_config``, else ``model.llama``; ``model.kwargs``
+    overrides single ones."""
+    folder = hf_weights_folder(cfg.weights)
+    if cfg.weights is not None and folder is None:
+        raise ConfigError(
+            f"model.weights={cfg.weights!r}: model.name={cfg.name!r} loads Hugging Face "
+            f"checkpoints only, as model.weights=hf:PATH (a local folder)"
+        )
+    if folder is not None and cfg.hf_config is not None:
+        raise ConfigError(
+            f"model.weights={cfg.weights!r} brings its own config.json; leave model.hf_config "
+            f"(={cfg.hf_config!r}) unset"
+        )
+    source = cfg.hf_config if folder is None else folder
+    if source is not None:
+        key = "model.hf_config" if folder is None else "model.weights"
+        config = read_hf_config(source, key=key)
+        sizes = llama_sizes_from_hf(config, source=f"{key}={source}")
+    else:
+        sizes = _as_dict(cfg.llama)
+        sizes["rope_scaling"] = _as_dict(sizes["rope_scaling"])
+    unknown = sorted(set(cfg.kwargs) - set(sizes))
+    if unknown:
+        raise ConfigError(
+            f"model.kwargs has {unknown}, which model.name={cfg.name!r} does not take; "
+            f"it takes the keys of model.llama: {', '.join(sizes)}"
+        )
+    return {**sizes, **cfg.kwargs}
+
+
+def decoder_sizes(cfg: ModelConfig) -> tuple[int, int] | None:
+    """(width, layer count) of a decoder language model's config; None for other models."""
+    if cfg.name == GPT_NAME:
+        sizes = {**_as_dict(cfg.gpt), **cfg.kwargs}
+    elif cfg.name == LLAMA_NAME:
+        sizes = llama_sizes(cfg)
+    else:
+        return None
+    return int(sizes["dim"]), int(sizes["n_layers"])
 
 
 def _as_dict(section: Any) -> dict[str, Any]:

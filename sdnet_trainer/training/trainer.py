@@ -56,7 +56,8 @@ from sdnet_trainer.distributed.parallelize import gradient_sync, parallelize
 from sdnet_trainer.distributed.pipeline import Pipeline
 from sdnet_trainer.errors import ConfigError
 from sdnet_trainer.models import build_model
-from sdnet_trainer.models.init import allocate, build_deferred, materialize
+from sdnet_trainer.models.hf_llama import hf_weights_folder, load_hf_weights
+from sdnet_trainer.models.init import allocate, build_deferred, materialize, without_parameters
 from sdnet_trainer.observability import MetricsWriter, StepMeter
 from sdnet_trainer.observability.flops import run_flops
 from sdnet_trainer.observability.profiler import StepProfiler
@@ -267,15 +268,22 @@ class Trainer:
         # Same seed on every rank for the model's initial weights (DDP also broadcasts rank 0's);
         # pipeline stages and tensor-parallel shards hold the values of identical full models.
         seeded = torch.get_rng_state()
-        # The stock build_model only constructs (unless it loads pretrained weights), so it can
-        # run on the meta device; an override may load values, and decides for itself.
-        stock = type(self).build_model is Trainer.build_model and cfg.model.weights is None
+        # The stock build_model only constructs (unless it loads torchvision's pretrained
+        # weights), so it can run on the meta device; an override may load values, and decides
+        # for itself. Hugging Face weights (model.weights=hf:PATH) are read after sharding, each
+        # rank its own slices.
+        hf_folder = hf_weights_folder(cfg.model.weights)
+        stock = type(self).build_model is Trainer.build_model and (
+            cfg.model.weights is None or hf_folder is not None
+        )
         model, steps = build_deferred(self.build_model, on_meta=stock)
         # loop.deterministic on CUDA: refuse modules without a deterministic backward up front.
         rng.check_deterministic(model, self.device, deterministic=cfg.loop.deterministic)
         materialize_parts = None
         if steps is None:
             model = model.to(self.device)
+            if hf_folder is not None:
+                load_hf_weights(model, hf_folder)
         else:
 
             def materialize_parts(parts: list[nn.Module]) -> None:
@@ -284,7 +292,12 @@ class Trainer:
                 for part in parts:
                     allocate(part, self.device, cpu_offload=cfg.parallel.fsdp.cpu_offload)
                 torch.set_rng_state(seeded)
-                materialize(steps)
+                if hf_folder is None:
+                    materialize(steps)
+                else:
+                    # The checkpoint sets every parameter: only computed buffers need their init.
+                    materialize(without_parameters(steps))
+                    load_hf_weights(model, hf_folder)
 
         self.num_parameters = sum(p.numel() for p in model.parameters())  # of the whole model
         parallel = parallelize(

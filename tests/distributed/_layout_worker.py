@@ -8,11 +8,16 @@ rank 0 saves ``OUT/<name>.pt``: the global loss and gradient norm of every step,
 parameters (gathered from shards, tensor-parallel pieces and pipeline stages), the final eval
 metrics and every rank's training-state bytes. One launch serves many layouts: starting a process
 group costs more than training these tiny models.
+
+A case with ``model.weights=hf:PATH`` only sets up (the load is what it checks) and records, per
+rank, whether each local shard equals its slice of the Hugging Face file and the whole tensor its
+file tensor, and the peak resident memory the set-up added.
 """
 
 from __future__ import annotations
 
 import json
+import re
 import sys
 from pathlib import Path
 
@@ -25,15 +30,32 @@ from sdnet_trainer.config import compose
 from sdnet_trainer.config.schema import DistConfig
 from sdnet_trainer.distributed import all_reduce_sum, distributed_session
 from sdnet_trainer.distributed.ops import all_gather_objects
+from sdnet_trainer.models.hf_llama import hf_weights_folder, to_hf_name, weight_files
 from sdnet_trainer.observability.memory import training_state_bytes
 from sdnet_trainer.preflight import validate
 
 
+def _status_kib(field: str) -> int:
+    return int(re.search(rf"{field}:\s+(\d+) kB", Path("/proc/self/status").read_text())[1])
+
+
 class LayoutRecorder(Trainer):
     def setup(self) -> None:
+        self.hf_folder = hf_weights_folder(self.cfg.model.weights)
+        if self.hf_folder is not None:
+            Path("/proc/self/clear_refs").write_text("5")  # the peak (VmHWM) restarts from now
+            before = _status_kib("VmRSS")
         super().setup()
+        if self.hf_folder is not None:
+            self.setup_peak_bytes = (_status_kib("VmHWM") - before) * 1024
         self.losses: list[float] = []
         self.grad_norms: list[float] = []
+
+    def fit(self) -> dict[str, float]:
+        if hf_weights_folder(self.cfg.model.weights) is not None:
+            self.setup()  # the Hugging Face load is the check: no training
+            return {}
+        return super().fit()
 
     def train_step(self):
         out = super().train_step()
@@ -49,6 +71,8 @@ class LayoutRecorder(Trainer):
         return out
 
     def record(self, metrics: dict[str, float]) -> dict:
+        if self.hf_folder is not None:
+            return self.record_hf_load()
         state = get_model_state_dict(self.model, options=StateDictOptions(full_state_dict=True))
         local = {k: v.detach().float().cpu() for k, v in state.items()}
         params = {}
@@ -69,6 +93,42 @@ class LayoutRecorder(Trainer):
             "metrics": metrics,
             "params": params,
             "state_bytes": all_gather_objects(training_state_bytes(self.model, self.optimizer)),
+        }
+
+    def record_hf_load(self) -> dict:
+        """Each parameter's local shard against the file read whole (safetensors' load_file,
+        not the loader's lazy slices), and the gathered tensor against the file tensor."""
+        from safetensors.torch import load_file
+        from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+        assert self.hf_folder is not None
+        files = weight_files(self.hf_folder)
+        stored: dict[str, torch.Tensor] = {}
+        for file in sorted(set(files.values())):
+            stored.update(load_file(self.hf_folder / file))
+        shards_equal, full_equal, local_bytes = [], [], 0
+        for name, param in self.model.state_dict().items():
+            expected = stored[to_hf_name(name)]
+            assert isinstance(param, DTensor), name  # FSDP x TP: every parameter is sharded
+            local = param.to_local()
+            shape, offset = compute_local_shape_and_global_offset(
+                param.shape, param.device_mesh, param.placements
+            )
+            block = expected[tuple(slice(o, o + n) for o, n in zip(offset, shape, strict=True))]
+            shards_equal.append(torch.equal(local, block) and local.numel() < expected.numel())
+            full_equal.append(torch.equal(param.full_tensor(), expected))
+            local_bytes += local.numel() * local.element_size()
+        model_bytes = sum(t.numel() * t.element_size() for t in stored.values())
+        return {
+            "hf_load": all_gather_objects(
+                {
+                    "shards_equal": all(shards_equal) and len(shards_equal) == len(stored),
+                    "full_equal": all(full_equal),
+                    "peak_bytes": self.setup_peak_bytes,
+                    "local_bytes": local_bytes,
+                    "model_bytes": model_bytes,
+                }
+            )
         }
 
 

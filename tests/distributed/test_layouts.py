@@ -1,10 +1,12 @@
 """Every parallel layout against a single-process reference, through the real Trainer (gloo, CPU).
 
-Two model families: the GPT (no BatchNorm, so any split of the batch trains the same) and a
-ResNet-18 split into pipeline stages at layer boundaries. BatchNorm normalises over each forward's
-micro-batch, so a ResNet layout is compared with the single process that runs the same micro-batches
-(``loop.grad_accum_steps`` = data-parallel ranks x pipeline micro-batches); BatchNorm's running
-statistics are per rank and are left out of the parameter comparison.
+Three model families: the GPT and the Llama (no BatchNorm, so any split of the batch trains the
+same) and a ResNet-18 split into pipeline stages at layer boundaries. The 4-process launch also
+loads a Hugging Face Llama checkpoint under FSDP x TP: each rank reads only its slices.
+BatchNorm normalises over each forward's micro-batch, so a ResNet layout is compared with the
+single process that runs the same micro-batches (``loop.grad_accum_steps`` = data-parallel ranks
+x pipeline micro-batches); BatchNorm's running statistics are per rank and are left out of the
+parameter comparison.
 
 Each launch runs many layouts in one process group (tests/distributed/_layout_worker.py); the
 layouts' results are then checked one test at a time. SGD keeps float rounding from being
@@ -19,6 +21,7 @@ import pytest
 import torch
 
 from sdnet_trainer.export import main as export_main
+from sdnet_trainer.plan import main as plan_main
 from tests.support import REPO, run_cli
 
 WORKER = REPO / "tests" / "distributed" / "_layout_worker.py"
@@ -48,6 +51,20 @@ GPT = COMMON + [
     "optim.momentum=0.9",
     "optim.clip_grad_norm=0.5",
 ]
+# The Llama on the same data and optimizer: GQA (4 query heads over 2 key/value heads), SwiGLU,
+# RMSNorm, rotary positions with Llama 3 scaling.
+LLAMA = COMMON + [
+    "model=llama3_debug",
+    "data=tokens",
+    "data.seq_len=32",
+    "data.vocab_size=256",
+    "optim=sgd",
+    "optim.lr=0.2",
+    "optim.momentum=0.9",
+    "optim.clip_grad_norm=0.5",
+]
+# Llama 3.2 1B's layout: the output layer shares the token embedding's weight.
+LLAMA_TIED = LLAMA + ["model.llama.tie_embeddings=true"]
 RESNET = COMMON + [
     "model=resnet18",
     "model.cifar_stem=true",
@@ -121,6 +138,19 @@ WORLD4 = {
     "gpt_ddp_pp": GPT + _pipeline("1F1B", 2),
     "gpt_fsdp_pp": GPT + ["parallel=fsdp"] + _pipeline("1F1B", 2),
     **VAL_REMAINDER,
+    # The Llama in the GPT's layouts (one implementation of blocks, TP plan and pipeline units).
+    "llama_fsdp_ac": LLAMA + ["parallel=fsdp", "model.activation_checkpointing=true"],
+    "llama_tp_pp": LLAMA + ["parallel.tp=2"] + _pipeline("1F1B", 2),  # 2 stages of TP 2
+    "llama_ddp_pp": LLAMA + _pipeline("1F1B", 2),
+    "llama_fsdp_tp_loss_seq": LLAMA
+    + [
+        "parallel=fsdp",
+        "parallel.tp=2",
+        "parallel.tensor_parallel.loss_parallel=true",
+        "parallel.tensor_parallel.sequence_parallel=true",
+    ],
+    # One parameter under two names, split by vocabulary rows under TP and sharded by FSDP.
+    "llama_tied_fsdp_tp": LLAMA_TIED + ["parallel=fsdp", "parallel.tp=2"],
     "resnet_fsdp": RESNET + ["parallel=fsdp"],
     # FSDP2 refuses channels_last parameters: the layout rides on the inputs alone there.
     "resnet_fsdp_channels_last": RESNET + ["parallel=fsdp", "model.channels_last=true"],
@@ -146,6 +176,8 @@ def _single(out) -> dict[str, list[str]]:
 
     return {
         "gpt_ref": GPT,
+        "llama_ref": LLAMA,
+        "llama_tied_ref": LLAMA_TIED,
         VAL_REMAINDER_REF: GPT + ["data.val_size=65"],
         "resnet_ref": RESNET + ["loop.grad_accum_steps=4"],
         "gpt_from_fsdp2": reload("gpt_fsdp2_saved", GPT),
@@ -167,10 +199,47 @@ def layout_dir(tmp_path_factory):
     return tmp_path_factory.mktemp("layouts")
 
 
+# A Hugging Face Llama large enough that its bytes stand out from a process's other memory
+# (~71 MB in fp32, mostly the 32000-token embedding and output layer), in 20 MB shards.
+HF_LOAD_CONFIG = {
+    "vocab_size": 32000,
+    "hidden_size": 256,
+    "intermediate_size": 512,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "max_position_embeddings": 64,
+}
+HF_LOAD = "hf_load_fsdp_tp"
+
+
+def _hf_load_case(out) -> dict[str, list[str]]:
+    """model.weights=hf:PATH under FSDP x TP (2 x 2), set up only (the worker checks the load)."""
+    transformers = pytest.importorskip("transformers", reason="the llm extra is not installed")
+    folder = out / "hf_llama"
+    torch.manual_seed(0)
+    model = transformers.LlamaForCausalLM(transformers.LlamaConfig(**HF_LOAD_CONFIG))
+    model.save_pretrained(folder, max_shard_size="20MB")
+    overrides = [
+        *LLAMA,
+        f"model.weights=hf:{folder}",
+        "model.ema.enabled=false",  # a copy of the weights would count in the set-up's memory
+        "data.vocab_size=32000",
+        "data.train_size=64",
+        "data.val_size=16",
+        "parallel=fsdp",
+        "parallel.tp=2",
+        "parallel.tensor_parallel.loss_parallel=true",
+        "parallel.tensor_parallel.sequence_parallel=true",
+    ]
+    return {HF_LOAD: overrides}
+
+
 @pytest.fixture(scope="module")
 def runs(layout_dir) -> dict[str, dict]:
     out = layout_dir
-    _launch(out, WORLD4, nproc=4)
+    # The Hugging Face load last: the earlier cases have imported everything it uses.
+    _launch(out, {**WORLD4, **_hf_load_case(out)}, nproc=4)
     _launch(out, WORLD2, nproc=2)
     _launch(out, _single(out), nproc=None)
     return {path.stem: torch.load(path, weights_only=False) for path in out.glob("*.pt")}
@@ -179,7 +248,9 @@ def runs(layout_dir) -> dict[str, dict]:
 def _reference(name: str) -> str:
     if name in VAL_REMAINDER:
         return VAL_REMAINDER_REF
-    return "gpt_ref" if name.startswith("gpt") else "resnet_ref"
+    if name.startswith("llama_tied"):
+        return "llama_tied_ref"
+    return f"{name.split('_')[0]}_ref"
 
 
 def _trained_params(record: dict) -> dict[str, torch.Tensor]:
@@ -193,6 +264,7 @@ def _trained_params(record: dict) -> dict[str, torch.Tensor]:
 # reduction, wrong samples, a stage left out) shows at 1e-1.
 TOLERANCE = {
     "gpt": {"rel": 1e-5, "norm": 1e-4, "params": 1e-5},
+    "llama": {"rel": 1e-5, "norm": 1e-4, "params": 1e-5},
     "resnet": {"rel": 2e-3, "norm": 5e-3, "params": 5e-4},
 }
 
@@ -223,12 +295,15 @@ def _assert_same_training(run: dict, ref: dict, family: str) -> None:
 def test_layout_matches_single_process(runs, name):
     run, ref = runs[name], runs[_reference(name)]
     assert len(run["losses"]) == 5 and run["losses"][-1] < run["losses"][0]  # it trained
-    if name.startswith("gpt"):
+    language_model = name.startswith(("gpt", "llama"))
+    if language_model:
         assert (
             min(ref["grad_norms"]) > 0.5
         )  # optim.clip_grad_norm=0.5 scaled every step's gradients
     _assert_same_training(run, ref, name.split("_")[0])
-    if name.startswith("gpt") or name in WORLD2:
+    if "tied" in name:  # still one weight after training
+        assert torch.equal(run["params"]["head.weight"], run["params"]["embed.tok.weight"])
+    if language_model or name in WORLD2:
         # Evaluation over sharded / pipelined models equals the single process's. Not for ResNets
         # with several data-parallel ranks: each keeps its own BatchNorm running statistics.
         assert run["metrics"]["val/loss"] == pytest.approx(ref["metrics"]["val/loss"], rel=1e-4)
@@ -346,9 +421,31 @@ def test_export_consolidates_sharded_and_pipelined_checkpoints(
         torch.testing.assert_close(weights[name].float(), value, rtol=0, atol=0, msg=name)
 
 
+def test_hugging_face_weights_load_each_ranks_slices_under_fsdp_tp(runs):
+    """model.weights=hf:PATH on 4 processes (FSDP 2 x TP 2): every rank's shard of every tensor
+    equals its slice of the file and the gathered tensors the file's, and no rank's peak resident
+    memory grew by the model's size while setting up: each read only its own slices."""
+    ranks = runs[HF_LOAD]["hf_load"]
+    assert len(ranks) == 4
+    model_bytes = ranks[0]["model_bytes"]
+    assert model_bytes > 60e6  # the sizes above: the embedding and head dominate
+    for rank in ranks:
+        assert rank["shards_equal"] and rank["full_equal"], rank
+        assert rank["local_bytes"] <= model_bytes / 4 + 4 * 32000 * 4  # a quarter (and padding)
+        assert rank["peak_bytes"] < model_bytes, rank
+
+
 # Layouts whose per-rank bytes the dry run predicts: sharded (FSDP, FSDP x TP, FSDP x PP, ResNet
 # FSDP with uneven shards), tensor parallel alone, and ZeRO-1 (replicated, optimizer sharded).
-PLANNED = ["gpt_fsdp", "gpt_fsdp_tp", "gpt_fsdp_pp", "gpt_tp", "gpt_zero1", "resnet_fsdp"]
+PLANNED = [
+    "gpt_fsdp",
+    "gpt_fsdp_tp",
+    "gpt_fsdp_pp",
+    "gpt_tp",
+    "gpt_zero1",
+    "resnet_fsdp",
+    "llama_fsdp_tp_loss_seq",
+]
 
 
 @pytest.mark.parametrize("name", PLANNED)
@@ -356,12 +453,8 @@ def test_dry_run_predicts_every_ranks_training_state(runs, tmp_path, name):
     """``--dry-run`` (fake process group, meta tensors) gives each rank the parameter, gradient
     and optimizer-state bytes the real 4-process run measured on that rank."""
     plan = tmp_path / "plan.json"
-    launch = run_cli(
-        ["--dry-run", "world_size=4", "ranks=all", f"json={plan}", *WORLD4[name]],
-        cwd=tmp_path,
-        timeout=300,
-    )
-    assert launch.returncode == 0, launch.output[-4000:]
+    # In this process (what --dry-run runs, without starting an interpreter per layout).
+    assert plan_main(["world_size=4", "ranks=all", f"json={plan}", *WORLD4[name]]) == 0
     planned = json.loads(plan.read_text())
     measured = runs[name]["state_bytes"]
     assert [p["rank"] for p in planned] == [0, 1, 2, 3]

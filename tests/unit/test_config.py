@@ -17,6 +17,8 @@ RECIPES = [
     "gpt_fsdp",
     "gpt_pipeline",
     "gpt_tp_fsdp",
+    "llama3_8b",
+    "llama3_debug",
     "quickstart",
     "resnet152",
     "resnet152_fsdp",
@@ -26,6 +28,8 @@ RECIPES = [
 ]
 # Recipes with pipeline stages or tensor-parallel groups need that many ranks at least.
 MODEL_PARALLEL = {"gpt_pipeline", "gpt_tp_fsdp", "resnet152_pipeline"}
+# Recipes for a node of 8 GPUs or more (tensor parallel over 8), validated at 8 and 64 ranks.
+NODE_SCALE = {"llama3_8b"}
 
 
 def _error_text(excinfo) -> str:
@@ -43,7 +47,13 @@ def test_every_recipe_is_registered():
 
 @pytest.mark.parametrize(
     "recipe, world_size",
-    [(r, w) for r in RECIPES for w in (1, 2, 4) if w > 1 or r not in MODEL_PARALLEL],
+    [
+        (r, w)
+        for r in RECIPES
+        for w in (1, 2, 4)
+        if (w > 1 or r not in MODEL_PARALLEL) and r not in NODE_SCALE
+    ]
+    + [(r, w) for r in NODE_SCALE for w in (8, 64)],
 )
 def test_every_recipe_composes_and_validates(recipe, world_size):
     cfg = compose([f"+recipe={recipe}"])

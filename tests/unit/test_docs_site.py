@@ -67,6 +67,7 @@ def test_the_nav_follows_a_users_path():
         "configuration.md",
         "parallel.md",
         "data.md",
+        "language-models.md",
         "checkpoints.md",
         "monitoring.md",
         "serving.md",

@@ -1,0 +1,186 @@
+"""The parallel machinery of the decoder-only language models (GPT, Llama), written once.
+
+Both families are ``embed -> blocks[0..n) -> norm -> head``, each a child module that takes and
+returns one tensor, and declare their module names as a :class:`DecoderLayout`
+(``models/parallel_spec.py``). :class:`Decoder` turns that declaration into what the layouts ask
+of a model: the blocks FSDP, activation checkpointing and compile wrap one at a time, the
+pipeline units, and the Megatron-style tensor-parallel plan.
+"""
+
+from __future__ import annotations
+
+from functools import partial
+from typing import Any, ClassVar
+
+import torch
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_module
+from torch.distributed.tensor.parallel import (
+    ColwiseParallel,
+    ParallelStyle,
+    PrepareModuleInput,
+    PrepareModuleOutput,
+    RowwiseParallel,
+    SequenceParallel,
+    parallelize_module,
+)
+
+from sdnet_trainer.models.parallel_spec import DecoderLayout
+
+
+class Decoder(nn.Module):
+    """Base of the decoder families: subclasses build ``embed``, ``blocks``, ``norm`` and
+    ``head``, set ``layout``, and check their sizes against a tensor-parallel degree in
+    :meth:`check_tensor_parallel`.
+
+    A pipeline split sets the units other stages hold to None; every method here skips them."""
+
+    layout: ClassVar[DecoderLayout]
+
+    def pipeline_units(self) -> list[str]:
+        """Child module names whose sequential application (``x = unit(x)``) equals ``forward``."""
+        blocks: Any = self.get_submodule("blocks")  # the split asks before pruning
+        return ["embed", *(f"blocks.{i}" for i in range(len(blocks))), "norm", "head"]
+
+    def parallel_blocks(self) -> list[nn.Module]:
+        """The repeated units to wrap one by one (FSDP, activation checkpointing, compile)."""
+        blocks = getattr(self, "blocks", None)
+        return list(blocks) if blocks is not None else []
+
+    def check_tensor_parallel(self, tp: int, *, sequence_parallel: bool) -> None:
+        raise NotImplementedError
+
+    def apply_tensor_parallel(
+        self, tp_mesh: DeviceMesh, *, loss_parallel: bool, sequence_parallel: bool
+    ) -> None:
+        """Shard the model over ``tp_mesh`` (a 1-D DeviceMesh) in place, Megatron-style.
+
+        Every rank gets the full (B, T) token tensor. Per block, each region's ``colwise``
+        projections (q/k/v, the MLP's input projections) are split by output columns and its
+        ``rowwise`` ones (``wo``, ``w2``) by input rows, so each block needs one all-reduce in
+        forward for attention and one for the MLP (a reduce-scatter plus an all-gather with
+        ``sequence_parallel``, which also splits norms, dropout and the residual stream along the
+        sequence). The output is the full logits tensor on every rank, or with ``loss_parallel``
+        a DTensor sharded over the vocabulary (``Shard(-1)``), for a cross-entropy computed under
+        ``torch.distributed.tensor.parallel.loss_parallel()``. Every parameter becomes a DTensor
+        on ``tp_mesh``, so optimizers and gradient clipping see one kind of tensor.
+
+        Attention derives its head counts from the *local* projection widths, so the same forward
+        runs whether a rank holds all heads or only its share. Units a pipeline split has pruned
+        (set to None) are skipped, so a pipeline stage can be sharded after the split.
+        """
+        tp = tp_mesh.size()
+        # The same rules the family's validator applies before launch; model.kwargs can override
+        # those sizes, and a model can be built without the config.
+        self.check_tensor_parallel(tp, sequence_parallel=sequence_parallel)
+        apply_decoder_tp(
+            self,
+            self.layout,
+            tp_mesh,
+            loss_parallel=loss_parallel,
+            sequence_parallel=sequence_parallel,
+        )
+        embed = getattr(self, "embed", None)
+        if sequence_parallel and embed is not None:
+            embed.sequence_shards = tp
+
+
+class Replicated(ParallelStyle):
+    """Parameters replicated as DTensors; plain tensor inputs are taken as replicated.
+
+    torch's TP styles have none for "the same on every rank": without it the norms (without
+    sequence parallel) and the position embedding would keep plain-tensor parameters beside
+    DTensor ones, which foreach optimizers and gradient clipping refuse to mix.
+    """
+
+    def __init__(self, *, use_local_output: bool = True) -> None:
+        super().__init__()
+        self.use_local_output = use_local_output
+
+    @staticmethod
+    def _prepare_input(module: nn.Module, inputs: tuple, mesh: DeviceMesh) -> tuple:
+        return tuple(
+            DTensor.from_local(t, mesh, (Replicate(),), run_check=False)
+            if isinstance(t, torch.Tensor) and not isinstance(t, DTensor)
+            else t
+            for t in inputs
+        )
+
+    @staticmethod
+    def _prepare_output(
+        use_local_output: bool, module: nn.Module, output: Any, mesh: DeviceMesh
+    ) -> Any:
+        return output.to_local() if use_local_output and isinstance(output, DTensor) else output
+
+    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+        # No partition function: distribute_module replicates every parameter, broadcasting from
+        # rank 0 so the copies agree even where the ranks initialised differently.
+        return distribute_module(
+            module,
+            device_mesh,
+            None,
+            # torch annotates input_fn as returning None, but the forward pre-hook it installs
+            # passes on the inputs it returns (as its docstring says).
+            self._prepare_input,  # type: ignore[arg-type]
+            partial(self._prepare_output, self.use_local_output),
+        )
+
+
+def apply_decoder_tp(
+    model: nn.Module,
+    layout: DecoderLayout,
+    mesh: DeviceMesh,
+    *,
+    loss_parallel: bool,
+    sequence_parallel: bool,
+) -> None:
+    """The plan of :meth:`Decoder.apply_tensor_parallel` for ``layout``'s module names."""
+    # The layout of the residual stream between TP regions: the whole sequence on every rank, or
+    # each rank's slice of it. It is passed around as plain local tensors, as torchtitan does.
+    stream = Shard(1) if sequence_parallel else Replicate()
+
+    def norm_style() -> ParallelStyle:
+        return SequenceParallel() if sequence_parallel else Replicated()
+
+    top_plan: dict[str, ParallelStyle] = {
+        # Vocabulary rows split over ranks; the partial sums are reduced straight into `stream`
+        # (an all-reduce, or a reduce-scatter under sequence parallel).
+        "embed.tok": RowwiseParallel(
+            input_layouts=Replicate(), output_layouts=stream, use_local_output=False
+        ),
+        # Small tables (a position embedding): replicated, added to the tokens as DTensors.
+        **{name: Replicated(use_local_output=False) for name in layout.replicated},
+        "embed": PrepareModuleOutput(
+            output_layouts=stream, desired_output_layouts=stream, use_local_output=True
+        ),
+        "norm": norm_style(),
+        "head": ColwiseParallel(
+            input_layouts=stream,
+            output_layouts=Shard(-1) if loss_parallel else Replicate(),
+            use_local_output=not loss_parallel,
+        ),
+    }
+    present = {name for name, child in model.named_children() if child is not None}
+    plan = {key: style for key, style in top_plan.items() if key.split(".")[0] in present}
+    if plan:
+        parallelize_module(model, mesh, plan)
+    blocks = getattr(model, "blocks", None)
+    for block in blocks if blocks is not None else ():
+        if block is None:
+            continue
+        block_plan: dict[str, ParallelStyle] = {norm: norm_style() for norm in layout.norms}
+        for region in layout.regions:
+            # One gather of the region's input for all its column-split projections together (and
+            # in backward one reduction of their input gradients) instead of one per projection.
+            block_plan[region.name] = PrepareModuleInput(
+                input_layouts=(stream,), desired_input_layouts=(Replicate(),)
+            )
+            for name in region.colwise:
+                block_plan[f"{region.name}.{name}"] = ColwiseParallel()
+            for name in region.rowwise:
+                block_plan[f"{region.name}.{name}"] = RowwiseParallel(output_layouts=stream)
+        parallelize_module(block, mesh, block_plan)
+
+
+__all__ = ["Decoder", "Replicated", "apply_decoder_tp"]
