@@ -5,6 +5,7 @@
 #   bash scripts/test.sh -k ddp     # extra arguments go to pytest
 #   bash scripts/test.sh --quick    # while editing: the quick tier (the unit tests but the slowest;
 #                                   # tests/conftest.py), after the same install, lint and types
+#   SDNET_TEST_WORKERS=1 bash scripts/test.sh    # one pytest process instead of one per core
 set -euo pipefail
 cd "$(dirname "$0")/.."
 tier=()
@@ -27,4 +28,14 @@ NO_MKDOCS_2_WARNING=1 .venv/bin/mkdocs build --strict --quiet --site-dir "$site_
 rm -rf "$site_dir"
 # One thread per process: the distributed tests run 2 processes on small machines.
 export OMP_NUM_THREADS=1
-exec .venv/bin/python -m pytest -q ${tier[@]+"${tier[@]}"} "$@"
+# pytest-xdist workers, one per core up to 4: the multi-process tests spend much of their time
+# waiting (process starts, rendezvous, signals, timeouts), and a second worker computes meanwhile.
+# Whole files go to one worker (their module fixtures, such as the layout suite's shared launch,
+# run once), in collection order: the distributed and end-to-end files first, then the many short
+# unit files that fill the gaps at the end.
+workers=${SDNET_TEST_WORKERS:-$(( $(nproc) < 4 ? $(nproc) : 4 ))}
+xdist=()
+if [ "$workers" -gt 1 ]; then
+    xdist=(-n "$workers" --dist loadfile --no-loadscope-reorder)
+fi
+exec .venv/bin/python -m pytest -q ${xdist[@]+"${xdist[@]}"} ${tier[@]+"${tier[@]}"} "$@"
