@@ -59,14 +59,27 @@ def test_killed_rank_restarts_resumes_and_ends_bitwise_equal(tmp_path):
     assert got["losses"] == expected["losses"][4:]  # the restarted attempt ran steps 5..10
 
 
-@pytest.mark.parametrize("first, second", [(2, 1), (1, 2)])
-def test_resume_on_another_world_size_visits_each_sample_once(tmp_path, first, second):
-    args = COMMON + ["loop.max_steps=8", f"hydra.run.dir={tmp_path / 'run'}"]
-    env = {"SDNET_TEST_DROPOUT": "0"}  # re-derived random streams would make dropout differ
+NO_DROPOUT = {"SDNET_TEST_DROPOUT": "0"}  # re-derived random streams would make dropout differ
+
+
+@pytest.fixture(scope="module")
+def uninterrupted_8_steps(tmp_path_factory):
+    """The run directory of 8 steps in one process, without dropout: the reference of both
+    world-size changes."""
+    tmp = tmp_path_factory.mktemp("ref")
     reference = run_cli(
-        COMMON + ["loop.max_steps=8", f"hydra.run.dir={tmp_path / 'ref'}"], cwd=tmp_path, env=env
+        COMMON + ["loop.max_steps=8", f"hydra.run.dir={tmp / 'ref'}"], cwd=tmp, env=NO_DROPOUT
     )
     assert reference.returncode == 0, reference.output
+    return tmp / "ref"
+
+
+@pytest.mark.parametrize("first, second", [(2, 1), (1, 2)])
+def test_resume_on_another_world_size_visits_each_sample_once(
+    tmp_path, uninterrupted_8_steps, first, second
+):
+    args = COMMON + ["loop.max_steps=8", f"hydra.run.dir={tmp_path / 'run'}"]
+    env = NO_DROPOUT
     # Preempted during step 2: the ranks agree during step 3, save it and exit with 143.
     stopped = run_cli(
         args,
@@ -83,7 +96,7 @@ def test_resume_on_another_world_size_visits_each_sample_once(tmp_path, first, s
 
     seen = seen_samples(tmp_path / "run")
     assert sorted(seen) == list(range(256))  # the whole epoch, every sample exactly once
-    expected, got = _final(tmp_path / "ref"), _final(tmp_path / "run")
+    expected, got = _final(uninterrupted_8_steps), _final(tmp_path / "run")
     assert got["losses"] == pytest.approx(expected["losses"][3:], rel=1e-4)
     for name, value in expected["params"].items():
         torch.testing.assert_close(got["params"][name], value, rtol=1e-4, atol=1e-6)
