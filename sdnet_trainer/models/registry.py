@@ -37,9 +37,9 @@ LLAMA_NAME = "llama"
 
 
 def available_models() -> list[str]:
-    return sorted([*OWN_MODELS, GPT_NAME, LLAMA_NAME, HF_CAUSAL_LM]) + torchvision.models.list_models(
-        module=torchvision.models
-    )
+    return sorted(
+        [*OWN_MODELS, GPT_NAME, LLAMA_NAME, HF_CAUSAL_LM]
+    ) + torchvision.models.list_models(module=torchvision.models)
 
 
 def build_model(cfg: ModelConfig) -> nn.Module:
