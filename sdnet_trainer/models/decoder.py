@@ -26,7 +26,24 @@ from torch.distributed.tensor.parallel import (
     parallelize_module,
 )
 
+from sdnet_trainer.errors import ConfigError
 from sdnet_trainer.models.parallel_spec import DecoderLayout
+
+
+def check_sequence(length: int, *, seq_len: int, sequence_shards: int, context_key: str) -> None:
+    """A batch's sequence length against the model's context (``context_key``, e.g.
+    ``model.gpt.seq_len``) and, under sequence parallel, the even split over the shards."""
+    if length > seq_len:
+        raise ConfigError(
+            f"a batch of {length} tokens per sequence is longer than the model's "
+            f"context {context_key}={seq_len}; set data.seq_len <= {seq_len}"
+        )
+    if length % sequence_shards:
+        raise ConfigError(
+            f"sequence parallel splits each sequence over parallel.tp={sequence_shards} "
+            f"ranks; {length} tokens per sequence do not divide evenly (data.seq_len must be "
+            f"a multiple of parallel.tp)"
+        )
 
 
 class Decoder(nn.Module):

@@ -27,7 +27,7 @@ from torch import nn
 from sdnet_trainer.config.schema import Config
 from sdnet_trainer.data import is_language_model_data
 from sdnet_trainer.errors import ConfigError
-from sdnet_trainer.models.decoder import Decoder
+from sdnet_trainer.models.decoder import Decoder, check_sequence
 from sdnet_trainer.models.init import InitStep, construction_resets, materialize
 from sdnet_trainer.models.parallel_spec import GPT_LAYOUT
 
@@ -49,19 +49,13 @@ class Embedding(nn.Module):
         self.sequence_shards = 1
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
-        length = tokens.shape[1]
-        if length > self.seq_len:
-            raise ConfigError(
-                f"a batch of {length} tokens per sequence is longer than the model's "
-                f"context model.gpt.seq_len={self.seq_len}; set data.seq_len <= {self.seq_len}"
-            )
-        if length % self.sequence_shards:
-            raise ConfigError(
-                f"sequence parallel splits each sequence over parallel.tp={self.sequence_shards} "
-                f"ranks; {length} tokens per sequence do not divide evenly (data.seq_len must be "
-                f"a multiple of parallel.tp)"
-            )
-        positions = torch.arange(length, device=tokens.device)
+        check_sequence(
+            tokens.shape[1],
+            seq_len=self.seq_len,
+            sequence_shards=self.sequence_shards,
+            context_key="model.gpt.seq_len",
+        )
+        positions = torch.arange(tokens.shape[1], device=tokens.device)
         return self.drop(self.tok(tokens) + self.pos(positions))
 
 
