@@ -11,6 +11,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Dict, List, Optional
 
+from sdnet_trainer.config.fault_tolerance import FaultToleranceConfig
+
 
 @dataclass
 class GPTConfig:
@@ -512,5 +514,6 @@ class Config:
     health: HealthConfig = field(default_factory=HealthConfig)
     elastic: ElasticConfig = field(default_factory=ElasticConfig)
     dist: DistConfig = field(default_factory=DistConfig)
+    fault_tolerance: FaultToleranceConfig = field(default_factory=FaultToleranceConfig)
     run: RunConfig = field(default_factory=RunConfig)
     trainer: TrainerTarget = field(default_factory=TrainerTarget)
