@@ -28,6 +28,7 @@ from typing import Any
 from torch.utils.data import Dataset, default_collate
 
 from sdnet_trainer.data.sampler import GlobalBatchSampler
+from sdnet_trainer.data.seeding import SampleSeeded
 
 
 @dataclass(frozen=True)
@@ -76,7 +77,11 @@ class ShareBatches:
             self._order, self._epoch = self.sampler.epoch_order(), epoch
         order = self._order
         indices = [order[p % len(order)] for p in self.positions(share, epoch_sample=epoch_sample)]
-        return default_collate([self.dataset[i] for i in indices])
+        # The loader's data set: seeded per sample where loading draws random numbers, keyed
+        # (epoch, index) then, so a sample's augmentation is the same in any group.
+        seeded = isinstance(self.dataset, SampleSeeded)
+        keys = [(epoch, i) for i in indices] if seeded else indices
+        return default_collate([self.dataset[key] for key in keys])
 
 
 __all__ = ["ShareBatches", "StepShare"]

@@ -85,12 +85,14 @@ class FaultTolerance:
         if group_rank == 0:
             check_lighthouse(address, connect_s=t.connect_s)  # fails fast, before anything waits
         # The group's store: torchrun's (MASTER_ADDR/PORT) when the group has several ranks, else
-        # one of our own on a free port.
+        # one of our own on a free port. Its address reaches the other groups through the quorum
+        # (they meet in the quorum's first member's store): the host's name, not localhost.
         self._store = None
         store_addr, store_port = None, None
         if not distributed:
-            self._store = TCPStore("localhost", 0, is_master=True, wait_for_workers=False)
-            store_addr, store_port = "localhost", self._store.port
+            store_addr = socket.gethostname()
+            self._store = TCPStore(store_addr, 0, is_master=True, wait_for_workers=False)
+            store_port = self._store.port
         self.pg = _recording_gloo(timedelta(seconds=t.step_s))
         self.manager = Manager(
             pg=self.pg,
