@@ -189,6 +189,7 @@ class FaultTolerance:
         outer = torch.optim.SGD(
             model.parameters(), lr=cfg.outer_lr, momentum=cfg.outer_momentum, nesterov=True
         )
+        # The last synced weights are kept on the host (pinned where there is an accelerator).
         return DiLoCo(self.manager, [model], optimizer, outer, sync_every=cfg.sync_every)
 
     def metrics(self) -> dict[str, float]:

@@ -230,3 +230,71 @@ def test_three_groups_one_killed_the_others_continue_it_rejoins_from_a_peer(tmp_
         assert max(gaps) < 60
     after_kill = min(r[kill_at]["time"] for r in records[:2]) - killed
     print(f"death to the next committed step: {after_kill:.1f} s")
+
+
+def test_diloco_outer_step_matches_a_hand_computed_reference():
+    """One group through the room's DiLoCo (in this process, on a lighthouse of its own): after
+    every ``sync_every`` inner SGD steps the parameters are the outer Nesterov step on the
+    pseudo-gradient (the last synced weights minus the local ones), computed here by hand."""
+    from sdnet_trainer.checkpoint.checkpointer import ModelState, OptimizerState, Part
+    from sdnet_trainer.config.schema import FaultToleranceConfig
+    from sdnet_trainer.ft.room import FaultTolerance
+
+    torch.manual_seed(0)
+    model = torch.nn.Linear(3, 1, bias=False)
+    inner = torch.optim.SGD(model.parameters(), lr=0.1)
+    x = torch.randn(4, 3)
+    sync_every, outer_lr, momentum = 2, 0.7, 0.9
+    weights = model.weight.detach().clone()
+    synced, buf = weights.clone(), None
+    with _lighthouse(1) as address:
+        cfg = FaultToleranceConfig(
+            enabled=True, lighthouse=address, mode="diloco", sync_every=sync_every,
+            outer_lr=outer_lr, outer_momentum=momentum,
+        )  # fmt: skip
+        parts = {"model": Part(ModelState(model)), "optim": Part(OptimizerState(model, inner))}
+        room = FaultTolerance(
+            cfg, group_rank=0, group_size=1, distributed=False, parts=parts,
+            after_load=lambda: None, step=0,
+        )  # fmt: skip
+        try:
+            with room.semi_sync(model, inner):
+                for step in range(1, 3 * sync_every + 1):
+                    inner.zero_grad()
+                    (model(x) ** 2).sum().backward()
+                    grad = 2 * (x @ weights.T).T @ x  # d/dw sum((x w^T)^2)
+                    inner.step()
+                    weights = weights - 0.1 * grad
+                    if step % sync_every == 0:  # the outer step, by hand
+                        pseudo = synced - weights
+                        buf = pseudo.clone() if buf is None else momentum * buf + pseudo
+                        weights = synced - outer_lr * (pseudo + momentum * buf)
+                        synced = weights.clone()
+                    torch.testing.assert_close(model.weight.detach(), weights)
+            assert room.manager.current_step() == 3  # three committed syncs
+        finally:
+            room.close()
+
+
+@pytest.mark.parametrize("mode", ["local_sgd", "diloco"])
+def test_semi_sync_replicas_are_identical_right_after_each_sync(tmp_path, mode):
+    """Two groups train their own shares between syncs (their parameters differ) and hold the
+    same parameters right after every sync."""
+    steps, every = 4, 2
+    runs = [tmp_path / f"g{g}" for g in range(2)]
+    with _lighthouse(2) as address, _launches() as procs:
+        for g, run_dir in enumerate(runs):
+            ft = _ft(address, groups=2, min_groups=2, group=g, mode=mode, sync_every=every)
+            _start(procs, run_dir, [*BASE, f"loop.max_steps={steps}", *ft])
+        for proc, run_dir in zip(procs, runs, strict=True):
+            _finish(proc, run_dir)
+    a, b = (torch.load(run_dir / FINAL, weights_only=False)["snapshots"] for run_dir in runs)
+    for step in range(1, steps + 1):
+        if step % every == 0:
+            assert _same(a[step - 1], b[step - 1]), f"step {step}"
+        else:
+            assert not _same(a[step - 1], b[step - 1]), f"step {step}"
+    # Each group trained its own half of every global batch.
+    first, second = (_records(run_dir) for run_dir in runs)
+    for step in range(1, steps + 1):
+        assert not set(first[step]["indices"]) & set(second[step]["indices"])
