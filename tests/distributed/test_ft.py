@@ -298,3 +298,19 @@ def test_semi_sync_replicas_are_identical_right_after_each_sync(tmp_path, mode):
     first, second = (_records(run_dir) for run_dir in runs)
     for step in range(1, steps + 1):
         assert not set(first[step]["indices"]) & set(second[step]["indices"])
+
+
+def test_an_unreachable_lighthouse_stops_the_launch_with_a_config_error(tmp_path):
+    """Nothing listens at the address: the CLI exits 2 naming the key and the connect timeout,
+    after at most that timeout (the launch's own start-up aside), never hanging."""
+    import socket
+
+    with socket.socket() as sock:  # bound, then closed: nothing listens there
+        sock.bind(("localhost", 0))
+        port = sock.getsockname()[1]
+    ft = _ft(f"http://localhost:{port}", groups=2, min_groups=1, group=0)
+    args = [*BASE, *ft, "fault_tolerance.timeouts.connect_s=2", f"hydra.run.dir={tmp_path / 'r'}"]
+    run = run_cli(args, cwd=tmp_path, timeout=LAUNCH_TIMEOUT_S)
+    assert run.returncode == 2, run.output[-3000:]
+    assert f"fault_tolerance.lighthouse='http://localhost:{port}' is not reachable" in run.output
+    assert "fault_tolerance.timeouts.connect_s=2 s" in run.output
