@@ -24,7 +24,7 @@ How
     Default workload of the overhead: ResNet-18 with the CIFAR stem (``model=resnet18_cifar``,
     11.2M parameters) on 32x32 synthetic images, 16 per group (per DDP rank), SGD with momentum.
 
-Run (from the repository root; about 4 minutes on 2 CPU cores with the defaults)
+Run (from the repository root; about 5 minutes on 2 busy CPU cores with the defaults)
     python scripts/bench_ft.py
     python scripts/bench_ft.py --rounds 3 --steps 30 --out /tmp/bench_ft
 
@@ -94,9 +94,12 @@ def _wait(condition, *, timeout: float, what: str) -> None:
         time.sleep(0.05)
 
 
-def _lighthouse(out: Path) -> tuple[subprocess.Popen, str]:
+def _lighthouse(out: Path, *, min_groups: int) -> tuple[subprocess.Popen, str]:
+    """The lighthouse; ``min_groups`` keeps the first quorum from forming before every group
+    is up (a group alone would train the whole global batch)."""
     log = out / "lighthouse.log"
-    proc = _start([sys.executable, "-m", "sdnet_trainer.ft.lighthouse", "--bind", "[::]:0"], log)
+    cmd = [sys.executable, "-m", "sdnet_trainer.ft.lighthouse", "--bind", "[::]:0"]
+    proc = _start([*cmd, "--min-groups", str(min_groups)], log)
     _wait(lambda: "lighthouse at" in log.read_text(), timeout=120, what="the lighthouse")
     found = re.search(r"lighthouse at (\S+)", log.read_text())
     assert found is not None
@@ -133,7 +136,7 @@ def overhead(out: Path, *, rounds: int, steps: int, batch: int, timeout: float) 
             out / f"ddp{r}.log",
             timeout,
         )
-        lighthouse, address = _lighthouse(out)
+        lighthouse, address = _lighthouse(out, min_groups=2)
         dirs = [out / f"ft{r}_g{g}" for g in range(2)]
         procs = [
             _start(_cmd([*work, *_ft_keys(address, groups=2, group=g)], d), out / f"{d.name}.log")
@@ -173,7 +176,7 @@ def _committed(log: Path) -> int:
 
 def failure(out: Path, *, kill_after: int) -> tuple[float, float, float, float]:
     """(death to next commit, restart to rejoin, of which start-up, of which recovery) seconds."""
-    lighthouse, address = _lighthouse(out)
+    lighthouse, address = _lighthouse(out, min_groups=2)
     logs = [out / f"group{g}.log" for g in range(3)]
     procs = [
         _start(
@@ -234,7 +237,7 @@ def main(argv: list[str] | None = None) -> int:
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     parser.add_argument("--rounds", type=int, default=2, help="alternating DDP/FT rounds")
-    parser.add_argument("--steps", type=int, default=20, help="steps per overhead run")
+    parser.add_argument("--steps", type=int, default=12, help="steps per overhead run")
     parser.add_argument("--batch-size", type=int, default=16, help="per group (per DDP rank)")
     parser.add_argument(
         "--kill-after", type=int, default=30, help="committed steps before the kill"
@@ -246,6 +249,8 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     out = args.out or Path(tempfile.mkdtemp(prefix="bench_ft_"))
     out.mkdir(parents=True, exist_ok=True)
+    # SIGTERM (a timeout's) unwinds like an error, so the launches are killed on the way out.
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(1))
     before = os.getloadavg()
     try:
         ratios = overhead(

@@ -59,6 +59,10 @@ def _recording_gloo(timeout: timedelta) -> Any:
     return RecordingGloo(timeout=timeout)
 
 
+class QuorumTimeout(RuntimeError):
+    """No quorum formed within ``fault_tolerance.timeouts.quorum_s``."""
+
+
 class FaultTolerance:
     """One replica group's link to the others: a torchft Manager over the run's parts."""
 
@@ -138,7 +142,16 @@ class FaultTolerance:
         if self.cfg.mode != "sync":
             return self.share  # semi-sync: a fixed share; the quorum is inside optimizer.step
         started = time.perf_counter()
-        self.manager.start_quorum(timeout=timedelta(seconds=self.cfg.timeouts.quorum_s))
+        quorum_s = self.cfg.timeouts.quorum_s
+        try:
+            self.manager.start_quorum(timeout=timedelta(seconds=quorum_s))
+        except TimeoutError as err:
+            raise QuorumTimeout(
+                f"replica group {self.cfg.replica_group}: no quorum within "
+                f"fault_tolerance.timeouts.quorum_s={quorum_s:g} s (the lighthouse needs its "
+                f"--min-groups groups, and fault_tolerance.min_groups={self.cfg.min_groups}); "
+                f"are the other groups running and pointed at the same lighthouse? ({err})"
+            ) from None
         if self._loaded:
             self._loaded = False
             self.recoveries += 1
@@ -216,4 +229,4 @@ class FaultTolerance:
         self._store = None
 
 
-__all__ = ["NOT_SENT", "FaultTolerance"]
+__all__ = ["NOT_SENT", "FaultTolerance", "QuorumTimeout"]

@@ -314,3 +314,27 @@ def test_an_unreachable_lighthouse_stops_the_launch_with_a_config_error(tmp_path
     assert run.returncode == 2, run.output[-3000:]
     assert f"fault_tolerance.lighthouse='http://localhost:{port}' is not reachable" in run.output
     assert "fault_tolerance.timeouts.connect_s=2 s" in run.output
+
+
+def test_no_quorum_within_the_quorum_timeout_is_a_clear_error():
+    """A lighthouse that waits for two groups, and only one comes: the step's quorum gives up
+    after timeouts.quorum_s, naming the key."""
+    from sdnet_trainer.checkpoint.checkpointer import ModelState, Part
+    from sdnet_trainer.config.fault_tolerance import FaultToleranceConfig, FTTimeoutsConfig
+    from sdnet_trainer.ft.room import FaultTolerance, QuorumTimeout
+
+    model = torch.nn.Linear(2, 1)
+    timeouts = FTTimeoutsConfig(connect_s=1, step_s=2, quorum_s=3)
+    with _lighthouse(2) as address:
+        cfg = FaultToleranceConfig(enabled=True, lighthouse=address, groups=2, timeouts=timeouts)
+        room = FaultTolerance(
+            cfg, group_rank=0, group_size=1, distributed=False,
+            parts={"model": Part(ModelState(model))}, after_load=lambda: None, step=0,
+        )  # fmt: skip
+        try:
+            started = time.monotonic()
+            with pytest.raises(QuorumTimeout, match=r"fault_tolerance.timeouts.quorum_s=3 s"):
+                room.begin_step()
+            assert time.monotonic() - started < 3 + 10
+        finally:
+            room.close()
