@@ -65,6 +65,7 @@ FAILURE = [
     "model=simple_cnn",
     "data.image_size=16",
     "data.train_size=4096",
+    "loop.global_batch_size=24",  # divisible among 1, 2 or 3 groups
     "loop.max_steps=100000",
 ]
 LOG_TIME = re.compile(r"^\[(\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d{3})\]")
@@ -86,9 +87,13 @@ def _stop(proc: subprocess.Popen) -> None:
     proc.wait()
 
 
-def _wait(condition, *, timeout: float, what: str) -> None:
+def _wait(condition, *, timeout: float, what: str, running: list | None = None) -> None:
+    """Until ``condition()``; a LaunchError after ``timeout`` or when a ``running`` one exits."""
     deadline = time.monotonic() + timeout
     while not condition():
+        for proc in running or []:
+            if proc.poll() is not None:
+                raise LaunchError(f"a launch exited ({proc.returncode}) while waiting for {what}")
         if time.monotonic() > deadline:
             raise LaunchError(f"timed out after {timeout:.0f} s waiting for {what}")
         time.sleep(0.05)
@@ -189,6 +194,7 @@ def failure(out: Path, *, kill_after: int) -> tuple[float, float, float, float]:
             lambda: all(_committed(log) >= kill_after for log in logs),
             timeout=STARTUP_TIMEOUT_S,
             what=f"{kill_after} committed steps in every group",
+            running=procs,
         )
         os.killpg(procs[2].pid, signal.SIGKILL)
         killed = time.time()
@@ -207,6 +213,7 @@ def failure(out: Path, *, kill_after: int) -> tuple[float, float, float, float]:
             lambda: all(next_commit(log) for log in logs[:2]),
             timeout=60,
             what="the survivors' next commit",
+            running=procs[:2],
         )
         death = max(next_commit(log) or 0.0 for log in logs[:2]) - killed
         rejoin_log = out / "group2_rejoin.log"
@@ -215,7 +222,12 @@ def failure(out: Path, *, kill_after: int) -> tuple[float, float, float, float]:
             [*COMMON, *FAILURE, *_ft_keys(address, groups=3, group=2)], out / "group2_rejoin"
         )
         procs.append(_start(cmd, rejoin_log))
-        _wait(lambda: _committed(rejoin_log) >= 1, timeout=STARTUP_TIMEOUT_S, what="the rejoin")
+        _wait(
+            lambda: _committed(rejoin_log) >= 1,
+            timeout=STARTUP_TIMEOUT_S,
+            what="the rejoin",
+            running=procs[:2] + procs[3:],
+        )
         rejoined = _log_times(rejoin_log, r"should_commit=True")[0]
         set_up = _log_times(rejoin_log, r"M parameters \|")[0]
         recovery = re.search(
@@ -236,7 +248,9 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    parser.add_argument("--rounds", type=int, default=2, help="alternating DDP/FT rounds")
+    parser.add_argument(
+        "--rounds", type=int, default=2, help="alternating DDP/FT rounds (0: skip the overhead)"
+    )
     parser.add_argument("--steps", type=int, default=12, help="steps per overhead run")
     parser.add_argument("--batch-size", type=int, default=16, help="per group (per DDP rank)")
     parser.add_argument(
@@ -260,10 +274,11 @@ def main(argv: list[str] | None = None) -> int:
     except LaunchError as err:
         print(f"bench_ft: {err}", file=sys.stderr)
         return 1
-    print(
-        f"per-step overhead, FT sync (2 groups x 1) / DDP (2 ranks), ResNet-18: median ratio "
-        f"{statistics.median(ratios):.3f} over {len(ratios)} rounds"
-    )
+    if ratios:
+        print(
+            f"per-step overhead, FT sync (2 groups x 1) / DDP (2 ranks), ResNet-18: median "
+            f"ratio {statistics.median(ratios):.3f} over {len(ratios)} rounds"
+        )
     print(f"death to the survivors' next committed step: {death:.2f} s")
     print(
         f"restart to rejoin (first committed step): {rejoin:.2f} s = start-up {startup:.2f} s "
