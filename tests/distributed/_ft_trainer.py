@@ -1,9 +1,9 @@
 """The Trainer the fault-tolerance tests launch (``trainer._target_``): it records what each
 committed step trained and where the parameters went, and faults on request.
 
-Records, in the run directory: ``committed.jsonl`` (one line per committed step: the step, the
-dataset indices this rank trained, the loss; appended and flushed, so a SIGKILL keeps every
-committed step), and ``ft_final.pt`` at the end (the final parameters and optimizer state, the
+Records, in the run directory: ``committed_rankR.jsonl`` (one line per committed step: the
+step, the dataset indices rank R trained, the loss; appended and flushed, so a SIGKILL keeps
+every committed step), and ``ft_final.pt`` at the end (the final parameters and optimizer state, the
 parameters after each step, the run's metrics).
 
 Environment: ``SDNET_FT_KILL_AT=S`` SIGKILLs this process during step S (after the forward, before
@@ -27,7 +27,7 @@ from sdnet_trainer import HookBase, Trainer
 from sdnet_trainer.distributed.ddp import unwrap
 from tests.support import IndexedDataset
 
-RECORD, FINAL = "committed.jsonl", "ft_final.pt"
+RECORD, FINAL = "committed_rank{rank}.jsonl", "ft_final.pt"
 PAUSE_LIMIT_S = 240.0
 
 
@@ -46,7 +46,8 @@ def _tensors(state: dict) -> dict:
 class _Recorder(HookBase):
     def __init__(self, trainer: FTRecorder) -> None:
         self.trainer = trainer
-        self.file = open(trainer.output_dir / RECORD, "a")  # noqa: SIM115 (closed in close)
+        path = trainer.output_dir / RECORD.format(rank=trainer.env.rank)
+        self.file = open(path, "a")  # noqa: SIM115 (closed in close)
         pause = os.environ.get("SDNET_FT_PAUSE")
         self.pause = (int(pause.split(":", 1)[0]), Path(pause.split(":", 1)[1])) if pause else None
 

@@ -21,7 +21,7 @@ import pytest
 import torch
 
 from tests.distributed._ft_trainer import FINAL, RECORD
-from tests.support import TINY, run_cli, start_command, wait_until
+from tests.support import TINY, run_cli, start_command, torchrun_command, wait_until
 
 pytestmark = pytest.mark.full
 
@@ -61,8 +61,13 @@ def _launches() -> Iterator[list[subprocess.Popen]]:
                 proc.wait(timeout=30)
 
 
-def _start(procs: list, run_dir: Path, args: list[str], env: dict | None = None):
-    cmd = [sys.executable, "-m", "sdnet_trainer", *args, f"hydra.run.dir={run_dir}"]
+def _start(procs: list, run_dir: Path, args: list[str], env: dict | None = None, nproc: int = 1):
+    """One replica group: ``python -m sdnet_trainer``, or torchrun with ``nproc`` ranks."""
+    args = [*args, f"hydra.run.dir={run_dir}"]
+    if nproc == 1:
+        cmd = [sys.executable, "-m", "sdnet_trainer", *args]
+    else:
+        cmd = torchrun_command(args, nproc=nproc)
     proc = start_command(
         cmd, cwd=run_dir.parent, log=run_dir.parent / f"{run_dir.name}.log", env=env
     )
@@ -85,9 +90,15 @@ def _finish(proc: subprocess.Popen, run_dir: Path, *, timeout: float = LAUNCH_TI
 
 
 def _records(run_dir: Path) -> dict[int, dict]:
-    path = run_dir / RECORD
-    rows = [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
-    return {row["step"]: row for row in rows}
+    """Each committed step of a launch: the indices all its ranks trained, rank 0's loss."""
+    steps: dict[int, dict] = {}
+    for path in sorted(run_dir.glob(RECORD.format(rank="*"))):
+        for row in map(json.loads, path.read_text().splitlines()):
+            if row["step"] in steps:
+                steps[row["step"]]["indices"] += row["indices"]
+            else:
+                steps[row["step"]] = row
+    return steps
 
 
 @contextmanager
@@ -113,14 +124,17 @@ def reference(tmp_path_factory) -> tuple[Path, dict]:
     return root / "ref", torch.load(root / "ref" / FINAL, weights_only=False)
 
 
-def test_sync_two_groups_match_single_process_training_step_for_step(tmp_path, reference):
+@pytest.mark.parametrize("ranks", [1, 2], ids=["1_rank_per_group", "2_ranks_ddp_per_group"])
+def test_sync_two_groups_match_single_process_training_step_for_step(tmp_path, reference, ranks):
+    """Two groups (of 1 process, or torchrun with 2 ranks and DDP inside) against one process
+    over the same global batch: the same parameters after every step, to float rounding."""
     ref_dir, ref = reference
     steps = 4
     runs = [tmp_path / f"g{g}" for g in range(2)]
     with _lighthouse(2) as address, _launches() as procs:
         for g, run_dir in enumerate(runs):
             ft = _ft(address, groups=2, min_groups=2, group=g)
-            _start(procs, run_dir, [*BASE, f"loop.max_steps={steps}", *ft])
+            _start(procs, run_dir, [*BASE, f"loop.max_steps={steps}", *ft], nproc=ranks)
         for proc, run_dir in zip(procs, runs, strict=True):
             _finish(proc, run_dir)
     finals = [torch.load(run_dir / FINAL, weights_only=False) for run_dir in runs]
