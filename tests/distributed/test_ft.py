@@ -352,3 +352,24 @@ def test_no_quorum_within_the_quorum_timeout_is_a_clear_error():
             assert time.monotonic() - started < 3 + 10
         finally:
             room.close()
+
+
+def test_a_checkpoint_written_during_a_degraded_step_resumes_bitwise(tmp_path):
+    """One group of the two expected (every step degraded) saves at step 3 and trains on to 6; a
+    whole-job restart from the step-3 checkpoint ends bitwise where the first run ended."""
+    steps = 6
+    first, resumed = tmp_path / "first", tmp_path / "resumed"
+    with _lighthouse(1) as address, _launches() as procs:
+        ft = _ft(address, groups=2, min_groups=1, group=0)
+        args = [*BASE, f"loop.max_steps={steps}", *ft]
+        _finish(_start(procs, first, [*args, "checkpoint.every_n_steps=3"]), first)
+        saved = first / "checkpoints" / "step_00000003"
+        assert saved.is_dir(), sorted(p.name for p in (first / "checkpoints").iterdir())
+        _finish(_start(procs, resumed, [*args, f"checkpoint.resume={saved}"]), resumed)
+    a, b = (torch.load(d / FINAL, weights_only=False) for d in (first, resumed))
+    assert a["metrics"]["ft/degraded_steps"] == steps and a["metrics"]["ft/quorum_size"] == 1
+    assert b["metrics"]["ft/committed_steps"] == steps  # the Manager resumed at step 3
+    assert _same(a["params"], b["params"]) and _same(a["optim"]["state"], b["optim"]["state"])
+    assert sorted(_records(resumed)) == [4, 5, 6]
+    for step in (4, 5, 6):  # the same samples after the resume
+        assert _records(resumed)[step]["indices"] == _records(first)[step]["indices"]
