@@ -68,6 +68,7 @@ def test_the_nav_follows_a_users_path():
         "parallel.md",
         "data.md",
         "checkpoints.md",
+        "fault_tolerance.md",
         "monitoring.md",
         "serving.md",
         "export.md",
