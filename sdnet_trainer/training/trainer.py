@@ -606,8 +606,10 @@ class Trainer:
         grad_norm, verdict = self.stepper.apply(loss)
         clock.mark("optimizer")
         done = time.perf_counter()
-        # Ranks that share samples (tensor/pipeline peers) share the count as well.
-        samples = self.layout.global_batch_size / self.env.world_size
+        # Ranks that share samples (tensor/pipeline peers) share the count as well; under fault
+        # tolerance this group trained its share of the global batch.
+        groups = share.groups if share is not None else 1
+        samples = self.layout.global_batch_size / self.env.world_size / groups
         self.meter.step_done(samples=samples, seconds=done - step_started)
         return StepResult(
             loss=loss,
