@@ -47,7 +47,10 @@ def main(argv: list[str] | None = None) -> int:
     stop = threading.Event()
     for signum in (signal.SIGINT, signal.SIGTERM):
         signal.signal(signum, lambda *_: stop.set())
-    print(f"lighthouse at {server.address()}", flush=True)
+    # One write, so that the server's own log lines (its threads write to stderr, often the same
+    # file) cannot land between the address and its newline.
+    sys.stdout.write(f"lighthouse at {server.address()}\n")
+    sys.stdout.flush()
     try:
         while not stop.wait(0.5):  # woken by the signal handlers
             pass
