@@ -20,6 +20,7 @@ from sdnet_trainer.distributed.mesh import parallel_dims
 from sdnet_trainer.distributed.parallelize import validate_compile, validate_parallel
 from sdnet_trainer.distributed.pipeline import validate_pipeline
 from sdnet_trainer.errors import ConfigError
+from sdnet_trainer.ft.checks import validate_ft
 from sdnet_trainer.models.gpt import validate_gpt
 from sdnet_trainer.models.hf_causal_lm import HF_CAUSAL_LM, validate_hf_causal_lm
 from sdnet_trainer.models.llama import validate_llama
@@ -53,6 +54,7 @@ def validate(cfg: Config, *, world_size: int) -> None:
     validate_comm(cfg, world_size)
     validate_compile(cfg, world_size)
     validate_dist(cfg)
+    validate_ft(cfg, world_size)
     _validate_checkpoint(cfg)
     _validate_health(cfg)
     validate_logging(cfg)

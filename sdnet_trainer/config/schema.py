@@ -11,7 +11,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Dict, List, Optional
 
-# model.gpt and model.llama, the language models' sizes, are defined beside this module.
+# fault_tolerance, model.gpt and model.llama are defined beside this module.
+from sdnet_trainer.config.fault_tolerance import FaultToleranceConfig
 from sdnet_trainer.config.language_models import GPTConfig, LlamaConfig
 
 
@@ -514,5 +515,6 @@ class Config:
     health: HealthConfig = field(default_factory=HealthConfig)
     elastic: ElasticConfig = field(default_factory=ElasticConfig)
     dist: DistConfig = field(default_factory=DistConfig)
+    fault_tolerance: FaultToleranceConfig = field(default_factory=FaultToleranceConfig)
     run: RunConfig = field(default_factory=RunConfig)
     trainer: TrainerTarget = field(default_factory=TrainerTarget)

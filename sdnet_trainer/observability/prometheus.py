@@ -112,6 +112,14 @@ FAMILIES = {
     "sdnet_checkpoint_size_bytes": "Bytes this rank wrote for the latest checkpoint.",
     "sdnet_checkpoint_last_step": "Optimizer step of the latest checkpoint.",
     "sdnet_checkpoint_last_timestamp_seconds": "Unix time of the latest checkpoint save.",
+    # Fault tolerance across replica groups (ft/*, sdnet_trainer/ft/)
+    "sdnet_ft_quorum_groups": "Replica groups in the latest fault-tolerance quorum.",
+    "sdnet_ft_in_quorum": "1 while the replica group (label group) is in the quorum, else 0.",
+    "sdnet_ft_recoveries": "Times this group received the live state from a peer, this launch.",
+    "sdnet_ft_recovery_seconds": "Seconds this group spent receiving state from peers.",
+    "sdnet_ft_degraded_steps": "Steps committed with fewer groups than expected, this launch.",
+    "sdnet_ft_skipped_steps": "Steps discarded by the commit vote (a peer failed), this launch.",
+    "sdnet_ft_committed_steps": "Steps the replica groups committed, whole run.",
     # End of run (summary/*; "summary" in a name would read as Prometheus' summary type)
     "sdnet_run_steps": "Steps trained by this launch, set at its end.",
     "sdnet_run_train_seconds": "Time spent in training steps by this launch, set at its end.",
@@ -145,6 +153,12 @@ KEYS = {
     "checkpoint/save_seconds": Series("sdnet_checkpoint_save_seconds"),
     "checkpoint/bytes": Series("sdnet_checkpoint_size_bytes"),
     "checkpoint/step": Series("sdnet_checkpoint_last_step"),
+    "ft/quorum_size": Series("sdnet_ft_quorum_groups"),
+    "ft/recoveries": Series("sdnet_ft_recoveries"),
+    "ft/recovery_seconds": Series("sdnet_ft_recovery_seconds"),
+    "ft/degraded_steps": Series("sdnet_ft_degraded_steps"),
+    "ft/skipped_steps": Series("sdnet_ft_skipped_steps"),
+    "ft/committed_steps": Series("sdnet_ft_committed_steps"),
     "summary/steps": Series("sdnet_run_steps"),
     "summary/train_seconds": Series("sdnet_run_train_seconds"),
     "summary/wall_seconds": Series("sdnet_run_wall_seconds"),
@@ -158,6 +172,7 @@ PER_RANK = {
 EVAL_PREFIX = "val/"
 SUMMARY_PREFIX = "summary/"
 _PER_RANK_KEY = re.compile(r"^(?P<base>.+)_rank(?P<rank>\d+)$")
+_FT_GROUP_KEY = re.compile(r"^ft/in_quorum/group(?P<group>\d+)$")  # one gauge per group
 _NOT_IN_NAME = re.compile(r"[^a-zA-Z0-9_]")
 # A write with one of these keys is a training log point (it moves sdnet_step).
 _LOG_POINT_PREFIXES = ("train/", "perf/")
@@ -363,6 +378,8 @@ class PrometheusExporter:
             return KEYS[key]
         if key.startswith(EVAL_PREFIX):
             return Series("sdnet_eval_metric", labels=(("name", key[len(EVAL_PREFIX) :]),))
+        if group := _FT_GROUP_KEY.match(key):
+            return Series("sdnet_ft_in_quorum", labels=(("group", group["group"]),))
         per_rank = _PER_RANK_KEY.match(key)
         if per_rank is not None:
             if int(per_rank["rank"]) != self.rank:

@@ -85,3 +85,6 @@ class StepResult:
     nonfinite: bool  # all ranks agreed the step held a NaN/Inf and it was skipped or aborted
     stop_requested: bool  # a rank received a stop signal: save and leave after this step
     save_due: bool  # rank 0's clock says a timed checkpoint is due (checkpoint.every_n_minutes)
+    # False: fault tolerance's vote discarded the step (a peer group failed during it); the run's
+    # counters do not move and the same samples are trained again (sdnet_trainer/ft/data.py).
+    committed: bool = True

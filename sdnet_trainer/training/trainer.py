@@ -55,6 +55,8 @@ from sdnet_trainer.distributed.mesh import ParallelDims, build_mesh, parallel_di
 from sdnet_trainer.distributed.parallelize import gradient_sync, parallelize
 from sdnet_trainer.distributed.pipeline import Pipeline
 from sdnet_trainer.errors import ConfigError
+from sdnet_trainer.ft.checks import check_lighthouse, lighthouse_address
+from sdnet_trainer.ft.data import ShareBatches, StepShare
 from sdnet_trainer.models import build_model
 from sdnet_trainer.models.hf_llama import hf_weights_folder, load_hf_weights
 from sdnet_trainer.models.init import allocate, build_deferred, materialize, without_parameters
@@ -108,6 +110,9 @@ class Trainer:
     watchdog: Watchdog | None  # when health.hang_timeout_s is set
     stepper: OptimizerStep  # norm, agreement and update after backward
     checkpointer: Checkpointer
+    ft: Any  # fault_tolerance.enabled: the ft room (sdnet_trainer.ft.room.FaultTolerance)
+    ft_batches: ShareBatches | None  # this rank's share of each step's batch under ft
+    ft_hook: HookBase | None  # the ft room's figures at each log point
     hooks: list[HookBase]
 
     def __init__(
@@ -233,6 +238,7 @@ class Trainer:
             metrics,
             WatchdogHook(self.watchdog) if self.watchdog else None,
             HeartbeatHook(Heartbeat(heartbeat_s, rank=rank)) if heartbeat_s else None,
+            self.ft_hook,
         ]
         return [hook for hook in hooks if hook is not None]
 
@@ -240,6 +246,9 @@ class Trainer:
 
     def setup(self) -> None:
         """Build the run in its phases; each reads only what the earlier ones built."""
+        ft = self.cfg.fault_tolerance
+        if ft.enabled and self.env.rank == 0:  # an unreachable lighthouse fails before any work
+            check_lighthouse(lighthouse_address(ft), connect_s=ft.timeouts.connect_s)
         # The data first: it decides the class count the model is built with. Seeded as the
         # model is, so a data set that draws random numbers (a split) is the same on every rank.
         rng.seed_everything(self.cfg.loop.seed, deterministic=self.cfg.loop.deterministic)
@@ -250,6 +259,7 @@ class Trainer:
         self._setup_optimization()
         self._setup_observability(train_set)
         self._setup_checkpointing()
+        self._setup_fault_tolerance()
         self.hooks = self.build_hooks()
         logger.info(
             f"model {self.cfg.model.name}: {self.num_parameters / 1e6:.2f}M parameters | "
@@ -462,15 +472,27 @@ class Trainer:
             # may leave no full batch in the interrupted epoch: continue with the next one.
             self.state.next_epoch()
 
+    def _setup_fault_tolerance(self) -> None:
+        """``fault_tolerance.enabled``: the ft room, this rank's share of each step's batch, and
+        the room's metrics hook (``sdnet_trainer.ft.hooks.attach``)."""
+        self.ft, self.ft_batches, self.ft_hook = None, None, None
+        if self.cfg.fault_tolerance.enabled:
+            from sdnet_trainer.ft.hooks import attach
+
+            self.ft, self.ft_batches, self.ft_hook = attach(self)
+
     # ------------------------------------------------------------------ the loop
 
     def fit(self) -> dict[str, float]:
         """Train to ``loop.max_steps`` (or ``max_epochs``); returns the final metrics."""
         self.setup()
         first_step = self.state.step + 1  # after a resume too
-        with self._running():
+        semi_sync = self.ft.semi_sync(self.model, self.optimizer) if self.ft else nullcontext()
+        with self._running(), semi_sync:
             while not self._finished():
                 result = self.train_step()
+                if not result.committed:
+                    continue  # the same samples again, divided among the next quorum's groups
                 self.state.advance(self.epoch_shape)
                 for hook in self.hooks:
                     hook.after_step(self.state, result)
@@ -529,8 +551,10 @@ class Trainer:
 
     def train_step(self) -> StepResult:
         """One optimizer step over ``grad_accum_steps`` micro-batches."""
-        accum, step = self.layout.grad_accum_steps, self.state.step + 1
         step_started = time.perf_counter()
+        # Fault tolerance: the quorum first (a joining group receives the state here).
+        share = self.ft.begin_step() if self.ft is not None else None
+        accum, step = self.layout.grad_accum_steps, self.state.step + 1
         clock = self.meter.clock  # the phases, on the GPU's timeline under CUDA
         clock.start()
         # Evaluation switches the unwrapped model and restores it; re-setting it costs ~1 ms.
@@ -543,7 +567,7 @@ class Trainer:
         for micro_step in range(accum):
             started = time.perf_counter()
             self.phase.enter("data", step=step)
-            batch = self.data.next_batch()
+            batch = self.data.next_batch() if share is None else self._share_batch(share)
             data_wait += time.perf_counter() - started  # fetch and copy to the device
             clock.mark("data_wait")
             # DDP reduces gradients in backward on the last micro-step only; FSDP2 reduce-scatters
@@ -568,11 +592,22 @@ class Trainer:
             loss_sum += loss.detach().float()
             clock.mark("fwd_bwd")
         loss = loss_sum / accum
+        if self.ft is not None and self.cfg.fault_tolerance.mode == "sync":
+            self.ft.reduce_gradients(self.model)  # averaged over the quorum's groups
+            if not self.ft.should_commit():  # a peer failed during the step: discard it
+                self.optimizer.zero_grad(set_to_none=True)
+                return StepResult(
+                    loss=loss, grad_norm=torch.zeros_like(loss), data_wait_s=data_wait,
+                    seconds=time.perf_counter() - step_started, nonfinite=False,
+                    stop_requested=False, save_due=False, committed=False,
+                )  # fmt: skip
         grad_norm, verdict = self.stepper.apply(loss)
         clock.mark("optimizer")
         done = time.perf_counter()
-        # Ranks that share samples (tensor/pipeline peers) share the count as well.
-        samples = self.layout.global_batch_size / self.env.world_size
+        # Ranks that share samples (tensor/pipeline peers) share the count as well; under fault
+        # tolerance this group trained its share of the global batch.
+        groups = share.groups if share is not None else 1
+        samples = self.layout.global_batch_size / self.env.world_size / groups
         self.meter.step_done(samples=samples, seconds=done - step_started)
         return StepResult(
             loss=loss,
@@ -583,6 +618,13 @@ class Trainer:
             stop_requested=verdict.stop,
             save_due=verdict.save_due,
         )
+
+    def _share_batch(self, share: StepShare) -> Any:
+        """Fault tolerance: this rank's share of the step's global batch, on the device."""
+        assert self.ft_batches is not None
+        state = self.state
+        batch = self.ft_batches.batch(share, epoch=state.epoch, epoch_sample=state.epoch_sample)
+        return self.data.to_device(batch)
 
     def to_device(self, batch: Any) -> Any:
         """Move every tensor in a (nested) batch to the training device."""

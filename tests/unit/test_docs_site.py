@@ -69,6 +69,7 @@ def test_the_nav_follows_a_users_path():
         "data.md",
         "language-models.md",
         "checkpoints.md",
+        "fault_tolerance.md",
         "monitoring.md",
         "serving.md",
         "export.md",

@@ -82,6 +82,17 @@ SUMMARY = {
     "summary/wall_seconds": 20.0,
     "summary/samples_per_s": 1100.0,
 }
+FT = {  # sdnet_trainer.ft.hooks at a log point under fault_tolerance.enabled
+    "ft/quorum_size": 2.0,
+    "ft/in_quorum/group0": 1.0,
+    "ft/in_quorum/group1": 0.0,
+    "ft/in_quorum/group2": 1.0,
+    "ft/recoveries": 1.0,
+    "ft/recovery_seconds": 0.75,
+    "ft/degraded_steps": 3.0,
+    "ft/skipped_steps": 1.0,
+    "ft/committed_steps": 40.0,
+}
 MB = 2**20
 
 # The reference: each logged key's series as the documentation names it (metric, extra labels,
@@ -114,6 +125,15 @@ EXPECTED = {
     "summary/train_seconds": ("sdnet_run_train_seconds", {}, 1),
     "summary/wall_seconds": ("sdnet_run_wall_seconds", {}, 1),
     "summary/samples_per_s": ("sdnet_run_samples_per_second", {}, 1),
+    "ft/quorum_size": ("sdnet_ft_quorum_groups", {}, 1),
+    "ft/in_quorum/group0": ("sdnet_ft_in_quorum", {"group": "0"}, 1),
+    "ft/in_quorum/group1": ("sdnet_ft_in_quorum", {"group": "1"}, 1),
+    "ft/in_quorum/group2": ("sdnet_ft_in_quorum", {"group": "2"}, 1),
+    "ft/recoveries": ("sdnet_ft_recoveries", {}, 1),
+    "ft/recovery_seconds": ("sdnet_ft_recovery_seconds", {}, 1),
+    "ft/degraded_steps": ("sdnet_ft_degraded_steps", {}, 1),
+    "ft/skipped_steps": ("sdnet_ft_skipped_steps", {}, 1),
+    "ft/committed_steps": ("sdnet_ft_committed_steps", {}, 1),
 }
 
 
@@ -197,6 +217,11 @@ def assert_matches(samples: Samples, written: dict[str, float], rank: int) -> No
 
 
 # ---------------------------------------------------------------------- what a scrape shows
+
+
+def test_fault_tolerance_figures_show_with_a_group_label(served):
+    served.write(40, FT)
+    assert_matches(scrape(served.port), FT, rank=1)
 
 
 def test_each_write_shows_in_the_next_scrape(served):
@@ -582,7 +607,7 @@ def _metric_names(expression: str) -> set[str]:
 
 
 def test_the_dashboard_refers_only_to_metrics_the_exporter_emits(served):
-    for step, written in enumerate([LOG_POINT, EVAL, CHECKPOINT, SUMMARY], start=1):
+    for step, written in enumerate([LOG_POINT, EVAL, CHECKPOINT, SUMMARY, FT], start=1):
         served.write(step, written)
     emitted = names(scrape(served.port)) | set(GPU_METRICS)  # NVML is absent here
     assert emitted <= metric_names()
@@ -608,6 +633,8 @@ def test_the_dashboard_refers_only_to_metrics_the_exporter_emits(served):
         "sdnet_checkpoint_last_timestamp_seconds",
         "sdnet_rank_step_seconds",
     } <= used
+    # Fault tolerance's panels: the quorum, recoveries, degraded and skipped steps.
+    assert {"sdnet_ft_quorum_groups", "sdnet_ft_in_quorum", "sdnet_ft_skipped_steps"} <= used
     for panel in dashboard["panels"]:
         if panel["type"] != "row":
             assert panel["description"] and panel["targets"], panel["title"]
@@ -617,7 +644,7 @@ def test_a_scrape_passes_promtools_lint(served):
     promtool = shutil.which("promtool")
     if promtool is None:
         pytest.skip("promtool is not installed")
-    for step, written in enumerate([LOG_POINT, EVAL, CHECKPOINT, SUMMARY], start=1):
+    for step, written in enumerate([LOG_POINT, EVAL, CHECKPOINT, SUMMARY, FT], start=1):
         served.write(step, written)
     with urllib.request.urlopen(f"http://127.0.0.1:{served.port}/metrics", timeout=10) as r:
         text = r.read()

@@ -1,0 +1,232 @@
+"""The fault-tolerance room the training loop calls at fixed points.
+
+    begin_step      the quorum (sync mode): blocks until the lighthouse has this step's groups;
+                    a group behind the others receives the live state from a healthy peer here
+    reduce_gradients  after backward (sync): every gradient averaged over the quorum's groups
+                    through torchft's managed gloo process group, reconfigured at each new quorum
+    should_commit   before the update: the group's vote; False discards the step everywhere in
+                    this group (a peer failed during it, or the quorum is below min_groups)
+
+The state a joining group receives is built from the checkpoint's own parts (model, optimizer,
+schedule, the run's counters with the data position, the weight average, the loss scaler): the
+same ``state_dict`` / ``load_state_dict`` pairs a checkpoint writes and reads. The random streams
+are not copied: each group re-derives them from (seed, group, rank, step), as a resume on another
+world size does. torchft's Manager keeps its own step equal to the run's committed steps.
+
+Semi-sync modes (``local_sgd``, ``diloco``) wrap the optimizer with ``torchft.local_sgd``: the
+quorum, the parameters' average (or DiLoCo's outer step) and the commit happen inside the
+optimizer's step every ``sync_every`` steps.
+"""
+
+from __future__ import annotations
+
+import logging
+import socket
+import time
+from collections.abc import Callable, Mapping
+from contextlib import AbstractContextManager, nullcontext
+from datetime import timedelta
+from typing import Any
+
+import torch
+from torch import nn
+
+from sdnet_trainer.checkpoint.checkpointer import Part
+from sdnet_trainer.config.schema import FaultToleranceConfig
+from sdnet_trainer.ft.checks import check_lighthouse, lighthouse_address, require_torchft
+from sdnet_trainer.ft.data import StepShare
+
+logger = logging.getLogger(__name__)
+
+# Checkpoint parts that are not sent to a joining group: per-rank by nature (the random streams,
+# PowerSGD's error feedback) or this group's own (its trackers' run ids).
+NOT_SENT = ("rng", "comm", "trackers")
+
+
+def _recording_gloo(timeout: timedelta) -> Any:
+    """torchft's reconfigurable gloo group, remembering the global ranks of its last quorum
+    (the group ids the metrics report)."""
+    from torchft.process_group import ProcessGroupGloo
+
+    class RecordingGloo(ProcessGroupGloo):
+        quorum_ranks: list[int] = []
+
+        def configure(self, *args: Any, **kwargs: Any) -> None:
+            ranks = kwargs.get("global_ranks", args[7] if len(args) > 7 else None)
+            self.quorum_ranks = list(ranks or [])
+            super().configure(*args, **kwargs)
+
+    return RecordingGloo(timeout=timeout)
+
+
+class QuorumTimeout(RuntimeError):
+    """No quorum formed within ``fault_tolerance.timeouts.quorum_s``."""
+
+
+class FaultTolerance:
+    """One replica group's link to the others: a torchft Manager over the run's parts."""
+
+    def __init__(
+        self,
+        cfg: FaultToleranceConfig,
+        *,
+        group_rank: int,
+        group_size: int,
+        distributed: bool,
+        parts: Mapping[str, Part],
+        after_load: Callable[[], None],
+        step: int,
+    ) -> None:
+        require_torchft()
+        from torch.distributed import TCPStore
+        from torchft import Manager
+
+        self.cfg, self.group_rank, self.group_size = cfg, group_rank, group_size
+        self.parts = {name: part for name, part in parts.items() if name not in NOT_SENT}
+        self.after_load = after_load
+        address = lighthouse_address(cfg)
+        t = cfg.timeouts
+        if group_rank == 0:
+            check_lighthouse(address, connect_s=t.connect_s)  # fails fast, before anything waits
+        # The group's store: torchrun's (MASTER_ADDR/PORT) when the group has several ranks, else
+        # one of our own on a free port. Its address reaches the other groups through the quorum
+        # (they meet in the quorum's first member's store): the host's name, not localhost.
+        self._store = None
+        store_addr, store_port = None, None
+        if not distributed:
+            store_addr = socket.gethostname()
+            self._store = TCPStore(store_addr, 0, is_master=True, wait_for_workers=False)
+            store_port = self._store.port
+        self.pg = _recording_gloo(timedelta(seconds=t.step_s))
+        self.manager = Manager(
+            pg=self.pg,
+            load_state_dict=self._load,
+            state_dict=self._state_dict,
+            min_replica_size=cfg.min_groups,
+            use_async_quorum=False,  # a joining group heals before the step and takes part in it
+            timeout=timedelta(seconds=t.step_s),
+            quorum_timeout=timedelta(seconds=t.quorum_s),
+            connect_timeout=timedelta(seconds=t.connect_s),
+            rank=group_rank,
+            world_size=group_size,
+            store_addr=store_addr,
+            store_port=store_port,
+            lighthouse_addr=address,
+            replica_id=f"sdnet_group_{cfg.replica_group}",
+            hostname=socket.gethostname(),
+            init_sync=False,  # every group builds the same initial weights from loop.seed
+        )
+        if cfg.mode == "sync":  # the Manager counts committed steps, as the run's counters do
+            self.manager.load_state_dict({"step": step, "batches_committed": 0})
+        self.share = StepShare(groups=cfg.groups, index=cfg.replica_group)
+        self.recoveries, self.recovery_seconds = 0, 0.0
+        self.degraded_steps, self.skipped_steps = 0, 0
+        self._loaded = False
+
+    # ------------------------------------------------------------------ the state a peer sends
+
+    def _state_dict(self) -> dict[str, Any]:
+        return {name: part.state.state_dict() for name, part in self.parts.items()}
+
+    def _load(self, state: dict[str, Any]) -> None:
+        for name, part in self.parts.items():
+            if name in state:
+                part.state.load_state_dict(state[name])
+        self.after_load()
+        self._loaded = True
+
+    # ------------------------------------------------------------------ the loop's fixed points
+
+    def begin_step(self) -> StepShare:
+        """The quorum before the step (sync mode); a recovery from a peer happens here."""
+        if self.cfg.mode != "sync":
+            return self.share  # semi-sync: a fixed share; the quorum is inside optimizer.step
+        started = time.perf_counter()
+        quorum_s = self.cfg.timeouts.quorum_s
+        try:
+            self.manager.start_quorum(timeout=timedelta(seconds=quorum_s))
+        except TimeoutError as err:
+            raise QuorumTimeout(
+                f"replica group {self.cfg.replica_group}: no quorum within "
+                f"fault_tolerance.timeouts.quorum_s={quorum_s:g} s (the lighthouse needs its "
+                f"--min-groups groups, and fault_tolerance.min_groups={self.cfg.min_groups}); "
+                f"are the other groups running and pointed at the same lighthouse? ({err})"
+            ) from None
+        if self._loaded:
+            self._loaded = False
+            self.recoveries += 1
+            self.recovery_seconds += time.perf_counter() - started
+            logger.info(
+                "fault tolerance: recovered step %d from a peer in %.2f s",
+                self.manager.current_step(),
+                time.perf_counter() - started,
+            )
+        index = self.manager.participating_rank()
+        self.share = StepShare(groups=self.manager.num_participants(), index=index or 0)
+        return self.share
+
+    def reduce_gradients(self, model: nn.Module) -> None:
+        """Average every gradient over the quorum's groups (sync mode), in one flat buffer."""
+        params = [p for p in model.parameters() if p.requires_grad]
+        grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in params]
+        flat = torch.cat([g.reshape(-1) for g in grads])
+        self.manager.allreduce(flat).wait()  # AVG over the participants; errors are recorded
+        offset = 0
+        for param, grad in zip(params, grads, strict=True):
+            size = grad.numel()
+            grad.copy_(flat[offset : offset + size].view_as(grad))
+            param.grad = grad
+            offset += size
+
+    def should_commit(self) -> bool:
+        """The group's vote on this step; counts degraded (fewer groups) and skipped steps."""
+        committed = self.manager.should_commit()
+        if not committed:
+            self.skipped_steps += 1
+            logger.warning("fault tolerance: step not committed (a peer failed or too few groups)")
+        elif self.share.groups < self.cfg.groups:
+            self.degraded_steps += 1
+        return committed
+
+    def semi_sync(
+        self, model: nn.Module, optimizer: torch.optim.Optimizer
+    ) -> AbstractContextManager:
+        """``torchft.local_sgd``'s wrapper around the loop (semi-sync modes), else nothing."""
+        cfg = self.cfg
+        if cfg.mode == "sync":
+            return nullcontext()
+        from torchft.local_sgd import DiLoCo, LocalSGD
+
+        if cfg.mode == "local_sgd":
+            return LocalSGD(self.manager, model, optimizer, sync_every=cfg.sync_every)
+        outer = torch.optim.SGD(
+            model.parameters(), lr=cfg.outer_lr, momentum=cfg.outer_momentum, nesterov=True
+        )
+        # The last synced weights are kept on the host (pinned where there is an accelerator).
+        return DiLoCo(self.manager, [model], optimizer, outer, sync_every=cfg.sync_every)
+
+    def metrics(self) -> dict[str, float]:
+        """``ft/*``: the quorum now, and the run's recoveries, degraded and skipped steps."""
+        members = set(self.quorum_groups())
+        return {
+            "ft/quorum_size": float(self.share.groups),
+            # One gauge per expected group: 1 while it is in the quorum.
+            **{f"ft/in_quorum/group{g}": float(g in members) for g in range(self.cfg.groups)},
+            "ft/recoveries": float(self.recoveries),
+            "ft/recovery_seconds": self.recovery_seconds,
+            "ft/degraded_steps": float(self.degraded_steps),
+            "ft/skipped_steps": float(self.skipped_steps),
+            "ft/committed_steps": float(self.manager.current_step()),
+        }
+
+    def quorum_groups(self) -> list[int]:
+        """The replica groups of the last quorum (from the managed process group's ranks)."""
+        ranks = getattr(self.pg, "quorum_ranks", [])
+        return sorted({r // self.group_size for r in ranks})
+
+    def close(self) -> None:
+        self.manager.shutdown(wait=False)
+        self._store = None
+
+
+__all__ = ["NOT_SENT", "FaultTolerance", "QuorumTimeout"]

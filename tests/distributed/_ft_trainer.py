@@ -1,0 +1,107 @@
+"""The Trainer the fault-tolerance tests launch (``trainer._target_``): it records what each
+committed step trained and where the parameters went, and faults on request.
+
+Records, in the run directory: ``committed_rankR.jsonl`` (one line per committed step: the
+step, the dataset indices rank R trained, the loss; appended and flushed, so a SIGKILL keeps
+every committed step), and ``ft_final.pt`` at the end (the final parameters and optimizer state, the
+parameters after each step, the run's metrics).
+
+Environment: ``SDNET_FT_KILL_AT=S`` SIGKILLs this process during step S (after the forward, before
+the gradients cross groups); ``SDNET_FT_PAUSE=S:PATH`` waits after step S until PATH exists;
+``SDNET_FT_READY=PATH`` is written once set up, before the first quorum;
+``SDNET_FT_START=PATH,...`` then waits until every one of those files exists (so that groups
+launched together are all in the first quorum).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import time
+from pathlib import Path
+
+import torch
+
+from sdnet_trainer import HookBase, Trainer
+from sdnet_trainer.distributed.ddp import unwrap
+from tests.support import IndexedDataset
+
+RECORD, FINAL = "committed_rank{rank}.jsonl", "ft_final.pt"
+PAUSE_LIMIT_S = 240.0
+
+
+def _wait_for(paths: list[Path]) -> None:
+    deadline = time.monotonic() + PAUSE_LIMIT_S
+    while not all(path.exists() for path in paths):
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"{paths} did not all appear")
+        time.sleep(0.05)
+
+
+def _tensors(state: dict) -> dict:
+    return {k: v.detach().cpu().clone() for k, v in state.items() if isinstance(v, torch.Tensor)}
+
+
+class _Recorder(HookBase):
+    def __init__(self, trainer: FTRecorder) -> None:
+        self.trainer = trainer
+        path = trainer.output_dir / RECORD.format(rank=trainer.env.rank)
+        self.file = open(path, "a")  # noqa: SIM115 (closed in close)
+        pause = os.environ.get("SDNET_FT_PAUSE")
+        self.pause = (int(pause.split(":", 1)[0]), Path(pause.split(":", 1)[1])) if pause else None
+
+    def after_step(self, state, result) -> None:
+        t = self.trainer
+        row = {
+            "step": state.step,
+            "indices": t.indices,
+            "loss": float(result.loss),
+            "time": time.time(),
+        }
+        self.file.write(json.dumps(row) + "\n")
+        self.file.flush()
+        t.snapshots.append(_tensors(unwrap(t.model).state_dict()))
+        if self.pause is not None and state.step == self.pause[0]:
+            _wait_for([self.pause[1]])
+
+    def close(self) -> None:
+        self.file.close()
+
+
+class FTRecorder(Trainer):
+    def build_datasets(self):
+        train, val = super().build_datasets()
+        return IndexedDataset(train), val
+
+    def setup(self) -> None:
+        self.indices: list[int] = []
+        self.snapshots: list[dict] = []
+        self.kill_at = int(os.environ.get("SDNET_FT_KILL_AT", "0"))
+        super().setup()
+        if ready := os.environ.get("SDNET_FT_READY"):
+            Path(ready).write_text("set up")
+        if start := os.environ.get("SDNET_FT_START"):
+            _wait_for([Path(path) for path in start.split(",")])
+
+    def build_hooks(self):
+        return [*super().build_hooks(), _Recorder(self)]
+
+    def compute_loss(self, batch):
+        inputs, targets, index = batch
+        self.indices = index.tolist()
+        if self.state.step + 1 == self.kill_at:
+            os.kill(os.getpid(), signal.SIGKILL)
+        return self.loss_fn(self.model(inputs), targets)
+
+    def fit(self):
+        metrics = super().fit()
+        if self.env.is_main:
+            final = {
+                "params": _tensors(unwrap(self.model).state_dict()),
+                "optim": self.optimizer.state_dict(),
+                "snapshots": self.snapshots,
+                "metrics": metrics,
+            }
+            torch.save(final, self.output_dir / FINAL)
+        return metrics

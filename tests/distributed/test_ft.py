@@ -1,0 +1,375 @@
+"""Fault tolerance across replica groups (torchft), with real processes on gloo: every group is a
+launch of the CLI, every launch is bounded in time and killed by its own process group.
+
+One uninterrupted single-process run is the reference: the same global batch, the same steps.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+
+import pytest
+import torch
+
+from tests.distributed._ft_trainer import FINAL, RECORD
+from tests.support import TINY, run_cli, start_command, torchrun_command, wait_until
+
+pytestmark = pytest.mark.full
+
+STEPS = 12
+BATCH = 12  # divisible among 1, 2 or 3 groups
+LAUNCH_TIMEOUT_S = 240.0
+BASE = [
+    *TINY,
+    "trainer._target_=tests.distributed._ft_trainer.FTRecorder",
+    f"loop.global_batch_size={BATCH}",
+    f"loop.max_steps={STEPS}",
+    "optim.momentum=0.9",
+    "data.val_size=16",
+]
+
+
+def _ft(address: str, *, groups: int, min_groups: int, group: int, **extra: object) -> list[str]:
+    keys = {"groups": groups, "min_groups": min_groups, "replica_group": group, **extra}
+    return [
+        "fault_tolerance.enabled=true",
+        f"fault_tolerance.lighthouse={address}",
+        *(f"fault_tolerance.{key}={value}" for key, value in keys.items()),
+    ]
+
+
+@contextmanager
+def _launches() -> Iterator[list[subprocess.Popen]]:
+    """Processes started in sessions of their own; any still running at the end is killed with
+    its process group (its own pids only)."""
+    procs: list[subprocess.Popen] = []
+    try:
+        yield procs
+    finally:
+        for proc in procs:
+            if proc.poll() is None:
+                os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait(timeout=30)
+
+
+def _start(procs: list, run_dir: Path, args: list[str], env: dict | None = None, nproc: int = 1):
+    """One replica group: ``python -m sdnet_trainer``, or torchrun with ``nproc`` ranks."""
+    args = [*args, f"hydra.run.dir={run_dir}"]
+    if nproc == 1:
+        cmd = [sys.executable, "-m", "sdnet_trainer", *args]
+    else:
+        cmd = torchrun_command(args, nproc=nproc)
+    proc = start_command(
+        cmd, cwd=run_dir.parent, log=run_dir.parent / f"{run_dir.name}.log", env=env
+    )
+    procs.append(proc)
+    return proc
+
+
+def _log(run_dir: Path) -> str:
+    return (run_dir.parent / f"{run_dir.name}.log").read_text(errors="replace")
+
+
+def _finish(proc: subprocess.Popen, run_dir: Path, *, timeout: float = LAUNCH_TIMEOUT_S) -> None:
+    try:
+        code = proc.wait(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait(timeout=30)
+        raise AssertionError(f"{run_dir.name} timed out:\n{_log(run_dir)[-6000:]}") from None
+    assert code == 0, f"{run_dir.name} exited {code}:\n{_log(run_dir)[-6000:]}"
+
+
+def _records(run_dir: Path) -> dict[int, dict]:
+    """Each committed step of a launch: the indices all its ranks trained, rank 0's loss."""
+    steps: dict[int, dict] = {}
+    for path in sorted(run_dir.glob(RECORD.format(rank="*"))):
+        for row in map(json.loads, path.read_text().splitlines()):
+            if row["step"] in steps:
+                steps[row["step"]]["indices"] += row["indices"]
+            else:
+                steps[row["step"]] = row
+    return steps
+
+
+@contextmanager
+def _lighthouse(min_groups: int) -> Iterator[str]:
+    """An in-process lighthouse on a free port."""
+    from torchft._torchft import LighthouseServer
+
+    server = LighthouseServer(
+        bind="[::]:0", min_replicas=min_groups, join_timeout_ms=5000, heartbeat_timeout_ms=2000
+    )
+    try:
+        yield server.address()
+    finally:
+        server.shutdown()
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory) -> tuple[Path, dict]:
+    """The uninterrupted single-process run over the same global batch."""
+    root = tmp_path_factory.mktemp("ft_reference")
+    run = run_cli([*BASE, f"hydra.run.dir={root / 'ref'}"], cwd=root, timeout=LAUNCH_TIMEOUT_S)
+    assert run.returncode == 0, run.output[-4000:]
+    return root / "ref", torch.load(root / "ref" / FINAL, weights_only=False)
+
+
+@pytest.mark.parametrize("ranks", [1, 2], ids=["1_rank_per_group", "2_ranks_ddp_per_group"])
+def test_sync_two_groups_match_single_process_training_step_for_step(tmp_path, reference, ranks):
+    """Two groups (of 1 process, or torchrun with 2 ranks and DDP inside) against one process
+    over the same global batch: the same parameters after every step, to float rounding."""
+    ref_dir, ref = reference
+    steps = 4
+    runs = [tmp_path / f"g{g}" for g in range(2)]
+    with _lighthouse(2) as address, _launches() as procs:
+        for g, run_dir in enumerate(runs):
+            ft = _ft(address, groups=2, min_groups=2, group=g)
+            _start(procs, run_dir, [*BASE, f"loop.max_steps={steps}", *ft], nproc=ranks)
+        for proc, run_dir in zip(procs, runs, strict=True):
+            _finish(proc, run_dir)
+    finals = [torch.load(run_dir / FINAL, weights_only=False) for run_dir in runs]
+    ref_records = _records(ref_dir)
+    for step in range(1, steps + 1):
+        for final in finals:  # both groups, and the reference, after every step
+            got, want = final["snapshots"][step - 1], ref["snapshots"][step - 1]
+            for name in want:
+                torch.testing.assert_close(got[name], want[name], rtol=1e-5, atol=1e-6)
+        # The step's global batch, divided between the groups: the reference's samples, once.
+        trained = sorted(i for run_dir in runs for i in _records(run_dir)[step]["indices"])
+        assert trained == sorted(ref_records[step]["indices"])
+    for name in finals[0]["params"]:
+        assert torch.equal(finals[0]["params"][name], finals[1]["params"][name])
+    assert finals[0]["metrics"]["ft/quorum_size"] == 2
+    assert finals[0]["metrics"]["ft/skipped_steps"] == 0
+    assert "ft quorum 2 of 2 groups [0, 1]" in _log(runs[0])
+
+
+def _start_lighthouse(procs: list, folder: Path, *, min_groups: int) -> str:
+    """``python -m sdnet_trainer.ft.lighthouse`` on a free port; its address."""
+    log = folder / "lighthouse.log"
+    cmd = [sys.executable, "-m", "sdnet_trainer.ft.lighthouse", "--bind", "[::]:0"]
+    procs.append(start_command([*cmd, "--min-groups", str(min_groups)], cwd=folder, log=log))
+    wait_until(lambda: "lighthouse at" in log.read_text(), timeout=120, what="the lighthouse")
+    found = re.search(r"lighthouse at (\S+)", log.read_text())
+    assert found is not None
+    return found[1]
+
+
+def _same(a: object, b: object) -> bool:
+    """Bitwise equality of nested state dicts."""
+    if isinstance(a, torch.Tensor):
+        return isinstance(b, torch.Tensor) and a.dtype == b.dtype and torch.equal(a, b)
+    if isinstance(a, dict):
+        return isinstance(b, dict) and a.keys() == b.keys() and all(_same(a[k], b[k]) for k in a)
+    if isinstance(a, (list, tuple)):
+        return len(a) == len(b) and all(_same(x, y) for x, y in zip(a, b, strict=True))
+    return a == b
+
+
+def test_three_groups_one_killed_the_others_continue_it_rejoins_from_a_peer(tmp_path, reference):
+    """SIGKILL group 2 during step KILL_AT: groups 0 and 1 keep stepping (that step is not
+    committed, and trained again by the two of them); group 2 is relaunched, receives the state
+    from a peer and rejoins; all three end bitwise identical, and every step's global batch was
+    trained exactly once (the guarantee of sdnet_trainer/ft/data.py)."""
+    ref_dir, ref = reference
+    kill_at, pause_after = 4, 6
+    runs = {g: tmp_path / f"g{g}" for g in range(3)}
+    rejoined = tmp_path / "g2_rejoined"
+    ready = [tmp_path / f"ready{g}" for g in range(3)]
+    with _launches() as procs:
+        address = _start_lighthouse(procs, tmp_path, min_groups=2)
+        start = ",".join(map(str, ready))
+        envs = [{"SDNET_FT_READY": str(ready[g]), "SDNET_FT_START": start} for g in range(3)]
+        for g in (0, 1):  # they wait after step pause_after until the relaunch is set up
+            envs[g]["SDNET_FT_PAUSE"] = f"{pause_after}:{tmp_path / 'ready_rejoined'}"
+        envs[2]["SDNET_FT_KILL_AT"] = str(kill_at)
+        group = {g: _start(procs, runs[g], [*BASE, *_ft(address, groups=3, min_groups=2, group=g)],
+                           env=envs[g]) for g in range(3)}  # fmt: skip
+        assert group[2].wait(timeout=LAUNCH_TIMEOUT_S) == -signal.SIGKILL, _log(runs[2])[-4000:]
+        killed = time.time()
+        # The other two keep stepping, without a restart: same processes, next steps committed.
+        wait_until(
+            lambda: all(pause_after in _records(runs[g]) for g in (0, 1)) or None,
+            timeout=120,
+            what="the survivors' steps after the kill",
+        )
+        assert group[0].poll() is None and group[1].poll() is None
+        ft = _ft(address, groups=3, min_groups=2, group=2)
+        env = {"SDNET_FT_READY": str(tmp_path / "ready_rejoined")}
+        relaunch = _start(procs, rejoined, [*BASE, *ft], env=env)
+        for g in (0, 1):
+            _finish(group[g], runs[g])
+        _finish(relaunch, rejoined)
+    finals = {
+        g: torch.load(d / FINAL, weights_only=False)
+        for g, d in [*runs.items(), (3, rejoined)]
+        if g != 2
+    }
+    survivors, back = [finals[0], finals[1]], finals[3]
+    for other in (finals[1], back):  # bitwise: parameters and optimizer state
+        assert _same(finals[0]["params"], other["params"])
+        assert _same(finals[0]["optim"]["state"], other["optim"]["state"])
+    for name, want in ref["params"].items():  # and the uninterrupted run's, up to float rounding
+        torch.testing.assert_close(finals[0]["params"][name], want, rtol=1e-4, atol=1e-5)
+    assert abs(back["metrics"]["val/loss"] - ref["metrics"]["val/loss"]) < 1e-3
+    # The step the kill interrupted was discarded and trained again by two groups.
+    for final in survivors:
+        assert final["metrics"]["ft/skipped_steps"] >= 1
+        assert final["metrics"]["ft/degraded_steps"] >= pause_after - kill_at
+    assert back["metrics"]["ft/recoveries"] == 1 and back["metrics"]["ft/recovery_seconds"] > 0
+    assert "recovered step" in _log(rejoined)
+    # Sample accounting: each step's global batch, once, over whichever groups committed it.
+    legs = [runs[0], runs[1], runs[2], rejoined]
+    records = [_records(d) for d in legs]
+    assert sorted(records[2]) == list(range(1, kill_at))  # the killed leg: up to its death
+    assert min(records[3]) > pause_after  # the rejoined leg: from its rejoin on
+    ref_records = _records(ref_dir)
+    for step in range(1, STEPS + 1):
+        trained = sorted(i for r in records if step in r for i in r[step]["indices"])
+        assert trained == sorted(ref_records[step]["indices"]), f"step {step}"
+    # No survivor step waited longer than the quorum timeout (60 s by default) but the pause.
+    for r in records[:2]:
+        times = [r[s]["time"] for s in sorted(r) if s != pause_after + 1]
+        gaps = [b - a for a, b in zip(times, times[1:])]
+        assert max(gaps) < 60
+    after_kill = min(r[kill_at]["time"] for r in records[:2]) - killed
+    print(f"death to the next committed step: {after_kill:.1f} s")
+
+
+def test_diloco_outer_step_matches_a_hand_computed_reference():
+    """One group through the room's DiLoCo (in this process, on a lighthouse of its own): after
+    every ``sync_every`` inner SGD steps the parameters are the outer Nesterov step on the
+    pseudo-gradient (the last synced weights minus the local ones), computed here by hand."""
+    from sdnet_trainer.checkpoint.checkpointer import ModelState, OptimizerState, Part
+    from sdnet_trainer.config.schema import FaultToleranceConfig
+    from sdnet_trainer.ft.room import FaultTolerance
+
+    torch.manual_seed(0)
+    model = torch.nn.Linear(3, 1, bias=False)
+    inner = torch.optim.SGD(model.parameters(), lr=0.1)
+    x = torch.randn(4, 3)
+    sync_every, outer_lr, momentum = 2, 0.7, 0.9
+    weights = model.weight.detach().clone()
+    synced, buf = weights.clone(), None
+    with _lighthouse(1) as address:
+        cfg = FaultToleranceConfig(
+            enabled=True, lighthouse=address, mode="diloco", sync_every=sync_every,
+            outer_lr=outer_lr, outer_momentum=momentum,
+        )  # fmt: skip
+        parts = {"model": Part(ModelState(model)), "optim": Part(OptimizerState(model, inner))}
+        room = FaultTolerance(
+            cfg, group_rank=0, group_size=1, distributed=False, parts=parts,
+            after_load=lambda: None, step=0,
+        )  # fmt: skip
+        try:
+            with room.semi_sync(model, inner):
+                for step in range(1, 3 * sync_every + 1):
+                    inner.zero_grad()
+                    (model(x) ** 2).sum().backward()
+                    grad = 2 * (x @ weights.T).T @ x  # d/dw sum((x w^T)^2)
+                    inner.step()
+                    weights = weights - 0.1 * grad
+                    if step % sync_every == 0:  # the outer step, by hand
+                        pseudo = synced - weights
+                        buf = pseudo.clone() if buf is None else momentum * buf + pseudo
+                        weights = synced - outer_lr * (pseudo + momentum * buf)
+                        synced = weights.clone()
+                    torch.testing.assert_close(model.weight.detach(), weights)
+            assert room.manager.current_step() == 3  # three committed syncs
+        finally:
+            room.close()
+
+
+@pytest.mark.parametrize("mode", ["local_sgd", "diloco"])
+def test_semi_sync_replicas_are_identical_right_after_each_sync(tmp_path, mode):
+    """Two groups train their own shares between syncs (their parameters differ) and hold the
+    same parameters right after every sync."""
+    steps, every = 4, 2
+    runs = [tmp_path / f"g{g}" for g in range(2)]
+    with _lighthouse(2) as address, _launches() as procs:
+        for g, run_dir in enumerate(runs):
+            ft = _ft(address, groups=2, min_groups=2, group=g, mode=mode, sync_every=every)
+            _start(procs, run_dir, [*BASE, f"loop.max_steps={steps}", *ft])
+        for proc, run_dir in zip(procs, runs, strict=True):
+            _finish(proc, run_dir)
+    a, b = (torch.load(run_dir / FINAL, weights_only=False)["snapshots"] for run_dir in runs)
+    for step in range(1, steps + 1):
+        if step % every == 0:
+            assert _same(a[step - 1], b[step - 1]), f"step {step}"
+        else:
+            assert not _same(a[step - 1], b[step - 1]), f"step {step}"
+    # Each group trained its own half of every global batch.
+    first, second = (_records(run_dir) for run_dir in runs)
+    for step in range(1, steps + 1):
+        assert not set(first[step]["indices"]) & set(second[step]["indices"])
+
+
+def test_an_unreachable_lighthouse_stops_the_launch_with_a_config_error(tmp_path):
+    """Nothing listens at the address: the CLI exits 2 naming the key and the connect timeout,
+    after at most that timeout (the launch's own start-up aside), never hanging."""
+    import socket
+
+    with socket.socket() as sock:  # bound, then closed: nothing listens there
+        sock.bind(("localhost", 0))
+        port = sock.getsockname()[1]
+    ft = _ft(f"http://localhost:{port}", groups=2, min_groups=1, group=0)
+    args = [*BASE, *ft, "fault_tolerance.timeouts.connect_s=2", f"hydra.run.dir={tmp_path / 'r'}"]
+    run = run_cli(args, cwd=tmp_path, timeout=LAUNCH_TIMEOUT_S)
+    assert run.returncode == 2, run.output[-3000:]
+    assert f"fault_tolerance.lighthouse='http://localhost:{port}' is not reachable" in run.output
+    assert "fault_tolerance.timeouts.connect_s=2 s" in run.output
+
+
+def test_no_quorum_within_the_quorum_timeout_is_a_clear_error():
+    """A lighthouse that waits for two groups, and only one comes: the step's quorum gives up
+    after timeouts.quorum_s, naming the key."""
+    from sdnet_trainer.checkpoint.checkpointer import ModelState, Part
+    from sdnet_trainer.config.fault_tolerance import FaultToleranceConfig, FTTimeoutsConfig
+    from sdnet_trainer.ft.room import FaultTolerance, QuorumTimeout
+
+    model = torch.nn.Linear(2, 1)
+    timeouts = FTTimeoutsConfig(connect_s=1, step_s=2, quorum_s=3)
+    with _lighthouse(2) as address:
+        cfg = FaultToleranceConfig(enabled=True, lighthouse=address, groups=2, timeouts=timeouts)
+        room = FaultTolerance(
+            cfg, group_rank=0, group_size=1, distributed=False,
+            parts={"model": Part(ModelState(model))}, after_load=lambda: None, step=0,
+        )  # fmt: skip
+        try:
+            started = time.monotonic()
+            with pytest.raises(QuorumTimeout, match=r"fault_tolerance.timeouts.quorum_s=3 s"):
+                room.begin_step()
+            assert time.monotonic() - started < 3 + 10
+        finally:
+            room.close()
+
+
+def test_a_checkpoint_written_during_a_degraded_step_resumes_bitwise(tmp_path):
+    """One group of the two expected (every step degraded) saves at step 3 and trains on to 6; a
+    whole-job restart from the step-3 checkpoint ends bitwise where the first run ended."""
+    steps = 6
+    first, resumed = tmp_path / "first", tmp_path / "resumed"
+    with _lighthouse(1) as address, _launches() as procs:
+        ft = _ft(address, groups=2, min_groups=1, group=0)
+        args = [*BASE, f"loop.max_steps={steps}", *ft]
+        _finish(_start(procs, first, [*args, "checkpoint.every_n_steps=3"]), first)
+        saved = first / "checkpoints" / "step_00000003"
+        assert saved.is_dir(), sorted(p.name for p in (first / "checkpoints").iterdir())
+        _finish(_start(procs, resumed, [*args, f"checkpoint.resume={saved}"]), resumed)
+    a, b = (torch.load(d / FINAL, weights_only=False) for d in (first, resumed))
+    assert a["metrics"]["ft/degraded_steps"] == steps and a["metrics"]["ft/quorum_size"] == 1
+    assert b["metrics"]["ft/committed_steps"] == steps  # the Manager resumed at step 3
+    assert _same(a["params"], b["params"]) and _same(a["optim"]["state"], b["optim"]["state"])
+    assert sorted(_records(resumed)) == [4, 5, 6]
+    for step in (4, 5, 6):  # the same samples after the resume
+        assert _records(resumed)[step]["indices"] == _records(first)[step]["indices"]

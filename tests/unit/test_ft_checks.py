@@ -1,0 +1,109 @@
+"""fault_tolerance.* before launch: the keys, the refused combinations naming their keys, the
+missing extra, and an unreachable lighthouse failing within the connect timeout."""
+
+from __future__ import annotations
+
+import builtins
+import socket
+import time
+
+import pytest
+
+from sdnet_trainer.config import compose
+from sdnet_trainer.errors import ConfigError
+from sdnet_trainer.ft import check_lighthouse, validate_ft
+from sdnet_trainer.preflight import validate
+from tests.support import TINY
+
+pytestmark = pytest.mark.full
+
+FT = [
+    *TINY,
+    "loop.max_steps=4",
+    "loop.global_batch_size=12",
+    "fault_tolerance.enabled=true",
+    "fault_tolerance.groups=3",
+    "fault_tolerance.lighthouse=http://localhost:1",
+]
+
+
+def test_a_valid_config_passes_and_disabled_is_not_checked():
+    validate(compose(FT), world_size=1)
+    validate_ft(compose([*TINY, "fault_tolerance.groups=0"]), 1)  # disabled: keys unread
+
+
+@pytest.mark.parametrize(
+    "override, keys",
+    [
+        ("parallel.pp=2", "parallel.pp"),
+        ("parallel.strategy=zero1", "parallel.strategy=zero1"),
+        ("parallel.strategy=fsdp", "parallel.strategy=fsdp"),
+        ("comm.hook=powersgd", "comm.hook=powersgd"),
+        ("comm.hook=local_sgd", "comm.hook=local_sgd"),
+        ("elastic.enabled=true", "elastic.enabled"),
+        ("loop.grad_accum_steps=2", "loop.grad_accum_steps"),
+        ("data.mixup_alpha=0.2", "data.mixup_alpha"),
+        ("precision.dtype=fp16", "precision.dtype=fp16"),
+    ],
+)
+def test_combinations_torchft_cannot_serve_name_their_keys(override, keys):
+    with pytest.raises(ConfigError) as err:
+        validate_ft(compose([*FT, override]), 2 if "pp" in override else 1)
+    message = str(err.value)
+    assert "fault_tolerance.enabled=true cannot be combined with" in message
+    assert keys in message
+
+
+@pytest.mark.parametrize(
+    "override, match",
+    [
+        ("fault_tolerance.mode=diloko", r"fault_tolerance.mode='diloko'.*did you mean 'diloco'"),
+        ("fault_tolerance.min_groups=4", r"min_groups=4 exceeds fault_tolerance.groups=3"),
+        ("fault_tolerance.replica_group=3", r"replica_group=3 must be in \[0, "),
+        ("fault_tolerance.timeouts.step_s=5", r"connect_s \(10\) <= step_s \(5\)"),
+        ("fault_tolerance.timeouts.quorum_s=20", r"step_s \(30\) <= quorum_s \(20\)"),
+        ("fault_tolerance.outer_momentum=1.0", r"outer_momentum=1.0 must be in \[0, 1\)"),
+        # sync: every quorum of 1..3 groups divides the batch, so it must be a multiple of 6
+        ("loop.global_batch_size=8", r"global_batch_size=8 must be a multiple of 6"),
+        ("fault_tolerance.lighthouse=null", r"needs the lighthouse's address"),
+    ],
+)
+def test_bad_keys_are_named(override, match, monkeypatch):
+    monkeypatch.delenv("TORCHFT_LIGHTHOUSE", raising=False)
+    with pytest.raises(ConfigError, match=match):
+        validate(compose([*FT, override]), world_size=1)
+
+
+def test_semi_sync_shares_need_only_the_group_count():
+    validate_ft(compose([*FT, "fault_tolerance.mode=diloco", "loop.global_batch_size=6"]), 1)
+    with pytest.raises(ConfigError, match="multiple of 6 under fault_tolerance.mode=local_sgd"):
+        validate_ft(compose([*FT, "fault_tolerance.mode=local_sgd", "loop.global_batch_size=8"]), 2)
+
+
+def test_missing_torchft_names_the_extra(monkeypatch):
+    real_import = builtins.__import__
+
+    def no_torchft(name, *args, **kwargs):
+        if name == "torchft" or name.startswith("torchft."):
+            raise ImportError("No module named 'torchft'")
+        return real_import(name, *args, **kwargs)
+
+    monkeypatch.setattr(builtins, "__import__", no_torchft)
+    with pytest.raises(ConfigError, match=r"needs torchft.*pip install 'sdnet_trainer\[ft\]'"):
+        validate(compose(FT), world_size=1)
+
+
+def _refused_port() -> int:
+    with socket.socket() as sock:  # bound, then closed: nothing listens there
+        sock.bind(("localhost", 0))
+        return sock.getsockname()[1]
+
+
+def test_unreachable_lighthouse_fails_within_the_connect_timeout():
+    address = f"http://localhost:{_refused_port()}"
+    started = time.monotonic()
+    with pytest.raises(ConfigError) as err:
+        check_lighthouse(address, connect_s=1.5)
+    elapsed = time.monotonic() - started
+    assert address in str(err.value) and "timeouts.connect_s=1.5" in str(err.value)
+    assert elapsed < 1.5 + 5  # the timeout, plus the client's own start-up on a loaded machine
