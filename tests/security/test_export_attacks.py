@@ -321,3 +321,29 @@ def test_escaped_strings_load_back_as_their_text(text):
     assert node.value == text and list(node["items"]) == [text]
     again = OmegaConf.create(OmegaConf.to_yaml(node))  # as config.yaml is written and read
     assert again.value == text and list(again["items"]) == [text]
+
+
+def test_tokenizer_files_are_copied_under_fixed_names_only(tmp_path):
+    """data.tokenizer comes from the run's config: a file named like a weight shard or a link is
+    never copied under its own name or followed; only the tokenizer's files land in the export."""
+    from sdnet_trainer.export.hf import copy_tokenizer
+
+    source, out = tmp_path / "src", tmp_path / "out"
+    source.mkdir()
+    out.mkdir()
+    shard = "model-00001-of-00001.safetensors"
+    (source / shard).write_text("not a tokenizer")
+    (source / "tokenizer_config.json").write_text('{"eos_token": "</s>"}')
+    (out / shard).write_text("weights")
+    assert copy_tokenizer(source / shard, out) == ["tokenizer_config.json", "tokenizer.model"]
+    assert (out / shard).read_text() == "weights"
+    assert (out / "tokenizer.model").read_text() == "not a tokenizer"
+    # A linked tokenizer file is not followed, alone or inside a folder.
+    secret = tmp_path / "secret"
+    secret.write_text("secret")
+    (source / "tokenizer.json").symlink_to(secret)
+    folder_out = tmp_path / "folder_out"
+    folder_out.mkdir()
+    assert copy_tokenizer(source / "tokenizer.json", folder_out) == []
+    assert copy_tokenizer(source, folder_out) == ["tokenizer_config.json"]
+    assert not (folder_out / "tokenizer.json").exists()
