@@ -6,15 +6,16 @@ data (``data=text``, text shards, ``data=hf`` without a tokenizer), the tokenize
 alone (``data=tokens``, whose language has no text).
 
 Generation: a model with a decoder (:mod:`sdnet_trainer.serve.decoding`: ``transformers`` models,
-the project's ``hf_causal_lm``) runs a whole batch together with a KV cache, prompts of different
-lengths left-padded, and refuses a prompt plus ``max_new_tokens`` longer than its context. Other
-models (the project's GPT, ONNX graphs) keep no cache: the whole sequence is fed again for each
-new token, cropped to the model's context from the left once it is longer, and a batch runs its
-prompts of equal length together (no padding, so each row computes what it would alone).
-Decoding, either way: ``temperature=0`` picks the most likely token (greedy); above 0 the token
-is drawn from ``softmax(logits / temperature)``, cut to its ``top_p`` nucleus, with the request's
-``seed`` (a random one when none is given). A job ends at its ``max_new_tokens`` or at a stop
-token (the model's end-of-sequence ids and the request's ``stop`` ids), which is returned last.
+the project's ``hf_causal_lm`` and Llama) runs a whole batch together with a KV cache, prompts of
+different lengths left-padded, and refuses a prompt plus ``max_new_tokens`` longer than its
+context. Other models (the project's GPT, ONNX graphs) keep no cache: the whole sequence is fed
+again for each new token, cropped to the model's context from the left once it is longer, and a
+batch runs its prompts of equal length together (no padding, so each row computes what it would
+alone). Decoding, either way: ``temperature=0`` picks the most likely token (greedy); above 0 the
+token is drawn from ``softmax(logits / temperature)``, cut to its ``top_p`` nucleus, with the
+request's ``seed`` (a random one when none is given). A job ends at its ``max_new_tokens`` or at a
+stop token (the model's end-of-sequence ids and the request's ``stop`` ids), which is returned
+last.
 """
 
 from __future__ import annotations
