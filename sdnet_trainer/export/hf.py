@@ -26,6 +26,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from sdnet_trainer.data.tokenizer import load_tokenizer
 from sdnet_trainer.errors import ConfigError
 from sdnet_trainer.export.writers import ExportError
 from sdnet_trainer.models.hf_llama import (
@@ -155,7 +156,8 @@ def copy_tokenizer(source: Path, folder: Path) -> list[str]:
     """The tokenizer files of ``source`` (a folder of them, or one tokenizer file) copied into
     ``folder``: regular files only, never through a link, and only under the names of
     :data:`TOKENIZER_FILES` (the source's own file name is never used, so no path the run's
-    config names can overwrite a weight shard or config.json). One file is ``tokenizer.json``
+    config names can overwrite a weight shard or config.json). One file is copied only if it reads
+    as a tokenizer (:func:`~sdnet_trainer.data.tokenizer.load_tokenizer`), as ``tokenizer.json``
     (a fast tokenizer) or ``tokenizer.model`` (a tiktoken BPE file), with the tokenizer config
     files beside it that ``data.tokenizer`` read too. A tokenizer named by a hub id (not a local
     path) is not copied, with a warning."""
@@ -163,6 +165,13 @@ def copy_tokenizer(source: Path, folder: Path) -> list[str]:
         logger.warning("format=hf: data.tokenizer=%r is a link; not copied", str(source))
         return []
     if source.is_file():
+        # A file of any name: copied only once it reads as a tokenizer, so that a path in the
+        # run's config cannot bring another file (a key, a password file) into the export.
+        try:
+            load_tokenizer(str(source))
+        except ConfigError as err:
+            logger.warning("format=hf: data.tokenizer not copied: %s", err)
+            return []
         name = "tokenizer.json" if source.suffix == ".json" else "tokenizer.model"
         beside = {n: source.parent / n for n in TOKENIZER_FILES if n not in _MAIN_FILES}
         files = {**beside, name: source}
