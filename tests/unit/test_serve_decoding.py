@@ -285,3 +285,11 @@ def test_a_llama_export_of_this_project_serves_with_the_cache(folder, served, tm
     assert cached[0] == _reference(folder, PROMPTS[0], 8)
     exported.decoder = None  # the runner: no cache, the whole sequence at every token
     assert exported.run(jobs) == cached
+    assert exported.stop_ids == ()  # data=tokens: no tokenizer, no EOS
+    # Trained on text: the tokenizer's EOS (id 0 of this one) ends a generation.
+    from tests.support import write_bpe_tokenizer
+
+    cfg.data.tokenizer = str(write_bpe_tokenizer(tmp_path / "tok", template=None))
+    (tmp_path / "config.yaml").write_text(config_yaml(cfg))
+    with_eos, _ = load_served(ServeArgs(checkpoint=str(tmp_path), device="cpu"))
+    assert with_eos.stop_ids == (0,) and with_eos.info()["stop_ids"] == [0]
