@@ -37,11 +37,11 @@ TOKENIZER_JSON = "tokenizer.json"
 TOKENIZER_CONFIG = "tokenizer_config.json"
 INSTALL_HINT = "pip install 'sdnet_trainer[llm]'"
 
-# End-of-text tokens looked up when no tokenizer_config.json names one (GPT-2/NeoX, Llama 3,
-# SentencePiece-style, Gemma).
 # A Hugging Face Hub repository id ("gpt2", "org/name"), for a data.tokenizer that is no local path.
 _HUB_NAME = re.compile(r"[A-Za-z0-9][\w.-]*(/[A-Za-z0-9][\w.-]*)?")
 _FILE_SUFFIXES = (".json", ".model", ".tiktoken")  # a missing file, not a Hub id
+# End-of-text tokens looked up when no tokenizer_config.json names one (GPT-2/NeoX, Llama 3,
+# SentencePiece-style, Gemma).
 _EOS_GUESSES = ("<|endoftext|>", "<|end_of_text|>", "</s>", "<eos>")
 # Llama 3's split pattern, also the one of OpenAI's cl100k_base: tiktoken BPE files hold only
 # the merges, not how text is split before them.
