@@ -6,6 +6,8 @@
   ``tokenizer_config.json`` beside it when there is one;
 - a folder holding ``tokenizer.json`` (and usually ``tokenizer_config.json``), as
   ``transformers``' ``save_pretrained`` writes it;
+- a Hugging Face Hub repository id that is no local path (``org/name``): its ``tokenizer.json``
+  and ``tokenizer_config.json``, downloaded into the Hugging Face cache;
 - a tiktoken BPE file (lines of a base64 token and its rank; Llama 3's ``tokenizer.model`` is
   one), read with ``tiktoken``.
 
@@ -22,6 +24,7 @@ import base64
 import hashlib
 import json
 import logging
+import re
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -34,6 +37,9 @@ TOKENIZER_JSON = "tokenizer.json"
 TOKENIZER_CONFIG = "tokenizer_config.json"
 INSTALL_HINT = "pip install 'sdnet_trainer[llm]'"
 
+# A Hugging Face Hub repository id ("gpt2", "org/name"), for a data.tokenizer that is no local path.
+_HUB_NAME = re.compile(r"[A-Za-z0-9][\w.-]*(/[A-Za-z0-9][\w.-]*)?")
+_FILE_SUFFIXES = (".json", ".model", ".tiktoken")  # a missing file, not a Hub id
 # End-of-text tokens looked up when no tokenizer_config.json names one (GPT-2/NeoX, Llama 3,
 # SentencePiece-style, Gemma).
 _EOS_GUESSES = ("<|endoftext|>", "<|end_of_text|>", "</s>", "<eos>")
@@ -98,18 +104,23 @@ class TextTokenizer:
             )
         return token, ids[0]
 
-    def encode(self, texts: Sequence[str]) -> list[list[int]]:
+    def encode(self, texts: Sequence[str], *, add_special_tokens: bool = False) -> list[list[int]]:
         """Each text's ids; special tokens written in the text (a chat template's markers) are
-        those tokens. No BOS/EOS is added: the callers place them."""
+        those tokens. No BOS/EOS is added (the callers place them) unless ``add_special_tokens``
+        asks for those a ``tokenizer.json``'s post-processor puts around every text (a tiktoken
+        file has none)."""
         if _is_tiktoken(self.backend):
             return self.backend.encode_batch(list(texts), allowed_special="all")
-        encodings = self.backend.encode_batch(list(texts), add_special_tokens=False)
+        encodings = self.backend.encode_batch(list(texts), add_special_tokens=add_special_tokens)
         return [encoding.ids for encoding in encodings]
 
-    def decode(self, ids: Sequence[int]) -> str:
+    def decode(self, ids: Sequence[int], *, skip_special_tokens: bool = False) -> str:
+        """The text of ``ids``; ``skip_special_tokens`` leaves out BOS, EOS, chat markers."""
         if _is_tiktoken(self.backend):
+            if skip_special_tokens:
+                ids = [i for i in ids if not self.backend.is_special_token(i)]
             return str(self.backend.decode(list(ids)))
-        return str(self.backend.decode(list(ids), skip_special_tokens=False))
+        return str(self.backend.decode(list(ids), skip_special_tokens=skip_special_tokens))
 
     def require_eos(self, what: str) -> int:
         """EOS's id, or a clear error: ``what`` (a data set) separates documents with it."""
@@ -144,6 +155,9 @@ def load_tokenizer(path: str) -> TextTokenizer:
             )
     elif file.is_file():
         folder = file.parent
+    elif _HUB_NAME.fullmatch(path) and not path.endswith(_FILE_SUFFIXES):
+        file = _from_hub(path)
+        folder = file.parent
     else:
         raise ConfigError(f"data.tokenizer={path!r} does not exist")
     try:
@@ -171,6 +185,30 @@ def load_tokenizer(path: str) -> TextTokenizer:
     )
     logger.info("tokenizer %s", tokenizer)
     return tokenizer
+
+
+def _from_hub(name: str) -> Path:
+    """``tokenizer.json`` of the Hub repository ``name`` (and its ``tokenizer_config.json`` beside
+    it, where it has one), downloaded into the Hugging Face cache: read as any local file."""
+    try:
+        from huggingface_hub import hf_hub_download
+    except ImportError as err:
+        raise ConfigError(
+            f"data.tokenizer={name!r} is not a local path; fetching it from the Hugging Face Hub "
+            f"needs the `huggingface_hub` package: {INSTALL_HINT}"
+        ) from err
+    try:
+        file = Path(hf_hub_download(name, TOKENIZER_JSON))
+    except Exception as err:  # not found, offline, gated, ...: hub errors of many types
+        raise ConfigError(
+            f"data.tokenizer={name!r} is not a local file or folder, and its {TOKENIZER_JSON} "
+            f"cannot be fetched from the Hugging Face Hub: {type(err).__name__}: {err}"
+        ) from err
+    try:
+        hf_hub_download(name, TOKENIZER_CONFIG)
+    except Exception:  # optional: BOS/EOS then come from the vocabulary
+        logger.info("data.tokenizer=%r: no %s on the Hub", name, TOKENIZER_CONFIG)
+    return file
 
 
 def _read_config(path: str, file: Path) -> tuple[dict[str, Any], bytes]:
@@ -202,9 +240,12 @@ def _guess_bos(backend: Any) -> str | None:
 
 
 def _has_token(backend: Any, token: str) -> bool:
+    """Whether ``token`` is one token of the vocabulary, also as text (a word-level vocabulary
+    may hold ``</s>`` while its pre-tokenizer splits the text ``</s>``: no usable EOS)."""
     if _is_tiktoken(backend):
         return token in backend.special_tokens_set
-    return backend.token_to_id(token) is not None
+    found = backend.token_to_id(token)
+    return found is not None and backend.encode(token, add_special_tokens=False).ids == [found]
 
 
 def _guess_eos(backend: Any) -> str | None:

@@ -26,6 +26,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from sdnet_trainer.data.tokenizer import load_tokenizer
 from sdnet_trainer.errors import ConfigError
 from sdnet_trainer.export.writers import ExportError
 from sdnet_trainer.models.hf_llama import (
@@ -114,6 +115,8 @@ def _shards(tensors: dict[str, torch.Tensor], limit: int) -> list[list[str]]:
     return shards
 
 
+# The tokenizer itself: beside a single tokenizer file, only its config files are taken.
+_MAIN_FILES = ("tokenizer.json", "tokenizer.model")
 _TOKEN_IDS = ("bos_token_id", "eos_token_id", "pad_token_id")
 _GENERATION = ("generation_config.json",)
 
@@ -150,11 +153,28 @@ def source_config(cfg: Any) -> Path | None:
 
 
 def copy_tokenizer(source: Path, folder: Path) -> list[str]:
-    """The tokenizer files of ``source`` (a folder of them, or one ``tokenizer.json``) copied
-    into ``folder``: regular files only, never through a link. A tokenizer named by a hub id
-    (not a local path) is not copied, with a warning."""
-    if source.is_file() and not source.is_symlink():
-        files = {"tokenizer.json": source} if source.suffix == ".json" else {source.name: source}
+    """The tokenizer files of ``source`` (a folder of them, or one tokenizer file) copied into
+    ``folder``: regular files only, never through a link, and only under the names of
+    :data:`TOKENIZER_FILES` (the source's own file name is never used, so no path the run's
+    config names can overwrite a weight shard or config.json). One file is copied only if it reads
+    as a tokenizer (:func:`~sdnet_trainer.data.tokenizer.load_tokenizer`), as ``tokenizer.json``
+    (a fast tokenizer) or ``tokenizer.model`` (a tiktoken BPE file), with the tokenizer config
+    files beside it that ``data.tokenizer`` read too. A tokenizer named by a hub id (not a local
+    path) is not copied, with a warning."""
+    if source.is_symlink() and not source.is_dir():
+        logger.warning("format=hf: data.tokenizer=%r is a link; not copied", str(source))
+        return []
+    if source.is_file():
+        # A file of any name: copied only once it reads as a tokenizer, so that a path in the
+        # run's config cannot bring another file (a key, a password file) into the export.
+        try:
+            load_tokenizer(str(source))
+        except ConfigError as err:
+            logger.warning("format=hf: data.tokenizer not copied: %s", err)
+            return []
+        name = "tokenizer.json" if source.suffix == ".json" else "tokenizer.model"
+        beside = {n: source.parent / n for n in TOKENIZER_FILES if n not in _MAIN_FILES}
+        files = {**beside, name: source}
     elif source.is_dir():
         files = {name: source / name for name in TOKENIZER_FILES}
     else:

@@ -19,7 +19,7 @@ from typing import Any
 import torch
 
 from sdnet_trainer.checkpoint import MANIFEST
-from sdnet_trainer.data.hf import load_tokenizer
+from sdnet_trainer.data.tokenizer import TextTokenizer, load_tokenizer
 from sdnet_trainer.errors import ConfigError
 from sdnet_trainer.models.hf_causal_lm import (
     HFCausalLM,
@@ -98,10 +98,10 @@ class PrefixedCodec(Codec):
     BOS), as ``transformers``' tokenizer gives a prompt; nothing after it (an EOS would end
     it)."""
 
-    def __init__(self, tokenizer: Any) -> None:
+    def __init__(self, tokenizer: TextTokenizer) -> None:
         super().__init__("tokenizer", tokenizer)
-        plain = list(tokenizer.encode("a", add_special_tokens=False).ids)
-        full = list(tokenizer.encode("a", add_special_tokens=True).ids)
+        plain = tokenizer.encode(["a"])[0]
+        full = tokenizer.encode(["a"], add_special_tokens=True)[0]
         starts = [i for i in range(len(full)) if full[i : i + len(plain)] == plain]
         self.prefix = full[: starts[0]] if plain and starts else []
 

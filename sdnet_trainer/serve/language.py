@@ -1,19 +1,21 @@
 """Language models: a prompt in, its continuation out.
 
 A prompt is text or token ids, as the training data's tokenizer says: UTF-8 bytes for byte-level
-data (``data=text``, text shards, ``data=hf`` without a tokenizer), the Hugging Face tokenizer of
-``data.tokenizer``, or token ids alone (``data=tokens``, whose language has no text).
+data (``data=text``, text shards, ``data=hf`` without a tokenizer), the tokenizer of
+``data.tokenizer`` (a ``tokenizer.json``, a folder of one, or a tiktoken file), or token ids
+alone (``data=tokens``, whose language has no text).
 
 Generation: a model with a decoder (:mod:`sdnet_trainer.serve.decoding`: ``transformers`` models,
-the project's ``hf_causal_lm``) runs a whole batch together with a KV cache, prompts of different
-lengths left-padded, and refuses a prompt plus ``max_new_tokens`` longer than its context. Other
-models (the project's GPT, ONNX graphs) keep no cache: the whole sequence is fed again for each
-new token, cropped to the model's context from the left once it is longer, and a batch runs its
-prompts of equal length together (no padding, so each row computes what it would alone).
-Decoding, either way: ``temperature=0`` picks the most likely token (greedy); above 0 the token
-is drawn from ``softmax(logits / temperature)``, cut to its ``top_p`` nucleus, with the request's
-``seed`` (a random one when none is given). A job ends at its ``max_new_tokens`` or at a stop
-token (the model's end-of-sequence ids and the request's ``stop`` ids), which is returned last.
+the project's ``hf_causal_lm`` and Llama) runs a whole batch together with a KV cache, prompts of
+different lengths left-padded, and refuses a prompt plus ``max_new_tokens`` longer than its
+context. Other models (the project's GPT, ONNX graphs) keep no cache: the whole sequence is fed
+again for each new token, cropped to the model's context from the left once it is longer, and a
+batch runs its prompts of equal length together (no padding, so each row computes what it would
+alone). Decoding, either way: ``temperature=0`` picks the most likely token (greedy); above 0 the
+token is drawn from ``softmax(logits / temperature)``, cut to its ``top_p`` nucleus, with the
+request's ``seed`` (a random one when none is given). A job ends at its ``max_new_tokens`` or at a
+stop token (the model's end-of-sequence ids and the request's ``stop`` ids), which is returned
+last.
 """
 
 from __future__ import annotations
@@ -21,17 +23,14 @@ from __future__ import annotations
 import secrets
 from collections import defaultdict
 from collections.abc import Callable, Sequence
-from typing import TYPE_CHECKING, Any, Union
+from typing import Any, Union
 
 import torch
 
 from sdnet_trainer.config.schema import DataConfig
-from sdnet_trainer.data.hf import load_tokenizer
+from sdnet_trainer.data.tokenizer import TextTokenizer, load_tokenizer
 from sdnet_trainer.serve.decoding import Decoder, Job, generate, pick, until_stop
 from sdnet_trainer.serve.errors import InputError
-
-if TYPE_CHECKING:
-    from tokenizers import Tokenizer
 
 Runner = Callable[[torch.Tensor], torch.Tensor]
 Prompt = Union[str, list[int]]
@@ -50,7 +49,7 @@ MAX_CHARS_PER_TOKEN = 64
 class Codec:
     """Text to token ids and back, as the training data tokenized it."""
 
-    def __init__(self, kind: str, tokenizer: Tokenizer | None = None) -> None:
+    def __init__(self, kind: str, tokenizer: TextTokenizer | None = None) -> None:
         self.kind = kind  # bytes | tokenizer | ids
         self.tokenizer = tokenizer
 
@@ -60,7 +59,7 @@ class Codec:
         if self.tokenizer is not None:
             # No special tokens: a prompt is the start of a text to continue, and an end-of-text
             # token appended here would end it. Send ids to put them in.
-            return list(self.tokenizer.encode(text, add_special_tokens=False).ids)
+            return list(self.tokenizer.encode([text])[0])
         raise InputError(
             422, "prompt: this model's data has no text form (data=tokens): send token ids"
         )
@@ -74,12 +73,14 @@ class Codec:
         if self.kind == "bytes":
             return bytes(ids).decode("utf-8", errors="replace")
         if self.tokenizer is not None:
-            return str(self.tokenizer.decode(ids))
+            return str(self.tokenizer.decode(ids, skip_special_tokens=True))
         return None
 
 
 def codec(data: DataConfig) -> Codec:
-    """The tokenization of ``data``: its Hugging Face tokenizer, bytes, or none (ids only)."""
+    """The tokenization of ``data``: its tokenizer (a ``tokenizer.json``, a folder, a tiktoken
+    file: :func:`~sdnet_trainer.data.tokenizer.load_tokenizer`, as training read it), bytes, or
+    none (ids only)."""
     if data.tokenizer is not None:
         return Codec("tokenizer", load_tokenizer(data.tokenizer))
     if data.name in BYTE_DATASETS:

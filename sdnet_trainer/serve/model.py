@@ -43,6 +43,7 @@ from sdnet_trainer.serve.errors import first_line
 from sdnet_trainer.serve.hf_folder import eos_ids, is_hf_folder, load_hf_folder
 from sdnet_trainer.serve.images import ImageModel, class_names, eval_transform
 from sdnet_trainer.serve.language import LanguageModel, codec
+from sdnet_trainer.serve.llama_cache import hf_llama_of
 from sdnet_trainer.training.trainer import Trainer
 
 logger = logging.getLogger(__name__)
@@ -149,15 +150,26 @@ def load(args: ServeArgs, source: Source) -> Served:
                 f"ids of shape {list(example.shape)}; serving expects logits (batch, tokens, vocab)"
             )
         lm = _hf_causal_lm(runner)
+        # A transformers model (model.name=hf_causal_lm) generates with its KV cache, and so
+        # does a Llama, run as the transformers model of its weights.
+        cached = lm if lm is not None else hf_llama_of(getattr(runner, "model", None))
+        tokens = codec(data)
+        stop_ids: list[int] = []
+        if lm is not None:
+            stop_ids = eos_ids(lm)
+        elif cached is not None and tokens.tokenizer is not None:
+            # A Llama's end of sequence is its tokenizer's EOS (what data=text and data=chat
+            # end documents and assistant turns with).
+            eos = tokens.tokenizer.eos_id
+            stop_ids = [eos] if eos is not None else []
         return LanguageModel(
             runner,
             context=runner.context if runner.context is not None else data.seq_len,
             vocab_size=int(output.shape[-1]),
-            codec=codec(data),
+            codec=tokens,
             max_new_tokens=args.max_new_tokens,
-            # A transformers model (model.name=hf_causal_lm) generates with its KV cache.
-            decoder=CausalLMDecoder(lm, device) if lm is not None else None,
-            stop_ids=eos_ids(lm) if lm is not None else (),
+            decoder=CausalLMDecoder(cached, device) if cached is not None else None,
+            stop_ids=stop_ids,
         )
     if output.dim() != 2:
         raise ConfigError(

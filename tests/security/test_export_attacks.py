@@ -321,3 +321,37 @@ def test_escaped_strings_load_back_as_their_text(text):
     assert node.value == text and list(node["items"]) == [text]
     again = OmegaConf.create(OmegaConf.to_yaml(node))  # as config.yaml is written and read
     assert again.value == text and list(again["items"]) == [text]
+
+
+def test_tokenizer_files_are_copied_under_fixed_names_only(tmp_path):
+    """data.tokenizer comes from the run's config: a file is copied only if it reads as a
+    tokenizer, never under its own name (one named like a weight shard cannot replace it), and
+    never through a link; from a folder only the tokenizer's files are taken."""
+    import base64
+
+    from sdnet_trainer.export.hf import copy_tokenizer
+
+    pytest.importorskip("tiktoken")
+    source, out = tmp_path / "src", tmp_path / "out"
+    source.mkdir()
+    out.mkdir()
+    shard = "model-00001-of-00001.safetensors"
+    pieces = [bytes([b]) for b in range(256)]
+    bpe = "".join(f"{base64.b64encode(p).decode()} {r}\n" for r, p in enumerate(pieces))
+    (source / shard).write_text(bpe)  # a tiktoken BPE file under a shard's name
+    (source / "tokenizer_config.json").write_text('{"eos_token": "<|endoftext|>"}')
+    (out / shard).write_text("weights")
+    assert copy_tokenizer(source / shard, out) == ["tokenizer_config.json", "tokenizer.model"]
+    assert (out / shard).read_text() == "weights"
+    assert (out / "tokenizer.model").read_text() == bpe
+    # A file that is no tokenizer (a key, a password file) is not copied at all.
+    secret = tmp_path / "secret"
+    secret.write_text("secret")
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    assert copy_tokenizer(secret, elsewhere) == [] and not any(elsewhere.iterdir())
+    # A linked tokenizer file is not followed, alone or inside a folder.
+    (source / "tokenizer.json").symlink_to(secret)
+    assert copy_tokenizer(source / "tokenizer.json", elsewhere) == []
+    assert copy_tokenizer(source, elsewhere) == ["tokenizer_config.json"]
+    assert not (elsewhere / "tokenizer.json").exists()

@@ -19,6 +19,7 @@ RECIPES = [
     "gpt_tp_fsdp",
     "llama3_8b",
     "llama3_debug",
+    "llama3_sft",
     "quickstart",
     "resnet152",
     "resnet152_fsdp",

@@ -249,3 +249,47 @@ def test_text_prompts_get_the_tokenizers_leading_special_tokens(folder, tmp_path
         4,
     ]
     assert model.text([4, 3]) == "world hello"
+
+
+def test_a_llama_export_of_this_project_serves_with_the_cache(folder, served, tmp_path):
+    """model=llama (config.yaml + model.pt): served through the cached decoder, as the
+    transformers LlamaForCausalLM of its own tensors; greedy tokens equal the no-cache path (this
+    project's Llama recomputing the whole sequence) and transformers' generate."""
+    from sdnet_trainer import compose
+    from sdnet_trainer.models import build_model
+    from sdnet_trainer.models.hf_llama import load_hf_weights
+
+    cfg = compose(
+        [
+            "model=llama3_debug",
+            "data=tokens",
+            f"model.hf_config={folder / 'config.json'}",
+            f"data.vocab_size={VOCAB}",
+            "data.seq_len=16",
+        ]
+    )
+    llama = build_model(cfg.model)
+    load_hf_weights(llama, folder)
+    torch.save(llama.state_dict(), tmp_path / "model.pt")
+    (tmp_path / "config.yaml").write_text(config_yaml(cfg))
+    exported, _ = load_served(ServeArgs(checkpoint=str(tmp_path), device="cpu"))
+    assert isinstance(exported.decoder, CausalLMDecoder) and exported.info()["kv_cache"]
+    lm = exported.decoder.lm
+    assert isinstance(lm, transformers.LlamaForCausalLM)
+    # The same tensors, not a copy: serving holds the weights once.
+    ours = exported.runner.model
+    assert lm.model.embed_tokens.weight.data_ptr() == ours.embed.tok.weight.data_ptr()
+    jobs = [_job(exported, prompt, steps=8) for prompt in PROMPTS]
+    cached = exported.run(jobs)
+    assert cached == served.run(jobs)
+    assert cached[0] == _reference(folder, PROMPTS[0], 8)
+    exported.decoder = None  # the runner: no cache, the whole sequence at every token
+    assert exported.run(jobs) == cached
+    assert exported.stop_ids == ()  # data=tokens: no tokenizer, no EOS
+    # Trained on text: the tokenizer's EOS (id 0 of this one) ends a generation.
+    from tests.support import write_bpe_tokenizer
+
+    cfg.data.tokenizer = str(write_bpe_tokenizer(tmp_path / "tok", template=None))
+    (tmp_path / "config.yaml").write_text(config_yaml(cfg))
+    with_eos, _ = load_served(ServeArgs(checkpoint=str(tmp_path), device="cpu"))
+    assert with_eos.stop_ids == (0,) and with_eos.info()["stop_ids"] == [0]

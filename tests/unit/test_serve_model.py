@@ -4,6 +4,7 @@ refusals, tokenizers, class names and an export folder's config read as data."""
 
 from __future__ import annotations
 
+import base64
 import io
 import json
 import os
@@ -156,7 +157,7 @@ def test_prompts_that_do_not_fit_are_422(gpt, prompt, steps, words):
 class RefusingTokenizer:
     """A tokenizer that must not be asked: the prompt is refused by its length first."""
 
-    def encode(self, text: str, add_special_tokens: bool = True):
+    def encode(self, texts: list[str], *, add_special_tokens: bool = False):
         raise AssertionError("the whole prompt was tokenized")
 
 
@@ -197,6 +198,15 @@ def test_text_prompts_follow_the_datas_tokenizer(tmp_path):
     tok.save(str(tmp_path / "tokenizer.json"))
     hf = codec(DataConfig(name="hf", text_column="text", tokenizer=str(tmp_path)))
     assert hf.encode("hello world hello") == [1, 2, 1] and hf.decode([2, 1]) == "world hello"
+    # A model trained on a tiktoken BPE file serves text through the same file (data.tokenizer's
+    # one loader); special tokens are left out of the text served.
+    pytest.importorskip("tiktoken")
+    pieces = [bytes([b]) for b in range(256)] + [b"he", b"hel", b"hell", b"hello"]
+    bpe = tmp_path / "tokenizer.model"
+    bpe.write_text("".join(f"{base64.b64encode(p).decode()} {r}\n" for r, p in enumerate(pieces)))
+    tiktoken = codec(DataConfig(name="text", tokenizer=str(bpe)))
+    assert tiktoken.encode("hello!") == [259, ord("!")]
+    assert tiktoken.decode([259, ord("!"), 260]) == "hello!"  # 260: <|endoftext|>
 
 
 # ---------------------------------------------------------------------- images

@@ -109,6 +109,31 @@ def test_bad_tokenizer_files_name_the_key_and_file(tmp_path, name, content, mess
     assert f"data.tokenizer={str(path)!r}" in str(info.value)
 
 
+def test_a_hub_id_is_fetched_as_its_files(tmp_path, tokenizer_dir, monkeypatch):
+    """A data.tokenizer that is no local path but a Hub id reads the repository's tokenizer.json
+    and tokenizer_config.json (hf_hub_download stands in for the network here)."""
+    huggingface_hub = pytest.importorskip("huggingface_hub")
+    asked = []
+
+    def download(repo: str, filename: str) -> str:
+        asked.append((repo, filename))
+        if repo != "org/tok":
+            raise OSError(f"{repo} not found")
+        return str(tokenizer_dir / filename)
+
+    monkeypatch.setattr(huggingface_hub, "hf_hub_download", download)
+    fetched, local = load_tokenizer("org/tok"), load_tokenizer(str(tokenizer_dir))
+    assert asked == [("org/tok", "tokenizer.json"), ("org/tok", "tokenizer_config.json")]
+    assert fetched.encode(["the cat sat"]) == local.encode(["the cat sat"])
+    assert (fetched.eos_id, fetched.chat_template) == (local.eos_id, local.chat_template)
+    with pytest.raises(ConfigError, match=r"data.tokenizer='org/other' .* cannot be fetched"):
+        load_tokenizer("org/other")
+    asked.clear()  # a missing file's name is not taken for a Hub id
+    with pytest.raises(ConfigError, match="does not exist"):
+        load_tokenizer("missing/tokenizer.json")
+    assert asked == []
+
+
 def test_bad_tokenizer_config_and_folder(tmp_path, tokenizer_dir):
     with pytest.raises(ConfigError, match="folder without tokenizer.json"):
         load_tokenizer(str(tmp_path))

@@ -29,13 +29,13 @@ that is set must equal it); a plain integer column states only a lower bound, th
 
 Text (``data.text_column`` set): every row's text, in row order, is one token stream, cut into
 windows of ``data.seq_len + 1`` tokens at stride ``data.seq_len``, the format of
-:class:`~sdnet_trainer.data.tokens.TextBytes`: ``(inputs, targets)``, targets shifted by one.
-With ``data.tokenizer`` null the tokens are the UTF-8 bytes (``data.vocab_size=256``) and rows are
-joined by a newline; otherwise they are the ids of the Hugging Face tokenizer that
-``data.tokenizer`` names (a ``tokenizer.json`` file, a folder holding one, or a Hub name), each
-row encoded with the tokenizer's own special tokens (its BOS/EOS, if it adds them, mark where
-documents meet), and ``data.vocab_size`` must hold all its ids. The text is tokenized once when
-the data set is built, on every rank, and held in memory.
+:class:`~sdnet_trainer.data.tokens.TextBytes`: ``(inputs, targets)``, targets shifted by one. With
+``data.tokenizer`` null the tokens are the UTF-8 bytes (``data.vocab_size=256``) and rows are
+joined by a newline; otherwise they are the ids of the tokenizer that ``data.tokenizer`` names (a
+``tokenizer.json`` file, a folder holding one, a tiktoken BPE file, or a Hub name; read by
+:mod:`sdnet_trainer.data.tokenizer`), each row encoded with the tokenizer's own special tokens (its
+BOS/EOS, if it adds them, mark where documents meet), and ``data.vocab_size`` must hold all its
+ids. The text is tokenized once when the data set is built, on every rank, and held in memory.
 
 Both kinds are map-style with a length, so the global-index sampler's guarantees (exact resume,
 world-size changes) hold unchanged, and both pickle for loader workers (a memory-mapped table
@@ -64,7 +64,7 @@ from sdnet_trainer.data.hf.load import (
     load_splits,
     pick_splits,
 )
-from sdnet_trainer.data.hf.text import build_hf_text, load_tokenizer, token_stream
+from sdnet_trainer.data.hf.text import build_hf_text, token_stream
 
 
 def build_hf(cfg: DataConfig) -> tuple[Dataset, Dataset]:
@@ -89,7 +89,6 @@ __all__ = [
     "build_hf_text",
     "count_classes",
     "load_splits",
-    "load_tokenizer",
     "pick_splits",
     "read_classes",
     "token_stream",

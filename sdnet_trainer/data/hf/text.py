@@ -1,5 +1,6 @@
 """Text for a language model from a Hugging Face dataset (``data.name=hf``, ``data.text_column``
-set): UTF-8 bytes, or the ids of the tokenizer ``data.tokenizer`` names; see
+set): UTF-8 bytes, or the ids of the tokenizer ``data.tokenizer`` names (read by
+:mod:`sdnet_trainer.data.tokenizer`, as ``data=text`` and serving read it); see
 :mod:`sdnet_trainer.data.hf`.
 """
 
@@ -7,7 +8,6 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Iterator
-from pathlib import Path
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -15,47 +15,18 @@ import torch
 from torch.utils.data import Dataset
 
 from sdnet_trainer.config.schema import DataConfig
-from sdnet_trainer.data.hf.load import INSTALL_HINT, TRAIN_SPLIT, require_column, require_datasets
+from sdnet_trainer.data.hf.load import TRAIN_SPLIT, require_column, require_datasets
+from sdnet_trainer.data.tokenizer import TextTokenizer, load_tokenizer
 from sdnet_trainer.data.tokens import _TEXT_VAL_FRACTION, BYTE_VOCAB, TextBytes, TokenWindows
 from sdnet_trainer.errors import ConfigError
 
 if TYPE_CHECKING:
     import datasets as hf_datasets
-    from tokenizers import Tokenizer
 
 logger = logging.getLogger(__name__)
 
 # Rows read from the table per batch while tokenizing.
 _TEXT_BATCH_ROWS = 4096
-
-
-def load_tokenizer(name: str) -> Tokenizer:
-    """The ``tokenizers.Tokenizer`` named by ``data.tokenizer``: a ``tokenizer.json`` file, a
-    folder holding one (a model folder saved by ``transformers``), or a Hub name (downloaded)."""
-    try:
-        from tokenizers import Tokenizer
-    except ImportError as err:
-        raise ConfigError(
-            f"data.tokenizer={name!r} needs the Hugging Face `tokenizers` package, which is not "
-            f"installed: {INSTALL_HINT}"
-        ) from err
-    path = Path(name).expanduser()
-    if path.is_dir():
-        path = path / "tokenizer.json"
-        if not path.is_file():
-            raise ConfigError(
-                f"data.tokenizer={name!r} is a folder without tokenizer.json (a fast tokenizer's "
-                f"file, which transformers' save_pretrained writes)"
-            )
-    try:
-        if path.is_file():
-            return Tokenizer.from_file(str(path))
-        return Tokenizer.from_pretrained(name)
-    except Exception as err:  # tokenizers raises its own Exception type, hub errors, ...
-        raise ConfigError(
-            f"data.tokenizer={name!r} is neither a readable tokenizer.json file or folder nor a "
-            f"Hugging Face Hub tokenizer that can be fetched: {type(err).__name__}: {err}"
-        ) from err
 
 
 def _texts(ds: hf_datasets.Dataset, column: str) -> Iterator[list[str]]:
@@ -64,9 +35,12 @@ def _texts(ds: hf_datasets.Dataset, column: str) -> Iterator[list[str]]:
         yield [text for text in batch[column] if text is not None]
 
 
-def token_stream(ds: hf_datasets.Dataset, column: str, tokenizer: Tokenizer | None) -> torch.Tensor:
+def token_stream(
+    ds: hf_datasets.Dataset, column: str, tokenizer: TextTokenizer | None
+) -> torch.Tensor:
     """All rows of ``column`` as one token stream: UTF-8 bytes joined by newlines (uint8), or the
-    tokenizer's ids of each row, concatenated (int32)."""
+    tokenizer's ids of each row with the special tokens its post-processor adds, concatenated
+    (int32)."""
     if tokenizer is None:
         texts = (text.encode("utf-8") for batch in _texts(ds, column) for text in batch)
         raw = bytearray(b"\n".join(texts))
@@ -75,9 +49,9 @@ def token_stream(ds: hf_datasets.Dataset, column: str, tokenizer: Tokenizer | No
         # A bytearray is writable, so torch.frombuffer shares it without a warning or a copy.
         return torch.frombuffer(raw, dtype=torch.uint8)
     parts = [
-        np.asarray(encoding.ids, dtype=np.int32)
+        np.asarray(ids, dtype=np.int32)
         for batch in _texts(ds, column)
-        for encoding in tokenizer.encode_batch(batch)
+        for ids in tokenizer.encode(batch, add_special_tokens=True)
     ]
     ids = np.concatenate(parts) if parts else np.empty(0, dtype=np.int32)
     return torch.from_numpy(ids)
@@ -120,7 +94,7 @@ def build_hf_text(
         what = "bytes"
     else:
         tokenizer = load_tokenizer(cfg.tokenizer)
-        vocab = tokenizer.get_vocab_size(with_added_tokens=True)
+        vocab = tokenizer.vocab_size
         if cfg.vocab_size < vocab:
             raise ConfigError(
                 f"data.vocab_size={cfg.vocab_size} is smaller than the {vocab} tokens of "
