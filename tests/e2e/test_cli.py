@@ -114,8 +114,8 @@ def test_help_and_cfg_job(tmp_path):
     help_text = run_cli(["--help"], cwd=tmp_path)
     assert help_text.returncode == 0
     assert (
-        "recipe: custom_spirals, gpt_fsdp, gpt_pipeline, gpt_tp_fsdp, quickstart, resnet152, "
-        "resnet152_fsdp, resnet152_pipeline, resnet18_cifar10"
+        "recipe: custom_spirals, gpt_fsdp, gpt_pipeline, gpt_tp_fsdp, llama3_8b, llama3_debug, "
+        "llama3_sft, quickstart, resnet152, resnet152_fsdp, resnet152_pipeline, resnet18_cifar10"
     ) in help_text.output
     assert "precision: auto, bf16, fp16, fp32" in help_text.output
     cfg = run_cli(["+recipe=resnet152", "optim.lr=0.2", "--cfg", "job"], cwd=tmp_path)
