@@ -27,6 +27,7 @@ from torch.distributed.tensor.parallel import (
 )
 
 from sdnet_trainer.errors import ConfigError
+from sdnet_trainer.models.init import InitStep, materialize
 from sdnet_trainer.models.parallel_spec import DecoderLayout
 
 
@@ -54,6 +55,26 @@ class Decoder(nn.Module):
     A pipeline split sets the units other stages hold to None; every method here skips them."""
 
     layout: ClassVar[DecoderLayout]
+    embed: nn.Module
+    blocks: nn.ModuleList
+    norm: nn.Module
+    head: nn.Linear
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        x = self.embed(tokens)
+        for block in self.blocks:
+            x = block(x)
+        return self.head(self.norm(x))
+
+    @torch.no_grad()
+    def init_weights(self) -> None:
+        """Every parameter as construction sets it (the layers' default draws, then the family's
+        own init, :meth:`init_steps`), from the CPU generator's current state; works on a model
+        materialised from the meta device and on sharded (DTensor) parameters alike."""
+        materialize(self.init_steps())
+
+    def init_steps(self) -> list[InitStep]:
+        raise NotImplementedError
 
     def pipeline_units(self) -> list[str]:
         """Child module names whose sequential application (``x = unit(x)``) equals ``forward``."""

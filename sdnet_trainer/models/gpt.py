@@ -28,7 +28,7 @@ from sdnet_trainer.config.schema import Config
 from sdnet_trainer.data import is_language_model_data
 from sdnet_trainer.errors import ConfigError
 from sdnet_trainer.models.decoder import Decoder, check_sequence
-from sdnet_trainer.models.init import InitStep, construction_resets, materialize
+from sdnet_trainer.models.init import InitStep, construction_resets
 from sdnet_trainer.models.parallel_spec import GPT_LAYOUT
 
 # GPT-2's initialisation: small enough that a deep stack starts near the identity function.
@@ -157,19 +157,6 @@ class GPT(Decoder):
         with torch.no_grad():
             for step in self._gpt2_steps():
                 step.fn(step.module)
-
-    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
-        x = self.embed(tokens)
-        for block in self.blocks:
-            x = block(x)
-        return self.head(self.norm(x))
-
-    @torch.no_grad()
-    def init_weights(self) -> None:
-        """Every parameter as construction sets it (the layers' default draws, then
-        :meth:`init_steps`' GPT-2 init), from the CPU generator's current state; works on a model
-        materialised from the meta device and on sharded (DTensor) parameters alike."""
-        materialize(self.init_steps())
 
     def init_steps(self) -> list[InitStep]:
         """The init in the order a CPU build draws it: each layer's ``reset_parameters`` as

@@ -27,7 +27,7 @@ from sdnet_trainer.config.schema import Config
 from sdnet_trainer.data import is_language_model_data
 from sdnet_trainer.errors import ConfigError
 from sdnet_trainer.models.decoder import Decoder, check_sequence
-from sdnet_trainer.models.init import InitStep, construction_resets, materialize
+from sdnet_trainer.models.init import InitStep, construction_resets
 from sdnet_trainer.models.parallel_spec import LLAMA_LAYOUT
 from sdnet_trainer.models.rotary import ROPE_TYPES, Rotary
 
@@ -197,18 +197,6 @@ class Llama(Decoder):
         with torch.no_grad():
             for step in self._llama_steps():
                 step.fn(step.module)
-
-    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
-        x = self.embed(tokens)
-        for block in self.blocks:
-            x = block(x)
-        return self.head(self.norm(x))
-
-    @torch.no_grad()
-    def init_weights(self) -> None:
-        """Every parameter as construction sets it, from the CPU generator's current state
-        (works on a model materialised from the meta device and on sharded parameters)."""
-        materialize(self.init_steps())
 
     def init_steps(self) -> list[InitStep]:
         """Construction's draws, then normal(0, 0.02) weights with the projections that write
