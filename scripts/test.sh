@@ -18,14 +18,20 @@ if [ ! -x .venv/bin/python ]; then
     "$PYTHON" -m venv .venv
 fi
 .venv/bin/python -m pip install --quiet -e '.[test]'
-# Lint, formatting and types first: seconds, and a failure names the file and line.
+# Lint and formatting first: seconds, and a failure names the file and line.
 .venv/bin/ruff check .
 .venv/bin/ruff format --check .
-.venv/bin/mypy
-# The docs site (mkdocs.yml): --strict fails on a broken link or anchor, or a page not in the nav.
+# Types (mypy) and the docs site (mkdocs.yml: --strict fails on a broken link or anchor, or a page
+# not in the nav) take a minute or two of one core on a fresh clone: they run beside the tests,
+# and their output and verdict come after the tests'. The command fails if any of them fails.
 site_dir=$(mktemp -d)
-NO_MKDOCS_2_WARNING=1 .venv/bin/mkdocs build --strict --quiet --site-dir "$site_dir"
-rm -rf "$site_dir"
+checks_log=$(mktemp)
+trap 'rm -rf "$site_dir" "$checks_log"' EXIT
+(
+    .venv/bin/mypy &&
+        NO_MKDOCS_2_WARNING=1 .venv/bin/mkdocs build --strict --quiet --site-dir "$site_dir"
+) >"$checks_log" 2>&1 &
+checks=$!
 # One thread per process: the distributed tests run 2 processes on small machines.
 export OMP_NUM_THREADS=1
 # pytest-xdist workers, one per core up to 4: the multi-process tests spend much of their time
@@ -33,9 +39,20 @@ export OMP_NUM_THREADS=1
 # Whole files go to one worker (their module fixtures, such as the layout suite's shared launch,
 # run once), in collection order: the distributed and end-to-end files first, then the many short
 # unit files that fill the gaps at the end.
-workers=${SDNET_TEST_WORKERS:-$(( $(nproc) < 4 ? $(nproc) : 4 ))}
+# (getconf, not nproc: nproc answers OMP_NUM_THREADS, set to 1 above.)
+cores=$(getconf _NPROCESSORS_ONLN)
+workers=${SDNET_TEST_WORKERS:-$(( cores < 4 ? cores : 4 ))}
 xdist=()
 if [ "$workers" -gt 1 ]; then
     xdist=(-n "$workers" --dist loadfile --no-loadscope-reorder)
 fi
-exec .venv/bin/python -m pytest -q ${xdist[@]+"${xdist[@]}"} ${tier[@]+"${tier[@]}"} "$@"
+tests=0
+.venv/bin/python -m pytest -q ${xdist[@]+"${xdist[@]}"} ${tier[@]+"${tier[@]}"} "$@" || tests=$?
+status=0
+wait "$checks" || status=$?
+cat "$checks_log"
+if [ "$status" -ne 0 ]; then
+    echo "scripts/test.sh: mypy or the docs build failed (above)" >&2
+    exit "$status"
+fi
+exit "$tests"
