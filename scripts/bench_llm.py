@@ -76,6 +76,8 @@ def config(args: argparse.Namespace, side: str) -> Any:
             f"parallel={parallel}",
             "precision=fp32",
             "sched=constant",
+            # The recipe's warmup would stay under sched=constant: the hand loops have none.
+            "sched.warmup_steps=0",
             f"optim.lr={OPTIM['lr']}",
             "optim.betas=[0.9,0.95]",
             f"optim.weight_decay={OPTIM['weight_decay']}",
