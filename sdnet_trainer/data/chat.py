@@ -213,7 +213,6 @@ def build_chat(cfg: DataConfig) -> tuple[PackedTokens, PackedTokens]:
         vocab_size=tokenizer.vocab_size,
         with_trained=True,
         encode=lambda: encode_conversations(files, tokenizer, renderer, eos=eos),
-        total_bytes=sum(file.stat().st_size for file in files),
     )
     logger.info(
         "chat data: %d of %d tokens are the assistant's (trained)",

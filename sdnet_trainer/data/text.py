@@ -137,7 +137,6 @@ def build_text(cfg: DataConfig) -> tuple[Dataset, Dataset]:
         vocab_size=tokenizer.vocab_size,
         with_trained=False,
         encode=lambda: encode_documents(read_texts(files, key), tokenizer, bos=bos, eos=eos),
-        total_bytes=sum(file.stat().st_size for file in files),
     )
     return split_windows(cfg, cache, mask_eos=eos if cfg.mask_documents else None)
 

@@ -122,7 +122,6 @@ def open_cache(
     vocab_size: int,
     with_trained: bool,
     encode: Callable[[], Iterable[Piece]],
-    total_bytes: int,
 ) -> TokenCache:
     """The cache of ``sources`` under ``settings``: mapped if it exists (a read-only folder will
     do), else built by ``encode`` (by this process, or awaited from the one holding the lock)."""
@@ -143,7 +142,8 @@ def open_cache(
                     encode(),
                     dtype=token_dtype(vocab_size),
                     with_trained=with_trained,
-                    total_bytes=total_bytes,
+                    # The progress bar counts the sources' bytes as encode reads them.
+                    total_bytes=sum(source.stat().st_size for source in sources),
                     settings=settings,
                 )
                 _remove_obsolete(folder, prefix, keep=name)
