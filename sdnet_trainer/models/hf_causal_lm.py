@@ -19,7 +19,6 @@ wrap. DDP and FSDP2 (and ZeRO-1) run it; tensor and pipeline parallelism do not 
 from __future__ import annotations
 
 import importlib.util
-import json
 import logging
 from pathlib import Path
 from typing import Any
@@ -30,6 +29,7 @@ from torch import nn
 from sdnet_trainer.config.schema import Config, ModelConfig
 from sdnet_trainer.data import is_language_model_data
 from sdnet_trainer.errors import ConfigError
+from sdnet_trainer.models.hf_llama import read_hf_config
 
 logger = logging.getLogger(__name__)
 
@@ -176,8 +176,8 @@ def validate_hf_causal_lm(cfg: Config, *, tp: int, pp: int) -> None:
             f"of its layers split by rows or columns) nor a pipeline split (its forward passes "
             f"masks, positions and rotary tables between layers, not one tensor); train it with "
             f"parallel.tp=1 and parallel.pp=1 under parallel=ddp or parallel=fsdp (one FSDP2 unit "
-            f"per decoder layer), or use one of this project's own model families (model=gpt_*) "
-            f"for tensor and pipeline parallelism"
+            f"per decoder layer), or use one of this project's own model families (model=gpt_*, "
+            f"model=llama3_*) for tensor and pipeline parallelism"
         )
     key, folder = source_folder(cfg.model)
     if importlib.util.find_spec("transformers") is None:
@@ -185,7 +185,7 @@ def validate_hf_causal_lm(cfg: Config, *, tp: int, pp: int) -> None:
             f"model.name={HF_CAUSAL_LM} needs the `transformers` package (the llm extra), which "
             f"is not installed: {LLM_EXTRA_HINT}"
         )
-    config = {**_read_config(folder / "config.json"), **dict(cfg.model.kwargs)}
+    config = {**read_hf_config(folder, key=key), **dict(cfg.model.kwargs)}
     data = cfg.data
     if not is_language_model_data(data):
         return
@@ -201,16 +201,6 @@ def validate_hf_causal_lm(cfg: Config, *, tp: int, pp: int) -> None:
             f"data.seq_len={data.seq_len} is longer than the model's context ({context} in "
             f"{folder / 'config.json'}, {key})"
         )
-
-
-def _read_config(path: Path) -> dict[str, Any]:
-    try:
-        data = json.loads(path.read_text())
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as err:
-        raise ConfigError(f"{path} is not a readable JSON config: {err}") from None
-    if not isinstance(data, dict):
-        raise ConfigError(f"{path} does not hold a config (a JSON object)")
-    return data
 
 
 __all__ = [
