@@ -111,7 +111,10 @@ def _validate_timeouts(ft: FaultToleranceConfig) -> None:
 
 
 def _refuse_combinations(cfg: Config) -> None:
-    """Layouts whose state or communication torchft's replica groups cannot carry."""
+    """Layouts whose state or communication torchft's replica groups cannot carry. Served inside
+    a group: one process, DDP, and FSDP2 in sync mode (HSDP across groups); every group must run
+    the same number of ranks (one config for all; a joining group with another count is refused
+    when it receives a peer's state, see room.py)."""
     parallel, loop = cfg.parallel, cfg.loop
     refusals = {
         "parallel.pp": (parallel.pp != 1, "pipeline stages cannot be recovered from a peer"),
@@ -120,9 +123,10 @@ def _refuse_combinations(cfg: Config) -> None:
             parallel.strategy == "zero1",
             "ZeRO-1's sharded optimizer state cannot be sent to a joining group",
         ),
-        "parallel.strategy=fsdp": (
-            parallel.strategy == "fsdp",
-            "FSDP inside a group (HSDP across groups) is not supported yet; use "
+        f"parallel.strategy=fsdp under fault_tolerance.mode={cfg.fault_tolerance.mode}": (
+            parallel.strategy == "fsdp" and cfg.fault_tolerance.mode != "sync",
+            "LocalSGD and DiLoCo are not set up for FSDP's sharded parameters; FSDP inside a "
+            "group (HSDP across groups) needs fault_tolerance.mode=sync, or use "
             "parallel.strategy=ddp",
         ),
         f"comm.hook={cfg.comm.hook}": (

@@ -7,11 +7,17 @@
     should_commit   before the update: the group's vote; False discards the step everywhere in
                     this group (a peer failed during it, or the quorum is below min_groups)
 
+Inside a group: one process, DDP, or FSDP2 (HSDP across the groups: each group shards within
+itself, and rank r of every group holds the same shards, so the Manager's process group, which
+links rank r of each group, averages the local shards). Every group runs the same number of ranks.
+
 The state a joining group receives is built from the checkpoint's own parts (model, optimizer,
 schedule, the run's counters with the data position, the weight average, the loss scaler): the
-same ``state_dict`` / ``load_state_dict`` pairs a checkpoint writes and reads. The random streams
-are not copied: each group re-derives them from (seed, group, rank, step), as a resume on another
-world size does. torchft's Manager keeps its own step equal to the run's committed steps.
+same ``state_dict`` / ``load_state_dict`` pairs a checkpoint writes and reads; FSDP2's DTensors
+travel as their local shards and are placed again on arrival (``shards.py``). Rank r of the
+joining group receives from rank r of a peer. The random streams are not copied: each group
+re-derives them from (seed, group, rank, step), as a resume on another world size does. torchft's
+Manager keeps its own step equal to the run's committed steps.
 
 Semi-sync modes (``local_sgd``, ``diloco``) wrap the optimizer with ``torchft.local_sgd``: the
 quorum, the parameters' average (or DiLoCo's outer step) and the commit happen inside the
@@ -30,17 +36,23 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch.distributed.tensor import DTensor
 
 from sdnet_trainer.checkpoint.checkpointer import Part
 from sdnet_trainer.config.schema import FaultToleranceConfig
+from sdnet_trainer.errors import ConfigError
 from sdnet_trainer.ft.checks import check_lighthouse, lighthouse_address, require_torchft
 from sdnet_trainer.ft.data import StepShare
+from sdnet_trainer.ft.shards import local_shards, rebuild_shards
 
 logger = logging.getLogger(__name__)
 
 # Checkpoint parts that are not sent to a joining group: per-rank by nature (the random streams,
 # PowerSGD's error feedback) or this group's own (its trackers' run ids).
 NOT_SENT = ("rng", "comm", "trackers")
+# Sent beside the parts: the sender's group size, which the receiver's must equal (rank r receives
+# rank r's shards).
+GROUP_RANKS = "group_ranks"
 
 
 def _recording_gloo(timeout: timedelta) -> Any:
@@ -126,12 +138,21 @@ class FaultTolerance:
     # ------------------------------------------------------------------ the state a peer sends
 
     def _state_dict(self) -> dict[str, Any]:
-        return {name: part.state.state_dict() for name, part in self.parts.items()}
+        state = {name: local_shards(part.state.state_dict()) for name, part in self.parts.items()}
+        return {**state, GROUP_RANKS: self.group_size}
 
     def _load(self, state: dict[str, Any]) -> None:
+        sent = state.get(GROUP_RANKS, self.group_size)
+        if sent != self.group_size:
+            raise ConfigError(
+                f"fault tolerance: replica group {self.cfg.replica_group} runs {self.group_size} "
+                f"rank(s) and the peer it recovers from {sent}: every replica group must run the "
+                f"same number of ranks"
+            )
         for name, part in self.parts.items():
-            if name in state:
-                part.state.load_state_dict(state[name])
+            if name in state:  # DTensors placed as this rank's live ones are
+                live = part.state.state_dict()
+                part.state.load_state_dict(rebuild_shards(state[name], live, where=name))
         self.after_load()
         self._loaded = True
 
@@ -165,16 +186,21 @@ class FaultTolerance:
         self.share = StepShare(groups=self.manager.num_participants(), index=index or 0)
         return self.share
 
+    @torch.no_grad()
     def reduce_gradients(self, model: nn.Module) -> None:
-        """Average every gradient over the quorum's groups (sync mode), in one flat buffer."""
+        """Average every gradient over the quorum's groups (sync mode), in one flat buffer. Under
+        FSDP2 a gradient is a DTensor holding this rank's shard, already averaged over the group
+        by FSDP's reduce-scatter; rank r of every group holds the same shard, so the local shards
+        are what is averaged (in place: ``to_local`` shares the DTensor's storage)."""
         params = [p for p in model.parameters() if p.requires_grad]
         grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in params]
-        flat = torch.cat([g.reshape(-1) for g in grads])
+        shards = [g.to_local() if isinstance(g, DTensor) else g for g in grads]
+        flat = torch.cat([g.reshape(-1) for g in shards])
         self.manager.allreduce(flat).wait()  # AVG over the participants; errors are recorded
         offset = 0
-        for param, grad in zip(params, grads, strict=True):
-            size = grad.numel()
-            grad.copy_(flat[offset : offset + size].view_as(grad))
+        for param, grad, shard in zip(params, grads, shards, strict=True):
+            size = shard.numel()
+            shard.copy_(flat[offset : offset + size].view_as(shard))
             param.grad = grad
             offset += size
 
@@ -229,4 +255,4 @@ class FaultTolerance:
         self._store = None
 
 
-__all__ = ["NOT_SENT", "FaultTolerance", "QuorumTimeout"]
+__all__ = ["GROUP_RANKS", "NOT_SENT", "FaultTolerance", "QuorumTimeout"]

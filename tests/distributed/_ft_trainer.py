@@ -6,8 +6,13 @@ step, the dataset indices rank R trained, the loss; appended and flushed, so a S
 every committed step), and ``ft_final.pt`` at the end (the final parameters and optimizer state, the
 parameters after each step, the run's metrics).
 
-Environment: ``SDNET_FT_KILL_AT=S`` SIGKILLs this process during step S (after the forward, before
-the gradients cross groups); ``SDNET_FT_PAUSE=S:PATH`` waits after step S until PATH exists;
+Under FSDP the recorded parameters and optimizer state are gathered whole (every rank takes
+part; rank 0 writes ``ft_final.pt``).
+
+Environment: ``SDNET_FT_KILL_AT=S`` SIGKILLs this process during step S (before the forward, so
+before the gradients cross groups), and under torchrun its agent first: the whole group dies at
+once, its other ranks with the agent (their parent-death signal), as when a node is pulled;
+``SDNET_FT_PAUSE=S:PATH`` waits after step S until PATH exists;
 ``SDNET_FT_READY=PATH`` is written once set up, before the first quorum;
 ``SDNET_FT_START=PATH,...`` then waits until every one of those files exists (so that groups
 launched together are all in the first quorum).
@@ -22,9 +27,11 @@ import time
 from pathlib import Path
 
 import torch
+from torch.distributed.tensor import DTensor
 
 from sdnet_trainer import HookBase, Trainer
 from sdnet_trainer.distributed.ddp import unwrap
+from sdnet_trainer.training.signals import launched_by_torchrun
 from tests.support import IndexedDataset
 
 RECORD, FINAL = "committed_rank{rank}.jsonl", "ft_final.pt"
@@ -39,8 +46,20 @@ def _wait_for(paths: list[Path]) -> None:
         time.sleep(0.05)
 
 
+def _full(tree: object) -> object:
+    """``tree`` with every DTensor (FSDP's shards) gathered whole: collective, on every rank."""
+    if isinstance(tree, DTensor):
+        return tree.full_tensor()
+    if isinstance(tree, dict):
+        return {key: _full(value) for key, value in tree.items()}
+    if isinstance(tree, list):
+        return [_full(value) for value in tree]
+    return tree
+
+
 def _tensors(state: dict) -> dict:
-    return {k: v.detach().cpu().clone() for k, v in state.items() if isinstance(v, torch.Tensor)}
+    state = {k: v for k, v in state.items() if isinstance(v, torch.Tensor)}
+    return {k: v.detach().cpu().clone() for k, v in _full(state).items()}
 
 
 class _Recorder(HookBase):
@@ -78,6 +97,7 @@ class FTRecorder(Trainer):
         self.indices: list[int] = []
         self.snapshots: list[dict] = []
         self.kill_at = int(os.environ.get("SDNET_FT_KILL_AT", "0"))
+        self.agent = os.getppid() if launched_by_torchrun() else None
         super().setup()
         if ready := os.environ.get("SDNET_FT_READY"):
             Path(ready).write_text("set up")
@@ -91,15 +111,21 @@ class FTRecorder(Trainer):
         inputs, targets, index = batch
         self.indices = index.tolist()
         if self.state.step + 1 == self.kill_at:
+            # torchrun's agent first (still this process's parent): the whole launch dies, its
+            # other ranks with the agent (their parent-death signal).
+            if self.agent is not None and os.getppid() == self.agent:
+                os.kill(self.agent, signal.SIGKILL)
             os.kill(os.getpid(), signal.SIGKILL)
         return self.loss_fn(self.model(inputs), targets)
 
     def fit(self):
         metrics = super().fit()
+        params = _tensors(unwrap(self.model).state_dict())  # whole, under FSDP too
+        optim = _full(self.optimizer.state_dict())
         if self.env.is_main:
             final = {
-                "params": _tensors(unwrap(self.model).state_dict()),
-                "optim": self.optimizer.state_dict(),
+                "params": params,
+                "optim": optim,
                 "snapshots": self.snapshots,
                 "metrics": metrics,
             }

@@ -124,17 +124,27 @@ def reference(tmp_path_factory) -> tuple[Path, dict]:
     return root / "ref", torch.load(root / "ref" / FINAL, weights_only=False)
 
 
-@pytest.mark.parametrize("ranks", [1, 2], ids=["1_rank_per_group", "2_ranks_ddp_per_group"])
-def test_sync_two_groups_match_single_process_training_step_for_step(tmp_path, reference, ranks):
-    """Two groups (of 1 process, or torchrun with 2 ranks and DDP inside) against one process
-    over the same global batch: the same parameters after every step, to float rounding."""
+# Inside each group: one process, or torchrun with 2 ranks and DDP, or FSDP2 (HSDP across groups).
+GROUP_LAYOUTS = {
+    "1_rank_per_group": (1, []),
+    "2_ranks_ddp_per_group": (2, []),
+    "2_ranks_fsdp_per_group": (2, ["parallel=fsdp"]),
+}
+
+
+@pytest.mark.parametrize("layout", list(GROUP_LAYOUTS))
+def test_sync_two_groups_match_single_process_training_step_for_step(tmp_path, reference, layout):
+    """Two groups (of 1 process, or torchrun with 2 ranks and DDP or FSDP inside) against one
+    process over the same global batch: the same parameters after every step, to float
+    rounding."""
     ref_dir, ref = reference
+    ranks, inside = GROUP_LAYOUTS[layout]
     steps = 4
     runs = [tmp_path / f"g{g}" for g in range(2)]
     with _lighthouse(2) as address, _launches() as procs:
         for g, run_dir in enumerate(runs):
             ft = _ft(address, groups=2, min_groups=2, group=g)
-            _start(procs, run_dir, [*BASE, f"loop.max_steps={steps}", *ft], nproc=ranks)
+            _start(procs, run_dir, [*BASE, *inside, f"loop.max_steps={steps}", *ft], nproc=ranks)
         for proc, run_dir in zip(procs, runs, strict=True):
             _finish(proc, run_dir)
     finals = [torch.load(run_dir / FINAL, weights_only=False) for run_dir in runs]
@@ -176,12 +186,19 @@ def _same(a: object, b: object) -> bool:
     return a == b
 
 
-def test_three_groups_one_killed_the_others_continue_it_rejoins_from_a_peer(tmp_path, reference):
+@pytest.mark.parametrize("layout", ["1_rank_per_group", "2_ranks_fsdp_per_group"])
+def test_three_groups_one_killed_the_others_continue_it_rejoins_from_a_peer(
+    tmp_path, reference, layout
+):
     """SIGKILL group 2 during step KILL_AT: groups 0 and 1 keep stepping (that step is not
     committed, and trained again by the two of them); group 2 is relaunched, receives the state
     from a peer and rejoins; all three end bitwise identical, and every step's global batch was
-    trained exactly once (the guarantee of sdnet_trainer/ft/data.py)."""
+    trained exactly once (the guarantee of sdnet_trainer/ft/data.py). The same with 2 processes
+    per group and FSDP inside (HSDP across groups): torchrun's whole launch is killed, and the
+    relaunch's rank r receives rank r's shards from a peer."""
     ref_dir, ref = reference
+    ranks, inside = GROUP_LAYOUTS[layout]
+    args = [*BASE, *inside]
     kill_at, pause_after = 4, 6
     runs = {g: tmp_path / f"g{g}" for g in range(3)}
     rejoined = tmp_path / "g2_rejoined"
@@ -193,8 +210,8 @@ def test_three_groups_one_killed_the_others_continue_it_rejoins_from_a_peer(tmp_
         for g in (0, 1):  # they wait after step pause_after until the relaunch is set up
             envs[g]["SDNET_FT_PAUSE"] = f"{pause_after}:{tmp_path / 'ready_rejoined'}"
         envs[2]["SDNET_FT_KILL_AT"] = str(kill_at)
-        group = {g: _start(procs, runs[g], [*BASE, *_ft(address, groups=3, min_groups=2, group=g)],
-                           env=envs[g]) for g in range(3)}  # fmt: skip
+        group = {g: _start(procs, runs[g], [*args, *_ft(address, groups=3, min_groups=2, group=g)],
+                           env=envs[g], nproc=ranks) for g in range(3)}  # fmt: skip
         assert group[2].wait(timeout=LAUNCH_TIMEOUT_S) == -signal.SIGKILL, _log(runs[2])[-4000:]
         killed = time.time()
         # The other two keep stepping, without a restart: same processes, next steps committed.
@@ -206,7 +223,7 @@ def test_three_groups_one_killed_the_others_continue_it_rejoins_from_a_peer(tmp_
         assert group[0].poll() is None and group[1].poll() is None
         ft = _ft(address, groups=3, min_groups=2, group=2)
         env = {"SDNET_FT_READY": str(tmp_path / "ready_rejoined")}
-        relaunch = _start(procs, rejoined, [*BASE, *ft], env=env)
+        relaunch = _start(procs, rejoined, [*args, *ft], env=env, nproc=ranks)
         for g in (0, 1):
             _finish(group[g], runs[g])
         _finish(relaunch, rejoined)

@@ -32,12 +32,17 @@ def test_a_valid_config_passes_and_disabled_is_not_checked():
     validate_ft(compose([*TINY, "fault_tolerance.groups=0"]), 1)  # disabled: keys unread
 
 
+def test_fsdp_inside_a_group_is_served_in_sync_mode():
+    """HSDP across groups: FSDP2 within each group, the groups averaged by torchft (sync)."""
+    validate(compose([*FT, "parallel=fsdp"]), world_size=2)
+    validate_ft(compose([*FT, "parallel.strategy=fsdp", "fault_tolerance.mode=sync"]), 2)
+
+
 @pytest.mark.parametrize(
     "override, keys",
     [
         ("parallel.pp=2", "parallel.pp"),
         ("parallel.strategy=zero1", "parallel.strategy=zero1"),
-        ("parallel.strategy=fsdp", "parallel.strategy=fsdp"),
         ("comm.hook=powersgd", "comm.hook=powersgd"),
         ("comm.hook=local_sgd", "comm.hook=local_sgd"),
         ("elastic.enabled=true", "elastic.enabled"),
@@ -52,6 +57,54 @@ def test_combinations_torchft_cannot_serve_name_their_keys(override, keys):
     message = str(err.value)
     assert "fault_tolerance.enabled=true cannot be combined with" in message
     assert keys in message
+
+
+# The refusals' messages, word for word: the keys and the reason each names.
+REFUSED = "fault_tolerance.enabled=true cannot be combined with"
+REFUSAL_MESSAGES = {
+    "parallel.pp=2": "parallel.pp: pipeline stages cannot be recovered from a peer",
+    "parallel.tp=2": "parallel.tp: tensor-parallel shards are not averaged across groups",
+    "parallel.strategy=zero1": (
+        "parallel.strategy=zero1: ZeRO-1's sharded optimizer state cannot be sent to a joining "
+        "group"
+    ),
+    "comm.hook=powersgd": (
+        "comm.hook=powersgd: the gradients cross groups through torchft's process group, not a "
+        "DDP comm hook"
+    ),
+    "elastic.enabled=true": "elastic.enabled: the replica groups replace elastic restarts",
+    "loop.grad_accum_steps=2": (
+        "loop.grad_accum_steps: each rank's share of a step is one micro-batch (leave "
+        "loop.micro_batch_size null)"
+    ),
+    "data.mixup_alpha=0.2": (
+        "data.mixup_alpha/cutmix_alpha: batch mixing is not divided among the groups"
+    ),
+    "precision.dtype=fp16": (
+        "precision.dtype=fp16: the GradScaler's skips are not agreed across groups; use bf16 or "
+        "fp32"
+    ),
+}
+
+
+@pytest.mark.parametrize("override", list(REFUSAL_MESSAGES))
+def test_the_refusals_messages_are_unchanged(override):
+    parallel = "pp" in override or "tp" in override
+    with pytest.raises(ConfigError) as err:
+        validate_ft(compose([*FT, override]), 2 if parallel else 1)
+    assert str(err.value) == f"{REFUSED} {REFUSAL_MESSAGES[override]}"
+
+
+@pytest.mark.parametrize("mode", ["local_sgd", "diloco"])
+def test_fsdp_is_still_refused_in_the_semi_sync_modes(mode):
+    cfg = compose([*FT, "parallel=fsdp", f"fault_tolerance.mode={mode}"])
+    with pytest.raises(ConfigError) as err:
+        validate_ft(cfg, 2)
+    assert str(err.value) == (
+        f"{REFUSED} parallel.strategy=fsdp under fault_tolerance.mode={mode}: LocalSGD and "
+        f"DiLoCo are not set up for FSDP's sharded parameters; FSDP inside a group (HSDP across "
+        f"groups) needs fault_tolerance.mode=sync, or use parallel.strategy=ddp"
+    )
 
 
 @pytest.mark.parametrize(
