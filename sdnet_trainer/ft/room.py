@@ -150,7 +150,7 @@ class FaultTolerance:
                 f"same number of ranks"
             )
         for name, part in self.parts.items():
-            if name in state:  # DTensors placed as this rank's live ones are
+            if name in state:  # each shard placed as this rank's live DTensor there
                 live = part.state.state_dict()
                 part.state.load_state_dict(rebuild_shards(state[name], live, where=name))
         self.after_load()
