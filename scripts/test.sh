@@ -17,7 +17,9 @@ PYTHON=${PYTHON:-python3}
 if [ ! -x .venv/bin/python ]; then
     "$PYTHON" -m venv .venv
 fi
-.venv/bin/python -m pip install --quiet -e '.[test]'
+# --no-compile: pip would byte-compile every installed module (torch's thousands: a minute of one
+# core on a fresh clone); Python compiles those a run imports (about a seventh) on first use.
+.venv/bin/python -m pip install --quiet --no-compile -e '.[test]'
 # Lint and formatting first: seconds, and a failure names the file and line.
 .venv/bin/ruff check .
 .venv/bin/ruff format --check .

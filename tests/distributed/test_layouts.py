@@ -140,7 +140,8 @@ WORLD4 = {
     **VAL_REMAINDER,
     # The Llama in the GPT's layouts (one implementation of blocks, TP plan and pipeline units).
     "llama_fsdp_ac": LLAMA + ["parallel=fsdp", "model.activation_checkpointing=true"],
-    "llama_tp_pp": LLAMA + ["parallel.tp=2"] + _pipeline("1F1B", 2),  # 2 stages of TP 2
+    # 2 stages of TP 2; saved, as the tied FSDP x TP run below, for the Hugging Face export.
+    "llama_tp_pp": LLAMA + ["parallel.tp=2"] + _pipeline("1F1B", 2) + SAVE,
     "llama_ddp_pp": LLAMA + _pipeline("1F1B", 2),
     "llama_fsdp_tp_loss_seq": LLAMA
     + [
@@ -150,7 +151,7 @@ WORLD4 = {
         "parallel.tensor_parallel.sequence_parallel=true",
     ],
     # One parameter under two names, split by vocabulary rows under TP and sharded by FSDP.
-    "llama_tied_fsdp_tp": LLAMA_TIED + ["parallel=fsdp", "parallel.tp=2"],
+    "llama_tied_fsdp_tp": LLAMA_TIED + ["parallel=fsdp", "parallel.tp=2"] + SAVE,
     "resnet_fsdp": RESNET + ["parallel=fsdp"],
     # FSDP2 refuses channels_last parameters: the layout rides on the inputs alone there.
     "resnet_fsdp_channels_last": RESNET + ["parallel=fsdp", "model.channels_last=true"],
@@ -419,6 +420,31 @@ def test_export_consolidates_sharded_and_pipelined_checkpoints(
         assert weights.keys() == writer.keys()
     for name, value in writer.items():
         torch.testing.assert_close(weights[name].float(), value, rtol=0, atol=0, msg=name)
+
+
+@pytest.mark.parametrize("saved", ["llama_tp_pp", "llama_tied_fsdp_tp"])
+def test_export_hf_of_a_multi_process_llama_checkpoint_loads_in_transformers(
+    runs, layout_dir, tmp_path, saved
+):
+    """format=hf on a checkpoint written by 4 processes (TP x pipeline stages, or FSDP x TP with
+    tied embeddings): transformers reloads the folder as is, its weights are the trained ones and
+    its logits equal the trained model's."""
+    transformers = pytest.importorskip("transformers", reason="the llm extra is not installed")
+    from sdnet_trainer.models.hf_llama import from_hf_name, llama_sizes_from_hf, read_hf_config
+    from sdnet_trainer.models.llama import Llama
+
+    checkpoint = layout_dir / saved / "checkpoints" / "step_00000005"
+    args = [f"checkpoint={checkpoint}", "format=hf", f"out={tmp_path}"]
+    assert export_main([*args, "trainer=sdnet_trainer.Trainer"]) == 0
+    reloaded = transformers.AutoModelForCausalLM.from_pretrained(tmp_path).eval()
+    trained = runs[saved]["params"]
+    for name, value in reloaded.state_dict().items():
+        torch.testing.assert_close(value, trained[from_hf_name(name)], rtol=0, atol=0, msg=name)
+    mine = Llama(**llama_sizes_from_hf(read_hf_config(tmp_path, key="out"), source="out"))
+    mine.load_state_dict(trained)
+    tokens = torch.randint(0, 256, (2, 32), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        torch.testing.assert_close(reloaded(tokens).logits, mine.eval()(tokens), rtol=0, atol=1e-5)
 
 
 def test_hugging_face_weights_load_each_ranks_slices_under_fsdp_tp(runs):

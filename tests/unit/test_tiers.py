@@ -13,7 +13,7 @@ import pytest
 from tests.conftest import FULL, QUICK, TIERS_FILE
 from tests.support import REPO
 
-# Two collections of the whole suite (seconds each): checked in the full suite.
+# Two collections of the whole suite (seconds each), shared by the tests: checked in the full suite.
 pytestmark = pytest.mark.full
 
 
@@ -34,8 +34,14 @@ def _collect(tmp_path, *args: str) -> dict[str, str]:
     return {nodeid: tiers for nodeid, tiers in rows}
 
 
-def test_every_test_is_in_exactly_one_tier(tmp_path):
-    tiers = _collect(tmp_path, "tests")
+@pytest.fixture(scope="module")
+def everything(tmp_path_factory) -> dict[str, str]:
+    """The whole suite's tiers, collected once for both tests."""
+    return _collect(tmp_path_factory.mktemp("tiers"), "tests")
+
+
+def test_every_test_is_in_exactly_one_tier(everything):
+    tiers = everything
     assert len(tiers) > 1000  # the whole suite was collected
     assert {t for t in tiers.values()} == {QUICK, FULL}, sorted(set(tiers.values()))
     quick = {n for n, t in tiers.items() if t == QUICK}
@@ -48,9 +54,8 @@ def test_every_test_is_in_exactly_one_tier(tmp_path):
     assert len(quick) > 500 and len(full) > 300
 
 
-def test_the_markers_select_the_tiers(tmp_path):
+def test_the_markers_select_the_tiers(everything):
     """``-m quick`` collects exactly the quick tier (what ``bash scripts/test.sh --quick`` runs)."""
-    everything = _collect(tmp_path, "tests")
     result = subprocess.run(
         [sys.executable, "-m", "pytest", "--collect-only", "-q", "-m", QUICK, "tests"],
         cwd=REPO,
