@@ -27,6 +27,7 @@ optimizer's step every ``sync_every`` steps.
 from __future__ import annotations
 
 import logging
+import os
 import socket
 import time
 from collections.abc import Callable, Mapping
@@ -53,6 +54,7 @@ NOT_SENT = ("rng", "comm", "trackers")
 # Sent beside the parts: the sender's group size, which the receiver's must equal (rank r receives
 # rank r's shards).
 GROUP_RANKS = "group_ranks"
+LOOPBACK = ("localhost", "127.0.0.1", "::1")
 
 
 def _recording_gloo(timeout: timedelta) -> Any:
@@ -69,6 +71,12 @@ def _recording_gloo(timeout: timedelta) -> Any:
             super().configure(*args, **kwargs)
 
     return RecordingGloo(timeout=timeout)
+
+
+def reachable(host: str) -> str:
+    """``host`` as another machine reaches it: this host's name for a loopback name (torchrun's
+    store listens on every interface)."""
+    return socket.gethostname() if host in LOOPBACK else host
 
 
 class QuorumTimeout(RuntimeError):
@@ -102,10 +110,13 @@ class FaultTolerance:
             check_lighthouse(address, connect_s=t.connect_s)  # fails fast, before anything waits
         # The group's store: torchrun's (MASTER_ADDR/PORT) when the group has several ranks, else
         # one of our own on a free port. Its address reaches the other groups through the quorum
-        # (they meet in the quorum's first member's store): the host's name, not localhost.
+        # (they meet in the quorum's first member's store): the host's name, never a loopback
+        # name such as the "localhost" of torchrun --standalone, which names each peer's own host.
         self._store = None
-        store_addr, store_port = None, None
-        if not distributed:
+        if distributed:
+            store_addr = reachable(os.environ["MASTER_ADDR"])
+            store_port = int(os.environ["MASTER_PORT"])
+        else:
             store_addr = socket.gethostname()
             self._store = TCPStore(store_addr, 0, is_master=True, wait_for_workers=False)
             store_port = self._store.port
@@ -255,4 +266,4 @@ class FaultTolerance:
         self._store = None
 
 
-__all__ = ["GROUP_RANKS", "NOT_SENT", "FaultTolerance", "QuorumTimeout"]
+__all__ = ["GROUP_RANKS", "NOT_SENT", "FaultTolerance", "QuorumTimeout", "reachable"]

@@ -160,3 +160,13 @@ def test_unreachable_lighthouse_fails_within_the_connect_timeout():
     elapsed = time.monotonic() - started
     assert address in str(err.value) and "timeouts.connect_s=1.5" in str(err.value)
     assert elapsed < 1.5 + 5  # the timeout, plus the client's own start-up on a loaded machine
+
+
+def test_a_group_advertises_its_store_by_a_name_other_hosts_reach():
+    """torchrun --standalone sets MASTER_ADDR=localhost: the other groups, maybe on other hosts,
+    are given this host's name instead; a real address passes as it is."""
+    from sdnet_trainer.ft.room import reachable
+
+    for loopback in ("localhost", "127.0.0.1", "::1"):
+        assert reachable(loopback) == socket.gethostname()
+    assert reachable("node-7.cluster") == "node-7.cluster"
