@@ -1,4 +1,5 @@
-"""GPU throughput: ResNet-50 through the Trainer beside a hand-written loop, gpt_1b, and the loader.
+"""GPU throughput: ResNet-50 through the Trainer beside a hand-written loop, two 1B decoders
+(gpt_1b, llama3_1b), and the loader.
 
 What it measures (one CUDA device; sections with --sections, all by default)
     resnet50  ResNet-50 (torchvision's, model=resnet50), bf16 autocast, channels_last, 224x224
@@ -22,6 +23,9 @@ What it measures (one CUDA device; sections with --sections, all by default)
               micro-batches of --gpt-micro: tokens/s and MFU as the Trainer itself logs them
               (perf/tokens_per_s, perf/mfu in metrics.jsonl), median over the log points after
               the first (which holds the first step's allocations and kernel selection).
+    llama3_1b the same measurement of configs/model/llama3_1b (Llama 3.2 1B's shapes: 1.24B
+              parameters, grouped-query attention, a 128,256-token vocabulary, tied output
+              layer) on 2,048-token sequences; options --llama-batch, --llama-micro, ...
     loader    the data path's CPU cost: generated JPEGs (--jpegs, about ImageNet's mean size;
               scripts/bench_loader.py's images) read through the project's imagefolder training
               dataset as a CUDA run reads it (decode, RandomResizedCrop 224, flip, uint8 tensors
@@ -39,13 +43,14 @@ How
     cores other processes used meanwhile (scripts/_launch.timed_launch).
 
 Run (from the repository root, on a machine with one NVIDIA GPU)
-    python scripts/bench_gpu.py                      # about 6 minutes on one H100
+    python scripts/bench_gpu.py                      # about 7 minutes on one H100
     python scripts/bench_gpu.py --sections resnet50 --rounds 5
     python scripts/bench_gpu.py --json /tmp/gpu.json # the figures as JSON too (gpu_check.sh)
-    python scripts/bench_gpu.py --quick              # gpu_check.sh's default: about 3 minutes
+    python scripts/bench_gpu.py --quick              # gpu_check.sh's default: about 4 minutes
 
---quick: ResNet-50 and gpt_1b only, one round of each ResNet-50 side (10 + 30 steps), 15 gpt_1b
-steps, at most 90 s per launch: the figures of a short check, noisier than the default's medians.
+--quick: ResNet-50, gpt_1b and llama3_1b, one round of each ResNet-50 side (10 + 30 steps), 15
+gpt_1b steps, 10 llama3_1b steps, at most 90 s per launch: the figures of a short check, noisier
+than the default's medians.
 
 Exit status: 0 after a complete measurement; 1 if a launch failed (the other sections still run);
 2 without a CUDA device (nothing is measured).
@@ -74,8 +79,8 @@ from sdnet_trainer.training.hooks import HookBase
 from sdnet_trainer.training.state import RunState, StepResult
 from sdnet_trainer.training.trainer import Trainer
 
-SECTIONS = ("resnet50", "gpt_1b", "loader")
-QUICK_SECTIONS = ("resnet50", "gpt_1b")
+SECTIONS = ("resnet50", "gpt_1b", "llama3_1b", "loader")
+QUICK_SECTIONS = ("resnet50", "gpt_1b", "llama3_1b")
 SIDES = ("trainer", "hand")
 SPEC_ENV = "SDNET_GPU_BENCH"
 NO_CUDA_EXIT = 2
@@ -348,24 +353,68 @@ def bench_resnet(args: argparse.Namespace, out: Path) -> dict[str, Any]:
     return summary
 
 
-# ---------------------------------------------------------------------------- gpt_1b
+# ---------------------------------------------------------------------------- decoders
 
 
-def gpt_keys(args: argparse.Namespace, run_dir: Path) -> list[str]:
-    """The gpt_1b launch's command line: one GPU, no parallelism, the Trainer's own metrics."""
-    steps = args.gpt_steps
+@dataclass(frozen=True)
+class Decoder:
+    """A decoder section: configs/model/<section> on data=tokens, one GPU, the Trainer's own
+    tokens/s and MFU."""
+
+    section: str  # also the model config's name
+    family: str  # where that config keeps its sizes: model.gpt, model.llama
+    option: str  # its command-line options: --<option>-steps, ...
+    steps: int  # by default; --quick runs quick_steps
+    quick_steps: int
+
+
+# gpt_1b: 1.04B parameters, a 32,000-token vocabulary; llama3_1b: 1.24B, 128,256 tokens. Fewer
+# steps for the Llama with --quick: its launch (start-up included) stays near a minute on one H100.
+DECODERS = (
+    Decoder("gpt_1b", "gpt", "gpt", steps=25, quick_steps=15),
+    Decoder("llama3_1b", "llama", "llama", steps=20, quick_steps=10),
+)
+# Both decoders train on 2,048-token sequences (gpt_1b's context; Llama 3.2 allows 131,072).
+DECODER_SEQ_LEN = 2048
+
+
+@dataclass(frozen=True)
+class DecoderRun:
+    """One decoder launch: the section and its options (--gpt-batch, --llama-steps, ...)."""
+
+    decoder: Decoder
+    batch: int
+    micro: int
+    steps: int
+    compile: bool
+
+    @classmethod
+    def from_args(cls, args: argparse.Namespace, decoder: Decoder) -> DecoderRun:
+        def option(name: str) -> Any:
+            return getattr(args, f"{decoder.option}_{name}")
+
+        return cls(decoder, option("batch"), option("micro"), option("steps"), option("compile"))
+
+
+def decoder_keys(run: DecoderRun, run_dir: Path) -> list[str]:
+    """A decoder launch's command line: one GPU, no parallelism, the Trainer's own metrics."""
+    steps = run.steps
     return [
         "dist.device=cuda",
-        "model=gpt_1b",
+        f"model={run.decoder.section}",
         "data=tokens",
-        f"data.train_size={args.gpt_batch * (steps + 1)}",
+        # data=tokens reads its sizes from model.gpt; the vocabulary comes from the model config
+        # for either family, and the context is the same for both.
+        f"data.vocab_size=${{model.{run.decoder.family}.vocab_size}}",
+        f"data.seq_len={DECODER_SEQ_LEN}",
+        f"data.train_size={run.batch * (steps + 1)}",
         "data.val_size=8",
         "optim=adamw",
         "sched=constant",
         "precision=bf16",
-        f"compile.enabled={str(args.gpt_compile).lower()}",
-        f"loop.global_batch_size={args.gpt_batch}",
-        f"loop.grad_accum_steps={args.gpt_batch // args.gpt_micro}",
+        f"compile.enabled={str(run.compile).lower()}",
+        f"loop.global_batch_size={run.batch}",
+        f"loop.grad_accum_steps={run.batch // run.micro}",
         f"loop.max_steps={steps}",
         "loop.eval_at_end=false",
         "loop.eval_at_epoch_end=false",
@@ -378,27 +427,39 @@ def gpt_keys(args: argparse.Namespace, run_dir: Path) -> list[str]:
     ]
 
 
-def bench_gpt(args: argparse.Namespace, out: Path) -> dict[str, Any]:
-    run_dir = out / "gpt_1b"
+def bench_decoder(run: DecoderRun, out: Path, *, timeout: float) -> dict[str, Any]:
+    name = run.decoder.section
+    run_dir = out / name
     shutil.rmtree(run_dir, ignore_errors=True)
-    steps = args.gpt_steps
-    cmd = [sys.executable, "-m", "sdnet_trainer", *gpt_keys(args, run_dir)]
+    cmd = [sys.executable, "-m", "sdnet_trainer", *decoder_keys(run, run_dir)]
     print(
-        f"\n== gpt_1b: {steps} steps of {args.gpt_batch} x 2048 tokens (micro-batch "
-        f"{args.gpt_micro}), {'compiled' if args.gpt_compile else 'eager'}",
+        f"\n== {name}: {run.steps} steps of {run.batch} x {DECODER_SEQ_LEN} tokens (micro-batch "
+        f"{run.micro}), {'compiled' if run.compile else 'eager'}",
         flush=True,
     )
     run_dir.mkdir(parents=True)
-    log = out / "gpt_1b.log"
+    log = out / f"{name}.log"
     try:
-        seconds, other = timed_launch(cmd, log, args.timeout)
+        seconds, other = timed_launch(cmd, log, timeout)
     except LaunchError as err:
-        print(f"  gpt_1b FAILED: {err}", file=sys.stderr, flush=True)
+        print(f"  {name} FAILED: {err}", file=sys.stderr, flush=True)
         return {"failed": f"FAILED (log in {log})"}
     rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    return decoder_summary(rows, run=run, seconds=seconds, other=other, source=run_dir)
+
+
+def decoder_summary(
+    rows: list[dict[str, Any]],
+    *,
+    run: DecoderRun,
+    seconds: float,
+    other: float | None,
+    source: Path,
+) -> dict[str, Any]:
+    """The figures of a decoder launch from its metrics.jsonl rows."""
     points = [row for row in rows if "perf/tokens_per_s" in row][1:]  # past the first window
     if not points:
-        return {"failed": f"no log point past the first in {run_dir / 'metrics.jsonl'}"}
+        return {"failed": f"no log point past the first in {source / 'metrics.jsonl'}"}
     tokens = statistics.median(row["perf/tokens_per_s"] for row in points)
     mfus = [row["perf/mfu"] for row in points if "perf/mfu" in row]
     summary = {
@@ -407,7 +468,9 @@ def bench_gpt(args: argparse.Namespace, out: Path) -> dict[str, Any]:
         "tflops_per_s": statistics.median(row.get("perf/tflops_per_s", 0.0) for row in points),
         "peak_memory_mb": max(row.get("perf/peak_memory_mb", 0.0) for row in points),
         "log_points": len(points),
-        "compiled": args.gpt_compile,
+        "batch": run.batch,
+        "seq_len": DECODER_SEQ_LEN,
+        "compiled": run.compile,
         "other_cores": other,
     }
     mfu_text = f"MFU {summary['mfu']:.1%}" if summary["mfu"] is not None else "no MFU (unknown GPU)"
@@ -496,23 +559,25 @@ def parse_args() -> argparse.Namespace:
     p.add_argument(
         "--sections",
         default=None,
-        help=f"comma-separated, from {', '.join(SECTIONS)} (default: all; resnet50,gpt_1b "
-        "with --quick)",
+        help=f"comma-separated, from {', '.join(SECTIONS)} (default: all; "
+        f"{','.join(QUICK_SECTIONS)} with --quick)",
     )
     p.add_argument(
         "--quick",
         action="store_true",
-        help="a short run: resnet50 and gpt_1b, one round, fewer steps, 90 s per launch",
+        help=f"a short run: {', '.join(QUICK_SECTIONS)}, one round, fewer steps, 90 s per launch",
     )
     p.add_argument("--rounds", type=int, default=3, help="ResNet-50 rounds per side (3)")
     p.add_argument("--batch", type=int, default=256, help="ResNet-50 images per step (256)")
     p.add_argument("--warmup", type=int, default=15, help="ResNet-50 steps before the window")
     p.add_argument("--steps", type=int, default=40, help="ResNet-50 timed steps (40)")
     p.add_argument("--workers", type=int, default=default_workers(), help="loader workers")
-    p.add_argument("--gpt-batch", type=int, default=8, help="gpt_1b sequences per step (8)")
-    p.add_argument("--gpt-micro", type=int, default=4, help="gpt_1b micro-batch (4)")
-    p.add_argument("--gpt-steps", type=int, default=25, help="gpt_1b steps (25)")
-    p.add_argument("--gpt-compile", action="store_true", help="torch.compile gpt_1b's blocks")
+    for dec in DECODERS:
+        name, opt = dec.section, dec.option
+        p.add_argument(f"--{opt}-batch", type=int, default=8, help=f"{name} sequences per step (8)")
+        p.add_argument(f"--{opt}-micro", type=int, default=4, help=f"{name} micro-batch (4)")
+        p.add_argument(f"--{opt}-steps", type=int, default=dec.steps, help=f"{name} steps")
+        p.add_argument(f"--{opt}-compile", action="store_true", help=f"compile {name}'s blocks")
     p.add_argument("--jpegs", type=int, default=256, help="generated JPEGs for the loader (256)")
     p.add_argument("--loader-repeats", type=int, default=3, help="loader passes, best kept (3)")
     p.add_argument("--timeout", type=float, default=420.0, help="seconds per launch (420)")
@@ -526,8 +591,9 @@ def parse_args() -> argparse.Namespace:
     if args.sections is None:
         args.sections = ",".join(QUICK_SECTIONS if args.quick else SECTIONS)
     if args.quick:
-        args.rounds, args.warmup, args.steps = 1, 10, 30
-        args.gpt_steps, args.timeout = 15, 90.0
+        args.rounds, args.warmup, args.steps, args.timeout = 1, 10, 30, 90.0
+        for dec in DECODERS:
+            setattr(args, f"{dec.option}_steps", dec.quick_steps)
     sections = [s.strip() for s in args.sections.split(",") if s.strip()]
     unknown = [s for s in sections if s not in SECTIONS]
     if unknown or not sections:
@@ -535,7 +601,8 @@ def parse_args() -> argparse.Namespace:
     args.sections = sections
     args.smoke_run = {}
     if args.cpu_smoke:
-        args.sections = [s for s in sections if s != "gpt_1b"]  # 1B parameters: not on a CPU
+        decoders = {dec.section for dec in DECODERS}  # 1B parameters: not on a CPU
+        args.sections = [s for s in sections if s not in decoders]
         args.rounds, args.batch, args.warmup, args.steps = 1, 8, 1, 2
         args.workers, args.jpegs, args.loader_repeats = 0, 8, 1
         args.smoke_run = {
@@ -545,10 +612,15 @@ def parse_args() -> argparse.Namespace:
             "num_classes": 10,
             "precision": "fp32",
         }
-    if min(args.rounds, args.batch, args.warmup, args.steps, args.gpt_steps) < 1:
-        p.error("--rounds, --batch, --warmup, --steps and --gpt-steps must be >= 1")
-    if args.gpt_batch % args.gpt_micro:
-        p.error(f"--gpt-batch {args.gpt_batch} is not a multiple of --gpt-micro {args.gpt_micro}")
+    if min(args.rounds, args.batch, args.warmup, args.steps) < 1:
+        p.error("--rounds, --batch, --warmup and --steps must be >= 1")
+    for dec in DECODERS:
+        run = DecoderRun.from_args(args, dec)
+        opt = f"--{dec.option}"
+        if min(run.batch, run.micro, run.steps) < 1:
+            p.error(f"{opt}-batch, {opt}-micro and {opt}-steps must be >= 1")
+        if run.batch % run.micro:
+            p.error(f"{opt}-batch {run.batch} is not a multiple of {opt}-micro {run.micro}")
     return args
 
 
@@ -579,17 +651,17 @@ def print_table(figures: dict[str, Any]) -> None:
             f"  for context: NVIDIA's published ResNet-50 v1.5 AMP training figure for one A100 "
             f"80GB is {A100_AMP_IMAGES_PER_S:,} images/s (another GPU and pipeline)"
         )
-    gpt = figures.get("gpt_1b")
-    if gpt:
-        if gpt.get("failed"):
-            print(f"gpt_1b: {gpt['failed']}")
-        else:
-            mfu = f"{gpt['mfu']:.1%}" if gpt["mfu"] is not None else "n/a (unknown GPU)"
-            print(
-                f"gpt_1b bf16 {'compiled' if gpt['compiled'] else 'eager'}: "
-                f"{gpt['tokens_per_s']:,.0f} tokens/s, MFU {mfu}, "
-                f"{gpt['tflops_per_s']:.0f} TFLOP/s, peak memory {gpt['peak_memory_mb']:,.0f} MB"
-            )
+    for name in figures.get("decoders", ()):
+        cell = figures[name]
+        if cell.get("failed"):
+            print(f"{name}: {cell['failed']}")
+            continue
+        mfu = f"{cell['mfu']:.1%}" if cell["mfu"] is not None else "n/a (unknown GPU)"
+        print(
+            f"{name} bf16 {'compiled' if cell['compiled'] else 'eager'}: "
+            f"{cell['tokens_per_s']:,.0f} tokens/s, MFU {mfu}, "
+            f"{cell['tflops_per_s']:.0f} TFLOP/s, peak memory {cell['peak_memory_mb']:,.0f} MB"
+        )
     loader = figures.get("loader")
     if loader:
         line = (
@@ -639,9 +711,13 @@ def main() -> int:
     if "resnet50" in args.sections:
         figures["resnet50"] = bench_resnet(args, out)
         ok &= all(figures["resnet50"][side]["failed"] is None for side in SIDES)
-    if "gpt_1b" in args.sections:
-        figures["gpt_1b"] = bench_gpt(args, out)
-        ok &= not figures["gpt_1b"].get("failed")
+    # The decoder sections run, in order: gpu_check.sh's table prints a row for each.
+    figures["decoders"] = [dec.section for dec in DECODERS if dec.section in args.sections]
+    for dec in DECODERS:
+        if dec.section in args.sections:
+            run = DecoderRun.from_args(args, dec)
+            figures[dec.section] = bench_decoder(run, out, timeout=args.timeout)
+            ok &= not figures[dec.section].get("failed")
     if "loader" in args.sections:
         rate = (figures.get("resnet50") or {}).get("trainer", {}).get("images_per_s")
         figures["loader"] = bench_loader(args, out, rate)

@@ -8,7 +8,7 @@
 # short scripts/bench_gpu.py, and prints one table, last: the tests' counts, the benchmark figures
 # and the time each part took.
 #   bash scripts/gpu_wheels.sh gpu_wheels          # beforehand, where the package index is reached
-#   bash scripts/gpu_check.sh                      # on the node: at most about 8 minutes on one H100
+#   bash scripts/gpu_check.sh                      # on the node: at most about 9 minutes on one H100
 #   bash scripts/gpu_check.sh -k fit               # extra arguments go to pytest
 #   GPU_CHECK_FULL=1 bash scripts/gpu_check.sh     # the long version: every CUDA test, 3 rounds
 #                                                  # of the benchmark and its loader section
@@ -44,7 +44,7 @@ else
     PYTEST_TIMEOUT=${GPU_CHECK_PYTEST_TIMEOUT:-270}
     SELECT=(-k "not (compiled_and_profiled and gpt_tiny) and not (nccl_process_group and zero1) and not fsdp_over_gloo")
     BENCH_ARGS=(--quick)
-    BENCH_TIMEOUT=180
+    BENCH_TIMEOUT=240
 fi
 OUT=${GPU_CHECK_OUT:-$(mktemp -d "${TMPDIR:-/tmp}/gpu_check.XXXXXX")}
 mkdir -p "$OUT" && OUT=$(cd "$OUT" && pwd) || exit 1
@@ -194,7 +194,7 @@ if [ "${GPU_CHECK_BENCH:-1}" != "0" ]; then
     BENCH_S=$((SECONDS - bench_started))
 fi
 
-# The verdict, then the table (printed last, and kept as summary.txt).
+# The verdict, then the table (scripts/gpu_check_summary.py: printed last, kept as summary.txt).
 if [ "$pytest_rc" -ne 0 ]; then
     status=1
     if [ "$pytest_rc" -eq 124 ] || [ "$pytest_rc" -eq 137 ]; then
@@ -216,69 +216,6 @@ else
 fi
 
 echo
-"$VPY" - "$OUT" "$pytest_rc" "$bench_rc" "$status" "$verdict" "$SETUP_S" "$TESTS_S" \
-    "$BENCH_S" "$((SECONDS - STARTED))" <<'EOF' | tee "$OUT/summary.txt"
-import json
-import sys
-import xml.etree.ElementTree as ET
-from pathlib import Path
-
-import torch
-
-out, pytest_rc, bench_rc, status, verdict = Path(sys.argv[1]), *map(int, sys.argv[2:5]), sys.argv[5]
-setup_s, tests_s, bench_s, total_s = map(int, sys.argv[6:10])
-rows = [("torch", f"{torch.__version__} (CUDA {torch.version.cuda})")]
-report = out / "cuda_tests.xml"
-if report.exists():
-    root = ET.parse(report).getroot()
-    suites = [root] if root.tag == "testsuite" else list(root.iter("testsuite"))
-    count = {k: sum(int(s.get(k, 0)) for s in suites) for k in ("tests", "failures", "errors", "skipped")}
-    passed = count["tests"] - count["failures"] - count["errors"] - count["skipped"]
-    rows.append(("cuda tests", f"{passed} passed, {count['failures']} failed, "
-                               f"{count['errors']} errors, {count['skipped']} skipped"))
-else:
-    rows.append(("cuda tests", f"no report (pytest exit code {pytest_rc})"))
-
-
-def num(value, fmt="{:,.0f}"):
-    return "n/a" if value is None else fmt.format(value)
-
-
-bench = out / "bench.json"
-if bench.exists():
-    figures = json.loads(bench.read_text())
-    rows.append(("device", figures.get("device", "?")))
-    resnet = figures.get("resnet50")
-    if resnet:
-        for side in ("trainer", "hand"):
-            cell = resnet[side]
-            rows.append((f"resnet50 bf16 channels_last images/s, {side}",
-                         cell["failed"] or num(cell["images_per_s"])))
-        rows.append(("resnet50 trainer / hand (paired)", num(resnet["ratio"], "{:.3f}")))
-        rows.append(("resnet50 A100 AMP, NVIDIA (context)", "2,470"))
-    gpt = figures.get("gpt_1b")
-    if gpt:
-        rows.append(("gpt_1b tokens/s", gpt.get("failed") or num(gpt.get("tokens_per_s"))))
-        rows.append(("gpt_1b MFU", num(gpt.get("mfu"), "{:.1%}")))
-    loader = figures.get("loader")
-    if loader:
-        rows.append(("loader JPEG images/s per core", num(loader["images_per_s_per_core"])))
-        rows.append(("cores to feed the Trainer's resnet50",
-                     num(loader.get("cores_for_trainer_rate"), "{:.1f}")))
-elif bench_rc == 2:
-    rows.append(("benchmarks", "not run: no CUDA device"))
-elif bench_rc in (124, 137):
-    rows.append(("benchmarks", "did not finish in time; see bench.log"))
-elif bench_rc:
-    rows.append(("benchmarks", f"failed (exit code {bench_rc}); see bench.log"))
-else:
-    rows.append(("benchmarks", "skipped (GPU_CHECK_BENCH=0)"))
-rows.append(("seconds: setup, tests, benchmark, all", f"{setup_s}, {tests_s}, {bench_s}, {total_s}"))
-rows.append(("result", f"{verdict} (exit code {status})"))
-
-width = max(len(name) for name, _ in rows)
-print(f"== gpu_check summary (outputs in {out})")
-for name, value in rows:
-    print(f"{name:<{width}}  {value}")
-EOF
+"$VPY" scripts/gpu_check_summary.py "$OUT" "$pytest_rc" "$bench_rc" "$status" "$verdict" \
+    "$SETUP_S" "$TESTS_S" "$BENCH_S" "$((SECONDS - STARTED))" | tee "$OUT/summary.txt"
 exit "$status"

@@ -15,6 +15,7 @@ import pytest
 import torch
 
 from sdnet_trainer import compose
+from sdnet_trainer.errors import ConfigError
 from tests.support import REPO, TINY, run_command
 
 SCRIPTS = REPO / "scripts"
@@ -109,18 +110,51 @@ def test_gpu_scripts_parse(script):
 
 
 def test_bench_gpu_quick_is_the_short_profile(bench_gpu, monkeypatch):
-    """gpu_check.sh's default benchmark: ResNet-50 (one round of each side) and gpt_1b, fewer
-    steps, 90 s per launch; sections given explicitly still win."""
+    """gpu_check.sh's default benchmark: ResNet-50 (one round of each side), gpt_1b and
+    llama3_1b, fewer steps, 90 s per launch; sections given explicitly still win."""
     monkeypatch.setattr(sys, "argv", ["bench_gpu.py", "--quick"])
     args = bench_gpu.parse_args()
-    assert args.sections == ["resnet50", "gpt_1b"]
+    assert args.sections == ["resnet50", "gpt_1b", "llama3_1b"]
     assert (args.rounds, args.warmup, args.steps, args.gpt_steps) == (1, 10, 30, 15)
+    assert args.llama_steps == 10  # about a minute on one H100, start-up included
     assert args.timeout == 90.0
     monkeypatch.setattr(sys, "argv", ["bench_gpu.py", "--quick", "--sections", "gpt_1b"])
     assert bench_gpu.parse_args().sections == ["gpt_1b"]
+    monkeypatch.setattr(sys, "argv", ["bench_gpu.py", "--sections", "llama3_1b,loader"])
+    assert bench_gpu.parse_args().sections == ["llama3_1b", "loader"]
     monkeypatch.setattr(sys, "argv", ["bench_gpu.py"])
     full = bench_gpu.parse_args()
-    assert full.sections == ["resnet50", "gpt_1b", "loader"] and full.rounds == 3
+    assert full.sections == ["resnet50", "gpt_1b", "llama3_1b", "loader"] and full.rounds == 3
+    assert (full.gpt_steps, full.llama_steps) == (25, 20)
+    # No 1B decoder on a CPU.
+    monkeypatch.setattr(sys, "argv", ["bench_gpu.py", "--cpu-smoke"])
+    assert bench_gpu.parse_args().sections == ["resnet50", "loader"]
+
+
+def test_bench_gpu_decoder_options_are_per_section(bench_gpu, monkeypatch):
+    """Each decoder section reads its own options; a batch that micro-batches do not divide is
+    refused with the section's option names."""
+    argv = ["bench_gpu.py", "--llama-batch", "12", "--llama-micro", "3", "--llama-compile"]
+    monkeypatch.setattr(sys, "argv", argv)
+    args = bench_gpu.parse_args()
+    gpt, llama = (bench_gpu.DecoderRun.from_args(args, dec) for dec in bench_gpu.DECODERS)
+    assert (gpt.decoder.section, gpt.batch, gpt.micro, gpt.steps, gpt.compile) == (
+        "gpt_1b",
+        8,
+        4,
+        25,
+        False,
+    )
+    assert (llama.decoder.section, llama.batch, llama.micro, llama.steps, llama.compile) == (
+        "llama3_1b",
+        12,
+        3,
+        20,
+        True,
+    )
+    monkeypatch.setattr(sys, "argv", ["bench_gpu.py", "--llama-batch", "6"])
+    with pytest.raises(SystemExit):
+        bench_gpu.parse_args()
 
 
 @pytest.mark.full  # seconds: out of the quick tier
@@ -161,11 +195,47 @@ def test_bench_gpu_runs_compose_as_described(bench_gpu, tmp_path):
     assert resolve_trainer_class(resnet.trainer._target_) is bench_gpu.GpuBenchTrainer
 
     args = argparse.Namespace(gpt_batch=8, gpt_micro=4, gpt_steps=25, gpt_compile=False)
-    gpt = compose(_config_keys(bench_gpu.gpt_keys(args, tmp_path)))
+    gpt_run = bench_gpu.DecoderRun.from_args(args, bench_gpu.DECODERS[0])
+    gpt = compose(_config_keys(bench_gpu.decoder_keys(gpt_run, tmp_path)))
     assert gpt.model.gpt.n_layers == 18 and gpt.model.gpt.dim == 2048  # configs/model/gpt_1b
     assert gpt.data.name == "tokens" and gpt.precision.dtype == "bf16"
+    assert (gpt.data.vocab_size, gpt.data.seq_len) == (32000, 2048)
     assert gpt.loop.global_batch_size == 8 and gpt.loop.grad_accum_steps == 2
     assert gpt.logging.flops  # MFU comes from the Trainer's own FLOP count
+
+
+def test_bench_gpu_llama3_1b_launch_passes_preflight_for_one_gpu(bench_gpu, tmp_path, monkeypatch):
+    """The llama3_1b launch is configs/model/llama3_1b on data=tokens with the model's vocabulary
+    and a 2,048-token context, and the whole-config validation the CLI runs before start accepts
+    it (and gpt_1b's) for one process on a machine with a GPU."""
+    from sdnet_trainer.preflight import validate
+
+    args = argparse.Namespace(llama_batch=8, llama_micro=4, llama_steps=10, llama_compile=False)
+    llama = bench_gpu.DECODERS[1]
+    keys = bench_gpu.decoder_keys(bench_gpu.DecoderRun.from_args(args, llama), tmp_path)
+    assert f"hydra.run.dir={tmp_path}" in keys
+    cfg = compose(_config_keys(keys))
+    sizes = cfg.model.llama
+    assert cfg.model.name == "llama" and (sizes.dim, sizes.n_layers) == (2048, 16)
+    assert (sizes.n_heads, sizes.n_kv_heads, sizes.hidden_dim) == (32, 8, 8192)
+    assert sizes.tie_embeddings and sizes.rope_scaling.rope_type == "llama3"
+    assert (cfg.data.name, cfg.data.vocab_size, cfg.data.seq_len) == ("tokens", 128256, 2048)
+    assert cfg.data.train_size == 8 * 11  # every step inside one epoch
+    assert cfg.precision.dtype == "bf16" and not cfg.compile.enabled
+    assert cfg.optim.name == "AdamW" and cfg.dist.device == "cuda"
+    assert (cfg.loop.global_batch_size, cfg.loop.grad_accum_steps, cfg.loop.max_steps) == (8, 2, 10)
+    assert cfg.logging.log_every_n_steps == 2 and cfg.logging.flops
+    # Without a GPU the validation refuses dist.device=cuda: it does run the device checks.
+    with pytest.raises(ConfigError, match="dist.device=cuda"):
+        validate(cfg, world_size=1)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    monkeypatch.delenv("LOCAL_RANK", raising=False)
+    monkeypatch.delenv("RANK", raising=False)
+    validate(cfg, world_size=1)
+    gpt_args = argparse.Namespace(gpt_batch=8, gpt_micro=4, gpt_steps=15, gpt_compile=False)
+    gpt_run = bench_gpu.DecoderRun.from_args(gpt_args, bench_gpu.DECODERS[0])
+    validate(compose(_config_keys(bench_gpu.decoder_keys(gpt_run, tmp_path))), world_size=1)
 
 
 @pytest.mark.full  # seconds: out of the quick tier
@@ -194,5 +264,6 @@ def test_bench_gpu_machinery_runs_on_the_cpu(tmp_path):
     assert loader["cores_for_trainer_rate"] == pytest.approx(
         resnet["trainer"]["images_per_s"] / loader["images_per_s_per_core"]
     )
-    assert "gpt_1b" not in figures  # not on a CPU
+    assert figures["decoders"] == []  # no 1B decoder on a CPU
+    assert "gpt_1b" not in figures and "llama3_1b" not in figures
     assert "2,470 images/s" in launch.output and "trainer / hand" in launch.output

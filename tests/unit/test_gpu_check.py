@@ -6,13 +6,18 @@ gpu_image_python); the wheel folder holds what scripts/gpu_wheels.sh downloads, 
 the installed distributions (no index is reached). pip is pointed at no index and HTTP goes to a
 dead proxy, so a check that tried the network fails here. Without a GPU the check must get
 through its install and the collection of every CUDA test and exit 2 ("no CUDA device"), not 1.
+The closing table's benchmark rows (scripts/gpu_check_summary.py) are checked on a bench.json
+made here from scripts/bench_gpu.py's own summaries.
 """
 
 from __future__ import annotations
 
 import base64
 import hashlib
+import importlib
 import importlib.metadata
+import json
+import re
 import subprocess
 import sys
 import xml.etree.ElementTree as ET
@@ -22,9 +27,6 @@ from pathlib import Path
 import pytest
 
 from tests.support import REPO, gpu_image_python, run_command
-
-# Each test runs the whole check (an install and a collection): out of the quick tier.
-pytestmark = pytest.mark.full
 
 SCRIPT = REPO / "scripts" / "gpu_check.sh"
 # What scripts/gpu_lane_requirements.txt names: the wheels a GPU node gets from the folder.
@@ -68,6 +70,10 @@ def wheel_from_installed(name: str, out_dir: Path) -> Path:
     return wheel
 
 
+# The tests that run the whole check (an install and a collection) are out of the quick tier.
+whole_check = pytest.mark.full
+
+
 @pytest.fixture(scope="module")
 def image(tmp_path_factory) -> tuple[Path, Path]:
     """(the image's Python, the wheel folder)."""
@@ -102,6 +108,7 @@ def _gpu_check(tmp_path: Path, python: Path, wheels: Path, *args: str, **env: st
     return launch, out
 
 
+@whole_check
 def test_gpu_check_installs_offline_collects_every_cuda_test_and_exits_2_without_a_gpu(
     tmp_path, image
 ):
@@ -130,6 +137,7 @@ def test_gpu_check_installs_offline_collects_every_cuda_test_and_exits_2_without
     assert "benchmarks" in "\n".join(summary) and "no CUDA device" in "\n".join(summary)
 
 
+@whole_check
 def test_gpu_check_without_the_wheel_folder_says_how_to_make_it(tmp_path, image):
     python, _ = image
     launch, out = _gpu_check(tmp_path, python, tmp_path / "no_wheels")
@@ -138,6 +146,7 @@ def test_gpu_check_without_the_wheel_folder_says_how_to_make_it(tmp_path, image)
     assert "Looking in indexes" not in (out / "setup.log").read_text()
 
 
+@whole_check
 def test_gpu_check_names_the_torch_it_needs(tmp_path):
     """A Python whose torch is older than pyproject.toml's minimum: one line, before any setup."""
     fake = tmp_path / "fake"
@@ -154,3 +163,75 @@ def test_gpu_check_names_the_torch_it_needs(tmp_path):
         "has torch 2.10.0+cu128"
     ), launch.output
     assert not (out / "cuda_tests.xml").exists()
+
+
+@pytest.fixture
+def scripts(monkeypatch):
+    """(bench_gpu, gpu_check_summary) as gpu_check.sh runs them, from scripts/."""
+    monkeypatch.syspath_prepend(str(REPO / "scripts"))
+    return importlib.import_module("bench_gpu"), importlib.import_module("gpu_check_summary")
+
+
+def _metrics(tokens_per_s: list[float], mfu: list[float]) -> list[dict]:
+    """metrics.jsonl rows as the Trainer writes them: a log point per entry, a row without."""
+    rows: list[dict] = [{"step": 0, "train/loss": 11.8}]
+    for step, (tokens, share) in enumerate(zip(tokens_per_s, mfu, strict=True), start=1):
+        rows.append(
+            {
+                "step": 2 * step,
+                "perf/tokens_per_s": tokens,
+                "perf/mfu": share,
+                "perf/tflops_per_s": share * 989.4,
+                "perf/peak_memory_mb": 40000.0 + step,
+            }
+        )
+    return rows
+
+
+def test_the_table_has_a_row_for_each_decoder_section(scripts, tmp_path, capsys):
+    bench_gpu, summary = scripts
+    gpt, llama = bench_gpu.DECODERS
+    run = bench_gpu.DecoderRun(llama, batch=8, micro=4, steps=10, compile=False)
+    # The first log point (the first step's allocations) is left out; the median of the rest.
+    rows = _metrics([9000.0, 31000.0, 30000.0, 32000.0, 31500.0], [0.1, 0.41, 0.40, 0.43, 0.42])
+    figures_llama = bench_gpu.decoder_summary(
+        rows, run=run, seconds=50.0, other=0.1, source=tmp_path
+    )
+    assert figures_llama["tokens_per_s"] == 31250.0 and figures_llama["mfu"] == 0.415
+    assert figures_llama["log_points"] == 4 and figures_llama["peak_memory_mb"] == 40005.0
+    assert "31,250 tokens/s  MFU 41.5%" in capsys.readouterr().out  # bench_gpu's own line
+    figures = {
+        "device": "NVIDIA H100 80GB HBM3",
+        "decoders": [gpt.section, llama.section],
+        gpt.section: {"failed": "FAILED (log in out/gpt_1b.log)"},
+        llama.section: figures_llama,
+    }
+    (tmp_path / "bench.json").write_text(json.dumps(figures))
+    argv = [str(tmp_path), "0", "0", "0", "passed", "20", "200", "210", "430"]
+    assert summary.main(argv) == 0
+    table = capsys.readouterr().out.splitlines()
+    assert table[0] == f"== gpu_check summary (outputs in {tmp_path})"
+    cells = dict(re.split(r"\s{2,}", line, maxsplit=1) for line in table[1:])
+    # One column of values, after the longest name and two spaces.
+    starts = {line.index(value, len(name)) for line, (name, value) in zip(table[1:], cells.items())}
+    assert starts == {len("seconds: setup, tests, benchmark, all") + 2}, table
+    assert cells["device"] == "NVIDIA H100 80GB HBM3"
+    assert cells["gpt_1b tokens/s"] == "FAILED (log in out/gpt_1b.log)"
+    assert cells["gpt_1b MFU"] == "n/a"
+    assert cells["llama3_1b tokens/s"] == "31,250"
+    assert cells["llama3_1b MFU"] == "41.5%"
+    names = list(cells)
+    assert names.index("gpt_1b MFU") < names.index("llama3_1b tokens/s")  # bench_gpu's order
+    assert names[-2:] == ["seconds: setup, tests, benchmark, all", "result"]
+    assert cells["result"] == "passed (exit code 0)"
+    assert "no report (pytest exit code 0)" in cells["cuda tests"]  # no cuda_tests.xml here
+
+
+def test_the_table_lists_only_the_decoders_that_ran(scripts, tmp_path, capsys):
+    _, summary = scripts
+    figures = {"device": "NVIDIA H100 80GB HBM3", "decoders": []}
+    (tmp_path / "bench.json").write_text(json.dumps(figures))
+    summary.main([str(tmp_path), "0", "0", "0", "passed", "1", "2", "3", "6"])
+    out = capsys.readouterr().out
+    assert "tokens/s" not in out and "MFU" not in out
+    assert "device" in out and "NVIDIA H100 80GB HBM3" in out
