@@ -487,11 +487,8 @@ def bench_loader(args: argparse.Namespace, out: Path, resnet_rate: float | None)
     from bench_loader import rate, write_images
     from torch.utils.data import DataLoader
 
-    from sdnet_trainer.data.folders import (
-        CheckedImageFolder,
-        defer_normalization,
-        imagenet_transforms,
-    )
+    from sdnet_trainer.data.folders import CheckedImageFolder, imagenet_transforms
+    from sdnet_trainer.data.normalize import defer_normalization
 
     root = out / "jpegs"
     shutil.rmtree(root, ignore_errors=True)

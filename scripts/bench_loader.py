@@ -39,10 +39,10 @@ from torch.utils.data import DataLoader, Dataset
 from sdnet_trainer.data.folders import (
     CheckedImageFolder,
     EncodedJpegFolder,
-    defer_normalization,
     imagenet_transforms,
 )
 from sdnet_trainer.data.jpeg import collate_encoded
+from sdnet_trainer.data.normalize import defer_normalization
 
 
 def write_images(root: Path, count: int, *, seed: int = 0) -> None:

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable, Iterator
+from typing import Any
 
 from torch.utils.data import Dataset
 
@@ -16,38 +17,49 @@ from sdnet_trainer.config.schema import Config, DataConfig
 from sdnet_trainer.data.augment import BatchMixer, changed_augment_keys, validate_augment
 from sdnet_trainer.data.bad_samples import ON_BAD_SAMPLE, BadSampleError, SkippedSamples
 from sdnet_trainer.data.chat import TEMPLATES as CHAT_TEMPLATES
-from sdnet_trainer.data.chat import build_chat
-from sdnet_trainer.data.cifar import build_cifar10
-from sdnet_trainer.data.folders import CheckedImageFolder, build_imagefolder
-from sdnet_trainer.data.hf import HFImages, build_hf
 from sdnet_trainer.data.loader import build_loader, check_loader_options
 from sdnet_trainer.data.sampler import GlobalBatchSampler, ShardedEvalSampler
-from sdnet_trainer.data.shards import ShardImages, ShardText, build_shards
-from sdnet_trainer.data.synthetic import SyntheticImages, build_synthetic
-from sdnet_trainer.data.text import build_text
+from sdnet_trainer.data.synthetic import SyntheticImages
 from sdnet_trainer.data.token_cache import IGNORE_INDEX, PackedTokens
-from sdnet_trainer.data.tokens import MarkovTokens, TextBytes, TokenWindows, build_tokens
+from sdnet_trainer.data.tokens import MarkovTokens, TextBytes, TokenWindows
 from sdnet_trainer.errors import ConfigError
+from sdnet_trainer.lazy import loaded_types, resolve
 
 logger = logging.getLogger(__name__)
 
 # The language-model data sets: (inputs, targets) token sequences rather than labelled images.
 LM_DATASETS = ("tokens", "text", "chat")
 
-# (train, val); val is None where the data has no validation split.
-_BUILDERS: dict[str, Callable[[DataConfig], tuple[Dataset, Dataset | None]]] = {
-    "synthetic": build_synthetic,
-    "imagefolder": build_imagefolder,
-    "cifar10": build_cifar10,
+# Each builder returns (train, val); val is None where the data has no validation split. They are
+# named as "module:function" and imported when used: the image data sets' modules import
+# torchvision, which a run of other data never needs (see sdnet_trainer/lazy.py).
+_BUILDERS: dict[str, str] = {
+    "synthetic": "sdnet_trainer.data.synthetic:build_synthetic",
+    "imagefolder": "sdnet_trainer.data.folders:build_imagefolder",
+    "cifar10": "sdnet_trainer.data.cifar:build_cifar10",
     # Language models: (inputs, targets) token sequences.
-    "tokens": build_tokens,
-    "text": build_text,
-    "chat": build_chat,
+    "tokens": "sdnet_trainer.data.tokens:build_tokens",
+    "text": "sdnet_trainer.data.text:build_text",
+    "chat": "sdnet_trainer.data.chat:build_chat",
     # Labelled images, or text for a language model when data.text_column is set.
-    "hf": build_hf,
+    "hf": "sdnet_trainer.data.hf:build_hf",
     # Tar shards (WebDataset layout) of images or of text, local or at an fsspec URL.
-    "shards": build_shards,
+    "shards": "sdnet_trainer.data.shards:build_shards",
 }
+# The image data sets' classes, exported here and imported on first access for the same reason.
+_LAZY_EXPORTS = {
+    "CheckedImageFolder": "sdnet_trainer.data.folders:CheckedImageFolder",
+    "HFImages": "sdnet_trainer.data.hf:HFImages",
+    "ShardImages": "sdnet_trainer.data.shards:ShardImages",
+    "ShardText": "sdnet_trainer.data.shards:ShardText",
+}
+
+
+def __getattr__(name: str) -> Any:
+    target = _LAZY_EXPORTS.get(name)
+    if target is None:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    return resolve(target)
 
 
 def is_language_model_data(cfg: DataConfig, dataset: Dataset | None = None) -> bool:
@@ -56,16 +68,19 @@ def is_language_model_data(cfg: DataConfig, dataset: Dataset | None = None) -> b
     ``dataset`` where there is one."""
     if cfg.name in LM_DATASETS or (cfg.name == "hf" and cfg.text_column is not None):
         return True
-    return any(isinstance(current, ShardText) for current in _unwrapped(dataset))
+    # Shard text exists only where its module is imported; other runs need not import it.
+    shard_text = loaded_types("sdnet_trainer.data.shards.text", "ShardText")
+    return any(isinstance(current, shard_text) for current in _unwrapped(dataset))
 
 
 def build_datasets(cfg: DataConfig) -> tuple[Dataset, Dataset | None]:
     """The (train, val) datasets named by ``cfg.name``."""
-    builder = _BUILDERS.get(cfg.name)
-    if builder is None:
+    target = _BUILDERS.get(cfg.name)
+    if target is None:
         raise ConfigError(
             f"data.name={cfg.name!r} is not a known dataset; choose one of {sorted(_BUILDERS)}"
         )
+    builder: Callable[[DataConfig], tuple[Dataset, Dataset | None]] = resolve(target)
     return builder(cfg)
 
 
@@ -166,6 +181,16 @@ def resolve_num_classes(cfg: Config, train_set: Dataset) -> None:
     logger.info("num_classes=%d (%s)", count, source)
 
 
+def host_decoded(dataset: Dataset) -> Dataset:
+    """``dataset`` with its images decoded on the host: for an image folder decoded on the GPU
+    (``data.decode=cuda``), the same files through the CPU path (what the FLOPs count reads);
+    any other data set as it is."""
+    # Matched without importing data/folders.py, which imports torchvision (sdnet_trainer/lazy.py).
+    if isinstance(dataset, loaded_types("sdnet_trainer.data.folders", "EncodedJpegFolder")):
+        return dataset.decoded()
+    return dataset
+
+
 def skipped_samples(dataset: Dataset | None) -> Callable[[], int] | None:
     """How many samples of ``dataset`` were replaced so far under ``data.on_bad_sample=skip``
     (workers' loads included), as a callable for
@@ -204,6 +229,7 @@ __all__ = [
     "build_datasets",
     "build_loader",
     "data_num_classes",
+    "host_decoded",
     "is_language_model_data",
     "resolve_num_classes",
     "skipped_samples",

@@ -1,13 +1,6 @@
-"""Image transforms as config (``data.augment.*``) and the training batch mixer
-(``data.mixup_alpha``, ``data.cutmix_alpha``), built with torchvision's v2 transforms the way its
-classification reference builds them (``references/classification/presets.py``).
-
-Every data set of image files (imagefolder, cifar10, shards, hf images) takes its (train, val)
-transforms from :func:`build_transforms`::
-
-    train: geometry of the preset -> auto-augment policy -> PILToTensor -> ToDtype(float32,
-           scale=True) -> Normalize -> RandomErasing
-    val:   Resize -> CenterCrop (preset none: resize only) -> PILToTensor -> ToDtype -> Normalize
+"""``data.augment.*``, ``data.mixup_alpha`` and ``data.cutmix_alpha`` as config: their checks,
+the presets and the sizes they give, and the training batch mixer (:class:`BatchMixer`). The
+transforms themselves are built in :mod:`~sdnet_trainer.data.transforms`.
 
 The presets (``data.augment.preset``; auto picks cifar for train crops of at most 64 px, imagenet
 above):
@@ -18,9 +11,9 @@ above):
   the crop (4 px at 32) and randomly cropped back + flip; val takes the image at the crop size;
 - ``none``: every image resized to the crop size, nothing random but what the other keys add.
 
-The tail ``PILToTensor -> ToDtype -> Normalize`` is what ``defer_normalization`` (data/folders.py)
-moves to the device on CUDA. Random erasing works on the normalized image (its fill, 0, is the
-mean colour), so it follows Normalize and a pipeline with it stays on the float path.
+This module imports no torchvision (see :mod:`~sdnet_trainer.lazy`): every run checks its config
+here, and only runs of image files build transforms. The mixer imports torchvision's v2 when one is
+built.
 
 MixUp / CutMix (:class:`BatchMixer`) run on each training micro-batch once it is on the device:
 after the device normalization of the uint8 path (mixing uint8 pixels would round), on the GPU
@@ -31,12 +24,9 @@ epoch is known to seed its draws; a collate function runs in loader workers that
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Sequence
 from typing import Any, NamedTuple
 
 import torch
-from torchvision.transforms import v2
-from torchvision.transforms.v2 import InterpolationMode
 
 from sdnet_trainer.config.checks import check_choice, check_positive
 from sdnet_trainer.config.schema import AugmentConfig, DataConfig
@@ -52,11 +42,8 @@ CIFAR10_STD = (0.2470, 0.2435, 0.2616)
 # data.augment.preset, data.augment.auto_augment (or null), data.augment.interpolation
 PRESETS = ("auto", "imagenet", "cifar", "none")
 AUTO_AUGMENTS = ("ta_wide", "ra", "augmix", "imagenet")
-INTERPOLATIONS = {
-    "bilinear": InterpolationMode.BILINEAR,
-    "bicubic": InterpolationMode.BICUBIC,
-    "nearest": InterpolationMode.NEAREST,
-}
+# The names of torchvision's InterpolationMode values (data/transforms.py maps them).
+INTERPOLATIONS = ("bilinear", "bicubic", "nearest")
 # auto: train crops up to this size take the cifar preset. Small images carry their content at
 # the full frame: cropping 8% of a 32 px digit leaves nothing of it.
 AUTO_CIFAR_MAX_CROP = 64
@@ -101,78 +88,6 @@ def crop_sizes(cfg: DataConfig) -> CropSizes:
     return CropSizes(aug.train_crop_size or cfg.image_size, val_resize, val_crop)
 
 
-def build_transforms(
-    cfg: DataConfig,
-    *,
-    mean: Sequence[float] = IMAGENET_MEAN,
-    std: Sequence[float] = IMAGENET_STD,
-) -> tuple[v2.Compose, v2.Compose]:
-    """(train, val) transforms of PIL images to normalized float32 [C, H, W] tensors, as
-    ``data.augment`` describes them; ``mean`` / ``std`` are the data's statistics. The keys are
-    checked first (also for callers that build a DataConfig themselves)."""
-    validate_augment(cfg)
-    aug, preset, sizes = cfg.augment, resolve_preset(cfg), crop_sizes(cfg)
-    interpolation = INTERPOLATIONS[aug.interpolation]
-    train: list[Any] = _train_geometry(preset, sizes.train_crop, aug.hflip, interpolation)
-    policy = _auto_augment(aug, interpolation)
-    if policy is not None:
-        train.append(policy)
-    train += _normalized(mean, std)
-    if aug.random_erase > 0:
-        train.append(v2.RandomErasing(p=aug.random_erase))
-    val = _val_geometry(preset, sizes, interpolation) + _normalized(mean, std)
-    return v2.Compose(train), v2.Compose(val)
-
-
-def _train_geometry(
-    preset: str, crop: int, hflip: float, interpolation: InterpolationMode
-) -> list[Any]:
-    if preset == "none":
-        return [v2.Resize((crop, crop), interpolation=interpolation)]
-    if preset == "imagenet":
-        steps: list[Any] = [v2.RandomResizedCrop(crop, interpolation=interpolation)]
-    else:  # cifar: the image at the crop size (resizing is a no-op where it already is)
-        steps = [
-            v2.Resize(crop, interpolation=interpolation),
-            v2.CenterCrop(crop),
-            v2.RandomCrop(crop, padding=crop // 8),
-        ]
-    if hflip > 0:  # p=0 would still draw a number per image
-        steps.append(v2.RandomHorizontalFlip(hflip))
-    return steps
-
-
-def _val_geometry(preset: str, sizes: CropSizes, interpolation: InterpolationMode) -> list[Any]:
-    if preset == "none":
-        return [v2.Resize((sizes.val_crop, sizes.val_crop), interpolation=interpolation)]
-    return [
-        v2.Resize(sizes.val_resize, interpolation=interpolation),
-        v2.CenterCrop(sizes.val_crop),
-    ]
-
-
-def _auto_augment(aug: AugmentConfig, interpolation: InterpolationMode) -> v2.Transform | None:
-    if aug.auto_augment is None:
-        return None
-    if aug.auto_augment == "ta_wide":
-        return v2.TrivialAugmentWide(interpolation=interpolation)
-    if aug.auto_augment == "ra":
-        return v2.RandAugment(magnitude=aug.ra_magnitude, interpolation=interpolation)
-    if aug.auto_augment == "augmix":
-        return v2.AugMix(severity=aug.augmix_severity, interpolation=interpolation)
-    return v2.AutoAugment(v2.AutoAugmentPolicy.IMAGENET, interpolation=interpolation)
-
-
-def _normalized(mean: Sequence[float], std: Sequence[float]) -> list[Any]:
-    """PIL image -> uint8 tensor -> float32 in [0, 1] -> normalized: the tail that
-    ``defer_normalization`` recognises and moves to the device."""
-    return [
-        v2.PILToTensor(),
-        v2.ToDtype(torch.float32, scale=True),
-        v2.Normalize(list(mean), list(std)),
-    ]
-
-
 def changed_augment_keys(aug: AugmentConfig) -> list[str]:
     """The ``data.augment.*`` keys set to something other than their default."""
     default = AugmentConfig()
@@ -190,7 +105,7 @@ def validate_augment(cfg: DataConfig) -> None:
     check_choice("data.augment.preset", aug.preset, PRESETS)
     if aug.auto_augment is not None:
         check_choice("data.augment.auto_augment", aug.auto_augment, AUTO_AUGMENTS)
-    check_choice("data.augment.interpolation", aug.interpolation, tuple(INTERPOLATIONS))
+    check_choice("data.augment.interpolation", aug.interpolation, INTERPOLATIONS)
     if not 0 <= aug.ra_magnitude < _RA_BINS:
         raise ConfigError(
             f"data.augment.ra_magnitude={aug.ra_magnitude} must be in [0, {_RA_BINS - 1}]"
@@ -275,6 +190,9 @@ class BatchMixer:
     def __init__(
         self, *, mixup_alpha: float, cutmix_alpha: float, num_classes: int, seed: int
     ) -> None:
+        # Imported here, not at the top: a run without mixing needs no torchvision.
+        from torchvision.transforms import v2
+
         mixers: list[v2.Transform] = []
         if mixup_alpha > 0:
             mixers.append(v2.MixUp(alpha=mixup_alpha, num_classes=num_classes))

@@ -20,8 +20,9 @@ from torchvision import datasets
 from torchvision.transforms import v2
 
 from sdnet_trainer.config.schema import AugmentConfig, DataConfig
-from sdnet_trainer.data.augment import CIFAR10_MEAN, CIFAR10_STD, build_transforms
+from sdnet_trainer.data.augment import CIFAR10_MEAN, CIFAR10_STD
 from sdnet_trainer.data.folders import require_rgb, require_root
+from sdnet_trainer.data.transforms import build_transforms
 from sdnet_trainer.errors import ConfigError
 
 logger = logging.getLogger(__name__)

@@ -8,7 +8,8 @@ An image file that is there but cannot be decoded only shows when it is loaded;
 :mod:`~sdnet_trainer.data.bad_samples`). Transforms come from ``data.augment``
 (:func:`~sdnet_trainer.data.augment.build_transforms`).
 
-On CUDA the loader can hand images to the device as uint8 (:func:`defer_normalization`, with
+On CUDA the loader can hand images to the device as uint8
+(:func:`~sdnet_trainer.data.normalize.defer_normalization`, with
 :class:`~sdnet_trainer.data.normalize.DeviceNormalize` on the device). ``data.decode=cuda`` goes
 further: the loader only reads the JPEG files and draws each one's crop, and the device decodes
 them (:class:`EncodedJpegFolder`, :mod:`~sdnet_trainer.data.jpeg`).
@@ -16,7 +17,6 @@ them (:class:`EncodedJpegFolder`, :mod:`~sdnet_trainer.data.jpeg`).
 
 from __future__ import annotations
 
-import copy
 import logging
 from pathlib import Path
 from typing import Any
@@ -27,7 +27,7 @@ from torchvision.transforms import v2
 
 from sdnet_trainer.config.checks import check_choice
 from sdnet_trainer.config.schema import AugmentConfig, DataConfig
-from sdnet_trainer.data.augment import IMAGENET_MEAN, IMAGENET_STD, build_transforms, crop_sizes
+from sdnet_trainer.data.augment import IMAGENET_MEAN, IMAGENET_STD, crop_sizes
 from sdnet_trainer.data.bad_samples import (
     ON_BAD_SAMPLE,
     BadSampleError,
@@ -35,8 +35,10 @@ from sdnet_trainer.data.bad_samples import (
     failure_reason,
     first_loadable,
 )
-from sdnet_trainer.data.jpeg import DECODE, JPEG_SUFFIXES, DeviceDecoder, JpegCrop, read_jpeg
-from sdnet_trainer.data.normalize import DeviceNormalize, deferrable_tail
+from sdnet_trainer.data.jpeg import JPEG_SUFFIXES, DeviceDecoder, JpegCrop, read_jpeg
+from sdnet_trainer.data.loader import DECODE
+from sdnet_trainer.data.normalize import DeviceNormalize
+from sdnet_trainer.data.transforms import build_transforms
 from sdnet_trainer.errors import ConfigError
 
 logger = logging.getLogger(__name__)
@@ -185,30 +187,6 @@ class EncodedJpegFolder(CheckedImageFolder):
             transform=transform,
             on_bad_sample=self.on_bad_sample,
         )
-
-
-def defer_normalization(dataset: Dataset) -> tuple[Dataset, DeviceNormalize] | None:
-    """``dataset`` delivering uint8 tensors, and what turns them into its float images on the
-    device; None where ``dataset`` is not an image folder or CIFAR-10 data set
-    (:mod:`~sdnet_trainer.data.cifar`) or its transform does not end in one of the tails that
-    :func:`~sdnet_trainer.data.normalize.deferrable_tail` knows. A transform with anything after
-    ``Normalize`` (``data.augment.random_erase``: erasing fills with 0, the mean colour, in
-    normalized units) is not deferred: the loader then hands over float images.
-
-    The result is a shallow copy with its own transform (files, labels and the skip counter are
-    shared): the original keeps producing float images for whoever else reads it (the FLOPs
-    count, export).
-    """
-    if not isinstance(dataset, (CheckedImageFolder, datasets.CIFAR10)):
-        return None
-    tail = deferrable_tail(dataset.transform)
-    if tail is None:
-        return None
-    uint8_transform, device_half = tail
-    uint8 = copy.copy(dataset)
-    uint8.transform = uint8_transform
-    uint8.transforms = datasets.vision.StandardTransform(uint8.transform, uint8.target_transform)
-    return uint8, device_half
 
 
 def _image_folder(

@@ -21,8 +21,6 @@ from sdnet_trainer.data.augment import EVAL_CROP_RATIO
 from sdnet_trainer.data.bad_samples import BadSampleError
 from sdnet_trainer.data.normalize import DeviceNormalize
 
-# data.decode
-DECODE = ("cpu", "cuda")
 JPEG_SUFFIXES = (".jpg", ".jpeg")
 _JPEG_MAGIC = b"\xff\xd8\xff"
 

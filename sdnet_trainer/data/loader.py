@@ -17,7 +17,7 @@ from __future__ import annotations
 import logging
 import os
 from collections.abc import Callable, Generator
-from typing import Any, NamedTuple, Protocol
+from typing import TYPE_CHECKING, Any, NamedTuple, Protocol
 
 import torch
 from torch.utils.data import DataLoader, Dataset, Sampler
@@ -25,14 +25,19 @@ from torch.utils.data import DataLoader, Dataset, Sampler
 from sdnet_trainer.config.checks import check_choice, check_positive
 from sdnet_trainer.config.schema import DataConfig
 from sdnet_trainer.data.augment import BatchMixer
-from sdnet_trainer.data.folders import defer_normalization
-from sdnet_trainer.data.jpeg import DECODE, DeviceDecoder, EncodedImages, collate_encoded
-from sdnet_trainer.data.normalize import DeviceNormalize
+from sdnet_trainer.data.normalize import DeviceNormalize, defer_normalization
 from sdnet_trainer.data.sampler import EvalBatchSampler, GlobalBatchSampler
 from sdnet_trainer.data.seeding import EpochTaggedBatches, SampleSeeded, draws_random
 from sdnet_trainer.errors import ConfigError
+from sdnet_trainer.lazy import loaded_types
+
+if TYPE_CHECKING:
+    from sdnet_trainer.data.jpeg import DeviceDecoder
 
 logger = logging.getLogger(__name__)
+
+# data.decode
+DECODE = ("cpu", "cuda")
 
 
 def check_loader_options(cfg: DataConfig) -> None:
@@ -265,6 +270,10 @@ class RunData:
                     f"data.decode=cuda decodes on the GPU, but this rank trains on {device}; "
                     f"set data.decode=cpu"
                 )
+            # The data set's decoder comes from data/jpeg.py (torchvision), imported already;
+            # other runs never import it.
+            from sdnet_trainer.data.jpeg import collate_encoded
+
             collate = collate_encoded
         elif on_cuda if uint8_inputs is None else uint8_inputs:  # default: on CUDA
             train_set, val_set = self._defer_normalization(train_set, val_set)
@@ -386,7 +395,9 @@ class RunData:
 
     def _finish(self, item: Any) -> Any:
         memory_format = torch.channels_last if self.channels_last else torch.contiguous_format
-        if isinstance(item, EncodedImages) and self.decoder is not None:
+        # A batch of encoded files exists only where data/jpeg.py is imported (data.decode=cuda).
+        encoded = loaded_types("sdnet_trainer.data.jpeg", "EncodedImages")
+        if isinstance(item, encoded) and self.decoder is not None:
             return self.decoder(item, self.device, memory_format=memory_format)
         if (
             self.normalize is not None

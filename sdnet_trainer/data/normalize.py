@@ -3,18 +3,22 @@
 On CUDA the loader hands images to the device as uint8 and they are converted to float and
 normalized there (:class:`DeviceNormalize`): a quarter of the bytes to copy, and the per-pixel
 float work off the loader's cores. :func:`deferrable_tail` splits a transform into its uint8 half
-and the device half; :func:`~sdnet_trainer.data.folders.defer_normalization` applies it to the
-data sets built from files.
+and the device half; :func:`defer_normalization` applies it to the data sets built from files.
+
+Every run's loader imports this module, so it imports torchvision only where an image data set is
+at hand, which has imported it already (see :mod:`~sdnet_trainer.lazy`).
 """
 
 from __future__ import annotations
 
+import copy
 from collections.abc import Sequence
 from typing import Any
 
 import torch
-from torchvision import transforms
-from torchvision.transforms import v2
+from torch.utils.data import Dataset
+
+from sdnet_trainer.lazy import loaded_types
 
 
 class DeviceNormalize:
@@ -71,19 +75,49 @@ class DeviceNormalize:
         return out.sub_(mean).div_(std)  # as Normalize
 
 
-# The tails of a transform that defer_normalization moves to the device: v2's
-# PILToTensor | ToImage -> ToDtype(float32, scale=True) -> Normalize (data.augment's pipelines),
-# and the older ToTensor -> Normalize (a transform of one's own).
-_TO_UINT8 = (v2.PILToTensor, v2.ToImage)
+def defer_normalization(dataset: Dataset) -> tuple[Dataset, DeviceNormalize] | None:
+    """``dataset`` delivering uint8 tensors, and what turns them into its float images on the
+    device; None where ``dataset`` is not an image folder or CIFAR-10 data set
+    (:mod:`~sdnet_trainer.data.folders`, :mod:`~sdnet_trainer.data.cifar`) or its transform does
+    not end in one of the tails that :func:`deferrable_tail` knows. A transform with anything after
+    ``Normalize`` (``data.augment.random_erase``: erasing fills with 0, the mean colour, in
+    normalized units) is not deferred: the loader then hands over float images.
+
+    The result is a shallow copy with its own transform (files, labels and the skip counter are
+    shared): the original keeps producing float images for whoever else reads it (the FLOPs
+    count, export).
+    """
+    # Checked without importing them: other data (synthetic, tokens) never loads torchvision.
+    image_sets = loaded_types("sdnet_trainer.data.folders", "CheckedImageFolder")
+    image_sets += loaded_types("torchvision.datasets", "CIFAR10")
+    if not isinstance(dataset, image_sets):
+        return None
+    tail = deferrable_tail(dataset.transform)
+    if tail is None:
+        return None
+    # An image data set is at hand, so torchvision is imported already.
+    from torchvision.datasets.vision import StandardTransform
+
+    uint8_transform, device_half = tail
+    uint8 = copy.copy(dataset)
+    uint8.transform = uint8_transform
+    uint8.transforms = StandardTransform(uint8.transform, uint8.target_transform)
+    return uint8, device_half
 
 
 def deferrable_tail(transform: Any) -> tuple[Any, DeviceNormalize] | None:
-    """(the transform up to uint8 tensors, the device half) of a transform that ends in a tail
-    above; None for any other."""
+    """(the transform up to uint8 tensors, the device half) of a transform that ends in one of
+    the tails the device takes over: v2's PILToTensor | ToImage -> ToDtype(float32, scale=True) ->
+    Normalize (data.augment's pipelines), or the older ToTensor -> Normalize (a transform of one's
+    own); None for any other."""
+    # Called with an image data set's transform: torchvision is imported already.
+    from torchvision import transforms
+    from torchvision.transforms import v2
+
     if isinstance(transform, v2.Compose) and len(transform.transforms) >= 3:
         *head, to_uint8, to_float, normalize = transform.transforms
         if (
-            type(to_uint8) in _TO_UINT8
+            type(to_uint8) in (v2.PILToTensor, v2.ToImage)
             and type(to_float) is v2.ToDtype
             and to_float.dtype == torch.float32
             and to_float.scale

@@ -17,13 +17,11 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.distributed.pipelining import PipelineStage
-from torch.distributed.pipelining.schedules import PipelineScheduleSingle, get_schedule_class
 
 from sdnet_trainer.compat import local_stage_handoff, pipeline_keeps_buffers
 from sdnet_trainer.config.schema import Config, PipelineConfig
@@ -31,6 +29,9 @@ from sdnet_trainer.distributed.batching import batch_layout
 from sdnet_trainer.distributed.mesh import parallel_dims
 from sdnet_trainer.errors import ConfigError
 from sdnet_trainer.models.parallel_spec import Unit, block_unit_indices, pipeline_units
+
+if TYPE_CHECKING:
+    from torch.distributed.pipelining import PipelineStage
 
 logger = logging.getLogger(__name__)
 
@@ -48,6 +49,10 @@ V_SCHEDULES = ("ZBVZeroBubble", "DualPipeV")
 
 
 def single_stage_schedule(name: str) -> bool:
+    # torch's pipelining is imported where a pipeline is checked or built (parallel.pp > 1): it
+    # imports torch._dynamo, which other runs never need (sdnet_trainer/lazy.py).
+    from torch.distributed.pipelining.schedules import PipelineScheduleSingle, get_schedule_class
+
     return issubclass(get_schedule_class(name), PipelineScheduleSingle)
 
 
@@ -293,13 +298,16 @@ def build_pipeline(
     device: torch.device,
     loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
 ) -> Pipeline:
+    from torch.distributed.pipelining import PipelineStage  # as in single_stage_schedule
+    from torch.distributed.pipelining.schedules import get_schedule_class
+
     warn_if_shape_inference_updates_buffers(modules)
     stages = [
         PipelineStage(module, stage, num_stages, device, group=group)
         for module, stage in zip(modules, ids)
     ]
     cls = get_schedule_class(cfg.schedule)
-    if issubclass(cls, PipelineScheduleSingle):
+    if single_stage_schedule(cfg.schedule):
         schedule = cls(stages[0], n_microbatches=cfg.microbatches, loss_fn=loss_fn)
     else:
         schedule = cls(stages, n_microbatches=cfg.microbatches, loss_fn=loss_fn)

@@ -26,14 +26,18 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
-from typing import Protocol, cast
+from typing import TYPE_CHECKING, Protocol, cast
 
 import torch
 from torch import nn
 from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
 from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
-from torchvision.models.resnet import BasicBlock, Bottleneck, ResNet
+
+from sdnet_trainer.lazy import loaded_types
+
+if TYPE_CHECKING:
+    from torchvision.models.resnet import ResNet
 
 
 @dataclass(frozen=True)
@@ -67,8 +71,9 @@ def init_steps(model: nn.Module) -> list[InitStep] | None:
     ResNets), or None where no init reproducing the CPU build is known."""
     if callable(getattr(model, "init_steps", None)):
         return cast(_DeclaresInit, model).init_steps()
-    if type(model) is ResNet:
-        return resnet_init_steps(model)
+    # Matched without importing torchvision: a ResNet exists only once it is imported (lazy.py).
+    if type(model) in loaded_types("torchvision.models.resnet", "ResNet"):
+        return resnet_init_steps(cast("ResNet", model))
     return None
 
 
@@ -80,6 +85,8 @@ def resnet_init_steps(model: ResNet) -> list[InitStep]:
     A stem replaced after construction (``model.cifar_stem``, see the registry) is replayed as
     built: the original 7x7 convolution draws its numbers in its place (a meta stand-in, nothing
     kept), and the replacement's own reset comes last."""
+    from torchvision.models.resnet import BasicBlock, Bottleneck  # imported with the ResNet
+
     replaced = getattr(model, REPLACED_STEM, None)
     stem = nn.Conv2d(**replaced, device="meta") if replaced is not None else model.conv1
 

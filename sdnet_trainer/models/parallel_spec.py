@@ -21,9 +21,9 @@ from dataclasses import dataclass
 from typing import Protocol, cast
 
 from torch import nn
-from torchvision.models.resnet import BasicBlock, Bottleneck, ResNet
 
 from sdnet_trainer.errors import ConfigError
+from sdnet_trainer.lazy import loaded_types
 from sdnet_trainer.models.simple_cnn import SimpleCNN
 
 
@@ -91,7 +91,10 @@ def parallel_blocks(model: nn.Module) -> list[nn.Module]:
     if hasattr(model, "parallel_blocks"):
         # The check above found the method; nn.Module's attribute typing cannot express it.
         return list(cast(_DeclaresBlocks, model).parallel_blocks())
-    return [m for m in model.modules() if isinstance(m, (BasicBlock, Bottleneck))]
+    # torchvision's ResNet blocks, matched without importing torchvision, which a model of them
+    # has imported already (sdnet_trainer/lazy.py).
+    blocks = loaded_types("torchvision.models.resnet", "BasicBlock", "Bottleneck")
+    return [m for m in model.modules() if isinstance(m, blocks)]
 
 
 def pipeline_units(model: nn.Module, model_name: str) -> list[Unit]:
@@ -99,7 +102,7 @@ def pipeline_units(model: nn.Module, model_name: str) -> list[Unit]:
         # The check above found the method; nn.Module's attribute typing cannot express it.
         units = cast(_DeclaresPipelineUnits, model).pipeline_units()
         return [u if isinstance(u, Unit) else Unit(u) for u in units]
-    if isinstance(model, ResNet):
+    if isinstance(model, loaded_types("torchvision.models.resnet", "ResNet")):  # as above
         stem = [Unit(n) for n in ("conv1", "bn1", "relu", "maxpool")]
         blocks = [
             Unit(f"layer{i}.{j}")

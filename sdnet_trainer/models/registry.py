@@ -14,7 +14,6 @@ import logging
 from collections.abc import Callable
 from typing import Any
 
-import torchvision
 from torch import nn
 
 from sdnet_trainer.config.schema import ModelConfig
@@ -37,6 +36,8 @@ LLAMA_NAME = "llama"
 
 
 def available_models() -> list[str]:
+    import torchvision  # here, not at the top: only runs that name its models need it (lazy.py)
+
     return sorted(
         [*OWN_MODELS, GPT_NAME, LLAMA_NAME, HF_CAUSAL_LM]
     ) + torchvision.models.list_models(module=torchvision.models)
@@ -143,6 +144,8 @@ def _as_dict(section: Any) -> dict[str, Any]:
 
 
 def _torchvision_model(cfg: ModelConfig) -> nn.Module:
+    import torchvision  # as in available_models
+
     names = torchvision.models.list_models(module=torchvision.models)
     if cfg.name not in names:
         close = difflib.get_close_matches(cfg.name, available_models(), n=3)

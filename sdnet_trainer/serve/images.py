@@ -23,7 +23,8 @@ from PIL import Image, UnidentifiedImageError
 from torchvision.datasets.folder import find_classes
 
 from sdnet_trainer.config.schema import DataConfig
-from sdnet_trainer.data.augment import CIFAR10_MEAN, CIFAR10_STD, build_transforms
+from sdnet_trainer.data.augment import CIFAR10_MEAN, CIFAR10_STD
+from sdnet_trainer.data.transforms import build_transforms
 from sdnet_trainer.serve.errors import InputError, first_line
 
 logger = logging.getLogger(__name__)

@@ -40,11 +40,11 @@ from sdnet_trainer.checkpoint.checkpointer import Checkpointer, plain_config, ru
 from sdnet_trainer.config import Config
 from sdnet_trainer.data import (
     build_datasets,
+    host_decoded,
     is_language_model_data,
     resolve_num_classes,
     skipped_samples,
 )
-from sdnet_trainer.data.folders import EncodedJpegFolder
 from sdnet_trainer.data.loader import RunData
 from sdnet_trainer.distributed import DistEnv
 from sdnet_trainer.distributed.batching import BatchLayout, batch_layout
@@ -406,7 +406,7 @@ class Trainer:
         flops, peak = None, None
         if logs.flops:  # counted once on a meta-device copy of the model
             # Decoded on the GPU (data.decode=cuda): count on the same images decoded on the host.
-            counted = train_set.decoded() if isinstance(train_set, EncodedJpegFolder) else train_set
+            counted = host_decoded(train_set)
             flops, peak = run_flops(
                 self.build_model,
                 counted,

@@ -20,7 +20,8 @@ from PIL import Image
 
 from sdnet_trainer import Trainer
 from sdnet_trainer.checkpoint import find_checkpoint
-from sdnet_trainer.data.augment import IMAGENET_MEAN, IMAGENET_STD, build_transforms
+from sdnet_trainer.data.augment import IMAGENET_MEAN, IMAGENET_STD
+from sdnet_trainer.data.transforms import build_transforms
 from sdnet_trainer.export import ExportArgs, export, load_model, training_config
 from sdnet_trainer.serve import __main__ as serve_main
 from sdnet_trainer.serve.args import parse_args

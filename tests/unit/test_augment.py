@@ -21,14 +21,13 @@ from sdnet_trainer.config.schema import AugmentConfig, Config, DataConfig
 from sdnet_trainer.data import build_datasets, validate_data
 from sdnet_trainer.data.augment import (
     BatchMixer,
-    build_transforms,
     crop_sizes,
     resolve_preset,
 )
 from sdnet_trainer.data.cifar import cifar10_transforms
-from sdnet_trainer.data.folders import defer_normalization
 from sdnet_trainer.data.loader import RunData
-from sdnet_trainer.data.normalize import DeviceNormalize
+from sdnet_trainer.data.normalize import DeviceNormalize, defer_normalization
+from sdnet_trainer.data.transforms import build_transforms
 from sdnet_trainer.errors import ConfigError
 from sdnet_trainer.preflight import validate
 from tests.support import TINY, FaultTrainer

@@ -22,10 +22,10 @@ from torch.utils.data import DataLoader
 from sdnet_trainer import Trainer
 from sdnet_trainer.config import compose
 from sdnet_trainer.config.schema import DataConfig
-from sdnet_trainer.data.augment import build_transforms
 from sdnet_trainer.data.bad_samples import BadSampleError
 from sdnet_trainer.data.hf import HFImages, build_hf
 from sdnet_trainer.data.tokens import TextBytes, TokenWindows
+from sdnet_trainer.data.transforms import build_transforms
 from sdnet_trainer.distributed.ddp import unwrap
 from sdnet_trainer.errors import ConfigError
 from tests.support import CPU, FaultTrainer, IndexedDataset

@@ -16,7 +16,7 @@ from torchvision import transforms
 
 from sdnet_trainer.config.schema import AugmentConfig, DataConfig
 from sdnet_trainer.data import BadSampleError, SyntheticImages, build_datasets
-from sdnet_trainer.data.folders import EncodedJpegFolder, defer_normalization
+from sdnet_trainer.data.folders import EncodedJpegFolder
 from sdnet_trainer.data.jpeg import EncodedImages, JpegCrop, collate_encoded
 from sdnet_trainer.data.loader import (
     RunData,
@@ -25,7 +25,7 @@ from sdnet_trainer.data.loader import (
     resolve_num_workers,
     train_loader,
 )
-from sdnet_trainer.data.normalize import DeviceNormalize
+from sdnet_trainer.data.normalize import DeviceNormalize, defer_normalization
 from sdnet_trainer.errors import ConfigError
 
 

@@ -18,7 +18,6 @@ from torch.utils.data import Dataset
 
 from sdnet_trainer.config.checks import check_choice
 from sdnet_trainer.config.schema import DataConfig
-from sdnet_trainer.data.augment import build_transforms
 from sdnet_trainer.data.bad_samples import (
     ON_BAD_SAMPLE,
     BadSampleError,
@@ -28,6 +27,7 @@ from sdnet_trainer.data.bad_samples import (
 )
 from sdnet_trainer.data.folders import require_rgb
 from sdnet_trainer.data.hf.load import TRAIN_SPLIT, VAL_SPLITS, require_column, require_datasets
+from sdnet_trainer.data.transforms import build_transforms
 from sdnet_trainer.errors import ConfigError
 
 if TYPE_CHECKING:

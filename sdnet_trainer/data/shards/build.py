@@ -8,7 +8,6 @@ from typing import Any
 
 from sdnet_trainer.config.checks import check_choice
 from sdnet_trainer.config.schema import DataConfig
-from sdnet_trainer.data.augment import build_transforms
 from sdnet_trainer.data.bad_samples import ON_BAD_SAMPLE
 from sdnet_trainer.data.shards.images import ShardImages
 from sdnet_trainer.data.shards.index import (
@@ -30,6 +29,7 @@ from sdnet_trainer.data.shards.listing import (
 from sdnet_trainer.data.shards.reading import _ShardSet
 from sdnet_trainer.data.shards.text import ShardText
 from sdnet_trainer.data.tokens import BYTE_VOCAB
+from sdnet_trainer.data.transforms import build_transforms
 from sdnet_trainer.errors import ConfigError
 
 logger = logging.getLogger(__name__)

@@ -1,0 +1,75 @@
+"""A run that needs no torchvision never imports it, and importing the CLI imports neither it nor
+torch._dynamo (which torchvision and torch's pipelining bring): each launch, ``--help``, dry run
+and worker would pay about a CPU-second of start-up for them (see sdnet_trainer/lazy.py). Training
+imports torch._dynamo all the same: torch's optimizers import it when the first one is built."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from tests.support import TINY, checkpoint_names, run_cli
+
+# What importing the CLI must not import, and what the tiny run must not import.
+AT_IMPORT = ("torchvision", "torch._dynamo")
+IN_THE_RUN = ("torchvision",)
+
+# Imports the CLI, then trains in this same process; reports the modules of AT_IMPORT imported
+# with the CLI and those of IN_THE_RUN imported by the end, each with the stack of the import
+# statement that first asked for it.
+PROBE = """
+import importlib.abc
+import json
+import sys
+import traceback
+
+AT_IMPORT, IN_THE_RUN = {at_import!r}, {in_the_run!r}
+first_import = {{}}
+
+
+def imported(names):
+    return {{name: first_import.get(name, "?") for name in names if name in sys.modules}}
+
+
+class Watch(importlib.abc.MetaPathFinder):
+    def find_spec(self, name, path, target=None):
+        if name in AT_IMPORT + IN_THE_RUN and name not in first_import:
+            frames = [f for f in traceback.extract_stack() if "importlib" not in f.filename]
+            first_import[name] = "".join(traceback.format_list(frames[:-1]))
+        return None  # the usual finders import it
+
+
+sys.meta_path.insert(0, Watch())
+import sdnet_trainer.cli  # noqa: E402
+
+print("AT_IMPORT " + json.dumps(imported(AT_IMPORT)))
+sys.argv = ["sdnet_trainer", *sys.argv[1:]]
+sdnet_trainer.cli.main()
+print("IN_THE_RUN " + json.dumps(imported(IN_THE_RUN)))
+"""
+
+
+def _reported(output: str, key: str) -> dict[str, str]:
+    lines = [line for line in output.splitlines() if line.startswith(f"{key} ")]
+    assert len(lines) == 1, output[-3000:]
+    return json.loads(lines[0].removeprefix(f"{key} "))
+
+
+def _chains(imported: dict[str, str]) -> str:
+    return "\n".join(f"{name}, first imported from:\n{stack}" for name, stack in imported.items())
+
+
+@pytest.mark.full  # seconds: out of the quick tier
+def test_the_cli_and_a_tiny_run_leave_out_what_they_do_not_use(tmp_path):
+    probe = tmp_path / "probe.py"
+    probe.write_text(PROBE.format(at_import=AT_IMPORT, in_the_run=IN_THE_RUN))
+    run_dir = tmp_path / "run"
+    args = [*TINY, "loop.max_steps=2", f"hydra.run.dir={run_dir}"]
+    launch = run_cli(args, cwd=tmp_path, script=probe, timeout=240)
+    assert launch.returncode == 0, launch.output[-3000:]
+    assert checkpoint_names(run_dir / "checkpoints") == {"step_00000002"}, launch.output[-3000:]
+    at_import = _reported(launch.output, "AT_IMPORT")
+    assert not at_import, _chains(at_import)
+    in_the_run = _reported(launch.output, "IN_THE_RUN")
+    assert not in_the_run, _chains(in_the_run)
