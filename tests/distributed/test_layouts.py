@@ -162,6 +162,8 @@ WORLD4 = {
     "resnet_fsdp_pp": RESNET + ["parallel=fsdp"] + _pipeline("1F1B", 2) + RESNET_SPLITS[1],
 }
 WORLD2 = {
+    # Tensor parallel alone (its 2 key/value heads bound the Llama's TP degree).
+    "llama_tp": LLAMA + ["parallel.tp=2"],
     **{f"gpt_pp_{s}": GPT + _pipeline(s, 4) for s in SCHEDULES},
     **{f"resnet_pp_{s}": RESNET + _pipeline(s, 4) + RESNET_SPLITS[n] for s, n in SCHEDULES.items()},
     # Written here, read back by one process without the layout (cross-layout checkpoints).
