@@ -34,8 +34,12 @@ def imported(names):
 
 class Watch(importlib.abc.MetaPathFinder):
     def find_spec(self, name, path, target=None):
-        if name in AT_IMPORT + IN_THE_RUN and name not in first_import:
-            frames = [f for f in traceback.extract_stack() if "importlib" not in f.filename]
+        stack = traceback.extract_stack()
+        # An import, not a look-up such as importlib.util.find_spec (the diagnostic only: the
+        # test asserts on sys.modules).
+        loading = stack[-3].name == "_find_and_load_unlocked"
+        if name in AT_IMPORT + IN_THE_RUN and name not in first_import and loading:
+            frames = [f for f in stack if "importlib" not in f.filename]
             first_import[name] = "".join(traceback.format_list(frames[:-1]))
         return None  # the usual finders import it
 
