@@ -12,6 +12,7 @@
 
 from __future__ import annotations
 
+import logging
 import os
 from collections.abc import Generator
 from pathlib import Path
@@ -86,3 +87,23 @@ def pytest_runtest_protocol(
         patch.setenv("CUDA_VISIBLE_DEVICES", "")
         patch.setattr(torch.cuda, "is_available", _no_cuda)
         return (yield)
+
+
+@pytest.fixture
+def restore_logging() -> Generator[None, None, None]:
+    """For tests that run the command line's main in this process: it configures logging (Hydra's,
+    then ours) on this process's stderr, which pytest closes after the test, so later tests would
+    log into a closed stream. The root and project loggers are put back as they were."""
+    loggers = [logging.getLogger(), logging.getLogger("sdnet_trainer")]
+    saved = [(log, list(log.handlers), log.level, log.propagate) for log in loggers]
+    yield
+    for log, handlers, level, propagate in saved:
+        for handler in log.handlers[:]:
+            if handler not in handlers:
+                log.removeHandler(handler)
+                handler.close()
+        for handler in handlers:
+            if handler not in log.handlers:
+                log.addHandler(handler)
+        log.setLevel(level)
+        log.propagate = propagate

@@ -14,7 +14,8 @@ from tests.support import REPO, TINY, last_metric, read_jsonl, run_cli
 
 
 def _main(argv: list[str], monkeypatch, capfd) -> tuple[int, str]:
-    """``python -m sdnet_trainer ARGV``'s exit code and output, through ``cli.main`` here."""
+    """``python -m sdnet_trainer ARGV``'s exit code and output, through ``cli.main`` here (the
+    tests that call it use the restore_logging fixture: cli.main configures this process's)."""
     monkeypatch.setattr(sys, "argv", ["sdnet_trainer", *argv])
     try:
         cli.main()
@@ -107,6 +108,7 @@ def test_trainer_subclass_trains_through_the_cli(tmp_path, route):
         (["loop.seed=${nope}"], "loop.seed"),
     ],
 )
+@pytest.mark.usefixtures("restore_logging")
 def test_bad_input_fails_with_the_key_named(tmp_path, args, needle, monkeypatch, capfd):
     code, output = _main(args + [f"hydra.run.dir={tmp_path / 'run'}"], monkeypatch, capfd)
     assert code != 0
@@ -128,6 +130,7 @@ def test_bad_batch_split_stops_every_rank_before_the_process_group(tmp_path):
     assert "sdnet_trainer/" not in launch.output  # no traceback through our code
 
 
+@pytest.mark.usefixtures("restore_logging")
 def test_help_and_cfg_job(tmp_path, monkeypatch, capfd):
     monkeypatch.chdir(tmp_path)
     code, help_text = _main(["--help"], monkeypatch, capfd)

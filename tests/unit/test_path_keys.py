@@ -4,7 +4,6 @@ overrides on ``sys.argv``, and export's ``main``."""
 
 from __future__ import annotations
 
-import logging
 import sys
 
 import pytest
@@ -36,23 +35,8 @@ CASES = [
 ]
 
 
-@pytest.fixture(autouse=True)
-def _restore_logging():
-    """The command line's main configures logging (Hydra's, then ours) on this process's stderr,
-    which pytest closes after the test: later tests would log into a closed stream."""
-    loggers = [logging.getLogger(), logging.getLogger("sdnet_trainer")]
-    saved = [(log, list(log.handlers), log.level, log.propagate) for log in loggers]
-    yield
-    for log, handlers, level, propagate in saved:
-        for handler in log.handlers[:]:
-            if handler not in handlers:
-                log.removeHandler(handler)
-                handler.close()
-        for handler in handlers:
-            if handler not in log.handlers:
-                log.addHandler(handler)
-        log.setLevel(level)
-        log.propagate = propagate
+# cli.main configures logging in this process: put back after each test (tests/conftest.py).
+pytestmark = pytest.mark.usefixtures("restore_logging")
 
 
 @pytest.fixture(params=["under_proc", "under_a_file"])
