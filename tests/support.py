@@ -67,6 +67,23 @@ def cli_env() -> dict[str, str]:
     return env
 
 
+def main_in_process(argv: list[str], monkeypatch, capfd) -> tuple[int, str]:
+    """``python -m sdnet_trainer ARGV``'s exit code and output, through ``cli.main`` in this
+    process: for runs that stop before training, without an interpreter's start-up. The test
+    uses the restore_logging fixture (tests/conftest.py): cli.main configures this process's."""
+    from sdnet_trainer import cli
+
+    monkeypatch.setattr(sys, "argv", ["sdnet_trainer", *argv])
+    try:
+        cli.main()
+        code = 0
+    except SystemExit as ended:
+        # The interpreter's rule: None is 0, an int itself, anything else (a message) 1.
+        code = ended.code if isinstance(ended.code, int) else int(ended.code is not None)
+    captured = capfd.readouterr()
+    return code, captured.out + captured.err
+
+
 def run_cli(
     args: list[str],
     *,

@@ -4,27 +4,10 @@ process: what they check is the CLI's handling, not a new interpreter's start-up
 
 from __future__ import annotations
 
-import sys
-
 import pytest
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-from sdnet_trainer import cli
-from tests.support import REPO, TINY, last_metric, read_jsonl, run_cli
-
-
-def _main(argv: list[str], monkeypatch, capfd) -> tuple[int, str]:
-    """``python -m sdnet_trainer ARGV``'s exit code and output, through ``cli.main`` here (the
-    tests that call it use the restore_logging fixture: cli.main configures this process's)."""
-    monkeypatch.setattr(sys, "argv", ["sdnet_trainer", *argv])
-    try:
-        cli.main()
-        code = 0
-    except SystemExit as ended:
-        # The interpreter's rule: None is 0, an int itself, anything else (a message) 1.
-        code = ended.code if isinstance(ended.code, int) else int(ended.code is not None)
-    captured = capfd.readouterr()
-    return code, captured.out + captured.err
+from tests.support import REPO, TINY, last_metric, main_in_process, read_jsonl, run_cli
 
 
 def _only_run_dir(root):
@@ -110,7 +93,7 @@ def test_trainer_subclass_trains_through_the_cli(tmp_path, route):
 )
 @pytest.mark.usefixtures("restore_logging")
 def test_bad_input_fails_with_the_key_named(tmp_path, args, needle, monkeypatch, capfd):
-    code, output = _main(args + [f"hydra.run.dir={tmp_path / 'run'}"], monkeypatch, capfd)
+    code, output = main_in_process(args + [f"hydra.run.dir={tmp_path / 'run'}"], monkeypatch, capfd)
     assert code != 0
     assert needle in output
     assert "Traceback" not in output
@@ -133,14 +116,16 @@ def test_bad_batch_split_stops_every_rank_before_the_process_group(tmp_path):
 @pytest.mark.usefixtures("restore_logging")
 def test_help_and_cfg_job(tmp_path, monkeypatch, capfd):
     monkeypatch.chdir(tmp_path)
-    code, help_text = _main(["--help"], monkeypatch, capfd)
+    code, help_text = main_in_process(["--help"], monkeypatch, capfd)
     assert code == 0
     assert (
         "recipe: custom_spirals, gpt_fsdp, gpt_pipeline, gpt_tp_fsdp, llama3_8b, llama3_debug, "
         "llama3_sft, quickstart, resnet152, resnet152_fsdp, resnet152_pipeline, resnet18_cifar10"
     ) in help_text
     assert "precision: auto, bf16, fp16, fp32" in help_text
-    code, cfg = _main(["+recipe=resnet152", "optim.lr=0.2", "--cfg", "job"], monkeypatch, capfd)
+    code, cfg = main_in_process(
+        ["+recipe=resnet152", "optim.lr=0.2", "--cfg", "job"], monkeypatch, capfd
+    )
     assert code == 0 and "name: resnet152" in cfg and "lr: 0.2" in cfg
     assert not (tmp_path / "outputs").exists()  # --cfg only prints
 

@@ -7,32 +7,34 @@ import json
 
 import pytest
 
-from tests.support import run_cli
+from tests.support import main_in_process
 
+# python -m sdnet_trainer --dry-run ..., through cli.main in this process (a plan starts nothing).
+pytestmark = pytest.mark.usefixtures("restore_logging")
 LAYOUT = ["+recipe=gpt_tp_fsdp", "model=gpt_1b", "parallel.tp=8", "parallel.pp=4"]
 
 
 @pytest.mark.full  # seconds: out of the quick tier
-def test_a_config_error_of_the_launch_is_reported_without_it(tmp_path):
+def test_a_config_error_of_the_launch_is_reported_without_it(monkeypatch, capfd):
     # The recipe's 32 sequences over 32 data-parallel ranks leave 1 per rank: not 4 micro-batches.
-    launch = run_cli(["--dry-run", "world_size=1024", *LAYOUT], cwd=tmp_path, timeout=300)
-    assert launch.returncode == 2, launch.output[-3000:]
-    assert "config error:" in launch.output and "parallel.pipeline.microbatches=4" in launch.output
+    code, output = main_in_process(["--dry-run", "world_size=1024", *LAYOUT], monkeypatch, capfd)
+    assert code == 2, output[-3000:]
+    assert "config error:" in output and "parallel.pipeline.microbatches=4" in output
 
 
 @pytest.mark.full  # seconds: out of the quick tier
-def test_world_size_is_required(tmp_path):
-    launch = run_cli(["--dry-run", *LAYOUT], cwd=tmp_path, timeout=300)
-    assert launch.returncode == 2 and "world_size=N" in launch.output
+def test_world_size_is_required(monkeypatch, capfd):
+    code, output = main_in_process(["--dry-run", *LAYOUT], monkeypatch, capfd)
+    assert code == 2 and "world_size=N" in output
 
 
 @pytest.mark.full  # seconds: out of the quick tier
-def test_1024_ranks_of_gpt_1b_plan_in_one_process(tmp_path):
+def test_1024_ranks_of_gpt_1b_plan_in_one_process(tmp_path, monkeypatch, capfd):
     plan = tmp_path / "plan.json"
     args = ["--dry-run", "world_size=1024", *LAYOUT, "loop.global_batch_size=128", f"json={plan}"]
-    launch = run_cli(args, cwd=tmp_path, timeout=300)
-    assert launch.returncode == 0, launch.output[-3000:]
-    assert "pp 4 x dp_replicate 1 x dp_shard 32 x tp 8 (fsdp)" in launch.output
+    code, output = main_in_process(args, monkeypatch, capfd)
+    assert code == 0, output[-3000:]
+    assert "pp 4 x dp_replicate 1 x dp_shard 32 x tp 8 (fsdp)" in output
     ranks = json.loads(plan.read_text())
     # By default the first rank of each pipeline stage: the ranks whose roles differ.
     assert [r["rank"] for r in ranks] == [0, 256, 512, 768]
