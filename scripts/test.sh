@@ -17,15 +17,13 @@ PYTHON=${PYTHON:-python3}
 if [ ! -x .venv/bin/python ]; then
     "$PYTHON" -m venv .venv
 fi
-# Byte-code, compiled once before anything runs: pip's own compilation (without --no-compile) runs
-# on one core, a minute on a fresh clone; compileall -j0 uses every core. It also compiles the
-# project's own sources, which an editable install leaves to each process, and a process never
-# writes them back where PYTHONDONTWRITEBYTECODE is set: each of the suite's hundreds of launches
-# would compile them again. A file this Python cannot compile (torch ships one for 3.12) is left
-# out, as pip leaves it out; a syntax error of the project's own is named by ruff next.
+# Byte-code: the install leaves it out (pip compiles every module it installs, torch's thousands,
+# on one core: a minute on a fresh clone), and each module is compiled when a process first
+# imports it, written beside it and read by every later process. Where PYTHONDONTWRITEBYTECODE is
+# set, nothing would be written and each of the suite's hundreds of launches would compile the
+# same modules again (seconds each): it is unset here, for this command only.
 .venv/bin/python -m pip install --quiet --no-compile -e '.[test]'
-.venv/bin/python -m compileall -q -j0 .venv/lib sdnet_trainer tests scripts recipes hydra_plugins \
-    >/dev/null 2>&1 || true
+unset PYTHONDONTWRITEBYTECODE
 # Lint and formatting first: seconds, and a failure names the file and line.
 .venv/bin/ruff check .
 .venv/bin/ruff format --check .
