@@ -16,6 +16,7 @@ import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 from torch import nn
@@ -602,6 +603,22 @@ def assert_on_cuda(*things: object) -> None:
 # HTTP server: tests/e2e/test_real_data.py and tests/distributed/test_data_resume.py.
 
 DIGITS_TRAIN, DIGITS_VAL, DIGITS_CLASSES = 1437, 360, 10
+
+
+def tiny_llama_config(**overrides: Any) -> Any:
+    """A ``transformers.LlamaConfig`` of the tests' tiny Llama: width 32, 2 layers, 4 query heads
+    over 2 key/value heads; ``overrides`` give the vocabulary, the MLP and context sizes and
+    anything else a test varies. Built by transformers itself (the llm extra): nothing is
+    downloaded."""
+    import transformers
+
+    sizes = {
+        "hidden_size": 32,
+        "num_hidden_layers": 2,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+    }
+    return transformers.LlamaConfig(**{**sizes, **overrides})
 
 
 def make_digits(out: Path, *, size: int = 16, timeout: float = 120) -> Path:

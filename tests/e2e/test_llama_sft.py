@@ -16,7 +16,7 @@ from sdnet_trainer.data.chat import TEMPLATES
 from sdnet_trainer.data.tokenizer import load_tokenizer
 from sdnet_trainer.export import ExportArgs, export
 from sdnet_trainer.export.rebuild import load_model, trainer_class, training_config
-from tests.support import CPU, corpus_line, run_cli, write_bpe_tokenizer
+from tests.support import CPU, corpus_line, run_cli, tiny_llama_config, write_bpe_tokenizer
 
 transformers = pytest.importorskip("transformers", reason="the llm extra is not installed")
 
@@ -26,13 +26,9 @@ SEQ_LEN = 32
 
 def _hf_llama(folder) -> None:
     torch.manual_seed(0)
-    config = transformers.LlamaConfig(
+    config = tiny_llama_config(
         vocab_size=VOCAB,
-        hidden_size=32,
         intermediate_size=48,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
         max_position_embeddings=64,
         rope_theta=500000.0,
         tie_word_embeddings=False,

@@ -18,22 +18,17 @@ from sdnet_trainer.models import build_model
 from sdnet_trainer.models.hf_causal_lm import HFCausalLM
 from sdnet_trainer.models.parallel_spec import parallel_blocks
 from sdnet_trainer.preflight import validate
+from tests.support import tiny_llama_config
 
-transformers = pytest.importorskip("transformers")
+pytest.importorskip("transformers")  # the tiny model is built by transformers
 
 VOCAB, CONTEXT = 64, 32
 
 
 def tiny_config(folder: Path):
     """A tiny Llama's config.json in ``folder``, which is returned."""
-    transformers.LlamaConfig(
-        vocab_size=VOCAB,
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=CONTEXT,
+    tiny_llama_config(
+        vocab_size=VOCAB, intermediate_size=64, max_position_embeddings=CONTEXT
     ).save_pretrained(folder)
     return folder
 

@@ -26,6 +26,7 @@ from sdnet_trainer.models.llama import Llama
 from sdnet_trainer.models.parallel_spec import GPT_LAYOUT, LLAMA_LAYOUT, pipeline_units
 from sdnet_trainer.models.rotary import inverse_frequencies
 from sdnet_trainer.preflight import validate
+from tests.support import tiny_llama_config
 
 transformers = pytest.importorskip("transformers", reason="the llm extra is not installed")
 
@@ -50,12 +51,9 @@ VARIANTS = {
 
 def _hf_model(variant: str, seed: int = 0):
     torch.manual_seed(seed)
-    config = transformers.LlamaConfig(
+    config = tiny_llama_config(  # the variant sets the key/value heads
         vocab_size=96,
-        hidden_size=32,
         intermediate_size=48,
-        num_hidden_layers=2,
-        num_attention_heads=4,
         max_position_embeddings=64,
         rope_theta=500000.0,
         rms_norm_eps=1e-5,

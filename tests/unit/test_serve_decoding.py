@@ -25,6 +25,7 @@ from sdnet_trainer.serve.decoding import CausalLMDecoder  # noqa: E402
 from sdnet_trainer.serve.errors import InputError  # noqa: E402
 from sdnet_trainer.serve.hf_folder import is_hf_folder  # noqa: E402
 from sdnet_trainer.serve.model import load_served  # noqa: E402
+from tests.support import tiny_llama_config  # noqa: E402
 
 VOCAB, CONTEXT, EOS = 96, 48, 7
 PROMPTS = [[5, 17, 3], [9, 1, 44, 2, 60, 8, 11], [30, 31, 32, 33, 34, 35, 36, 37, 38, 39, 40, 41]]
@@ -32,13 +33,9 @@ PROMPTS = [[5, 17, 3], [9, 1, 44, 2, 60, 8, 11], [30, 31, 32, 33, 34, 35, 36, 37
 
 @pytest.fixture(scope="module")
 def folder(tmp_path_factory):
-    config = transformers.LlamaConfig(
+    config = tiny_llama_config(
         vocab_size=VOCAB,
-        hidden_size=32,
         intermediate_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
         max_position_embeddings=CONTEXT,
         eos_token_id=EOS,
         bos_token_id=1,
