@@ -31,6 +31,7 @@ import torch
 from torch.utils.data import Dataset
 from tqdm import tqdm
 
+from sdnet_trainer.data.synthetic import check_index
 from sdnet_trainer.errors import ConfigError
 
 logger = logging.getLogger(__name__)
@@ -254,11 +255,7 @@ class PackedTokens(Dataset):
         return self.size
 
     def __getitem__(self, index: int) -> tuple[torch.Tensor, torch.Tensor]:
-        index = int(index)
-        if index < 0:
-            index += self.size
-        if not 0 <= index < self.size:
-            raise IndexError(f"PackedTokens index {index} out of range for size {self.size}")
+        index = check_index(index, self.size, type(self).__name__)
         begin = self.start + index * self.seq_len
         window = torch.from_numpy(
             self.cache.tokens[begin : begin + self.seq_len + 1].astype(np.int64)

@@ -145,13 +145,7 @@ class TokenWindows(Dataset):
         return self.size
 
     def __getitem__(self, index: int) -> tuple[torch.Tensor, torch.Tensor]:
-        index = int(index)
-        if index < 0:
-            index += self.size
-        if not 0 <= index < self.size:
-            raise IndexError(
-                f"{type(self).__name__} index {index} out of range for size {self.size}"
-            )
+        index = check_index(index, self.size, type(self).__name__)
         start = index * self.seq_len
         window = self.data[start : start + self.seq_len + 1].to(torch.int64)
         return window[:-1], window[1:]

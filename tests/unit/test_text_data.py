@@ -172,6 +172,9 @@ def test_text_cache_packs_documents_with_eos_built_once_rebuilt_on_change(
         assert inputs.tolist() == expected[i * 8 : i * 8 + 8]
         assert targets.tolist() == expected[i * 8 + 1 : i * 8 + 9]
     assert val[0][0].tolist() == expected[val.start : val.start + 8]
+    assert torch.equal(train[-1][0], train[len(train) - 1][0])  # negative indices from the end
+    with pytest.raises(IndexError, match=f"PackedTokens index {len(train)} out of range"):
+        train[len(train)]
 
     build_datasets(cfg)  # unchanged: mapped, not tokenized again
     assert builds == [1]
