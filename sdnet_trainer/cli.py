@@ -33,6 +33,7 @@ from sdnet_trainer.distributed import distributed_session, launched_world_size
 from sdnet_trainer.distributed.launchers import export_scheduler_env
 from sdnet_trainer.distributed.ops import all_gather_objects
 from sdnet_trainer.errors import EXIT_CONFIG_ERROR, ConfigError
+from sdnet_trainer.lazy import freeze_imports
 from sdnet_trainer.observability import setup_logging
 from sdnet_trainer.preflight import validate
 from sdnet_trainer.training.health import EXIT_NONFINITE, NonFiniteError
@@ -96,9 +97,11 @@ def _one_line(err: BaseException) -> str:
 
 
 def _start_process() -> None:
-    """First thing in a worker: die with torchrun's agent, then map scheduler task variables to
-    torchrun's before anything reads RANK (the config's run directory included, which is why
-    main() does this before Hydra composes)."""
+    """First thing in a worker: set its imports aside from the garbage collector's walks, die
+    with torchrun's agent, then map scheduler task variables to torchrun's before anything reads
+    RANK (the config's run directory included, which is why main() does this before Hydra
+    composes)."""
+    freeze_imports()
     die_with_launcher()
     _export_scheduler_env()
 

@@ -12,6 +12,7 @@
 
 from __future__ import annotations
 
+import gc
 import logging
 import os
 from collections.abc import Generator
@@ -90,10 +91,13 @@ def pytest_runtest_protocol(
 
 
 @pytest.fixture
-def restore_logging() -> Generator[None, None, None]:
-    """For tests that run the command line's main in this process: it configures logging (Hydra's,
-    then ours) on this process's stderr, which pytest closes after the test, so later tests would
-    log into a closed stream. The root and project loggers are put back as they were."""
+def main_in_this_process() -> Generator[None, None, None]:
+    """For tests that run the command line's main in this process, which it sets up as a fresh
+    process of its own. It configures logging (Hydra's, then ours) on this process's stderr, which
+    pytest closes after the test, so later tests would log into a closed stream: the root and
+    project loggers are put back as they were. It freezes what the process holds for the garbage
+    collector (sdnet_trainer.lazy.freeze_imports): unfrozen, so that this process's garbage can
+    still be collected."""
     loggers = [logging.getLogger(), logging.getLogger("sdnet_trainer")]
     saved = [(log, list(log.handlers), log.level, log.propagate) for log in loggers]
     yield
@@ -107,3 +111,4 @@ def restore_logging() -> Generator[None, None, None]:
                 log.addHandler(handler)
         log.setLevel(level)
         log.propagate = propagate
+    gc.unfreeze()

@@ -71,7 +71,8 @@ def cli_env() -> dict[str, str]:
 def main_in_process(argv: list[str], monkeypatch, capfd) -> tuple[int, str]:
     """``python -m sdnet_trainer ARGV``'s exit code and output, through ``cli.main`` in this
     process: for runs that stop before training, without an interpreter's start-up. The test
-    uses the restore_logging fixture (tests/conftest.py): cli.main configures this process's."""
+    uses the main_in_this_process fixture (tests/conftest.py), which puts back what cli.main
+    sets for a process (its logging, the collector's frozen generation)."""
     from sdnet_trainer import cli
 
     monkeypatch.setattr(sys, "argv", ["sdnet_trainer", *argv])

@@ -39,6 +39,7 @@ from sdnet_trainer.distributed import distributed_session
 from sdnet_trainer.distributed.comm import GradientComm
 from sdnet_trainer.distributed.env import shorten_timeout
 from sdnet_trainer.distributed.grad_norm import global_grad_norm
+from sdnet_trainer.lazy import freeze_imports
 
 FLIGHT_RECORDER_KEYS = (
     "TORCH_NCCL_TRACE_BUFFER_SIZE",
@@ -139,4 +140,5 @@ def main(out_dir: Path) -> None:
 
 
 if __name__ == "__main__":
+    freeze_imports()  # as the CLI does in its processes
     main(Path(sys.argv[1]))

@@ -30,6 +30,7 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_
 from sdnet_trainer import compose
 from sdnet_trainer.distributed import distributed_session
 from sdnet_trainer.distributed.ddp import unwrap
+from sdnet_trainer.lazy import freeze_imports
 from tests.support import ProbeTrainer, RecordingTrainer
 
 FULL_PARAMS = "full_params.pt"
@@ -56,4 +57,5 @@ def main(out_dir: Path, overrides: list[str]) -> None:
 
 
 if __name__ == "__main__":
+    freeze_imports()  # as the CLI does in its processes
     main(Path(sys.argv[1]), sys.argv[2:])

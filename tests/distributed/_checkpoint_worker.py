@@ -43,6 +43,7 @@ from torch.distributed.checkpoint.state_dict import get_state_dict
 from sdnet_trainer.checkpoint import LOCK, CheckpointManager
 from sdnet_trainer.checkpoint.disk import state_nbytes
 from sdnet_trainer.errors import ConfigError
+from sdnet_trainer.lazy import freeze_imports
 
 # Big enough that saving the replicated tensors twice would show in the checkpoint's size.
 WIDTH = 256
@@ -321,4 +322,5 @@ def main() -> None:
 
 
 if __name__ == "__main__":
+    freeze_imports()  # as the CLI does in its processes
     main()

@@ -40,6 +40,7 @@ from torch.nn.parallel import DistributedDataParallel
 from sdnet_trainer.checkpoint import CheckpointManager
 from sdnet_trainer.config.schema import CommConfig, LocalSGDConfig, PowerSGDConfig
 from sdnet_trainer.distributed.comm import GradientComm
+from sdnet_trainer.lazy import freeze_imports
 
 IN, HIDDEN, CLASSES = 16, 64, 4
 BATCH = 32  # per rank
@@ -287,4 +288,5 @@ def main() -> None:
 
 
 if __name__ == "__main__":
+    freeze_imports()  # as the CLI does in its processes
     main()

@@ -18,6 +18,7 @@ from pathlib import Path
 from sdnet_trainer import Trainer
 from sdnet_trainer.config import Config
 from sdnet_trainer.distributed.env import DistEnv
+from sdnet_trainer.lazy import freeze_imports
 from sdnet_trainer.training.trainer import resolve_trainer_class
 from tests.distributed._layout_worker import run_cases
 
@@ -41,4 +42,5 @@ def main(out: Path, cases: dict[str, list[str]]) -> None:
 
 
 if __name__ == "__main__":
+    freeze_imports()  # as the CLI does in its processes
     main(Path(sys.argv[1]), json.loads(Path(sys.argv[2]).read_text()))

@@ -22,6 +22,7 @@ from torch.distributed.tensor import DTensor
 from sdnet_trainer import Trainer
 from sdnet_trainer.distributed import all_reduce_sum
 from sdnet_trainer.distributed.ops import all_gather_objects
+from sdnet_trainer.lazy import freeze_imports
 from tests.distributed._layout_worker import run_cases
 
 
@@ -65,4 +66,5 @@ def main(out: Path, cases: dict[str, list[str]]) -> None:
 
 
 if __name__ == "__main__":
+    freeze_imports()  # as the CLI does in its processes
     main(Path(sys.argv[1]), json.loads(Path(sys.argv[2]).read_text()))

@@ -28,6 +28,7 @@ from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.parallel import loss_parallel as loss_parallel_context
 
 from sdnet_trainer.data.token_cache import IGNORE_INDEX
+from sdnet_trainer.lazy import freeze_imports
 from sdnet_trainer.models.gpt import GPT
 from sdnet_trainer.training.evaluation import token_cross_entropy
 
@@ -188,4 +189,5 @@ def main(out_path: str) -> None:
 
 
 if __name__ == "__main__":
+    freeze_imports()  # as the CLI does in its processes
     main(sys.argv[1])

@@ -16,6 +16,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from sdnet_trainer.lazy import freeze_imports
 from sdnet_trainer.training.health import PhaseTracker, Watchdog, hang_log_path
 
 HANG_TIMEOUT_S = 2.0
@@ -57,4 +58,5 @@ def main() -> None:
 
 
 if __name__ == "__main__":
+    freeze_imports()  # as the CLI does in its processes
     main()

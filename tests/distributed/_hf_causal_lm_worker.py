@@ -14,6 +14,7 @@ from pathlib import Path
 
 from torch.distributed.fsdp import FSDPModule
 
+from sdnet_trainer.lazy import freeze_imports
 from tests.distributed._fsdp_accum_worker import AccumulationRecorder
 from tests.distributed._layout_worker import run_cases
 
@@ -25,4 +26,5 @@ class HFRecorder(AccumulationRecorder):
 
 
 if __name__ == "__main__":
+    freeze_imports()  # as the CLI does in its processes
     run_cases(Path(sys.argv[1]), json.loads(Path(sys.argv[2]).read_text()), HFRecorder)

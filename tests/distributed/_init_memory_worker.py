@@ -23,6 +23,7 @@ from sdnet_trainer.config import compose
 from sdnet_trainer.config.schema import DistConfig
 from sdnet_trainer.distributed import distributed_session
 from sdnet_trainer.distributed.ops import all_gather_objects
+from sdnet_trainer.lazy import freeze_imports
 from sdnet_trainer.preflight import validate
 
 
@@ -62,4 +63,5 @@ def main(out: Path, overrides: list[str]) -> None:
 
 
 if __name__ == "__main__":
+    freeze_imports()  # as the CLI does in its processes
     main(Path(sys.argv[1]), sys.argv[2:])

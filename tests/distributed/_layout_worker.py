@@ -30,6 +30,7 @@ from sdnet_trainer.config import compose
 from sdnet_trainer.config.schema import DistConfig
 from sdnet_trainer.distributed import all_reduce_sum, distributed_session
 from sdnet_trainer.distributed.ops import all_gather_objects
+from sdnet_trainer.lazy import freeze_imports
 from sdnet_trainer.models.hf_llama import hf_weights_folder, to_hf_name, weight_files
 from sdnet_trainer.observability.memory import training_state_bytes
 from sdnet_trainer.preflight import validate
@@ -154,4 +155,5 @@ def main(out: Path, cases: dict[str, list[str]]) -> None:
 
 
 if __name__ == "__main__":
+    freeze_imports()  # as the CLI does in its processes
     main(Path(sys.argv[1]), json.loads(Path(sys.argv[2]).read_text()))

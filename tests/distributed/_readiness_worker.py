@@ -30,6 +30,7 @@ from sdnet_trainer.config.schema import CommConfig, DistConfig, PowerSGDConfig
 from sdnet_trainer.distributed import distributed_session
 from sdnet_trainer.distributed.comm import GradientComm
 from sdnet_trainer.distributed.env import shorten_timeout
+from sdnet_trainer.lazy import freeze_imports
 
 SHORT_TIMEOUT_S = 2.0
 
@@ -87,4 +88,5 @@ def main(out_dir: Path) -> None:
 
 
 if __name__ == "__main__":
+    freeze_imports()  # as the CLI does in its processes
     main(Path(sys.argv[1]))

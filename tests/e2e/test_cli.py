@@ -91,7 +91,7 @@ def test_trainer_subclass_trains_through_the_cli(tmp_path, route):
         (["loop.seed=${nope}"], "loop.seed"),
     ],
 )
-@pytest.mark.usefixtures("restore_logging")
+@pytest.mark.usefixtures("main_in_this_process")
 def test_bad_input_fails_with_the_key_named(tmp_path, args, needle, monkeypatch, capfd):
     code, output = main_in_process(args + [f"hydra.run.dir={tmp_path / 'run'}"], monkeypatch, capfd)
     assert code != 0
@@ -113,7 +113,7 @@ def test_bad_batch_split_stops_every_rank_before_the_process_group(tmp_path):
     assert "sdnet_trainer/" not in launch.output  # no traceback through our code
 
 
-@pytest.mark.usefixtures("restore_logging")
+@pytest.mark.usefixtures("main_in_this_process")
 def test_help_and_cfg_job(tmp_path, monkeypatch, capfd):
     monkeypatch.chdir(tmp_path)
     code, help_text = main_in_process(["--help"], monkeypatch, capfd)

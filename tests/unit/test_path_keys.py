@@ -35,8 +35,9 @@ CASES = [
 ]
 
 
-# cli.main configures logging in this process: put back after each test (tests/conftest.py).
-pytestmark = pytest.mark.usefixtures("restore_logging")
+# cli.main sets up this process as its own (logging, the collector): put back after each test
+# (tests/conftest.py).
+pytestmark = pytest.mark.usefixtures("main_in_this_process")
 
 
 @pytest.fixture(params=["under_proc", "under_a_file"])

@@ -10,7 +10,7 @@ import pytest
 from tests.support import main_in_process
 
 # python -m sdnet_trainer --dry-run ..., through cli.main in this process (a plan starts nothing).
-pytestmark = pytest.mark.usefixtures("restore_logging")
+pytestmark = pytest.mark.usefixtures("main_in_this_process")
 LAYOUT = ["+recipe=gpt_tp_fsdp", "model=gpt_1b", "parallel.tp=8", "parallel.pp=4"]
 
 
