@@ -112,3 +112,10 @@ def main_in_this_process() -> Generator[None, None, None]:
         log.setLevel(level)
         log.propagate = propagate
     gc.unfreeze()
+
+
+def pytest_collection_finish(session: pytest.Session) -> None:
+    """What collection imported (torch, the project, every test module) lives as long as the
+    worker: frozen, full garbage collections during the tests do not walk it again (as the CLI's
+    processes do, sdnet_trainer/lazy.py)."""
+    gc.freeze()

@@ -635,11 +635,13 @@ def make_digits(out: Path, *, size: int = 16, timeout: float = 120) -> Path:
     return out
 
 
-def convert_to_shards(src: Path, out: Path, *, shard_size: int, timeout: float = 120) -> Path:
-    """``src`` (an ImageFolder) written as shards under ``out`` by the converter's command."""
-    command = [sys.executable, "-m", "sdnet_trainer.data.shards", str(src), str(out)]
-    converted = run_command([*command, f"shard_size={shard_size}"], cwd=out.parent, timeout=timeout)
-    assert converted.returncode == 0, converted.output
+def convert_to_shards(src: Path, out: Path, *, shard_size: int) -> Path:
+    """``src`` (an ImageFolder) written as shards under ``out`` by the converter's command line
+    (``python -m sdnet_trainer.data.shards``'s ``main``, called in this process: the command
+    itself is tested in tests/e2e/test_shards_cli.py)."""
+    from sdnet_trainer.data.shards.cli import main as convert
+
+    assert convert([str(src), str(out), f"shard_size={shard_size}"]) == 0
     return out
 
 

@@ -20,8 +20,10 @@ import json
 import re
 import sys
 from pathlib import Path
+from typing import Any
 
 import torch
+import torch.distributed as dist
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 from torch.distributed.tensor import DTensor
 
@@ -38,6 +40,26 @@ from sdnet_trainer.preflight import validate
 
 def _status_kib(field: str) -> int:
     return int(re.search(rf"{field}:\s+(\d+) kB", Path("/proc/self/status").read_text())[1])
+
+
+def gather_on_main(local: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Every rank's named tensors merged on rank 0 (the other ranks get theirs back): pipeline
+    stages hold different names, data-parallel ranks the same full tensors, so each name is sent
+    once, by the lowest rank holding it, to rank 0 alone (not every rank's copy to every rank)."""
+    holders = all_gather_objects(sorted(local))
+    if len(holders) == 1:
+        return local
+    sender: dict[str, int] = {}
+    for rank, names in enumerate(holders):
+        for name in names:
+            sender.setdefault(name, rank)
+    rank = dist.get_rank()
+    mine = {name: value for name, value in local.items() if sender[name] == rank}
+    parts: list[Any] | None = [None] * len(holders) if rank == 0 else None
+    dist.gather_object(mine, parts, dst=0)
+    if parts is None:
+        return local
+    return {name: value for part in parts for name, value in part.items()}
 
 
 class LayoutRecorder(Trainer):
@@ -75,18 +97,15 @@ class LayoutRecorder(Trainer):
         if self.hf_folder is not None:
             return self.record_hf_load()
         state = get_model_state_dict(self.model, options=StateDictOptions(full_state_dict=True))
-        local = {k: v.detach().float().cpu() for k, v in state.items()}
-        params = {}
-        for part in all_gather_objects(local):  # pipeline stages hold different names
-            params.update(part)
+        params = gather_on_main({k: v.detach().float().cpu() for k, v in state.items()})
         ema: dict[str, torch.Tensor] = {}
         if self.ema is not None:
-            local = {
-                k: (v.full_tensor() if isinstance(v, DTensor) else v).detach().float().cpu()
-                for k, v in self.ema.state_dict().items()
-            }
-            for part in all_gather_objects(local):
-                ema.update(part)
+            ema = gather_on_main(
+                {
+                    k: (v.full_tensor() if isinstance(v, DTensor) else v).detach().float().cpu()
+                    for k, v in self.ema.state_dict().items()
+                }
+            )
         return {
             "losses": self.losses,
             "ema": ema,

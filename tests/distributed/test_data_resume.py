@@ -58,10 +58,15 @@ def digits(tmp_path_factory):
     return make_digits(tmp_path_factory.mktemp("digits") / "folder", size=16)
 
 
-def _data_args(kind: str, digits, base) -> list[str]:
+@pytest.fixture(scope="module")
+def digit_shards(digits):
+    """The digits as shards, written once and only read by the runs."""
+    return convert_to_shards(digits, digits.parent / "shards", shard_size=300)
+
+
+def _data_args(kind: str, digits, digit_shards, base) -> list[str]:
     if kind == "shards":
-        shards = convert_to_shards(digits, base / "shards", shard_size=300)
-        return ["data=shards", f"data.root={shards}"]
+        return ["data=shards", f"data.root={digit_shards}"]
     if find_spec("datasets") is None:
         pytest.skip("needs the hf extra: pip install 'sdnet_trainer[hf]'")
     return ["data=hf", f"data.root={image_folder_to_hf(digits, base / 'hf')}"]
@@ -72,8 +77,10 @@ def _final(run_dir) -> dict:
 
 
 @pytest.mark.parametrize("kind", ["shards", "hf"])
-def test_resume_is_bitwise_and_on_one_process_sees_each_sample_once(kind, digits, tmp_path):
-    args = [*COMMON, *_data_args(kind, digits, tmp_path)]
+def test_resume_is_bitwise_and_on_one_process_sees_each_sample_once(
+    kind, digits, digit_shards, tmp_path
+):
+    args = [*COMMON, *_data_args(kind, digits, digit_shards, tmp_path)]
 
     def launch(run_dir, nproc, env=ENV):
         return run_cli(
@@ -121,14 +128,14 @@ AUGMENT = ["data.augment.auto_augment=ta_wide", "data.augment.random_erase=0.25"
 MIXING = [*AUGMENT, "data.mixup_alpha=0.2", "data.cutmix_alpha=1.0"]
 
 
-def test_mixed_batches_on_two_processes_resume_bitwise(digits, tmp_path):
+def test_mixed_batches_on_two_processes_resume_bitwise(digits, digit_shards, tmp_path):
     """MixUp/CutMix (on each rank's device batch, seeded by its place and data-parallel rank),
     TrivialAugment and random erasing on 2 ranks: a run stopped at step 3 and resumed ends
     bitwise equal to the uninterrupted run, and the mixing took place (other losses than the
     same augmented run without it)."""
     steps = 6
     args = [a for a in COMMON if not a.startswith("loop.max_steps=")]
-    args += [f"loop.max_steps={steps}", *_data_args("shards", digits, tmp_path)]
+    args += [f"loop.max_steps={steps}", *_data_args("shards", digits, digit_shards, tmp_path)]
 
     def launch(run_dir, extra, env=ENV):
         return run_cli([*args, *extra, f"hydra.run.dir={run_dir}"], cwd=tmp_path, nproc=2, env=env)
