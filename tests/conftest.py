@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import gc
 import logging
+import multiprocessing
 import os
 from collections.abc import Generator
 from pathlib import Path
@@ -119,3 +120,14 @@ def pytest_collection_finish(session: pytest.Session) -> None:
     worker: frozen, full garbage collections during the tests do not walk it again (as the CLI's
     processes do, sdnet_trainer/lazy.py)."""
     gc.freeze()
+
+
+@pytest.fixture(autouse=True)
+def no_worker_processes_left() -> Generator[None, None, None]:
+    """A test stops the worker processes it started (DataLoader workers, multiprocessing pools):
+    one left running is later finalised by the garbage collector inside another test, where it
+    can wait out torch's 5-second join timeout per worker (sdnet_trainer.data.loader
+    .stop_workers)."""
+    yield
+    left = multiprocessing.active_children()
+    assert not left, f"the test left worker processes running: {[p.name for p in left]}"

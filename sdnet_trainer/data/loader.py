@@ -439,11 +439,22 @@ def shutdown_loader(loader: DataLoader | None) -> None:
     """
     if loader is None:
         return
-    iterator = getattr(loader, "_iterator", None)
+    stop_workers(getattr(loader, "_iterator", None))
+    loader._iterator = None
+
+
+def stop_workers(iterator: Any) -> None:
+    """Stop the worker processes of one iteration over a DataLoader (``iter(loader)``) now; an
+    iterator without workers, or None, is left as it is.
+
+    An iteration that raised (a bad sample) is kept alive by the exception's traceback, a
+    reference cycle: the garbage collector finalises it later, after the weak-reference
+    callbacks that close its queues, so its workers never receive the stop and it waits out
+    torch's join timeout, 5 s per worker, wherever the collection happens to run.
+    """
     shutdown = getattr(iterator, "_shutdown_workers", None)
     if shutdown is not None:
         shutdown()
-    loader._iterator = None
 
 
 def to_device(batch: Any, device: torch.device, *, channels_last: bool = False) -> Any:

@@ -20,7 +20,7 @@ from sdnet_trainer.data import (
     skipped_samples,
     validate_data,
 )
-from sdnet_trainer.data.loader import shutdown_loader, train_loader
+from sdnet_trainer.data.loader import stop_workers, train_loader
 from sdnet_trainer.errors import ConfigError
 from sdnet_trainer.observability import MetricsWriter, StepMeter
 from sdnet_trainer.training.hooks import MetricsHook, RunFigures
@@ -94,10 +94,11 @@ def _epoch(cfg: DataConfig) -> tuple[list, CheckedImageFolder]:
         dp_rank=0,
         seed=0,
     )
+    batches = iter(loader)
     try:
-        return list(loader), train
+        return list(batches), train
     finally:
-        shutdown_loader(loader)
+        stop_workers(batches)  # also after a bad sample raised (see stop_workers)
 
 
 # --------------------------------------------------------------------------------------------

@@ -534,7 +534,7 @@ def _corrupt_member(out: Path, number: int) -> tuple[Path, str]:
 
 @pytest.mark.parametrize("num_workers", [0, 2])
 def test_corrupt_member_names_the_shard_and_key(converted, tmp_path, num_workers):
-    from sdnet_trainer.data.loader import shutdown_loader, train_loader
+    from sdnet_trainer.data.loader import stop_workers, train_loader
 
     out = _copy(converted, tmp_path)
     shard, member = _corrupt_member(out, 2)
@@ -550,11 +550,12 @@ def test_corrupt_member_names_the_shard_and_key(converted, tmp_path, num_workers
         dp_rank=0,
         seed=0,
     )
+    batches = iter(loader)
     try:
         with pytest.raises(BadSampleError) as err:
-            list(loader)
+            list(batches)
     finally:
-        shutdown_loader(loader)
+        stop_workers(batches)  # also after the bad sample raised (see stop_workers)
     message = str(err.value)
     assert message.startswith(f"data: cannot decode {member} in shard {shard} (")
     assert message.endswith("fix or re-create the shard, or set data.on_bad_sample=skip")
