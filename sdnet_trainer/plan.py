@@ -50,6 +50,7 @@ from sdnet_trainer.distributed.env import DistEnv
 from sdnet_trainer.distributed.mesh import ParallelDims, build_mesh, parallel_dims
 from sdnet_trainer.distributed.parallelize import _uses_fsdp, checkpoint_block, parallelize
 from sdnet_trainer.errors import EXIT_CONFIG_ERROR, ConfigError
+from sdnet_trainer.lazy import freeze_imports
 from sdnet_trainer.models.parallel_spec import parallel_blocks
 from sdnet_trainer.models.registry import decoder_sizes
 from sdnet_trainer.observability.memory import training_state_bytes
@@ -404,4 +405,5 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
+    freeze_imports()  # a process of its own: see sdnet_trainer/lazy.py
     sys.exit(main())

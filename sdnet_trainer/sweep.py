@@ -29,6 +29,8 @@ from pathlib import Path
 
 import yaml
 
+from sdnet_trainer.lazy import freeze_imports
+
 TRIAL_FILE = "trial.json"
 METRICS_FILE = "metrics.jsonl"  # written by sdnet_trainer.observability.writers.MetricsWriter
 SUMMARY_CSV = "summary.csv"
@@ -216,4 +218,5 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
+    freeze_imports()  # a process of its own: see sdnet_trainer/lazy.py
     sys.exit(main())

@@ -16,6 +16,7 @@ import sys
 import threading
 
 from sdnet_trainer.ft.checks import require_torchft
+from sdnet_trainer.lazy import freeze_imports
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -60,4 +61,5 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
+    freeze_imports()  # a process of its own: see sdnet_trainer/lazy.py
     sys.exit(main())

@@ -58,6 +58,7 @@ from dataclasses import asdict, replace
 from typing import Any
 
 from sdnet_trainer.errors import ConfigError
+from sdnet_trainer.lazy import freeze_imports
 
 logger = logging.getLogger("sdnet_trainer.serve")
 
@@ -237,4 +238,5 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
+    freeze_imports()  # a process of its own: see sdnet_trainer/lazy.py
     sys.exit(main())
