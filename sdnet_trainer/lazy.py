@@ -45,14 +45,18 @@ def loaded_types(module: str, *names: str) -> tuple[type[Any], ...]:
 
 def freeze_imports() -> None:
     """Move every object alive now (in a process just started: the modules it imported, about a
-    million objects with torch) into the collector's permanent generation, which it never walks.
+    million objects with torch) into the collector's permanent generation, which it never walks;
+    once per process: with something frozen already, nothing more is.
 
     For a process's entry point, once its imports are done. A full collection then walks what
     the run itself created, not the imports again: in a short training run those walks were a
     quarter of its CPU time, the import of torch._dynamo by the first optimizer included. Forked
     DataLoader workers inherit the frozen generation, so their collections do not touch (and copy)
     the parent's pages: the use Python's documentation gives for ``gc.freeze``. Nothing frozen is
-    ever freed, so a caller that is not a fresh process (a test calling ``main`` in its own
-    process) undoes it with ``gc.unfreeze()``.
+    ever freed, hence once: the entry points call this again at each run (``cli.run``, every trial
+    of an in-process multirun), where it would freeze the garbage of the trials before. A caller
+    that is not a fresh process (a test calling ``main`` in its own process) undoes it with
+    ``gc.unfreeze()``.
     """
-    gc.freeze()
+    if gc.get_freeze_count() == 0:
+        gc.freeze()

@@ -8,11 +8,13 @@ collector is on again after, and the run's process has frozen what it imported."
 
 from __future__ import annotations
 
+import gc
 import json
 from typing import Any
 
 import pytest
 
+from sdnet_trainer.lazy import freeze_imports
 from tests.support import TINY, checkpoint_names, run_cli
 
 # What importing the CLI must not import, and what the tiny run must not import.
@@ -97,3 +99,18 @@ def test_the_cli_and_a_tiny_run_leave_out_what_they_do_not_use(tmp_path):
     assert ran[0] <= 1 and ran[1:] == [0, 0] and collector["on"], collector
     # torch alone is hundreds of thousands of objects: the imports, not a handful, were frozen.
     assert _reported(launch.output, "FROZEN") > 100_000
+
+
+def test_imports_are_frozen_once_per_process():
+    """A second call (cli.run after cli.main, each trial of an in-process multirun) freezes
+    nothing: what the process created since, a trial's garbage included, stays collectable."""
+    gc.unfreeze()  # this worker froze what its collection imported (tests/conftest.py)
+    try:
+        freeze_imports()
+        frozen = gc.get_freeze_count()
+        assert frozen > 100_000  # torch and the project, imported by this process
+        created_since = [[] for _ in range(1000)]  # noqa: F841 (alive across the call)
+        freeze_imports()
+        assert gc.get_freeze_count() == frozen
+    finally:
+        gc.unfreeze()
