@@ -111,6 +111,7 @@ def test_imports_are_frozen_once_per_process():
         assert frozen > 100_000  # torch and the project, imported by this process
         created_since = [[] for _ in range(1000)]  # noqa: F841 (alive across the call)
         freeze_imports()
-        assert gc.get_freeze_count() == frozen
+        # Not equal: a frozen object whose last reference goes is still freed (and uncounted).
+        assert gc.get_freeze_count() <= frozen
     finally:
         gc.unfreeze()
