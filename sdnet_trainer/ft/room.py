@@ -144,7 +144,7 @@ class FaultTolerance:
         self.share = StepShare(groups=cfg.groups, index=cfg.replica_group)
         self.recoveries, self.recovery_seconds = 0, 0.0
         self.degraded_steps, self.skipped_steps = 0, 0
-        self._loaded = False
+        self._loaded, self._closed = False, False
 
     # ------------------------------------------------------------------ the state a peer sends
 
@@ -262,8 +262,16 @@ class FaultTolerance:
         return sorted({r // self.group_size for r in ranks})
 
     def close(self) -> None:
+        """Stop the Manager's servers and threads, and let go of the managed gloo group and of
+        the parts (the live model and optimizer) while the interpreter is whole: a gloo group
+        whose worker threads outlive it aborts the process at exit ("terminate called without an
+        active exception", after a run that finished). Closing twice is a no-op."""
+        if self._closed:
+            return
+        self._closed = True
         self.manager.shutdown(wait=False)
-        self._store = None
+        self.pg.shutdown()  # drops torchft's gloo group: its destructor joins the worker threads
+        self.parts, self._store = {}, None
 
 
 __all__ = ["GROUP_RANKS", "NOT_SENT", "FaultTolerance", "QuorumTimeout", "reachable"]

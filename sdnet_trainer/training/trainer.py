@@ -535,8 +535,8 @@ class Trainer:
             self.watchdog.beat()
 
     def close(self) -> None:
-        """Release the model, optimizer, DDP's comm wrapper and the loaders before the process
-        group goes away; an exception's traceback may keep this Trainer alive past that point."""
+        """Release the model, optimizer, DDP's comm wrapper, the ft room and the loaders before
+        the process group goes away; an exception's traceback may keep this Trainer alive."""
         comm = getattr(self, "comm", None)
         if comm is not None:
             comm.release()  # it holds the DDP model too
@@ -545,7 +545,13 @@ class Trainer:
             # Closed by fit on every path; here when set-up failed after it was built (its
             # Prometheus port, threads and files would outlive this Trainer).
             writer.close()
-        held = "model pipeline optimizer comm scheduler stepper data checkpointer hooks ema writer"
+        ft = getattr(self, "ft", None)
+        if ft is not None:
+            ft.close()  # closed by its hook on every path through fit; here when set-up failed
+        held = (
+            "model pipeline optimizer comm scheduler stepper data checkpointer hooks ema writer "
+            "ft ft_batches ft_hook"
+        )
         for name in held.split():
             setattr(self, name, None)
 

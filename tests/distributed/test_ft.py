@@ -371,6 +371,29 @@ def test_no_quorum_within_the_quorum_timeout_is_a_clear_error():
             room.close()
 
 
+def test_a_closed_trainer_lets_go_of_the_room_its_gloo_group_and_the_model(tmp_path):
+    """After ``Trainer.close`` nothing of the ft room outlives the process group: the Trainer
+    drops the room, the room its parts (the live model) and torchft's gloo group, whose worker
+    threads would otherwise still run at interpreter exit and abort the process there."""
+    import gc
+    import weakref
+
+    from sdnet_trainer import Trainer, compose
+
+    with _lighthouse(1) as address:
+        cfg = compose([*TINY, "loop.max_steps=2", *_ft(address, groups=1, min_groups=1, group=0)])
+        trainer = Trainer(cfg, output_dir=tmp_path)
+        trainer.fit()  # its end closes the room (through the room's hook)
+        room, model = trainer.ft, weakref.ref(trainer.model)
+        assert room.quorum_groups() == [0]  # the steps configured the quorum's gloo group
+        assert room.pg._pg is None and room.parts == {}
+        trainer.close()
+    assert trainer.ft is None and trainer.ft_hook is None and trainer.ft_batches is None
+    gc.collect()
+    assert model() is None, gc.get_referrers(model())
+    room.close()  # a second close is a no-op
+
+
 def test_a_checkpoint_written_during_a_degraded_step_resumes_bitwise(tmp_path):
     """One group of the two expected (every step degraded) saves at step 3 and trains on to 6; a
     whole-job restart from the step-3 checkpoint ends bitwise where the first run ended."""
