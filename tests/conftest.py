@@ -97,10 +97,12 @@ def main_in_this_process() -> Generator[None, None, None]:
     process of its own. It configures logging (Hydra's, then ours) on this process's stderr, which
     pytest closes after the test, so later tests would log into a closed stream: the root and
     project loggers are put back as they were. It freezes what the process holds for the garbage
-    collector (sdnet_trainer.lazy.freeze_imports): unfrozen, so that this process's garbage can
-    still be collected."""
+    collector (sdnet_trainer.lazy.freeze_imports), which it does only where nothing is frozen yet
+    (pytest_collection_finish below froze this worker's imports): what main froze is unfrozen, so
+    that this process's garbage can still be collected, and the worker's own freeze is kept."""
     loggers = [logging.getLogger(), logging.getLogger("sdnet_trainer")]
     saved = [(log, list(log.handlers), log.level, log.propagate) for log in loggers]
+    frozen_before = gc.get_freeze_count() > 0
     yield
     for log, handlers, level, propagate in saved:
         for handler in log.handlers[:]:
@@ -112,7 +114,8 @@ def main_in_this_process() -> Generator[None, None, None]:
                 log.addHandler(handler)
         log.setLevel(level)
         log.propagate = propagate
-    gc.unfreeze()
+    if not frozen_before:
+        gc.unfreeze()
 
 
 def pytest_collection_finish(session: pytest.Session) -> None:

@@ -104,14 +104,14 @@ def test_the_cli_and_a_tiny_run_leave_out_what_they_do_not_use(tmp_path):
 def test_imports_are_frozen_once_per_process():
     """A second call (cli.run after cli.main, each trial of an in-process multirun) freezes
     nothing: what the process created since, a trial's garbage included, stays collectable."""
-    gc.unfreeze()  # this worker froze what its collection imported (tests/conftest.py)
-    try:
-        freeze_imports()
-        frozen = gc.get_freeze_count()
-        assert frozen > 100_000  # torch and the project, imported by this process
-        created_since = [[] for _ in range(1000)]  # noqa: F841 (alive across the call)
-        freeze_imports()
-        # Not equal: a frozen object whose last reference goes is still freed (and uncounted).
-        assert gc.get_freeze_count() <= frozen
-    finally:
-        gc.unfreeze()
+    # This worker froze what its collection imported (tests/conftest.py): from nothing frozen,
+    # without the earlier tests' garbage. The first call leaves the worker frozen as it was.
+    gc.unfreeze()
+    gc.collect()
+    freeze_imports()
+    frozen = gc.get_freeze_count()
+    assert frozen > 100_000  # torch and the project, imported by this process
+    created_since = [[] for _ in range(1000)]  # noqa: F841 (alive across the call)
+    freeze_imports()
+    # Not equal: a frozen object whose last reference goes is still freed (and uncounted).
+    assert gc.get_freeze_count() <= frozen
