@@ -6,6 +6,7 @@ one thread per process (the benchmarks run several processes on a few cores).
 
 from __future__ import annotations
 
+import contextlib
 import os
 import resource
 import signal
@@ -55,6 +56,13 @@ def run_launch(cmd: list[str], log_path: Path, timeout: float) -> None:
             raise LaunchError(
                 f"timed out after {timeout:.0f} s: {' '.join(cmd)}\n(see {log_path})"
             ) from None
+        except BaseException:
+            # Interrupted (SIGINT from scripts/gpu_check.sh, Ctrl-C): the launch's own session
+            # would keep the GPU busy after the driver is gone.
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+            raise
     if rc != 0:
         tail = log_path.read_text(errors="replace").splitlines()[-25:]
         raise LaunchError(f"exit code {rc}: {' '.join(cmd)}\n" + "\n".join(tail))

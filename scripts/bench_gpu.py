@@ -1,7 +1,11 @@
-"""GPU throughput: ResNet-50 through the Trainer beside a hand-written loop, two 1B decoders
-(gpt_1b, llama3_1b), and the loader.
+"""GPU throughput: a bf16 matmul (the practical peak), ResNet-50 through the Trainer beside a
+hand-written loop, two 1B decoders (gpt_1b, llama3_1b), and the loader.
 
 What it measures (one CUDA device; sections with --sections, all by default)
+    matmul    bf16 8192 x 8192 x 8192 matrix products on this GPU, the median TFLOP/s of 5 rounds
+              of 20: what the GPU's tensor cores give a large dense product here, the roofline
+              every other section's achieved TFLOP/s is compared with (beside MFU, which compares
+              with the datasheet's peak).
     resnet50  ResNet-50 (torchvision's, model=resnet50), bf16 autocast, channels_last, 224x224
               synthetic images (data=synthetic, 1,000 classes), --batch images per step, SGD
               (lr 0.1, momentum 0.9, weight decay 5e-4, fused kernel), no clipping, eager.
@@ -14,10 +18,11 @@ What it measures (one CUDA device; sections with --sections, all by default)
                        settings (workers, pinned memory), model, optimizer and autocast;
                        forward, cross-entropy, backward, step, zero_grad, no host sync per step
               images/s of each side (median over rounds), and the Trainer / hand ratio (median of
-              the per-round ratios). For context the table quotes NVIDIA's published ResNet-50
-              v1.5 training figure for one A100 80GB with mixed precision, 2,470 images/s
-              (NVIDIA Deep Learning Examples, PyTorch, DGX A100): another GPU, data pipeline and
-              batch size, so an order of magnitude, not a target.
+              the per-round ratios); the achieved TFLOP/s of each side from the Trainer's own FLOP
+              count per image (observability/flops.py). For context the table quotes NVIDIA's
+              published ResNet-50 v1.5 training figure for one A100 80GB with mixed precision,
+              2,470 images/s (NVIDIA Deep Learning Examples, PyTorch, DGX A100): another GPU,
+              data pipeline and batch size, so an order of magnitude, not a target.
     gpt_1b    configs/model/gpt_1b (1.04B parameters, 2,048-token context), bf16 autocast, AdamW,
               data=tokens, one GPU (no parallelism), --gpt-batch sequences per step in
               micro-batches of --gpt-micro: tokens/s and MFU as the Trainer itself logs them
@@ -48,12 +53,17 @@ Run (from the repository root, on a machine with one NVIDIA GPU)
     python scripts/bench_gpu.py --json /tmp/gpu.json # the figures as JSON too (gpu_check.sh)
     python scripts/bench_gpu.py --quick              # gpu_check.sh's default: about 4 minutes
 
---quick: ResNet-50, gpt_1b and llama3_1b, one round of each ResNet-50 side (10 + 30 steps), 15
-gpt_1b steps, 10 llama3_1b steps, at most 90 s per launch: the figures of a short check, noisier
-than the default's medians.
+--quick: the matmul, ResNet-50, gpt_1b and llama3_1b, one round of each ResNet-50 side (10 + 30
+steps), 15 gpt_1b steps, 10 llama3_1b steps, at most 120 s per launch: the figures of a short
+check, noisier than the default's medians.
+
+--budget-s S: the whole benchmark within S seconds (scripts/gpu_check.sh gives it its share): each
+launch's timeout is cut to what is left, a launch that would get under 20 s is skipped and said
+so, and the figures are written to --json after every section, so a run stopped part way keeps
+what it finished.
 
 Exit status: 0 after a complete measurement; 1 if a launch failed (the other sections still run);
-2 without a CUDA device (nothing is measured).
+2 without a CUDA device (nothing is measured); 3 if the budget left a launch out.
 """
 
 from __future__ import annotations
@@ -79,11 +89,14 @@ from sdnet_trainer.training.hooks import HookBase
 from sdnet_trainer.training.state import RunState, StepResult
 from sdnet_trainer.training.trainer import Trainer
 
-SECTIONS = ("resnet50", "gpt_1b", "llama3_1b", "loader")
-QUICK_SECTIONS = ("resnet50", "gpt_1b", "llama3_1b")
+SECTIONS = ("matmul", "resnet50", "gpt_1b", "llama3_1b", "loader")
+QUICK_SECTIONS = ("matmul", "resnet50", "gpt_1b", "llama3_1b")
 SIDES = ("trainer", "hand")
 SPEC_ENV = "SDNET_GPU_BENCH"
 NO_CUDA_EXIT = 2
+OVER_BUDGET_EXIT = 3
+# A launch with less than this left of --budget-s is not started: it could not get past start-up.
+MIN_LAUNCH_S = 20.0
 NO_CUDA_MESSAGE = (
     "bench_gpu: no CUDA device (torch.cuda.is_available() is False): this benchmark measures "
     "one NVIDIA GPU; nothing was measured"
@@ -95,6 +108,69 @@ IMAGE_SIZE, NUM_CLASSES = 224, 1000
 SEED = 0
 # The Trainer's default log period, pinned so that a changed default shows here.
 LOG_EVERY = 10
+
+
+class Budget:
+    """What is left of --budget-s (unbounded without it): each launch's timeout is cut to it, and
+    a launch that would get less than MIN_LAUNCH_S is skipped (``skipped`` names them)."""
+
+    def __init__(self, seconds: float | None) -> None:
+        self.deadline = None if seconds is None else time.monotonic() + seconds
+        self.skipped: list[str] = []
+
+    def timeout(self, wanted: float, what: str) -> float | None:
+        """The timeout to give launch ``what``; None (and recorded) if it does not fit."""
+        if self.deadline is None:
+            return wanted
+        left = self.deadline - time.monotonic()
+        if left < MIN_LAUNCH_S:
+            self.skipped.append(what)
+            print(f"  {what}: skipped, {max(left, 0):.0f} s of the budget left", flush=True)
+            return None
+        return min(wanted, left)
+
+
+# ---------------------------------------------------------------------------- the matmul roofline
+
+
+def bench_matmul(*, device: str, size: int, dtype: torch.dtype, rounds: int = 5, iters: int = 20):
+    """TFLOP/s of ``size``-cubed products (median of ``rounds`` of ``iters``), after a warm-up
+    that lets cuBLAS pick its kernel. The GPU's practical peak for dense bf16 work."""
+    gen = torch.Generator(device=device).manual_seed(SEED)
+    a = torch.randn(size, size, device=device, dtype=dtype, generator=gen)
+    b = torch.randn(size, size, device=device, dtype=dtype, generator=gen)
+    out = torch.empty(size, size, device=device, dtype=dtype)
+    for _ in range(3):
+        torch.mm(a, b, out=out)
+    rates = []
+    for _ in range(rounds):
+        synchronize_device(device)
+        started = time.perf_counter()
+        for _ in range(iters):
+            torch.mm(a, b, out=out)
+        synchronize_device(device)
+        rates.append(2 * size**3 * iters / (time.perf_counter() - started) / 1e12)
+    del a, b, out
+    if device == "cuda":
+        torch.cuda.empty_cache()  # the launches after this one get the whole GPU
+    summary = {
+        "tflops_per_s": statistics.median(rates),
+        "min": min(rates),
+        "max": max(rates),
+        "size": size,
+        "dtype": str(dtype).removeprefix("torch."),
+    }
+    print(
+        f"\n== matmul: {summary['dtype']} {size}^3, {rounds} rounds of {iters}: "
+        f"{summary['tflops_per_s']:,.0f} TFLOP/s (min-max {min(rates):,.0f}-{max(rates):,.0f})",
+        flush=True,
+    )
+    return summary
+
+
+def synchronize_device(device: str) -> None:
+    if device == "cuda":
+        torch.cuda.synchronize()
 
 
 # ---------------------------------------------------------------------------- ResNet-50 sides
@@ -172,22 +248,31 @@ def resnet_keys(spec: ResNetSpec, run_dir: Path) -> list[str]:
 class GpuWindowHook(HookBase):
     """The Trainer side's timing, placed after every hook of the Trainer's own."""
 
-    def __init__(self, spec: ResNetSpec) -> None:
+    def __init__(self, spec: ResNetSpec, *, flops_per_image: float | None) -> None:
         self.spec = spec
+        self.flops_per_image = flops_per_image
         self.window = StepWindow(spec.warmup, spec.steps)
 
     def after_step(self, state: RunState, result: StepResult) -> None:
         if state.step in (self.window.warmup, self.window.last):
             synchronize(self.spec)
         if self.window.step_done(state.step):
-            write_result(self.window, self.spec, side="trainer", loss=float(result.loss.item()))
+            write_result(
+                self.window,
+                self.spec,
+                side="trainer",
+                loss=float(result.loss.item()),
+                flops_per_image=self.flops_per_image,
+            )
 
 
 class GpuBenchTrainer(Trainer):
-    """The Trainer as a user subclasses it, plus one timing hook."""
+    """The Trainer as a user subclasses it, plus one timing hook. The Trainer's own FLOP count
+    per image (what its perf/tflops_per_s uses) goes into the result, for both sides' TFLOP/s."""
 
     def build_hooks(self) -> list[HookBase]:
-        return [*super().build_hooks(), GpuWindowHook(ResNetSpec.from_env())]
+        flops = self.figures.flops_per_sample
+        return [*super().build_hooks(), GpuWindowHook(ResNetSpec.from_env(), flops_per_image=flops)]
 
 
 def synchronize(spec: ResNetSpec) -> None:
@@ -196,7 +281,14 @@ def synchronize(spec: ResNetSpec) -> None:
         torch.cuda.synchronize()
 
 
-def write_result(window: StepWindow, spec: ResNetSpec, *, side: str, loss: float) -> None:
+def write_result(
+    window: StepWindow,
+    spec: ResNetSpec,
+    *,
+    side: str,
+    loss: float,
+    flops_per_image: float | None = None,
+) -> None:
     assert window.elapsed is not None
     write_json(
         Path(spec.out),
@@ -205,6 +297,7 @@ def write_result(window: StepWindow, spec: ResNetSpec, *, side: str, loss: float
             "images_per_s": spec.steps * spec.batch / window.elapsed,
             "step_s": window.elapsed / spec.steps,
             "final_loss": loss,
+            "flops_per_image": flops_per_image,
             "device": torch.cuda.get_device_name() if spec.device == "cuda" else "cpu",
         },
     )
@@ -286,9 +379,10 @@ class SideRuns:
     failed: str | None = None
 
 
-def bench_resnet(args: argparse.Namespace, out: Path) -> dict[str, Any]:
+def bench_resnet(args: argparse.Namespace, out: Path, budget: Budget) -> dict[str, Any]:
     workers = args.workers
     runs = {side: SideRuns({}, []) for side in SIDES}
+    flops_per_image: float | None = None
     print(
         f"\n== resnet50: {args.rounds} round(s) of trainer, hand; batch {args.batch}, "
         f"{args.warmup} + {args.steps} steps, {workers} loader workers",
@@ -308,10 +402,13 @@ def bench_resnet(args: argparse.Namespace, out: Path) -> dict[str, Any]:
             spec = ResNetSpec(
                 args.batch, args.warmup, args.steps, workers, str(result_file), **args.smoke_run
             )
+            timeout = budget.timeout(args.timeout, f"resnet50 round {rnd + 1} {side}")
+            if timeout is None:
+                continue
             os.environ[SPEC_ENV] = spec.to_env()
             try:
                 seconds, other = timed_launch(
-                    resnet_command(side, spec, stem), stem.with_suffix(".log"), args.timeout
+                    resnet_command(side, spec, stem), stem.with_suffix(".log"), timeout
                 )
                 if not result_file.exists():
                     raise LaunchError(f"{side} wrote no result; see {stem.with_suffix('.log')}")
@@ -323,6 +420,7 @@ def bench_resnet(args: argparse.Namespace, out: Path) -> dict[str, Any]:
                 del os.environ[SPEC_ENV]
             result = json.loads(result_file.read_text())
             res.images_per_s[rnd] = result["images_per_s"]
+            flops_per_image = result.get("flops_per_image") or flops_per_image
             load = ""
             if other is not None:
                 res.other_cores.append(other)
@@ -332,11 +430,18 @@ def bench_resnet(args: argparse.Namespace, out: Path) -> dict[str, Any]:
                 f"{result['step_s']:.4f} s/step  {result['images_per_s']:,.0f} images/s{load}",
                 flush=True,
             )
-    summary: dict[str, Any] = {"batch": args.batch, "rounds": args.rounds, "workers": workers}
+    summary: dict[str, Any] = {
+        "batch": args.batch,
+        "rounds": args.rounds,
+        "workers": workers,
+        "flops_per_image": flops_per_image,  # the Trainer's count, the same model on both sides
+    }
     for side, res in runs.items():
         values = list(res.images_per_s.values())
+        median = statistics.median(values) if values else None
         summary[side] = {
-            "images_per_s": statistics.median(values) if values else None,
+            "images_per_s": median,
+            "tflops_per_s": median * flops_per_image / 1e12 if median and flops_per_image else None,
             "min": min(values) if values else None,
             "max": max(values) if values else None,
             "other_cores_max": max(res.other_cores) if res.other_cores else None,
@@ -427,11 +532,16 @@ def decoder_keys(run: DecoderRun, run_dir: Path) -> list[str]:
     ]
 
 
-def bench_decoder(run: DecoderRun, out: Path, *, timeout: float) -> dict[str, Any]:
+def decoder_command(run: DecoderRun, run_dir: Path) -> list[str]:
+    """The decoder launch, exactly as started (tests/unit/test_cuda_lane.py composes it)."""
+    return [sys.executable, "-m", "sdnet_trainer", *decoder_keys(run, run_dir)]
+
+
+def bench_decoder(run: DecoderRun, out: Path, *, budget: Budget, timeout: float) -> dict[str, Any]:
     name = run.decoder.section
     run_dir = out / name
     shutil.rmtree(run_dir, ignore_errors=True)
-    cmd = [sys.executable, "-m", "sdnet_trainer", *decoder_keys(run, run_dir)]
+    cmd = decoder_command(run, run_dir)
     print(
         f"\n== {name}: {run.steps} steps of {run.batch} x {DECODER_SEQ_LEN} tokens (micro-batch "
         f"{run.micro}), {'compiled' if run.compile else 'eager'}",
@@ -439,8 +549,11 @@ def bench_decoder(run: DecoderRun, out: Path, *, timeout: float) -> dict[str, An
     )
     run_dir.mkdir(parents=True)
     log = out / f"{name}.log"
+    allowed = budget.timeout(timeout, name)
+    if allowed is None:
+        return {"failed": "skipped: not enough of the budget left"}
     try:
-        seconds, other = timed_launch(cmd, log, timeout)
+        seconds, other = timed_launch(cmd, log, allowed)
     except LaunchError as err:
         print(f"  {name} FAILED: {err}", file=sys.stderr, flush=True)
         return {"failed": f"FAILED (log in {log})"}
@@ -542,11 +655,28 @@ def bench_loader(args: argparse.Namespace, out: Path, resnet_rate: float | None)
 # ---------------------------------------------------------------------------- driver
 
 
-def default_workers() -> int:
+# Batches each ResNet-50 loader worker keeps ready (data.prefetch_factor on both sides).
+PREFETCH = 2
+SHM = Path("/dev/shm")
+
+
+def default_workers(*, batch: int, shm_bytes: int | None = None) -> int:
     """Loader workers for the ResNet-50 sides: the machine's cores but one for the training
-    process and one for the driver, at most 12."""
+    process and one for the driver, at most 12, and no more than /dev/shm holds: each worker
+    hands its PREFETCH float32 batches over in shared memory (256 images at 224 px: 154 MB each),
+    and a container's default 64 MB /dev/shm would kill the loader (a bus error) where a node's
+    was not grown (scripts/gpu_check.sh grows it where it may)."""
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
-    return max(1, min(12, (cores or 2) - 2))
+    workers = max(1, min(12, (cores or 2) - 2))
+    if shm_bytes is None:
+        try:
+            shm_bytes = shutil.disk_usage(SHM).free
+        except OSError:
+            return workers  # no /dev/shm to measure: torch's own default sharing applies
+    batch_bytes = batch * 3 * IMAGE_SIZE * IMAGE_SIZE * 4
+    # Three quarters of it: pinned staging and the other side's leftovers need room too.
+    fits = int(0.75 * shm_bytes) // (PREFETCH * batch_bytes)
+    return max(0, min(workers, fits))
 
 
 def parse_args() -> argparse.Namespace:
@@ -562,13 +692,21 @@ def parse_args() -> argparse.Namespace:
     p.add_argument(
         "--quick",
         action="store_true",
-        help=f"a short run: {', '.join(QUICK_SECTIONS)}, one round, fewer steps, 90 s per launch",
+        help=f"a short run: {', '.join(QUICK_SECTIONS)}, one round, fewer steps, 120 s per launch",
     )
     p.add_argument("--rounds", type=int, default=3, help="ResNet-50 rounds per side (3)")
     p.add_argument("--batch", type=int, default=256, help="ResNet-50 images per step (256)")
     p.add_argument("--warmup", type=int, default=15, help="ResNet-50 steps before the window")
     p.add_argument("--steps", type=int, default=40, help="ResNet-50 timed steps (40)")
-    p.add_argument("--workers", type=int, default=default_workers(), help="loader workers")
+    p.add_argument(
+        "--workers",
+        type=int,
+        default=None,
+        help="loader workers (default: the cores but two, at most 12, as many as /dev/shm holds)",
+    )
+    p.add_argument(
+        "--matmul-size", type=int, default=8192, help="the matmul section's square size (8192)"
+    )
     for dec in DECODERS:
         name, opt = dec.section, dec.option
         p.add_argument(f"--{opt}-batch", type=int, default=8, help=f"{name} sequences per step (8)")
@@ -578,6 +716,13 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--jpegs", type=int, default=256, help="generated JPEGs for the loader (256)")
     p.add_argument("--loader-repeats", type=int, default=3, help="loader passes, best kept (3)")
     p.add_argument("--timeout", type=float, default=420.0, help="seconds per launch (420)")
+    p.add_argument(
+        "--budget-s",
+        type=float,
+        default=None,
+        help="the whole benchmark within this many seconds: launches that would not fit are "
+        "skipped (exit code 3), each launch's timeout cut to what is left",
+    )
     p.add_argument("--out", type=Path, default=None, help="output directory (default: temp)")
     p.add_argument("--json", type=Path, default=None, help="also write the figures here")
     p.add_argument("--worker-spec", default=None, help=argparse.SUPPRESS)  # the hand side
@@ -588,7 +733,7 @@ def parse_args() -> argparse.Namespace:
     if args.sections is None:
         args.sections = ",".join(QUICK_SECTIONS if args.quick else SECTIONS)
     if args.quick:
-        args.rounds, args.warmup, args.steps, args.timeout = 1, 10, 30, 90.0
+        args.rounds, args.warmup, args.steps, args.timeout = 1, 10, 30, 120.0
         for dec in DECODERS:
             setattr(args, f"{dec.option}_steps", dec.quick_steps)
     sections = [s.strip() for s in args.sections.split(",") if s.strip()]
@@ -602,6 +747,7 @@ def parse_args() -> argparse.Namespace:
         args.sections = [s for s in sections if s not in decoders]
         args.rounds, args.batch, args.warmup, args.steps = 1, 8, 1, 2
         args.workers, args.jpegs, args.loader_repeats = 0, 8, 1
+        args.matmul_size = 64
         args.smoke_run = {
             "device": "cpu",
             "model": "resnet18",
@@ -611,6 +757,8 @@ def parse_args() -> argparse.Namespace:
         }
     if min(args.rounds, args.batch, args.warmup, args.steps) < 1:
         p.error("--rounds, --batch, --warmup and --steps must be >= 1")
+    if args.workers is None:
+        args.workers = default_workers(batch=args.batch)
     for dec in DECODERS:
         run = DecoderRun.from_args(args, dec)
         opt = f"--{dec.option}"
@@ -625,6 +773,12 @@ def print_table(figures: dict[str, Any]) -> None:
     print(
         f"\nbench_gpu on {figures['device']} (torch {torch.__version__}, CUDA {torch.version.cuda})"
     )
+    matmul = figures.get("matmul")
+    if matmul:
+        print(
+            f"matmul {matmul['dtype']} {matmul['size']}^3: {matmul['tflops_per_s']:,.0f} TFLOP/s "
+            "(the practical peak below)"
+        )
     resnet = figures.get("resnet50")
     if resnet:
         print(
@@ -704,27 +858,44 @@ def main() -> int:
     figures: dict[str, Any] = {"device": device or torch.cuda.get_device_name(0)}
     print(f"bench_gpu: {', '.join(args.sections)} on {figures['device']}; output in {out}")
     started = time.perf_counter()
+    budget = Budget(args.budget_s)
+
+    def save() -> None:
+        """The figures so far, after every section: a run stopped part way keeps them."""
+        figures["seconds"] = time.perf_counter() - started
+        figures["skipped"] = budget.skipped
+        if args.json is not None:
+            write_json(args.json, figures)
+
     ok = True
+    if "matmul" in args.sections:
+        device = "cpu" if args.cpu_smoke else "cuda"
+        dtype = torch.float32 if args.cpu_smoke else torch.bfloat16
+        figures["matmul"] = bench_matmul(device=device, size=args.matmul_size, dtype=dtype)
+        save()
     if "resnet50" in args.sections:
-        figures["resnet50"] = bench_resnet(args, out)
+        figures["resnet50"] = bench_resnet(args, out, budget)
         ok &= all(figures["resnet50"][side]["failed"] is None for side in SIDES)
+        save()
     # The decoder sections run, in order: gpu_check.sh's table prints a row for each.
     figures["decoders"] = [dec.section for dec in DECODERS if dec.section in args.sections]
     for dec in DECODERS:
         if dec.section in args.sections:
             run = DecoderRun.from_args(args, dec)
-            figures[dec.section] = bench_decoder(run, out, timeout=args.timeout)
-            ok &= not figures[dec.section].get("failed")
+            cell = bench_decoder(run, out, budget=budget, timeout=args.timeout)
+            figures[dec.section] = cell
+            ok &= not cell.get("failed") or dec.section in budget.skipped
+            save()
     if "loader" in args.sections:
         rate = (figures.get("resnet50") or {}).get("trainer", {}).get("images_per_s")
         figures["loader"] = bench_loader(args, out, rate)
-    figures["seconds"] = time.perf_counter() - started
+        save()
+    save()
     print_table(figures)
     print(f"\n({figures['seconds']:.0f} s in all; logs and results in {out})")
-    if args.json is not None:
-        args.json.parent.mkdir(parents=True, exist_ok=True)
-        args.json.write_text(json.dumps(figures, indent=1))
-    return 0 if ok else 1
+    if not ok:
+        return 1
+    return OVER_BUDGET_EXIT if budget.skipped else 0
 
 
 if __name__ == "__main__":

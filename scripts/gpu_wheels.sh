@@ -42,8 +42,10 @@ for requirement in "${requirements[@]}"; do
         echo "gpu_wheels: $requirement: downloaded"
         continue
     fi
-    # No wheel on the index: build one from the sdist (its build backend comes from the index).
-    if ! "$PYTHON" -m pip wheel --quiet --no-deps --no-binary=:all: --wheel-dir "$build/wheel" \
+    # No wheel on the index: build one from this package's sdist. --no-binary names it alone:
+    # its build backend (setuptools, wheel) comes from the index as wheels, not built from source.
+    name=$(echo "$requirement" | sed 's/[][<>=!~; ].*//')
+    if ! "$PYTHON" -m pip wheel --quiet --no-deps --no-binary "$name" --wheel-dir "$build/wheel" \
         "$requirement" 2>"$build/wheel.log"; then
         cat "$build/download.log" "$build/wheel.log" >&2
         echo "gpu_wheels: $requirement: neither a wheel nor a buildable sdist on the index" >&2

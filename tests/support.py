@@ -126,6 +126,13 @@ def run_command(
         os.killpg(proc.pid, signal.SIGKILL)
         output, _ = proc.communicate()
         raise AssertionError(f"timed out after {timeout} s: {' '.join(cmd)}\n{output}") from None
+    except BaseException:
+        # pytest-timeout's failure, a KeyboardInterrupt (scripts/gpu_check.sh ends pytest with
+        # SIGINT when its share runs out): the launch's session would outlive the test.
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGKILL)
+        proc.communicate()
+        raise
     return Launch(proc.returncode, output)
 
 

@@ -561,7 +561,7 @@ class Trainer:
         # Fault tolerance: the quorum first (a joining group receives the state here).
         share = self.ft.begin_step() if self.ft is not None else None
         accum, step = self.layout.grad_accum_steps, self.state.step + 1
-        clock = self.meter.clock  # the phases, on the GPU's timeline under CUDA
+        clock = self.meter.clock  # the phases, and under CUDA the step times: the GPU's timeline
         clock.start()
         # Evaluation switches the unwrapped model and restores it; re-setting it costs ~1 ms.
         if not unwrap(self.model).training:
@@ -614,6 +614,7 @@ class Trainer:
         # tolerance this group trained its share of the global batch.
         groups = share.groups if share is not None else 1
         samples = self.layout.global_batch_size / self.env.world_size / groups
+        # Host time: under CUDA the meter takes the GPU's instead (the host runs a step ahead).
         self.meter.step_done(samples=samples, seconds=done - step_started)
         return StepResult(
             loss=loss,

@@ -3,7 +3,9 @@
 - resnet18 and gpt_tiny through the real CLI in bf16, channels_last (ResNet), torch.compile per
   block and the profiler with a CUDA memory snapshot;
 - fp16: a step whose gradients overflow is skipped by the GradScaler and counted;
-- DDP, FSDP2 and ZeRO-1 under torchrun on a one-rank NCCL process group.
+- parallel=ddp, fsdp and zero1 under torchrun on a one-rank NCCL process group: FSDP2 shards
+  over the mesh of one and ZeRO-1 over the group of one, while DDP wraps nothing at one rank (its
+  CUDA wrapper is tested on two ranks in test_two_ranks_cuda.py).
 
 Each run records what it was built as (``tests.support.ProbeTrainer``), so a run that silently
 fell back to the CPU, to gloo or to eager mode fails here instead of passing: the model's device
@@ -17,6 +19,7 @@ import pickle
 
 import pytest
 import torch
+from torch.distributed.fsdp import FSDPModule
 
 from sdnet_trainer import compose
 from sdnet_trainer.distributed import distributed_session
@@ -45,8 +48,8 @@ LOG_KEYS = {
     "perf/tflops_per_s",
 }
 # ResNet-18 (ImageNet stem) on 64x64 synthetic images; gpt_tiny on the synthetic token language.
-# 30 steps: the first compile of each block takes most of the minute. scripts/gpu_check.sh runs
-# the gpt_tiny case only in its full profile (GPU_CHECK_FULL=1).
+# 30 steps: the first compile of each block takes most of the minute, so both cases run after
+# every other CUDA test (tests/cuda/conftest.py).
 MODELS = {
     "resnet18": [
         "model=resnet18",
@@ -64,8 +67,9 @@ def _losses(rows: list[dict]) -> list[float]:
     return [row["train/loss"] for row in rows if "train/loss" in row]
 
 
+@pytest.mark.run_last  # cold inductor compiles: after every other test (tests/cuda/conftest.py)
 @pytest.mark.timeout(300)
-@pytest.mark.parametrize("model", sorted(MODELS))
+@pytest.mark.parametrize("model", list(MODELS))  # resnet18 first: gpt_tiny is the one to lose
 def test_one_gpu_fit_bf16_compiled_and_profiled(tmp_path, model):
     run_dir = tmp_path / "run"
     launch = run_cli(
@@ -186,21 +190,43 @@ def test_fp16_overflow_step_is_skipped_by_the_grad_scaler_and_counted(tmp_path):
     assert rows[0]["train/loss_scale"] == init_scale  # step 1, before the overflow
 
 
+class ShardedProbe(ProbeTrainer):
+    """Probes FSDP2's parameters as sharded, as they are between training steps: the root module
+    (``reshard_after_forward=False``) keeps its parameters unsharded, plain tensors, after the
+    final evaluation's forward, which no backward follows to reshard them."""
+
+    def write_probe(self) -> None:
+        for module in self.model.modules():
+            if isinstance(module, FSDPModule):
+                module.reshard()
+        super().write_probe()
+
+
+# parallel=<strategy> on one rank, by what parallelize builds there: FSDP2 wraps on a mesh of one
+# and ZeRO-1 shards the optimizer over the group of one, but DDP wraps only over more than one
+# data-parallel rank, so parallel=ddp trains the bare model (the case's id says so).
+ONE_RANK_LAYOUTS = [
+    pytest.param("ddp", id="ddp_unwrapped"),
+    pytest.param("fsdp", id="fsdp"),
+    pytest.param("zero1", id="zero1"),
+]
+
+
 @pytest.mark.timeout(240)
-@pytest.mark.parametrize("strategy", ["ddp", "fsdp", "zero1"])
+@pytest.mark.parametrize("strategy", ONE_RANK_LAYOUTS)
 def test_one_rank_nccl_process_group(tmp_path, strategy):
     """torchrun with one process: the NCCL group carries the step's agreement, the metrics'
-    gathers and the checkpoint's collectives; FSDP2 shards the model over the one-rank mesh (its
-    parameters DTensors); ZeRO-1 shards its optimizer over the group. DDP at world size 1 wraps
-    nothing (parallelize wraps DDP only over more than one data-parallel rank): that case checks
-    the group, the device and the checkpoints, not a wrapper. scripts/gpu_check.sh runs zero1
-    only in its full profile (GPU_CHECK_FULL=1)."""
+    gathers, the evaluation's reduction and the checkpoint's collectives; FSDP2 shards the model
+    over the one-rank mesh (its parameters DTensors); ZeRO-1 shards its optimizer over the group.
+    At world size 1 nothing is wrapped in DDP (parallelize wraps DDP only over more than one
+    data-parallel rank), and the probe asserts that: the ``ddp_unwrapped`` case checks the group,
+    the device and the checkpoints of the bare model."""
     run_dir = tmp_path / "run"
     launch = run_cli(
         [
             *CUDA,
             *TINY_RUN,
-            PROBE,
+            "trainer._target_=tests.cuda.test_fit_cuda.ShardedProbe",
             "dist.backend=nccl",
             f"parallel={strategy}",
             "loop.max_steps=20",
@@ -217,13 +243,16 @@ def test_one_rank_nccl_process_group(tmp_path, strategy):
     assert probe["backend"] == "nccl" and probe["world_size"] == 1, probe
     assert probe["device"] == "cuda:0" and probe["steps"] == 20, probe
     assert_on_cuda(probe["device"], probe["batch_devices"])
-    if strategy == "fsdp":
-        # FSDP2's one-rank path: FSDPModule wrappers (torch.distributed.fsdp) and DTensor weights.
-        assert probe["fsdp"] is True and probe["dtensor_params"] > 0, probe
-    if strategy == "zero1":
-        assert probe["optimizer_class"] == "ZeroRedundancyOptimizer", probe
-    losses = _losses(read_jsonl(run_dir / "metrics.jsonl"))
+    assert probe["ddp"] is False, probe  # one rank: DDP wraps nothing under any strategy
+    # FSDP2's one-rank path: FSDPModule wrappers (torch.distributed.fsdp) and DTensor weights.
+    sharded = probe["fsdp"] is True and probe["dtensor_params"] > 0
+    assert sharded is (strategy == "fsdp"), probe
+    zero = probe["optimizer_class"] == "ZeroRedundancyOptimizer"
+    assert zero is (strategy == "zero1"), probe
+    rows = read_jsonl(run_dir / "metrics.jsonl")
+    losses = _losses(rows)
     assert len(losses) == 10 and all(math.isfinite(v) for v in losses), losses
     assert min(losses[-3:]) < losses[0], losses  # lr 0.05 with momentum: a noisy descent
+    assert any("val/loss" in row for row in rows)  # the final evaluation, reduced over NCCL
     checkpoints = sorted(p.name for p in (run_dir / "checkpoints").iterdir())
     assert "step_00000010" in checkpoints and "step_00000020" in checkpoints, checkpoints

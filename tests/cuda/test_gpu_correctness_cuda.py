@@ -33,6 +33,7 @@ from sdnet_trainer.training.state import RunState
 from tests.cuda import _gpu_correctness_worker as worker
 from tests.support import (
     CUDA,
+    PROBE_FILE,
     REPO,
     TINY_RUN,
     assert_on_cuda,
@@ -107,7 +108,6 @@ def test_release_lets_the_cuda_ddp_model_go(group_results):
 @pytest.mark.timeout(240)
 def test_a_short_run_with_the_default_watchdog_exits_promptly(tmp_path):
     run_dir = tmp_path / "run"
-    started = time.monotonic()
     launch = run_cli(
         [
             *CUDA,
@@ -119,7 +119,7 @@ def test_a_short_run_with_the_default_watchdog_exits_promptly(tmp_path):
         cwd=tmp_path,
         nproc=1,
     )
-    seconds = time.monotonic() - started
+    ended = time.time()
     assert launch.returncode == 0, launch.output
     probe = read_probe(run_dir)
     assert_on_cuda(probe["device"], probe["batch_devices"])
@@ -127,7 +127,10 @@ def test_a_short_run_with_the_default_watchdog_exits_promptly(tmp_path):
     # process did not wait for its thread or its faulthandler timer.
     assert "watchdog armed on rank 0: timeout 1200 s" in (run_dir / "hang_rank0.log").read_text()
     assert "made no progress" not in launch.output
-    assert seconds < 300, seconds
+    # run_cli's timeout bounds the whole launch; prompt is from the end of training (the probe,
+    # written as fit returns) to the end of torchrun: the session's teardown and the exit.
+    exit_s = ended - (run_dir / PROBE_FILE.format(rank=0)).stat().st_mtime
+    assert exit_s < 60, exit_s
     assert (run_dir / "nccl_flight_recorder").is_dir()
 
 
@@ -245,8 +248,8 @@ def test_local_rank_beyond_the_gpus_is_a_config_error(monkeypatch, tmp_path):
 # ---------------------------------------------------------------------- profiler (15)
 
 
-def test_the_profiler_never_traces_the_autotuning_step(tmp_path):
-    torch.backends.cudnn.benchmark = True
+def test_the_profiler_never_traces_the_autotuning_step(tmp_path, monkeypatch):
+    monkeypatch.setattr(torch.backends.cudnn, "benchmark", True)  # process-wide: put back after
     model = nn.Sequential(nn.Conv2d(3, 8, 3), nn.ReLU(), nn.Conv2d(8, 8, 3)).to(GPU)
     cfg = ProfileConfig(enabled=True, wait=0, warmup=0, active=2)
     profiler = StepProfiler(cfg, output_dir=tmp_path, rank=0, device=GPU)

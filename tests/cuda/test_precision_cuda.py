@@ -87,17 +87,50 @@ def test_precision_tf32_switches_fp32_matmuls_and_convolutions_to_tf32():
     assert conv_on > 1e-4 and conv_off < conv_on / 10, errors
 
 
-@pytest.mark.usefixtures("tf32_flags")
-def test_the_mfu_peak_of_this_gpu_follows_precision_tf32():
-    name = torch.cuda.get_device_name(GPU)
+def _peaks_of(name: str) -> dict[str, float]:
+    """This GPU's row of the peak table; an unlisted GPU fails the test, naming itself: the
+    MFU of every run on it would silently be missing."""
     model = device_model(name)
-    if model is None or "MIG" in name:
-        assert peak_tflops(GPU, torch.float32) is None
-        return
-    peaks = PEAK_TFLOPS[model]
+    if model is None:
+        pytest.fail(
+            f"{name!r} is not in the peak table (sdnet_trainer/observability/flops.py: "
+            f"_DEVICE_PATTERNS maps device names to PEAK_TFLOPS rows): add it from its datasheet"
+        )
+    return PEAK_TFLOPS[model]
+
+
+def _figure(peaks: dict[str, float], key: str, name: str) -> float:
+    """One figure of the row: a missing one would compare None with None and pass."""
+    assert key in peaks, f"the peak table's row for {name!r} has no {key} figure: {peaks}"
+    return peaks[key]
+
+
+def _assert_no_peak_on_a_mig_slice(name: str) -> None:
+    """A slice has a fraction of the device's SMs, which its name does not say reliably: no peak
+    in any precision (flops.peak_tflops), so no MFU rather than a wrong one."""
+    for tf32 in (False, True):
+        Precision(PrecisionConfig(dtype="fp32", tf32=tf32), device_type="cuda")
+        assert peak_tflops(GPU, torch.float32) is None, name
+    assert peak_tflops(GPU, torch.bfloat16) is None, name
+
+
+def _assert_the_peak_follows_tf32(name: str) -> None:
+    peaks = _peaks_of(name)
     Precision(PrecisionConfig(dtype="fp32", tf32=False), device_type="cuda")
-    assert peak_tflops(GPU, torch.float32) == peaks.get("fp32")
+    assert peak_tflops(GPU, torch.float32) == _figure(peaks, "fp32", name)
     if _capability() >= (8, 0) and torch.version.hip is None:  # TF32 tensor cores
         Precision(PrecisionConfig(dtype="fp32", tf32=True), device_type="cuda")
-        assert peak_tflops(GPU, torch.float32) == peaks.get("tf32")
-    assert peak_tflops(GPU, torch.bfloat16) == peaks.get("bf16")
+        assert peak_tflops(GPU, torch.float32) == _figure(peaks, "tf32", name)
+    # bf16 tensor cores from compute capability 8.0 on; before, no bf16 peak.
+    bf16 = _figure(peaks, "bf16", name) if _capability() >= (8, 0) else None
+    assert peak_tflops(GPU, torch.bfloat16) == bf16, name
+
+
+@pytest.mark.usefixtures("tf32_flags")
+def test_the_mfu_peak_of_this_gpu_follows_precision_tf32():
+    """On a GPU the peak table lacks (neither a MIG slice nor listed) this fails, naming it."""
+    name = torch.cuda.get_device_name(GPU)
+    if "MIG" in name:
+        _assert_no_peak_on_a_mig_slice(name)
+    else:
+        _assert_the_peak_follows_tf32(name)

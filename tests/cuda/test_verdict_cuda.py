@@ -1,5 +1,9 @@
 """The step's verdict on a GPU: no host synchronisation on a non-log step (issue: a per-step
-``.tolist()`` drained the GPU every step), and the deferred verdict still ends a non-finite run."""
+``.tolist()`` drained the GPU every step), and the deferred verdict still ends a non-finite run.
+
+The sync check's window (``sync_check_armed``) is exercised on the CPU by
+tests/unit/test_cuda_windows.py, which imports this module: a window that arms the check over a
+point that synchronises fails there, before a GPU run is spent on it."""
 
 from __future__ import annotations
 
@@ -9,16 +13,25 @@ import torch
 from sdnet_trainer import HookBase, Trainer, compose
 from sdnet_trainer.distributed import distributed_session
 from sdnet_trainer.training.health import NonFiniteError
+from sdnet_trainer.training.hooks import MetricsHook
 from tests.support import CUDA, TINY_RUN, assert_on_cuda
 
 pytestmark = pytest.mark.cuda
 
 LOG_EVERY = 4
-GPU = [*TINY_RUN, *CUDA, f"logging.log_every_n_steps={LOG_EVERY}"]
+# The first steps are not checked: they compile, autotune and allocate (pinned buffers included).
+WARM_UP_STEPS = 2
+RUN = [*TINY_RUN, f"logging.log_every_n_steps={LOG_EVERY}"]
+GPU = [*RUN, *CUDA]
+# The sync check's run: 11 steps (the last, a log point of its own, is no multiple of LOG_EVERY),
+# then the product's end of a run (the last verdict, the final evaluation, the save on exit).
+# No periodic evaluation or checkpoint: sync_check_armed asks the metrics hook only.
+SYNC_CHECK_RUN = ["loop.max_steps=11"]
 
 
 class _SyncsOff(HookBase):
-    """Last hook: whatever a step and its hooks did under the sync check ends here."""
+    """Last hook: whatever a step and its hooks did under the sync check ends here, so the end
+    of the run (after_train: the last verdict, evaluation, the save on exit) runs unchecked."""
 
     def after_step(self, state, result):
         torch.cuda.set_sync_debug_mode(0)
@@ -46,21 +59,28 @@ def _fit(trainer_class: type[Trainer], overrides: list[str], tmp_path) -> Traine
     return trainer
 
 
-class _NoSyncOnNonLogSteps(_OnDevice):
-    """Steps 3+ that are not log steps run, hooks included, with syncs raising."""
+def sync_check_armed(trainer: Trainer, step: int) -> bool:
+    """Whether ``step`` (with its hooks) runs under the sync check: past the warm-up, and not a
+    log point. Whether it is one is the Trainer's own metrics hook's decision (its period, and
+    the last step of the run), not this test's arithmetic: a log point reads the loss back."""
+    (metrics,) = [hook for hook in trainer.hooks if isinstance(hook, MetricsHook)]
+    return step > WARM_UP_STEPS and not metrics.is_log_step(step)
+
+
+class NoSyncOnNonLogSteps(_OnDevice):
+    """The steps ``sync_check_armed`` names run, hooks included, with syncs raising."""
 
     def build_hooks(self):
         return [*super().build_hooks(), _SyncsOff()]
 
     def train_step(self):
-        step = self.state.step + 1
-        if step > 2 and step % LOG_EVERY:
+        if sync_check_armed(self, self.state.step + 1):
             torch.cuda.set_sync_debug_mode("error")
         return super().train_step()
 
 
 def test_non_log_steps_do_not_synchronise_with_the_gpu(tmp_path):
-    trainer = _fit(_NoSyncOnNonLogSteps, ["loop.max_steps=11", "loop.eval_at_end=false"], tmp_path)
+    trainer = _fit(NoSyncOnNonLogSteps, SYNC_CHECK_RUN, tmp_path)
     assert trainer.stepper.deferred and trainer.state.step == 11
     assert_on_cuda(trainer.model, trainer.batch_devices)
 

@@ -13,10 +13,11 @@ import textwrap
 
 import pytest
 import torch
+import yaml
 
 from sdnet_trainer import compose
 from sdnet_trainer.errors import ConfigError
-from tests.support import REPO, TINY, run_command
+from tests.support import REPO, TINY, main_in_process, run_command
 
 SCRIPTS = REPO / "scripts"
 
@@ -110,25 +111,52 @@ def test_gpu_scripts_parse(script):
 
 
 def test_bench_gpu_quick_is_the_short_profile(bench_gpu, monkeypatch):
-    """gpu_check.sh's default benchmark: ResNet-50 (one round of each side), gpt_1b and
-    llama3_1b, fewer steps, 90 s per launch; sections given explicitly still win."""
+    """gpu_check.sh's default benchmark: the matmul roofline, ResNet-50 (one round of each
+    side), gpt_1b and llama3_1b, fewer steps, 120 s per launch; sections given explicitly still
+    win."""
     monkeypatch.setattr(sys, "argv", ["bench_gpu.py", "--quick"])
     args = bench_gpu.parse_args()
-    assert args.sections == ["resnet50", "gpt_1b", "llama3_1b"]
+    assert args.sections == ["matmul", "resnet50", "gpt_1b", "llama3_1b"]
     assert (args.rounds, args.warmup, args.steps, args.gpt_steps) == (1, 10, 30, 15)
     assert args.llama_steps == 10  # about a minute on one H100, start-up included
-    assert args.timeout == 90.0
+    assert args.timeout == 120.0 and args.matmul_size == 8192 and args.budget_s is None
     monkeypatch.setattr(sys, "argv", ["bench_gpu.py", "--quick", "--sections", "gpt_1b"])
     assert bench_gpu.parse_args().sections == ["gpt_1b"]
     monkeypatch.setattr(sys, "argv", ["bench_gpu.py", "--sections", "llama3_1b,loader"])
     assert bench_gpu.parse_args().sections == ["llama3_1b", "loader"]
     monkeypatch.setattr(sys, "argv", ["bench_gpu.py"])
     full = bench_gpu.parse_args()
-    assert full.sections == ["resnet50", "gpt_1b", "llama3_1b", "loader"] and full.rounds == 3
+    assert full.sections == ["matmul", "resnet50", "gpt_1b", "llama3_1b", "loader"]
+    assert full.rounds == 3
     assert (full.gpt_steps, full.llama_steps) == (25, 20)
     # No 1B decoder on a CPU.
     monkeypatch.setattr(sys, "argv", ["bench_gpu.py", "--cpu-smoke"])
-    assert bench_gpu.parse_args().sections == ["resnet50", "loader"]
+    assert bench_gpu.parse_args().sections == ["matmul", "resnet50", "loader"]
+
+
+def test_bench_gpu_loader_workers_fit_in_dev_shm(bench_gpu, monkeypatch):
+    """Each worker holds two float32 batches in shared memory (256 x 3 x 224 x 224 x 4 bytes:
+    154 MB each): a container's 64 MB /dev/shm gets no worker, 16 GiB the cores' share."""
+    batch_bytes = 256 * 3 * 224 * 224 * 4
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(range(16)), raising=False)
+    assert bench_gpu.default_workers(batch=256, shm_bytes=64 * 2**20) == 0
+    assert bench_gpu.default_workers(batch=256, shm_bytes=16 * 2**30) == 12
+    # Three quarters of 1 GiB hold 5 batches: 2 workers of 2.
+    assert 2 * 2 * batch_bytes <= 0.75 * 2**30 < 3 * 2 * batch_bytes
+    assert bench_gpu.default_workers(batch=256, shm_bytes=2**30) == 2
+
+
+def test_bench_gpu_budget_cuts_timeouts_and_skips_what_does_not_fit(bench_gpu, monkeypatch):
+    clock = [1000.0]
+    monkeypatch.setattr(bench_gpu.time, "monotonic", lambda: clock[0])
+    assert bench_gpu.Budget(None).timeout(420.0, "anything") == 420.0
+    budget = bench_gpu.Budget(100.0)
+    assert budget.timeout(120.0, "resnet50 round 1 trainer") == 100.0
+    clock[0] += 70
+    assert budget.timeout(120.0, "gpt_1b") == 30.0
+    clock[0] += 15
+    assert budget.timeout(120.0, "llama3_1b") is None  # 15 s left: under MIN_LAUNCH_S
+    assert budget.skipped == ["llama3_1b"]
 
 
 def test_bench_gpu_decoder_options_are_per_section(bench_gpu, monkeypatch):
@@ -157,15 +185,12 @@ def test_bench_gpu_decoder_options_are_per_section(bench_gpu, monkeypatch):
         bench_gpu.parse_args()
 
 
-@pytest.mark.full  # seconds: out of the quick tier
-def test_bench_gpu_without_cuda_exits_2_with_its_message(tmp_path):
-    launch = run_command(
-        [sys.executable, str(SCRIPTS / "bench_gpu.py"), "--out", str(tmp_path / "out")],
-        cwd=tmp_path,
-        timeout=120,
-    )
-    assert launch.returncode == 2, launch.output
-    assert "bench_gpu: no CUDA device" in launch.output and "nothing was measured" in launch.output
+def test_bench_gpu_without_cuda_exits_2_with_its_message(bench_gpu, tmp_path, monkeypatch, capsys):
+    """Its main in this process (the script's exit code is main's return value)."""
+    monkeypatch.setattr(sys, "argv", ["bench_gpu.py", "--out", str(tmp_path / "out")])
+    assert bench_gpu.main() == 2
+    output = capsys.readouterr().err
+    assert "bench_gpu: no CUDA device" in output and "nothing was measured" in output
     assert not (tmp_path / "out").exists()  # it stops before it starts anything
 
 
@@ -238,6 +263,37 @@ def test_bench_gpu_llama3_1b_launch_passes_preflight_for_one_gpu(bench_gpu, tmp_
     validate(compose(_config_keys(bench_gpu.decoder_keys(gpt_run, tmp_path))), world_size=1)
 
 
+@pytest.mark.usefixtures("main_in_this_process")
+@pytest.mark.parametrize("section", ["gpt_1b", "llama3_1b"])
+def test_bench_gpu_decoder_launch_composes_through_the_cli(
+    bench_gpu, section, tmp_path, monkeypatch, capfd
+):
+    """The decoder launch of --quick, word for word as bench_gpu starts it, through the command
+    line's own main (``--cfg job --resolve``) with only dist.device=cuda swapped for the CPU: a
+    typo in a key or an interpolation fails here, not on the GPU node."""
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(sys, "argv", ["bench_gpu.py", "--quick"])
+    args = bench_gpu.parse_args()
+    decoder = next(dec for dec in bench_gpu.DECODERS if dec.section == section)
+    run = bench_gpu.DecoderRun.from_args(args, decoder)
+    cmd = bench_gpu.decoder_command(run, tmp_path / section)
+    assert cmd[:3] == [sys.executable, "-m", "sdnet_trainer"]
+    keys = cmd[3:]
+    assert keys.count("dist.device=cuda") == 1
+    keys = ["dist.device=cpu" if key == "dist.device=cuda" else key for key in keys]
+    code, output = main_in_process([*keys, "--cfg", "job", "--resolve"], monkeypatch, capfd)
+    assert code == 0, output
+    cfg = yaml.safe_load(output)
+    family = cfg["model"][decoder.family]
+    assert cfg["model"]["name"] == decoder.family
+    assert cfg["data"]["vocab_size"] == family["vocab_size"] > 30000  # the model's vocabulary
+    assert cfg["data"]["seq_len"] == bench_gpu.DECODER_SEQ_LEN
+    assert cfg["loop"]["max_steps"] == decoder.quick_steps
+    assert cfg["loop"]["global_batch_size"] == run.batch
+    assert cfg["precision"]["dtype"] == "bf16" and cfg["logging"]["flops"]
+    assert not (tmp_path / section).exists()  # --cfg only prints
+
+
 @pytest.mark.full  # seconds: out of the quick tier
 def test_bench_gpu_machinery_runs_on_the_cpu(tmp_path):
     """--cpu-smoke: both ResNet sides launched and timed (a ResNet-18 at 32x32, fp32), the loader
@@ -248,9 +304,16 @@ def test_bench_gpu_machinery_runs_on_the_cpu(tmp_path):
     launch = run_command(cmd, cwd=tmp_path, timeout=600)
     assert launch.returncode == 0, launch.output
     figures = json.loads(figures_file.read_text())
+    assert figures["matmul"]["tflops_per_s"] > 0 and figures["matmul"]["size"] == 64
     resnet = figures["resnet50"]
     for side in ("trainer", "hand"):
         assert resnet[side]["failed"] is None and resnet[side]["images_per_s"] > 0, resnet
+        # Both sides' TFLOP/s from the Trainer's own count per image (the same model).
+        assert resnet[side]["tflops_per_s"] == pytest.approx(
+            resnet[side]["images_per_s"] * resnet["flops_per_image"] / 1e12
+        )
+    assert resnet["flops_per_image"] > 0
+    assert figures["skipped"] == []
     assert resnet["ratio"] == pytest.approx(
         resnet["trainer"]["images_per_s"] / resnet["hand"]["images_per_s"]
     )

@@ -10,6 +10,11 @@ definitions excluded (they may never run):
   ``"cuda"`` (``assert images.device.type == "cuda"``).
 
 ``EXEMPT`` names the tests that put nothing on the GPU by design, each with its reason.
+
+Nor does a CUDA test ``return`` from its own body: an early return passes whatever the rest would
+have checked (a GPU missing from a table, say), where a failure or an explicit branch says what
+happened. (That the heaviest tests, ``@pytest.mark.run_last``, run after every other one is
+checked by tests/unit/test_gpu_check.py on the order of the check's JUnit report.)
 """
 
 from __future__ import annotations
@@ -74,6 +79,11 @@ def asserts_cuda(function: ast.FunctionDef | ast.AsyncFunctionDef) -> bool:
     return False
 
 
+def returns_early(function: ast.FunctionDef | ast.AsyncFunctionDef) -> bool:
+    """Whether the test function's own body holds a ``return`` (module docstring)."""
+    return any(isinstance(node, ast.Return) for node in _own_nodes(function))
+
+
 def _test_functions_in(tree: ast.Module) -> list[ast.FunctionDef | ast.AsyncFunctionDef]:
     found = []
     for node in tree.body:
@@ -136,3 +146,27 @@ def test_methods_of_test_classes_are_linted_and_exemptions_apply():
         "def test_local_rank_beyond_the_gpus_is_a_config_error():\n    pass\n"
     )
     assert lint(source) == ["test_a"]
+
+
+def test_no_cuda_test_returns_early():
+    returning = {
+        f"{path.name}::{f.name}"
+        for path in sorted(CUDA_TESTS.glob("test_*.py"))
+        for f in _test_functions_in(ast.parse(path.read_text()))
+        if returns_early(f)
+    }
+    assert not returning, f"these CUDA tests return early, passing vacuously: {sorted(returning)}"
+
+
+@pytest.mark.parametrize(
+    ("body", "returns"),
+    [
+        ("if x:\n        return\n    assert_on_cuda(x)", True),
+        ("for t in x:\n        if t:\n            return t", True),
+        ("def helper():\n        return x", False),  # a nested function's own return
+        ("assert_on_cuda(x)", False),
+    ],
+)
+def test_what_counts_as_an_early_return(body, returns):
+    (function,) = _test_functions_in(ast.parse(f"def test_x(x):\n    {body}\n"))
+    assert returns_early(function) is returns

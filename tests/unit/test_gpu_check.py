@@ -6,8 +6,12 @@ gpu_image_python); the wheel folder holds what scripts/gpu_wheels.sh downloads, 
 the installed distributions (no index is reached). pip is pointed at no index and HTTP goes to a
 dead proxy, so a check that tried the network fails here. Without a GPU the check must get
 through its install and the collection of every CUDA test and exit 2 ("no CUDA device"), not 1.
-The closing table's benchmark rows (scripts/gpu_check_summary.py) are checked on a bench.json
-made here from scripts/bench_gpu.py's own summaries.
+Whatever happens, the output folder must come back from an offline node whole: at most 8 plain
+files (no folder), each at most 16 MiB, named in letters, digits, '.', '_' and '-', with
+summary.txt among them; checked after a complete run, a part stopped by its share of the budget
+and a SIGTERM part way (what the node's own time limit sends). The closing table's benchmark rows
+(scripts/gpu_check_summary.py) are checked on a bench.json made here from scripts/bench_gpu.py's
+own summaries.
 """
 
 from __future__ import annotations
@@ -17,16 +21,20 @@ import hashlib
 import importlib
 import importlib.metadata
 import json
+import os
 import re
+import signal
 import subprocess
 import sys
+import tarfile
+import time
 import xml.etree.ElementTree as ET
 import zipfile
 from pathlib import Path
 
 import pytest
 
-from tests.support import REPO, gpu_image_python, run_command
+from tests.support import REPO, cli_env, gpu_image_python, run_command
 
 SCRIPT = REPO / "scripts" / "gpu_check.sh"
 # What scripts/gpu_lane_requirements.txt names: the wheels a GPU node gets from the folder.
@@ -74,6 +82,44 @@ def wheel_from_installed(name: str, out_dir: Path) -> Path:
 whole_check = pytest.mark.full
 
 
+# What can come back from the node's output folder (the device's limits).
+MAX_FILES, MAX_BYTES = 8, 16 * 2**20
+NAME = re.compile(r"[A-Za-z0-9._-]+")
+
+
+def assert_fits_the_way_back(out: Path) -> None:
+    entries = sorted(out.iterdir())
+    assert len(entries) <= MAX_FILES, [e.name for e in entries]
+    for entry in entries:
+        assert entry.is_file() and not entry.is_symlink(), f"{entry.name}: not a plain file"
+        assert NAME.fullmatch(entry.name), entry.name
+        assert entry.stat().st_size <= MAX_BYTES, (entry.name, entry.stat().st_size)
+    assert (out / "summary.txt").exists(), [e.name for e in entries]
+
+
+def processes_of(tmp_path: Path) -> list[int]:
+    """Processes whose environment names ``tmp_path`` as TMPDIR: what a check started there."""
+    mark = f"TMPDIR={tmp_path}".encode()
+    found = []
+    for proc in Path("/proc").iterdir():
+        if not proc.name.isdigit():
+            continue
+        try:
+            if mark in (proc / "environ").read_bytes().split(b"\0"):
+                found.append(int(proc.name))
+        except OSError:
+            continue  # gone, or not ours to read
+    return found
+
+
+def assert_nothing_left(tmp_path: Path) -> None:
+    """The check's watchdog sleeps a second at a time: give it that long to go."""
+    deadline = time.monotonic() + 5
+    while processes_of(tmp_path) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert not processes_of(tmp_path)
+
+
 @pytest.fixture(scope="module")
 def image(tmp_path_factory) -> tuple[Path, Path]:
     """(the image's Python, the wheel folder)."""
@@ -90,45 +136,78 @@ def image(tmp_path_factory) -> tuple[Path, Path]:
     return python, wheels
 
 
+@pytest.fixture(scope="module")
+def venv(tmp_path_factory) -> Path:
+    """One venv for the module's checks (GPU_CHECK_VENV): the first check makes it, the others
+    reuse it and skip most of the setup."""
+    return tmp_path_factory.mktemp("gpu_check_venv")
+
+
+def _check_env(tmp_path: Path, python: Path, wheels: Path, **env: str) -> dict[str, str]:
+    return {
+        **OFFLINE,
+        "PYTHON": str(python),
+        "GPU_CHECK_WHEELS": str(wheels),
+        "GPU_CHECK_OUT": str(tmp_path / "out"),
+        "TMPDIR": str(tmp_path),
+        **env,
+    }
+
+
 def _gpu_check(tmp_path: Path, python: Path, wheels: Path, *args: str, **env: str):
-    out = tmp_path / "out"
     launch = run_command(
         ["bash", str(SCRIPT), *args],
         cwd=tmp_path,
         timeout=420,  # about 40 s on an idle machine; the CPU is shared
-        env={
-            **OFFLINE,
-            "PYTHON": str(python),
-            "GPU_CHECK_WHEELS": str(wheels),
-            "GPU_CHECK_OUT": str(out),
-            "TMPDIR": str(tmp_path),
-            **env,
-        },
+        env=_check_env(tmp_path, python, wheels, **env),
     )
-    return launch, out
+    return launch, tmp_path / "out"
 
 
 @whole_check
 def test_gpu_check_installs_offline_collects_every_cuda_test_and_exits_2_without_a_gpu(
-    tmp_path, image
+    tmp_path, image, venv
 ):
     python, wheels = image
-    launch, out = _gpu_check(tmp_path, python, wheels)
+    kept = (venv / ".gpu_check_installed").exists()  # another test of this module ran first
+    launch, out = _gpu_check(tmp_path, python, wheels, GPU_CHECK_VENV=str(venv))
     assert launch.returncode == 2, launch.output
+    assert_fits_the_way_back(out)
+    assert sorted(p.name for p in out.iterdir()) == [
+        "cuda_tests.xml",
+        "gpu_check.tar.gz",
+        "machine.txt",
+        "pytest.log",
+        "setup.log",
+        "summary.txt",
+    ]
+    with tarfile.open(out / "gpu_check.tar.gz") as archive:
+        assert "./pytest.log" in archive.getnames(), archive.getnames()
+    assert_nothing_left(tmp_path)
     setup = (out / "setup.log").read_text()
-    # What the image lacked came from the folder, and pip read no index.
-    installed = next(line for line in setup.splitlines() if line.startswith("Successfully"))
-    for name in LANE:
-        assert name in installed, installed
-    assert "Looking in indexes" not in setup and DEAD not in setup, setup
-    assert "Successfully installed sdnet_trainer" in setup or "sdnet-trainer" in setup, setup
+    if kept:  # the kept venv's install is reused, and said so
+        assert "holds this tree's install: kept as it is" in launch.output, launch.output
+    else:
+        # What the image lacked came from the folder, and pip read no index.
+        installed = next(line for line in setup.splitlines() if line.startswith("Successfully"))
+        for name in LANE:
+            assert name in installed, installed
+        assert "Looking in indexes" not in setup and DEAD not in setup, setup
+        assert "Successfully installed sdnet_trainer" in setup or "sdnet-trainer" in setup, setup
     # Every CUDA test collected and skipped for the reason, none errored.
     suite = ET.parse(out / "cuda_tests.xml").getroot()
     suite = suite if suite.tag == "testsuite" else next(suite.iter("testsuite"))
     counts = {k: int(suite.get(k, 0)) for k in ("tests", "errors", "failures", "skipped")}
     assert counts["tests"] >= 30 and counts["skipped"] == counts["tests"], counts
     assert counts["errors"] == counts["failures"] == 0, counts
-    assert "no CUDA device" in (out / "pytest.log").read_text()
+    # The cold-compile fit runs last (tests/cuda/conftest.py): a share that runs out loses only it.
+    order = [case.get("name") for case in suite.iter("testcase")]
+    assert order[-1] == "test_one_gpu_fit_bf16_compiled_and_profiled[resnet18]", order
+    assert "test_one_rank_nccl_process_group[zero1]" in order  # in the default profile now
+    pytest_log = (out / "pytest.log").read_text()
+    assert "no CUDA device" in pytest_log and "slowest durations" in pytest_log, pytest_log
+    machine = (out / "machine.txt").read_text()
+    assert "/dev/shm:" in machine and "host name" in machine, machine
     # The table comes last, with the verdict.
     summary = (out / "summary.txt").read_text().strip().splitlines()
     assert launch.output.strip().splitlines()[-len(summary) :] == summary
@@ -138,12 +217,65 @@ def test_gpu_check_installs_offline_collects_every_cuda_test_and_exits_2_without
 
 
 @whole_check
+def test_gpu_check_stops_pytest_at_the_end_of_its_share_and_still_reports(tmp_path, image, venv):
+    """A 3 s share for the tests: pytest gets SIGINT part way, the check goes on to its table."""
+    python, wheels = image
+    launch, out = _gpu_check(
+        tmp_path, python, wheels, GPU_CHECK_VENV=str(venv), GPU_CHECK_TEST_S="3"
+    )
+    assert launch.returncode == 1, launch.output
+    assert "pytest: its 3 s share ran out: SIGINT" in launch.output, launch.output
+    assert_fits_the_way_back(out)
+    summary = (out / "summary.txt").read_text()
+    assert "FAILED: pytest did not finish in its 3 s share (exit code 1)" in summary, summary
+    assert launch.output.rstrip().endswith(summary.rstrip())
+    assert_nothing_left(tmp_path)
+
+
+@whole_check
+def test_gpu_check_killed_part_way_still_writes_its_table(tmp_path, image, venv):
+    """SIGTERM while pytest runs (what the node's time limit, or the check's own watchdog, sends):
+    the part is stopped, the table and the files are there, nothing the check started is left."""
+    python, wheels = image
+    proc = subprocess.Popen(
+        ["bash", str(SCRIPT)],
+        cwd=tmp_path,
+        env={**cli_env(), **_check_env(tmp_path, python, wheels, GPU_CHECK_VENV=str(venv))},
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        start_new_session=True,
+    )
+    try:
+        deadline = time.monotonic() + 300
+        while not list(tmp_path.glob("gpu_check_work.*/pytest.log")):
+            assert proc.poll() is None and time.monotonic() < deadline, proc.stdout.read()
+            time.sleep(0.2)
+        time.sleep(1)  # pytest is starting up
+        os.kill(proc.pid, signal.SIGTERM)
+        output, _ = proc.communicate(timeout=120)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.communicate()
+    assert proc.returncode == 124, output
+    out = tmp_path / "out"
+    assert_fits_the_way_back(out)
+    summary = (out / "summary.txt").read_text()
+    assert "STOPPED: SIGTERM received after" in summary and "(exit code 124)" in summary, summary
+    assert not list(tmp_path.glob("gpu_check_work.*")), "the scratch folder was left behind"
+    assert_nothing_left(tmp_path)
+
+
+@whole_check
 def test_gpu_check_without_the_wheel_folder_says_how_to_make_it(tmp_path, image):
     python, _ = image
     launch, out = _gpu_check(tmp_path, python, tmp_path / "no_wheels")
     assert launch.returncode == 1, launch.output
     assert "bash scripts/gpu_wheels.sh DIR" in launch.output, launch.output
     assert "Looking in indexes" not in (out / "setup.log").read_text()
+    assert_fits_the_way_back(out)
+    assert "FAILED: setup: cannot install" in (out / "summary.txt").read_text()
 
 
 @whole_check
@@ -205,26 +337,83 @@ def test_the_table_has_a_row_for_each_decoder_section(scripts, tmp_path, capsys)
         "decoders": [gpt.section, llama.section],
         gpt.section: {"failed": "FAILED (log in out/gpt_1b.log)"},
         llama.section: figures_llama,
+        # The roofline: the matmul measured in the same run (bench_gpu.bench_matmul's keys).
+        "matmul": {"tflops_per_s": 800.0, "size": 8192, "dtype": "bfloat16"},
     }
     (tmp_path / "bench.json").write_text(json.dumps(figures))
-    argv = [str(tmp_path), "0", "0", "0", "passed", "20", "200", "210", "430"]
+    argv = [str(tmp_path), "0", "0", "0", "passed", "20", "200", "210", "430", "/node/out"]
     assert summary.main(argv) == 0
     table = capsys.readouterr().out.splitlines()
-    assert table[0] == f"== gpu_check summary (outputs in {tmp_path})"
+    assert table[0] == "== gpu_check summary (outputs in /node/out)"
     cells = dict(re.split(r"\s{2,}", line, maxsplit=1) for line in table[1:])
     # One column of values, after the longest name and two spaces.
     starts = {line.index(value, len(name)) for line, (name, value) in zip(table[1:], cells.items())}
-    assert starts == {len("seconds: setup, tests, benchmark, all") + 2}, table
+    assert starts == {max(map(len, cells)) + 2}, table
     assert cells["device"] == "NVIDIA H100 80GB HBM3"
+    assert cells["matmul bfloat16 8192^3 (practical peak)"] == "800 TFLOP/s"
     assert cells["gpt_1b tokens/s"] == "FAILED (log in out/gpt_1b.log)"
-    assert cells["gpt_1b MFU"] == "n/a"
-    assert cells["llama3_1b tokens/s"] == "31,250"
-    assert cells["llama3_1b MFU"] == "41.5%"
+    assert cells["gpt_1b MFU (datasheet peak)"] == "n/a"
+    # 0.415 x 989.4 = 410.6 TFLOP/s, 51 % of the 800 measured.
+    assert cells["llama3_1b tokens/s"] == "31,250 (411 TFLOP/s, 51% of the matmul)"
+    assert cells["llama3_1b MFU (datasheet peak)"] == "41.5%"
     names = list(cells)
-    assert names.index("gpt_1b MFU") < names.index("llama3_1b tokens/s")  # bench_gpu's order
+    assert names.index("gpt_1b MFU (datasheet peak)") < names.index("llama3_1b tokens/s")
     assert names[-2:] == ["seconds: setup, tests, benchmark, all", "result"]
     assert cells["result"] == "passed (exit code 0)"
     assert "no report (pytest exit code 0)" in cells["cuda tests"]  # no cuda_tests.xml here
+
+
+JUNIT = """<?xml version="1.0" encoding="utf-8"?>
+<testsuites><testsuite name="pytest" errors="1" failures="1" skipped="1" tests="5" time="300">
+<testcase classname="tests.cuda.test_fit_cuda" name="test_a" time="120.5"/>
+<testcase classname="tests.cuda.test_fit_cuda" name="test_b" time="3.0">
+<failure message="AssertionError: loss went up&#10;second line">trace</failure></testcase>
+<testcase classname="tests.cuda.test_verdict_cuda" name="test_c" time="40.0">
+<error message="RuntimeError: called a synchronizing CUDA operation">trace</error></testcase>
+<testcase classname="tests.cuda.test_loader_cuda" name="test_d" time="0.1">
+<skipped message="no CUDA device"/></testcase>
+<testcase classname="tests.cuda.test_loader_cuda" name="test_e" time="7.0"/>
+</testsuite></testsuites>
+"""
+
+
+def test_the_table_names_what_failed_and_what_was_slow(scripts, tmp_path, capsys):
+    """The console keeps only its end: the table itself says which tests failed and why, the
+    slowest ones, and the ResNet-50 sides' TFLOP/s beside the matmul."""
+    bench_gpu, summary = scripts
+    (tmp_path / "cuda_tests.xml").write_text(JUNIT)
+    figures = {
+        "device": "NVIDIA H200",
+        "decoders": [],
+        "matmul": {"tflops_per_s": 790.0, "size": 8192, "dtype": "bfloat16"},
+        "resnet50": {
+            "trainer": {"images_per_s": 3000.0, "tflops_per_s": 36.9, "failed": None},
+            "hand": {"images_per_s": None, "tflops_per_s": None, "failed": "FAILED in round 1"},
+            "ratio": None,
+        },
+        "skipped": ["llama3_1b"],
+    }
+    (tmp_path / "bench.json").write_text(json.dumps(figures))
+    summary.main([str(tmp_path), "1", "3", "1", "FAILED: pytest exit code 1", "1", "2", "3", "6"])
+    table = capsys.readouterr().out.splitlines()
+    cells = dict(re.split(r"\s{2,}", line, maxsplit=1) for line in table[1:])
+    assert cells["cuda tests"] == "2 passed, 1 failed, 1 errors, 1 skipped"
+    assert cells["failure: test_fit_cuda::test_b"] == "AssertionError: loss went up"
+    assert cells["error: test_verdict_cuda::test_c"] == (
+        "RuntimeError: called a synchronizing CUDA operation"
+    )
+    slow = [name for name in cells if name.startswith("slow: ")]
+    assert slow == [
+        "slow: test_fit_cuda::test_a",
+        "slow: test_verdict_cuda::test_c",
+        "slow: test_loader_cuda::test_e",
+    ]
+    assert cells["slow: test_fit_cuda::test_a"] == "120 s"
+    assert cells["resnet50 bf16 channels_last images/s, trainer"] == (
+        "3,000 (37 TFLOP/s, 5% of the matmul)"
+    )
+    assert cells["resnet50 bf16 channels_last images/s, hand"] == "FAILED in round 1"
+    assert cells["benchmark left out (budget)"] == "llama3_1b"
 
 
 def test_the_table_lists_only_the_decoders_that_ran(scripts, tmp_path, capsys):
