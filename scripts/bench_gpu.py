@@ -787,7 +787,7 @@ def print_table(figures: dict[str, Any]) -> None:
         for side in SIDES:
             cell = resnet[side]
             if cell["images_per_s"] is None:
-                print(f"  {side:<8} {cell['failed'] or 'no result'}")
+                print(f"  {side:<8} {cell['failed'] or 'not run: the budget ran out'}")
                 continue
             print(
                 f"  {side:<8} {cell['images_per_s']:>8,.0f} images/s  "

@@ -98,9 +98,10 @@ def bench_rows(figures: dict[str, Any]) -> list[tuple[str, str]]:
     if resnet:
         for side in ("trainer", "hand"):
             cell = resnet[side]
-            value = cell["failed"] or num(cell["images_per_s"])
-            if not cell["failed"]:
-                value += achieved(cell.get("tflops_per_s"), peak)
+            if cell["failed"] or cell["images_per_s"] is None:
+                value = cell["failed"] or "not run: the budget ran out"
+            else:
+                value = num(cell["images_per_s"]) + achieved(cell.get("tflops_per_s"), peak)
             rows.append((f"resnet50 bf16 channels_last images/s, {side}", value))
         rows.append(("resnet50 trainer / hand (paired)", num(resnet["ratio"], "{:.3f}")))
         rows.append(("resnet50 A100 AMP, NVIDIA (context)", A100_AMP_IMAGES_PER_S))
