@@ -75,12 +75,17 @@ def test_rows(out: Path, pytest_rc: int) -> list[tuple[str, str]]:
     return rows
 
 
+def tflops_text(tflops: float) -> str:
+    """Whole TFLOP/s from 100 up (a GPU's range), three significant digits below."""
+    return f"{tflops:,.0f}" if tflops >= 100 else f"{tflops:.3g}"
+
+
 def achieved(tflops: float | None, peak: float | None) -> str:
     """``tflops`` and its share of the measured matmul peak."""
     if tflops is None:
         return ""
     share = f", {tflops / peak:.0%} of the matmul" if peak else ""
-    return f" ({tflops:,.0f} TFLOP/s{share})"
+    return f" ({tflops_text(tflops)} TFLOP/s{share})"
 
 
 def bench_rows(figures: dict[str, Any]) -> list[tuple[str, str]]:
@@ -91,7 +96,7 @@ def bench_rows(figures: dict[str, Any]) -> list[tuple[str, str]]:
         rows.append(
             (
                 f"matmul {matmul['dtype']} {matmul['size']}^3 (practical peak)",
-                f"{matmul['tflops_per_s']:,.0f} TFLOP/s",
+                f"{tflops_text(matmul['tflops_per_s'])} TFLOP/s",
             )
         )
     resnet = figures.get("resnet50")

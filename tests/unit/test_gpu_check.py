@@ -410,7 +410,7 @@ def test_the_table_names_what_failed_and_what_was_slow(scripts, tmp_path, capsys
     ]
     assert cells["slow: test_fit_cuda::test_a"] == "120 s"
     assert cells["resnet50 bf16 channels_last images/s, trainer"] == (
-        "3,000 (37 TFLOP/s, 5% of the matmul)"
+        "3,000 (36.9 TFLOP/s, 5% of the matmul)"
     )
     assert cells["resnet50 bf16 channels_last images/s, hand"] == "not run: the budget ran out"
     assert cells["benchmark left out (budget)"] == "llama3_1b"
