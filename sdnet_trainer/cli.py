@@ -7,11 +7,11 @@ with their own Trainer subclass call ``launch(MyTrainer)`` for the same behaviou
 Processes a scheduler started without torchrun (Hydra's submitit launcher, or ``srun python`` with
 SDNET_SLURM_TASKS=1) get torchrun's variables from the scheduler's first: see
 sdnet_trainer/distributed/launchers.py. Under torchrun each worker first binds its life to the
-agent's (sdnet_trainer/training/signals.py).
+agent's (sdnet_trainer/runtime/signals.py).
 
 Exit codes: 2 config error, 3 non-finite abort (health.py), 4 hang (health.py), 5 checkpoint
-error, 130 SIGINT and 143 SIGTERM (signals.py). A failure of ours ends the process with one line
-and no traceback, on every rank that meets it.
+error, 130 SIGINT and 143 SIGTERM (runtime/signals.py). A failure of ours ends the process with
+one line and no traceback, on every rank that meets it.
 """
 
 from __future__ import annotations
@@ -36,8 +36,8 @@ from sdnet_trainer.errors import EXIT_CONFIG_ERROR, ConfigError
 from sdnet_trainer.lazy import freeze_imports
 from sdnet_trainer.observability import setup_logging
 from sdnet_trainer.preflight import validate
+from sdnet_trainer.runtime.signals import EXIT_INTERRUPTED, die_with_launcher
 from sdnet_trainer.training.health import EXIT_NONFINITE, NonFiniteError
-from sdnet_trainer.training.signals import EXIT_INTERRUPTED, die_with_launcher
 from sdnet_trainer.training.trainer import Trainer, resolve_trainer_class
 
 logger = logging.getLogger("sdnet_trainer")
@@ -87,7 +87,7 @@ def run(cfg: DictConfig, trainer_cls: type[Trainer] | None = None) -> dict[str, 
         sys.exit(EXIT_CHECKPOINT)
     except KeyboardInterrupt:
         # Inside the training loop SIGINT stops at the end of the step with a checkpoint
-        # (signals.py); before the loop or after it, it lands here.
+        # (runtime/signals.py); before the loop or after it, it lands here.
         logger.warning(INTERRUPTED_OUTSIDE_LOOP)
         sys.exit(EXIT_INTERRUPTED)
 

@@ -55,7 +55,7 @@ from sdnet_trainer.models.parallel_spec import parallel_blocks
 from sdnet_trainer.models.registry import decoder_sizes
 from sdnet_trainer.observability.memory import training_state_bytes
 from sdnet_trainer.preflight import validate
-from sdnet_trainer.training.precision import DTYPES
+from sdnet_trainer.runtime.precision import DTYPES
 from sdnet_trainer.training.trainer import Trainer, resolve_trainer_class
 
 

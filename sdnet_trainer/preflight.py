@@ -9,7 +9,7 @@ devices, and the bookkeeping options last.
 
 from __future__ import annotations
 
-from sdnet_trainer.config.checks import check_choice, check_positive
+from sdnet_trainer.checkpoint import validate_checkpoint
 from sdnet_trainer.config.paths import check_creatable_folder, is_local_path, local_path
 from sdnet_trainer.config.schema import Config
 from sdnet_trainer.data import validate_data
@@ -19,7 +19,6 @@ from sdnet_trainer.distributed.env import validate_dist
 from sdnet_trainer.distributed.mesh import parallel_dims
 from sdnet_trainer.distributed.parallelize import validate_compile, validate_parallel
 from sdnet_trainer.distributed.pipeline import validate_pipeline
-from sdnet_trainer.errors import ConfigError
 from sdnet_trainer.ft.checks import validate_ft
 from sdnet_trainer.models.gpt import validate_gpt
 from sdnet_trainer.models.hf_causal_lm import HF_CAUSAL_LM, validate_hf_causal_lm
@@ -28,15 +27,17 @@ from sdnet_trainer.models.registry import GPT_NAME, LLAMA_NAME, llama_sizes
 from sdnet_trainer.observability.logs import validate_logging
 from sdnet_trainer.observability.prometheus import validate_prometheus
 from sdnet_trainer.observability.writers import validate_trackers
+from sdnet_trainer.runtime.precision import validate_precision
 from sdnet_trainer.training.ema import validate_ema
+from sdnet_trainer.training.health import validate_health
 from sdnet_trainer.training.optim import validate_optim
-from sdnet_trainer.training.precision import validate_precision
+from sdnet_trainer.training.state import validate_loop
 
 
 def validate(cfg: Config, *, world_size: int) -> None:
     """Raise ConfigError on the first rule the config breaks."""
     validate_batch(cfg, world_size)
-    _validate_loop(cfg)
+    validate_loop(cfg)
     validate_data(cfg)
     validate_optim(cfg)
     validate_ema(cfg)
@@ -55,42 +56,12 @@ def validate(cfg: Config, *, world_size: int) -> None:
     validate_compile(cfg, world_size)
     validate_dist(cfg)
     validate_ft(cfg, world_size)
-    _validate_checkpoint(cfg)
-    _validate_health(cfg)
+    validate_checkpoint(cfg)
+    validate_health(cfg)
     validate_logging(cfg)
     validate_trackers(cfg)
     validate_prometheus(cfg)
     _validate_paths(cfg)
-
-
-# The checks below belong beside their owners (the Trainer's loop, sdnet_trainer.checkpoint and
-# sdnet_trainer.training.health) and wait here until they move there.
-
-_NONFINITE = ("abort", "skip")  # health.nonfinite
-
-
-def _validate_loop(cfg: Config) -> None:
-    """``loop.*`` other than the batch split: how long to train and how often to evaluate."""
-    loop = cfg.loop
-    if (loop.max_steps is None) == (loop.max_epochs is None):
-        raise ConfigError(
-            f"set exactly one of loop.max_steps ({loop.max_steps}) and "
-            f"loop.max_epochs ({loop.max_epochs}); the other must be null"
-        )
-    check_positive("loop.max_steps", loop.max_steps, allow_none=True)
-    check_positive("loop.max_epochs", loop.max_epochs, allow_none=True)
-    check_positive("loop.eval_every_n_steps", loop.eval_every_n_steps, allow_none=True)
-    check_positive("loop.eval_batch_size", loop.eval_batch_size, allow_none=True)
-
-
-def _validate_checkpoint(cfg: Config) -> None:
-    """``checkpoint.*``."""
-    ckpt = cfg.checkpoint
-    check_positive("checkpoint.every_n_steps", ckpt.every_n_steps, allow_none=True)
-    check_positive("checkpoint.every_n_minutes", ckpt.every_n_minutes, allow_none=True)
-    check_positive("checkpoint.keep_last", ckpt.keep_last)
-    if not ckpt.resume:
-        raise ConfigError("checkpoint.resume must be auto, none or a checkpoint path")
 
 
 def _validate_paths(cfg: Config) -> None:
@@ -107,13 +78,6 @@ def _validate_paths(cfg: Config) -> None:
     uri = cfg.logging.mlflow.tracking_uri
     if "mlflow" in cfg.logging.trackers and uri and is_local_path(uri):
         check_creatable_folder("logging.mlflow.tracking_uri", local_path(uri))
-
-
-def _validate_health(cfg: Config) -> None:
-    """``health.*``."""
-    check_choice("health.nonfinite", cfg.health.nonfinite, _NONFINITE)
-    check_positive("health.hang_timeout_s", cfg.health.hang_timeout_s, allow_none=True)
-    check_positive("health.heartbeat_s", cfg.health.heartbeat_s, allow_none=True)
 
 
 __all__ = ["validate"]

@@ -31,7 +31,7 @@ import torch
 from sdnet_trainer.config.checks import check_choice, check_positive
 from sdnet_trainer.config.schema import AugmentConfig, DataConfig
 from sdnet_trainer.errors import ConfigError
-from sdnet_trainer.training.rng import derive_seed
+from sdnet_trainer.runtime.rng import derive_seed
 
 IMAGENET_MEAN = (0.485, 0.456, 0.406)
 IMAGENET_STD = (0.229, 0.224, 0.225)

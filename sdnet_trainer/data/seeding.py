@@ -16,7 +16,7 @@ from typing import Any
 import torch
 from torch.utils.data import Dataset, Sampler, TensorDataset
 
-from sdnet_trainer.training.rng import derive_seed
+from sdnet_trainer.runtime.rng import derive_seed
 
 
 def draws_random(dataset: Dataset) -> bool:

@@ -29,7 +29,7 @@ from sdnet_trainer.config.checks import check_choice, check_positive
 from sdnet_trainer.config.schema import Config, DistConfig
 from sdnet_trainer.distributed.malloc import pin_malloc_thresholds
 from sdnet_trainer.errors import ConfigError
-from sdnet_trainer.training.signals import die_with_launcher
+from sdnet_trainer.runtime.signals import die_with_launcher
 
 logger = logging.getLogger(__name__)
 

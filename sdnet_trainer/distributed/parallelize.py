@@ -43,7 +43,7 @@ from sdnet_trainer.distributed.mesh import ParallelDims, dp_mesh, parallel_dims
 from sdnet_trainer.distributed.pipeline import Pipeline, build_pipeline, split_model
 from sdnet_trainer.errors import ConfigError
 from sdnet_trainer.models.parallel_spec import parallel_blocks, supports_tensor_parallel
-from sdnet_trainer.training.precision import DTYPES, resolve_precision_dtype
+from sdnet_trainer.runtime.precision import DTYPES, resolve_precision_dtype
 
 logger = logging.getLogger(__name__)
 

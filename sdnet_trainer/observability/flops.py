@@ -30,7 +30,7 @@ from torch.utils._pytree import tree_flatten, tree_map
 from torch.utils.data import Dataset, default_collate
 from torch.utils.flop_counter import FlopCounterMode
 
-from sdnet_trainer.training.precision import DTYPES, tf32_enabled
+from sdnet_trainer.runtime.precision import DTYPES, tf32_enabled
 
 logger = logging.getLogger(__name__)
 
@@ -213,7 +213,7 @@ def peak_tflops(
     """Dense peak TFLOPs of one ``device`` for the math a run uses: the bf16/fp16 tensor-core peak
     under autocast in ``dtype``; for float32 (no autocast) the TF32 peak where ``tf32`` and the
     device has TF32 tensor cores, the FP32 peak otherwise. ``tf32`` None reads torch's flags
-    (:func:`~sdnet_trainer.training.precision.tf32_enabled`, set by Precision from
+    (:func:`~sdnet_trainer.runtime.precision.tf32_enabled`, set by Precision from
     ``precision.tf32``).
 
     ``override`` (``logging.peak_tflops``) wins. None on the CPU, on a MIG slice, for an unknown

@@ -40,6 +40,9 @@ from typing import IO
 
 import torch
 
+from sdnet_trainer.config.checks import check_choice, check_positive
+from sdnet_trainer.config.schema import Config
+
 logger = logging.getLogger(__name__)
 
 # Process exit codes, distinct from a Python traceback (1) and a ConfigError (2).
@@ -47,6 +50,14 @@ EXIT_NONFINITE = 3
 EXIT_HANG = 4
 
 _STDERR_FD = 2
+NONFINITE = ("abort", "skip")  # health.nonfinite
+
+
+def validate_health(cfg: Config) -> None:
+    """``health.*``, checked before launch (sdnet_trainer.preflight)."""
+    check_choice("health.nonfinite", cfg.health.nonfinite, NONFINITE)
+    check_positive("health.hang_timeout_s", cfg.health.hang_timeout_s, allow_none=True)
+    check_positive("health.heartbeat_s", cfg.health.heartbeat_s, allow_none=True)
 
 
 # ---------------------------------------------------------------------- non-finite values

@@ -5,7 +5,7 @@ The loop calls every hook's ``before_train(state)``, ``after_step(state, result)
 declared), and ``close()`` on every path out of the loop, last hook first. Each hook is built
 with what it needs (periods, the writer, callables) and reads the run's ``RunState`` and the
 step's ``StepResult``, never the Trainer; hooks never change the training math. The
-checkpointer is a hook too (``sdnet_trainer.checkpoint.checkpointer``).
+checkpointer is a hook too (``sdnet_trainer.training.checkpointer``).
 """
 
 from __future__ import annotations

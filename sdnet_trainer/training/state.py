@@ -13,6 +13,10 @@ from typing import Any
 
 import torch
 
+from sdnet_trainer.config.checks import check_positive
+from sdnet_trainer.config.schema import Config
+from sdnet_trainer.errors import ConfigError
+
 # The counters a checkpoint keeps, under its "trainer" entry (the name predates this class).
 SAVED_COUNTERS = (
     "step",
@@ -88,3 +92,18 @@ class StepResult:
     # False: fault tolerance's vote discarded the step (a peer group failed during it); the run's
     # counters do not move and the same samples are trained again (sdnet_trainer/ft/data.py).
     committed: bool = True
+
+
+def validate_loop(cfg: Config) -> None:
+    """``loop.*`` other than the batch split (sdnet_trainer.distributed.batching): how long the
+    run trains and how often it evaluates; checked before launch (sdnet_trainer.preflight)."""
+    loop = cfg.loop
+    if (loop.max_steps is None) == (loop.max_epochs is None):
+        raise ConfigError(
+            f"set exactly one of loop.max_steps ({loop.max_steps}) and "
+            f"loop.max_epochs ({loop.max_epochs}); the other must be null"
+        )
+    check_positive("loop.max_steps", loop.max_steps, allow_none=True)
+    check_positive("loop.max_epochs", loop.max_epochs, allow_none=True)
+    check_positive("loop.eval_every_n_steps", loop.eval_every_n_steps, allow_none=True)
+    check_positive("loop.eval_batch_size", loop.eval_batch_size, allow_none=True)

@@ -36,8 +36,8 @@ from sdnet_trainer.distributed.comm import GradientComm
 from sdnet_trainer.distributed.ddp import unwrap
 from sdnet_trainer.distributed.grad_norm import global_grad_norm
 from sdnet_trainer.distributed.ops import is_distributed
+from sdnet_trainer.runtime.precision import Precision
 from sdnet_trainer.training.health import NonFiniteError, PhaseTracker, nonfinite_tensor_names
-from sdnet_trainer.training.precision import Precision
 from sdnet_trainer.training.state import RunState
 
 logger = logging.getLogger(__name__)

@@ -36,7 +36,6 @@ from torch.distributed.tensor.parallel import loss_parallel
 from torch.nn.parallel import DistributedDataParallel
 from torch.utils.data import Dataset
 
-from sdnet_trainer.checkpoint.checkpointer import Checkpointer, plain_config, run_meta, run_parts
 from sdnet_trainer.config import Config
 from sdnet_trainer.data import (
     build_datasets,
@@ -64,7 +63,10 @@ from sdnet_trainer.observability import MetricsWriter, StepMeter
 from sdnet_trainer.observability.flops import run_flops
 from sdnet_trainer.observability.profiler import StepProfiler
 from sdnet_trainer.observability.prometheus import PrometheusExporter, prometheus_enabled
-from sdnet_trainer.training import rng
+from sdnet_trainer.runtime import rng
+from sdnet_trainer.runtime.precision import Precision
+from sdnet_trainer.runtime.signals import StopSignals
+from sdnet_trainer.training.checkpointer import Checkpointer, plain_config, run_meta, run_parts
 from sdnet_trainer.training.ema import WeightAverage
 from sdnet_trainer.training.evaluation import evaluate_batches, metric_sums, token_cross_entropy
 from sdnet_trainer.training.health import Heartbeat, PhaseTracker, Watchdog, hang_log_path
@@ -78,8 +80,6 @@ from sdnet_trainer.training.hooks import (
     WatchdogHook,
 )
 from sdnet_trainer.training.optim import build_optimizer, build_scheduler
-from sdnet_trainer.training.precision import Precision
-from sdnet_trainer.training.signals import StopSignals
 from sdnet_trainer.training.state import EpochShape, RunState, StepResult
 from sdnet_trainer.training.stepping import OptimizerStep
 

@@ -23,12 +23,12 @@ import pytest
 import torch
 from torch import nn
 
-from sdnet_trainer.checkpoint.checkpointer import Checkpointer, Part
 from sdnet_trainer.config.schema import CheckpointConfig, Config, ProfileConfig
 from sdnet_trainer.distributed.env import validate_dist
 from sdnet_trainer.errors import ConfigError
 from sdnet_trainer.observability.profiler import StepProfiler
-from sdnet_trainer.training import rng
+from sdnet_trainer.runtime import rng
+from sdnet_trainer.training.checkpointer import Checkpointer, Part
 from sdnet_trainer.training.state import RunState
 from tests.cuda import _gpu_correctness_worker as worker
 from tests.support import (
@@ -139,7 +139,7 @@ def test_a_short_run_with_the_default_watchdog_exits_promptly(tmp_path):
 _DETERMINISTIC_SCRIPT = """
 import os, torch, torchvision
 from torch import nn
-from sdnet_trainer.training import rng
+from sdnet_trainer.runtime import rng
 from sdnet_trainer.errors import ConfigError
 rng.seed_everything(0, deterministic=True)
 gpu = torch.device("cuda", 0)

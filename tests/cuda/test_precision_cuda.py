@@ -12,7 +12,7 @@ import torch.nn.functional as F
 
 from sdnet_trainer.config.schema import PrecisionConfig
 from sdnet_trainer.observability.flops import PEAK_TFLOPS, device_model, peak_tflops
-from sdnet_trainer.training.precision import DTYPES, Precision, choose_dtype, tf32_enabled
+from sdnet_trainer.runtime.precision import DTYPES, Precision, choose_dtype, tf32_enabled
 from tests.support import assert_on_cuda
 
 pytestmark = pytest.mark.cuda
@@ -48,7 +48,7 @@ def test_auto_is_bf16_on_a_gpu_with_bf16_tensor_cores(caplog):
     # The Trainer passes the device type; a device with its index resolves the same way.
     for device in ("cuda", GPU):
         assert choose_dtype("auto", device).name == expected_name
-    with caplog.at_level(logging.INFO, logger="sdnet_trainer.training.precision"):
+    with caplog.at_level(logging.INFO, logger="sdnet_trainer.runtime.precision"):
         precision = Precision(PrecisionConfig(dtype="auto"), device_type="cuda")
     assert precision.dtype == expected
     x = torch.randn(64, 64, device=GPU)

@@ -31,7 +31,7 @@ from torch.distributed.tensor import DTensor
 
 from sdnet_trainer import HookBase, Trainer
 from sdnet_trainer.distributed.ddp import unwrap
-from sdnet_trainer.training.signals import launched_by_torchrun
+from sdnet_trainer.runtime.signals import launched_by_torchrun
 from tests.support import IndexedDataset
 
 RECORD, FINAL = "committed_rank{rank}.jsonl", "ft_final.pt"

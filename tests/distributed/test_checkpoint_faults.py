@@ -35,10 +35,10 @@ from sdnet_trainer.checkpoint import (
     CheckpointManager,
     read_checkpoint,
 )
-from sdnet_trainer.checkpoint.checkpointer import Checkpointer
 from sdnet_trainer.checkpoint.disk import StagingWriter
 from sdnet_trainer.config import CheckpointConfig
 from sdnet_trainer.errors import ConfigError
+from sdnet_trainer.training.checkpointer import Checkpointer
 from tests.support import TINY, run_cli
 
 pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled")

@@ -15,7 +15,7 @@ import textwrap
 import pytest
 import torch
 
-from sdnet_trainer.training.signals import (
+from sdnet_trainer.runtime.signals import (
     EXIT_INTERRUPTED,
     EXIT_TERMINATED,
     StopSignals,
@@ -154,7 +154,7 @@ def test_signal_to_one_worker_stops_the_other_at_the_same_step(tmp_path):
 
 REPEATS = """
 import os, signal, sys, time
-from sdnet_trainer.training.signals import StopSignals
+from sdnet_trainer.runtime.signals import StopSignals
 
 window = float(sys.argv[1])
 with StopSignals(repeat_after_s=window) as stop:
@@ -175,7 +175,7 @@ with StopSignals(repeat_after_s=window) as stop:
 # the watcher thread (started before the block) sees the signals.
 BLOCKED = """
 import ctypes, os, signal, threading
-from sdnet_trainer.training.signals import StopSignals
+from sdnet_trainer.runtime.signals import StopSignals
 
 with StopSignals(repeat_after_s=0.5) as stop:
     signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT, signal.SIGTERM})
@@ -250,7 +250,7 @@ else:  # leave once the worker has recorded its launcher, before it binds itself
 WORKER = """
 import os, sys, time
 from pathlib import Path
-from sdnet_trainer.training import signals
+from sdnet_trainer.runtime import signals
 
 Path(sys.argv[2]).write_text("imported")
 if sys.argv[1] == "late":  # bind only once the launcher is gone: the race after the fork

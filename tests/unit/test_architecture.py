@@ -16,9 +16,8 @@ from tests.support import REPO
 
 PACKAGE = REPO / "sdnet_trainer"
 ARCHITECTURE = REPO / "docs" / "architecture.md"
-# The leaf modules of training/ that lower folders may use: each imports nothing above config/.
-TRAINING_LEAVES = {"rng", "precision", "signals"}
-LOWER = ("data", "distributed", "models", "observability")
+# The folders below training/: none of them imports it (they build on runtime/ and config/).
+LOWER = ("data", "distributed", "models", "observability", "checkpoint", "runtime")
 
 
 def _imports(path: Path) -> set[str]:
@@ -50,23 +49,18 @@ def test_config_imports_nothing_else_of_ours():
             assert name.startswith(("sdnet_trainer.config", "sdnet_trainer.errors")), (path, name)
 
 
-@pytest.mark.parametrize("folder", [*LOWER, "checkpoint"])
-def test_lower_folders_use_only_the_leaf_modules_of_training(folder):
+@pytest.mark.parametrize("folder", LOWER)
+def test_lower_folders_import_nothing_of_training(folder):
+    """No exception and no allow-list: what several folders share lives in runtime/."""
     for path in _modules(folder):
-        if path.name == "checkpointer.py":  # the training loop's hook over the checkpoint folder
-            continue
         for name in _imports(path):
-            parts = name.split(".")
-            if parts[1:2] == ["training"] and len(parts) > 2:
-                assert parts[2] in TRAINING_LEAVES, (path, name)
-        if folder == "checkpoint":
-            assert not any(n.startswith("sdnet_trainer.training") for n in _imports(path)), path
+            assert not name.startswith("sdnet_trainer.training"), (path, name)
 
 
-def test_the_leaf_modules_of_training_import_no_other_folder_above_config():
-    for leaf in TRAINING_LEAVES:
-        for name in _imports(PACKAGE / "training" / f"{leaf}.py"):
-            assert name.split(".")[1] in {"config", "errors", "observability"}, (leaf, name)
+def test_runtime_imports_only_config_and_errors():
+    for path in _modules("runtime"):
+        for name in _imports(path):
+            assert name.split(".")[1] in {"runtime", "config", "errors"}, (path, name)
 
 
 def _doc_texts() -> list[tuple[str, str]]:

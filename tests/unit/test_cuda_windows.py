@@ -17,7 +17,7 @@ import pytest
 import torch
 
 from sdnet_trainer import Trainer, compose
-from sdnet_trainer.checkpoint.checkpointer import Checkpointer
+from sdnet_trainer.training.checkpointer import Checkpointer
 from sdnet_trainer.training.hooks import MetricsHook
 from tests.cuda.test_verdict_cuda import (
     RUN,

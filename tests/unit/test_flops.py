@@ -20,7 +20,7 @@ from sdnet_trainer.observability.flops import (
     run_flops,
     train_flops_per_sample,
 )
-from sdnet_trainer.training.precision import configure_tf32
+from sdnet_trainer.runtime.precision import configure_tf32
 
 GPU = torch.device("cuda", 0)  # only a name here: peak_tflops is given the device name
 

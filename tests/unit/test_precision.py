@@ -1,4 +1,4 @@
-"""sdnet_trainer.training.precision: precision.dtype=auto, the bf16 emulation warning, and TF32.
+"""sdnet_trainer.runtime.precision: precision.dtype=auto, the bf16 emulation warning, and TF32.
 
 The hardware probes are mocked both ways (torch.cpu's CPU-feature probes, torch.cuda's bf16 and
 device queries), so each branch runs on any CPU; tests/cuda/test_precision_cuda.py checks the
@@ -18,7 +18,7 @@ from sdnet_trainer import Trainer
 from sdnet_trainer.config import compose
 from sdnet_trainer.config.schema import PrecisionConfig
 from sdnet_trainer.errors import ConfigError
-from sdnet_trainer.training.precision import (
+from sdnet_trainer.runtime.precision import (
     CPU_BF16_EMULATION_SLOWDOWN,
     DTYPES,
     Precision,
@@ -119,19 +119,19 @@ def test_auto_on_a_cpu_follows_its_bf16_instructions(monkeypatch, avx512_bf16, a
 def test_precision_resolves_auto_logs_why_and_autocasts_accordingly(monkeypatch, caplog):
     x = torch.randn(4, 4)
     _cpu_features(monkeypatch, avx512_bf16=False, amx=False)
-    with caplog.at_level(logging.INFO, logger="sdnet_trainer.training.precision"):
+    with caplog.at_level(logging.INFO, logger="sdnet_trainer.runtime.precision"):
         precision = Precision(PrecisionConfig(dtype="auto"), device_type="cpu")
     assert (precision.dtype_name, precision.dtype) == ("fp32", torch.float32)
     with precision.autocast():
         assert (x @ x).dtype == torch.float32
-    (record,) = [r for r in caplog.records if r.name == "sdnet_trainer.training.precision"]
+    (record,) = [r for r in caplog.records if r.name == "sdnet_trainer.runtime.precision"]
     assert record.levelno == logging.INFO  # the choice is news, not a warning
     assert "precision.dtype=auto: fp32" in record.message
     assert "no AVX512-BF16/AMX" in record.message
 
     caplog.clear()
     _cpu_features(monkeypatch, avx512_bf16=True, amx=False)
-    with caplog.at_level(logging.INFO, logger="sdnet_trainer.training.precision"):
+    with caplog.at_level(logging.INFO, logger="sdnet_trainer.runtime.precision"):
         precision = Precision(PrecisionConfig(dtype="auto"), device_type="cpu")
     assert (precision.dtype_name, precision.dtype) == ("bf16", torch.bfloat16)
     assert not precision.scaling  # bf16 needs no loss scaling
@@ -155,10 +155,10 @@ def test_explicit_bf16_on_a_cpu_without_native_bf16_warns_with_the_measured_slow
     monkeypatch, caplog
 ):
     _cpu_features(monkeypatch, avx512_bf16=False, amx=False)
-    with caplog.at_level(logging.INFO, logger="sdnet_trainer.training.precision"):
+    with caplog.at_level(logging.INFO, logger="sdnet_trainer.runtime.precision"):
         precision = Precision(PrecisionConfig(dtype="bf16"), device_type="cpu")
     assert precision.dtype == torch.bfloat16  # warned, not overridden
-    (record,) = [r for r in caplog.records if r.name == "sdnet_trainer.training.precision"]
+    (record,) = [r for r in caplog.records if r.name == "sdnet_trainer.runtime.precision"]
     assert record.levelno == logging.WARNING
     assert (
         f"measured ~{CPU_BF16_EMULATION_SLOWDOWN}x slower than fp32 on a CPU without "
@@ -172,9 +172,9 @@ def test_no_warning_where_bf16_is_native_or_not_asked_for(monkeypatch, caplog):
     assert emulation_warning("bf16", "cpu") is None
     _cpu_features(monkeypatch, avx512_bf16=False, amx=False)
     assert emulation_warning("fp32", "cpu") is None
-    with caplog.at_level(logging.INFO, logger="sdnet_trainer.training.precision"):
+    with caplog.at_level(logging.INFO, logger="sdnet_trainer.runtime.precision"):
         Precision(PrecisionConfig(dtype="fp32"), device_type="cpu")
-    assert not [r for r in caplog.records if r.name == "sdnet_trainer.training.precision"]
+    assert not [r for r in caplog.records if r.name == "sdnet_trainer.runtime.precision"]
 
 
 # ---------------------------------------------------------------------- auto on CUDA (mocked)

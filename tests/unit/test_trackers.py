@@ -16,7 +16,6 @@ from typing import Any
 import pytest
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-from sdnet_trainer.checkpoint.checkpointer import Checkpointer, Part
 from sdnet_trainer.config.schema import CheckpointConfig, Config, LoggingConfig, MLflowConfig
 from sdnet_trainer.errors import ConfigError
 from sdnet_trainer.observability.trackers import CSV_FILE, MLFLOW_DIR, flatten
@@ -26,6 +25,7 @@ from sdnet_trainer.observability.writers import (
     MetricsWriter,
     validate_trackers,
 )
+from sdnet_trainer.training.checkpointer import Checkpointer, Part
 from sdnet_trainer.training.state import RunState
 from tests.support import read_jsonl
 

@@ -236,7 +236,7 @@ def test_progress_bar_only_on_rank0_and_a_terminal(monkeypatch):
 def test_rng_capture_and_restore_continue_every_stream():
     import random
 
-    from sdnet_trainer.training import rng
+    from sdnet_trainer.runtime import rng
 
     rng.reseed(7, rank=1, step=3)
     random.gauss(0, 1)  # leaves a cached value in Python's generator
