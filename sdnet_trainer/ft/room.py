@@ -39,12 +39,12 @@ import torch
 from torch import nn
 from torch.distributed.tensor import DTensor
 
+from sdnet_trainer.checkpoint.parts import Part
 from sdnet_trainer.config.schema import FaultToleranceConfig
 from sdnet_trainer.errors import ConfigError
 from sdnet_trainer.ft.checks import check_lighthouse, lighthouse_address, require_torchft
 from sdnet_trainer.ft.data import StepShare
 from sdnet_trainer.ft.shards import local_shards, rebuild_shards
-from sdnet_trainer.training.checkpointer import Part
 
 logger = logging.getLogger(__name__)
 

@@ -7,9 +7,9 @@ minutes by rank 0's clock, on a stop signal, at the end), synchronous or asynchr
 pruning (through ``CheckpointManager``, which owns the folder: staging, manifest, atomic
 commit, restricted reads) and resuming. The Trainer hands it the parts and calls it as a hook.
 
-Every part is one top-level entry of the DCP state dict. Model and optimizer go through torch's
-distributed state-dict helpers, so the same code serves DDP, FSDP, tensor and pipeline parallel
-and ZeRO-1, and a checkpoint loads into any layout and world size. Per-rank parts (random
+Every part is one top-level entry of the DCP state dict (sdnet_trainer.checkpoint.parts: model and
+optimizer go through torch's distributed state-dict helpers, so a checkpoint loads into any layout
+and world size). Per-rank parts (random
 streams, PowerSGD's error feedback) are saved under ``NAME/rankR`` and restored only on the same
 world size; elsewhere their ``reset`` re-derives them.
 """
@@ -19,109 +19,22 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Protocol, cast
+from typing import Any, cast
 
 from omegaconf import OmegaConf
 from torch import nn
-from torch.distributed.checkpoint.state_dict import (
-    StateDictOptions,
-    get_model_state_dict,
-    get_optimizer_state_dict,
-    set_model_state_dict,
-    set_optimizer_state_dict,
-)
-from torch.distributed.optim import ZeroRedundancyOptimizer
 from torch.optim import Optimizer
 
 from sdnet_trainer.checkpoint import Checkpoint, CheckpointManager
+from sdnet_trainer.checkpoint.parts import ModelState, OptimizerState, Part, Stateful
 from sdnet_trainer.config.schema import CheckpointConfig, Config
-from sdnet_trainer.distributed.ddp import unwrap
-from sdnet_trainer.distributed.zero import (
-    load_zero_param_groups,
-    materialize_zero_state,
-    zero_state_dict,
-)
 from sdnet_trainer.training.ema import WeightAverage
 from sdnet_trainer.training.health import PhaseTracker
 from sdnet_trainer.training.hooks import HookBase
 from sdnet_trainer.training.state import RunState, StepResult
 
 logger = logging.getLogger(__name__)
-
-
-class Stateful(Protocol):
-    def state_dict(self) -> Any: ...
-
-    def load_state_dict(self, state: Any) -> None: ...
-
-
-@dataclass(frozen=True)
-class Part:
-    """One entry of the checkpoint. ``per_rank``: saved under ``NAME/rankR`` and restored only
-    when the writer had the same world size; otherwise ``reset`` runs (after every other part is
-    loaded, so it may read the restored step). ``optional``: a checkpoint without it keeps the
-    live value (e.g. the fp16 loss scaler, absent from a bf16 run's checkpoint)."""
-
-    state: Stateful
-    per_rank: bool = False
-    optional: bool = False
-    reset: Callable[[], None] | None = None
-
-
-class ModelState:
-    """The model's weights through ``get_model_state_dict``: full names, sharded tensors kept
-    sharded (DTensors), so DCP reshards them for any layout."""
-
-    def __init__(self, model: nn.Module) -> None:
-        self.model = model
-
-    def state_dict(self) -> dict[str, Any]:
-        return get_model_state_dict(self.model)
-
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        set_model_state_dict(self.model, state)
-
-
-class OptimizerState:
-    """The optimizer state keyed by parameter name, the same form under every layout (ZeRO-1's
-    shards included, see distributed/zero.py)."""
-
-    def __init__(self, model: nn.Module, optimizer: Optimizer) -> None:
-        self.model = model
-        self.optimizer = optimizer
-
-    def state_dict(self) -> dict[str, Any]:
-        if isinstance(self.optimizer, ZeroRedundancyOptimizer):
-            return zero_state_dict(unwrap(self.model), self.optimizer)
-        untouched = not self.optimizer.state
-        state = get_optimizer_state_dict(self.model, self.optimizer)
-        if untouched:
-            # The helper materialises optimizer state with a zero-lr step (AdamW would then count
-            # step 1); keep the live optimizer as it was, the copy above is enough to save.
-            self.optimizer.state.clear()
-        return state
-
-    def load_request(self, checkpoint: Checkpoint, key: str) -> dict[str, Any]:
-        """The state dict for DCP to fill: live tensors of the right shapes, without entries the
-        checkpoint lacks (parameters that never had a gradient have no optimizer state)."""
-        if isinstance(self.optimizer, ZeroRedundancyOptimizer):
-            materialize_zero_state(self.optimizer)
-        state = self.state_dict()
-        per_param = state["state"]
-        for name in [n for n in per_param if not checkpoint.has_key(f"{key}.state.{n}")]:
-            del per_param[name]
-        return state
-
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        if isinstance(self.optimizer, ZeroRedundancyOptimizer):
-            load_zero_param_groups(self.optimizer, state["param_groups"])
-        else:
-            # Not strict: parameters without a gradient so far rightly have no optimizer state.
-            set_optimizer_state_dict(
-                self.model, self.optimizer, state, options=StateDictOptions(strict=False)
-            )
 
 
 class Checkpointer(HookBase):

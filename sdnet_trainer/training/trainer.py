@@ -474,10 +474,10 @@ class Trainer:
 
     def _setup_fault_tolerance(self) -> None:
         """``fault_tolerance.enabled``: the ft room, this rank's share of each step's batch, and
-        the room's metrics hook (``sdnet_trainer.ft.hooks.attach``)."""
+        the room's metrics hook (``sdnet_trainer.training.fault_tolerance.attach``)."""
         self.ft, self.ft_batches, self.ft_hook = None, None, None
         if self.cfg.fault_tolerance.enabled:
-            from sdnet_trainer.ft.hooks import attach
+            from sdnet_trainer.training.fault_tolerance import attach
 
             self.ft, self.ft_batches, self.ft_hook = attach(self)
 

@@ -23,12 +23,13 @@ import pytest
 import torch
 from torch import nn
 
+from sdnet_trainer.checkpoint.parts import Part
 from sdnet_trainer.config.schema import CheckpointConfig, Config, ProfileConfig
 from sdnet_trainer.distributed.env import validate_dist
 from sdnet_trainer.errors import ConfigError
 from sdnet_trainer.observability.profiler import StepProfiler
 from sdnet_trainer.runtime import rng
-from sdnet_trainer.training.checkpointer import Checkpointer, Part
+from sdnet_trainer.training.checkpointer import Checkpointer
 from sdnet_trainer.training.state import RunState
 from tests.cuda import _gpu_correctness_worker as worker
 from tests.support import (

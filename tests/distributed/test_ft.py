@@ -267,9 +267,9 @@ def test_diloco_outer_step_matches_a_hand_computed_reference():
     """One group through the room's DiLoCo (in this process, on a lighthouse of its own): after
     every ``sync_every`` inner SGD steps the parameters are the outer Nesterov step on the
     pseudo-gradient (the last synced weights minus the local ones), computed here by hand."""
+    from sdnet_trainer.checkpoint.parts import ModelState, OptimizerState, Part
     from sdnet_trainer.config.schema import FaultToleranceConfig
     from sdnet_trainer.ft.room import FaultTolerance
-    from sdnet_trainer.training.checkpointer import ModelState, OptimizerState, Part
 
     torch.manual_seed(0)
     model = torch.nn.Linear(3, 1, bias=False)
@@ -350,9 +350,9 @@ def test_an_unreachable_lighthouse_stops_the_launch_with_a_config_error(tmp_path
 def test_no_quorum_within_the_quorum_timeout_is_a_clear_error():
     """A lighthouse that waits for two groups, and only one comes: the step's quorum gives up
     after timeouts.quorum_s, naming the key."""
+    from sdnet_trainer.checkpoint.parts import ModelState, Part
     from sdnet_trainer.config.fault_tolerance import FaultToleranceConfig, FTTimeoutsConfig
     from sdnet_trainer.ft.room import FaultTolerance, QuorumTimeout
-    from sdnet_trainer.training.checkpointer import ModelState, Part
 
     model = torch.nn.Linear(2, 1)
     timeouts = FTTimeoutsConfig(connect_s=1, step_s=2, quorum_s=3)

@@ -57,6 +57,40 @@ def test_lower_folders_import_nothing_of_training(folder):
             assert not name.startswith("sdnet_trainer.training"), (path, name)
 
 
+def _folder_imports() -> dict[str, set[str]]:
+    """Each folder of the package -> the other folders its modules import (any import: at the
+    top, inside a function, under TYPE_CHECKING)."""
+    folders = {p.name for p in PACKAGE.iterdir() if (p / "__init__.py").exists()}
+    graph: dict[str, set[str]] = {folder: set() for folder in folders}
+    for folder in folders:
+        for path in _modules(folder):
+            for name in _imports(path):
+                other = name.split(".")[1] if "." in name else ""
+                if other in folders and other != folder:
+                    graph[folder].add(other)
+    return graph
+
+
+def test_no_two_folders_import_each_other_in_a_circle():
+    """The folders' imports form no cycle: each room is built on the ones below it (the ft room
+    takes what it needs as arguments; its place in the loop is training/fault_tolerance.py)."""
+    graph = _folder_imports()
+    done: set[str] = set()
+
+    def visit(folder: str, path: list[str]) -> None:
+        if folder in path:
+            cycle = path[path.index(folder) :] + [folder]
+            raise AssertionError(f"an import circle: {' -> '.join(cycle)}")
+        if folder in done:
+            return
+        for other in sorted(graph[folder]):
+            visit(other, [*path, folder])
+        done.add(folder)
+
+    for folder in sorted(graph):
+        visit(folder, [])
+
+
 def test_runtime_imports_only_config_and_errors():
     for path in _modules("runtime"):
         for name in _imports(path):

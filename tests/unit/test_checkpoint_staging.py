@@ -17,9 +17,10 @@ from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_op
 
 from sdnet_trainer.checkpoint.disk import StagingWriter
 from sdnet_trainer.checkpoint.manager import CheckpointManager
+from sdnet_trainer.checkpoint.parts import ModelState, OptimizerState, Part
 from sdnet_trainer.compat import reusable_stager
 from sdnet_trainer.config.schema import CheckpointConfig
-from sdnet_trainer.training.checkpointer import Checkpointer, ModelState, OptimizerState, Part
+from sdnet_trainer.training.checkpointer import Checkpointer
 from sdnet_trainer.training.state import RunState
 
 pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled")

@@ -20,9 +20,9 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor import DTensor
 
+from sdnet_trainer.checkpoint.parts import ModelState, OptimizerState, Part
 from sdnet_trainer.errors import ConfigError
 from sdnet_trainer.ft.shards import local_shards, rebuild_shards
-from sdnet_trainer.training.checkpointer import ModelState, OptimizerState, Part
 
 pytestmark = pytest.mark.full
 

@@ -18,6 +18,7 @@ import torchvision
 from torch import nn
 
 from sdnet_trainer.checkpoint import CheckpointError
+from sdnet_trainer.checkpoint.parts import Part
 from sdnet_trainer.config.schema import CheckpointConfig, Config, DistConfig, PipelineConfig
 from sdnet_trainer.distributed import env as dist_env
 from sdnet_trainer.distributed import pipeline as pipeline_mod
@@ -32,7 +33,7 @@ from sdnet_trainer.distributed.env import (
 )
 from sdnet_trainer.errors import ConfigError
 from sdnet_trainer.runtime import rng
-from sdnet_trainer.training.checkpointer import Checkpointer, Part
+from sdnet_trainer.training.checkpointer import Checkpointer
 from sdnet_trainer.training.state import RunState
 
 CPU, CUDA = torch.device("cpu"), torch.device("cuda", 0)

@@ -82,7 +82,7 @@ SUMMARY = {
     "summary/wall_seconds": 20.0,
     "summary/samples_per_s": 1100.0,
 }
-FT = {  # sdnet_trainer.ft.hooks at a log point under fault_tolerance.enabled
+FT = {  # sdnet_trainer.training.fault_tolerance at a log point under fault_tolerance.enabled
     "ft/quorum_size": 2.0,
     "ft/in_quorum/group0": 1.0,
     "ft/in_quorum/group1": 0.0,

@@ -16,6 +16,7 @@ from typing import Any
 import pytest
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
+from sdnet_trainer.checkpoint.parts import Part
 from sdnet_trainer.config.schema import CheckpointConfig, Config, LoggingConfig, MLflowConfig
 from sdnet_trainer.errors import ConfigError
 from sdnet_trainer.observability.trackers import CSV_FILE, MLFLOW_DIR, flatten
@@ -25,7 +26,7 @@ from sdnet_trainer.observability.writers import (
     MetricsWriter,
     validate_trackers,
 )
-from sdnet_trainer.training.checkpointer import Checkpointer, Part
+from sdnet_trainer.training.checkpointer import Checkpointer
 from sdnet_trainer.training.state import RunState
 from tests.support import read_jsonl
 

@@ -1,6 +1,10 @@
 """The ft room in a Trainer (:func:`attach`), and its figures at each log point: one log line, and
 ``ft/*`` keys for the metrics writer (TensorBoard, JSONL, the trackers and, through its sink,
-Prometheus as ``sdnet_ft_*``)."""
+Prometheus as ``sdnet_ft_*``).
+
+The training loop's side of fault tolerance lives here, in training/: the room
+(sdnet_trainer.ft) receives what it needs as arguments and imports nothing of the training loop,
+so the two folders do not import each other (tests/unit/test_architecture.py)."""
 
 from __future__ import annotations
 
@@ -80,4 +84,4 @@ class FaultToleranceHook(HookBase):
         self.room.close()
 
 
-__all__ = ["FaultToleranceHook"]
+__all__ = ["FaultToleranceHook", "attach"]
