@@ -50,18 +50,16 @@ def run_launch(cmd: list[str], log_path: Path, timeout: float) -> None:
         )
         try:
             rc = proc.wait(timeout=timeout)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
-            raise LaunchError(
-                f"timed out after {timeout:.0f} s: {' '.join(cmd)}\n(see {log_path})"
-            ) from None
-        except BaseException:
-            # Interrupted (SIGINT from scripts/gpu_check.sh, Ctrl-C): the launch's own session
-            # would keep the GPU busy after the driver is gone.
+        except BaseException as exc:
+            # The timeout, or an interruption (SIGINT from scripts/gpu_check.sh, Ctrl-C): the
+            # launch's own session would keep the GPU busy after the driver is gone.
             with contextlib.suppress(ProcessLookupError):
                 os.killpg(proc.pid, signal.SIGKILL)
             proc.wait()
+            if isinstance(exc, subprocess.TimeoutExpired):
+                raise LaunchError(
+                    f"timed out after {timeout:.0f} s: {' '.join(cmd)}\n(see {log_path})"
+                ) from None
             raise
     if rc != 0:
         tail = log_path.read_text(errors="replace").splitlines()[-25:]

@@ -144,11 +144,11 @@ def bench_matmul(*, device: str, size: int, dtype: torch.dtype, rounds: int = 5,
         torch.mm(a, b, out=out)
     rates = []
     for _ in range(rounds):
-        synchronize_device(device)
+        synchronize(device)
         started = time.perf_counter()
         for _ in range(iters):
             torch.mm(a, b, out=out)
-        synchronize_device(device)
+        synchronize(device)
         rates.append(2 * size**3 * iters / (time.perf_counter() - started) / 1e12)
     del a, b, out
     if device == "cuda":
@@ -166,11 +166,6 @@ def bench_matmul(*, device: str, size: int, dtype: torch.dtype, rounds: int = 5,
         flush=True,
     )
     return summary
-
-
-def synchronize_device(device: str) -> None:
-    if device == "cuda":
-        torch.cuda.synchronize()
 
 
 # ---------------------------------------------------------------------------- ResNet-50 sides
@@ -255,7 +250,7 @@ class GpuWindowHook(HookBase):
 
     def after_step(self, state: RunState, result: StepResult) -> None:
         if state.step in (self.window.warmup, self.window.last):
-            synchronize(self.spec)
+            synchronize(self.spec.device)
         if self.window.step_done(state.step):
             write_result(
                 self.window,
@@ -275,9 +270,9 @@ class GpuBenchTrainer(Trainer):
         return [*super().build_hooks(), GpuWindowHook(ResNetSpec.from_env(), flops_per_image=flops)]
 
 
-def synchronize(spec: ResNetSpec) -> None:
-    """At the window's ends only: the window holds the GPU's work, not just its queueing."""
-    if spec.device == "cuda":
+def synchronize(device: str) -> None:
+    """At a timed window's ends only: the window holds the GPU's work, not just its queueing."""
+    if device == "cuda":
         torch.cuda.synchronize()
 
 
@@ -361,7 +356,7 @@ def run_hand(spec: ResNetSpec) -> None:
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
         if step in (window.warmup, window.last):
-            synchronize(spec)
+            synchronize(spec.device)
         if window.step_done(step):
             write_result(window, spec, side="hand", loss=float(loss.item()))
 
@@ -547,11 +542,11 @@ def bench_decoder(run: DecoderRun, out: Path, *, budget: Budget, timeout: float)
         f"{run.micro}), {'compiled' if run.compile else 'eager'}",
         flush=True,
     )
-    run_dir.mkdir(parents=True)
-    log = out / f"{name}.log"
     allowed = budget.timeout(timeout, name)
     if allowed is None:
         return {"failed": "skipped: not enough of the budget left"}
+    run_dir.mkdir(parents=True)
+    log = out / f"{name}.log"
     try:
         seconds, other = timed_launch(cmd, log, allowed)
     except LaunchError as err:
@@ -889,7 +884,6 @@ def main() -> int:
     if "loader" in args.sections:
         rate = (figures.get("resnet50") or {}).get("trainer", {}).get("images_per_s")
         figures["loader"] = bench_loader(args, out, rate)
-        save()
     save()
     print_table(figures)
     print(f"\n({figures['seconds']:.0f} s in all; logs and results in {out})")

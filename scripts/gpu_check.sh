@@ -134,12 +134,7 @@ run_part() { # NAME SECONDS LOG CMD...: run CMD in a session of its own for at m
         stopped=1
         echo "gpu_check: $name: its ${seconds} s share ran out: SIGINT, then SIGKILL after ${GRACE} s" |
             tee -a "$log" >&2
-        kill -INT "$PART_PID" 2>/dev/null
-        deadline=$((SECONDS + GRACE))
-        while kill -0 "$PART_PID" 2>/dev/null && [ "$SECONDS" -lt "$deadline" ]; do
-            sleep 1
-        done
-        kill -KILL -- "-$PART_PID" "$PART_PID" 2>/dev/null
+        end_part "$GRACE"
     fi
     wait "$PART_PID"
     part_rc=$?
@@ -149,13 +144,16 @@ run_part() { # NAME SECONDS LOG CMD...: run CMD in a session of its own for at m
     PART_PID="" PART_MARK=""
 }
 
-stop_part() { # a signal or the budget: end the part in flight at once
-    if [ -n "$PART_PID" ]; then
-        kill -INT "$PART_PID" 2>/dev/null
-        sleep 2
-        kill -KILL -- "-$PART_PID" "$PART_PID" 2>/dev/null
-        reap "$PART_MARK"
-    fi
+end_part() { # SECONDS: SIGINT to the part in flight, at most SECONDS to end, then SIGKILL for its
+    # process group and whatever it started elsewhere
+    [ -n "$PART_PID" ] || return 0
+    kill -INT "$PART_PID" 2>/dev/null
+    local deadline=$((SECONDS + $1))
+    while kill -0 "$PART_PID" 2>/dev/null && [ "$SECONDS" -lt "$deadline" ]; do
+        sleep 1
+    done
+    kill -KILL -- "-$PART_PID" "$PART_PID" 2>/dev/null
+    reap "$PART_MARK"
 }
 
 FINISHED=0
@@ -218,15 +216,14 @@ finish() { # the verdict, the table (printed last, kept as summary.txt) and the 
     exit "$status"
 }
 
-on_signal() {
+on_signal() { # a signal or the budget: the part in flight gets 2 s, then the table
     interrupted="${1} received after $((SECONDS - STARTED)) s"
-    stop_part
+    end_part 2
     finish
 }
 trap 'on_signal SIGTERM' TERM
 trap 'on_signal SIGINT' INT
 trap 'on_signal SIGHUP' HUP
-trap 'finish' EXIT
 # The whole budget, whatever a part does: a watchdog that sends this shell SIGTERM (the trap
 # above stops the part in flight and writes the table). Reserve seconds are its margin.
 # It sleeps a second at a time, so that once killed it leaves no sleep behind for long.

@@ -31,10 +31,6 @@ def num(value: float | None, fmt: str = "{:,.0f}") -> str:
     return "n/a" if value is None else fmt.format(value)
 
 
-def _cases(root: ET.Element) -> list[ET.Element]:
-    return list(root.iter("testcase"))
-
-
 def _case_name(case: ET.Element) -> str:
     module = case.get("classname", "").rsplit(".", 1)[-1]
     return f"{module}::{case.get('name', '?')}"
@@ -59,8 +55,9 @@ def test_rows(out: Path, pytest_rc: int) -> list[tuple[str, str]]:
         )
     ]
     # What failed, by name and the first line of its message: the console keeps only the end.
+    cases = list(root.iter("testcase"))
     failed = []
-    for case in _cases(root):
+    for case in cases:
         for kind in ("failure", "error"):
             problem = case.find(kind)
             if problem is not None:
@@ -69,7 +66,7 @@ def test_rows(out: Path, pytest_rc: int) -> list[tuple[str, str]]:
     rows += failed[:MAX_FAILURE_ROWS]
     if len(failed) > MAX_FAILURE_ROWS:
         rows.append(("more failures", f"{len(failed) - MAX_FAILURE_ROWS} (see pytest.log)"))
-    ran = [c for c in _cases(root) if c.find("skipped") is None]
+    ran = [c for c in cases if c.find("skipped") is None]
     for case in sorted(ran, key=lambda c: -float(c.get("time", 0)))[:SLOWEST]:
         rows.append((f"slow: {_case_name(case)}", f"{float(case.get('time', 0)):.0f} s"))
     return rows

@@ -122,16 +122,16 @@ def run_command(
     )
     try:
         output, _ = proc.communicate(timeout=timeout)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        output, _ = proc.communicate()
-        raise AssertionError(f"timed out after {timeout} s: {' '.join(cmd)}\n{output}") from None
-    except BaseException:
-        # pytest-timeout's failure, a KeyboardInterrupt (scripts/gpu_check.sh ends pytest with
-        # SIGINT when its share runs out): the launch's session would outlive the test.
+    except BaseException as exc:
+        # The timeout, pytest-timeout's failure, a KeyboardInterrupt (scripts/gpu_check.sh ends
+        # pytest with SIGINT when its share runs out): the launch's session would outlive it.
         with contextlib.suppress(ProcessLookupError):
             os.killpg(proc.pid, signal.SIGKILL)
-        proc.communicate()
+        output, _ = proc.communicate()
+        if isinstance(exc, subprocess.TimeoutExpired):
+            raise AssertionError(
+                f"timed out after {timeout} s: {' '.join(cmd)}\n{output}"
+            ) from None
         raise
     return Launch(proc.returncode, output)
 

@@ -34,7 +34,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.support import REPO, cli_env, gpu_image_python, run_command
+from tests.support import REPO, gpu_image_python, run_command, start_command
 
 SCRIPT = REPO / "scripts" / "gpu_check.sh"
 # What scripts/gpu_lane_requirements.txt names: the wheels a GPU node gets from the folder.
@@ -237,28 +237,22 @@ def test_gpu_check_killed_part_way_still_writes_its_table(tmp_path, image, venv)
     """SIGTERM while pytest runs (what the node's time limit, or the check's own watchdog, sends):
     the part is stopped, the table and the files are there, nothing the check started is left."""
     python, wheels = image
-    proc = subprocess.Popen(
-        ["bash", str(SCRIPT)],
-        cwd=tmp_path,
-        env={**cli_env(), **_check_env(tmp_path, python, wheels, GPU_CHECK_VENV=str(venv))},
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-        start_new_session=True,
-    )
+    log = tmp_path / "check.log"
+    env = _check_env(tmp_path, python, wheels, GPU_CHECK_VENV=str(venv))
+    proc = start_command(["bash", str(SCRIPT)], cwd=tmp_path, log=log, env=env)
     try:
         deadline = time.monotonic() + 300
         while not list(tmp_path.glob("gpu_check_work.*/pytest.log")):
-            assert proc.poll() is None and time.monotonic() < deadline, proc.stdout.read()
+            assert proc.poll() is None and time.monotonic() < deadline, log.read_text()
             time.sleep(0.2)
         time.sleep(1)  # pytest is starting up
         os.kill(proc.pid, signal.SIGTERM)
-        output, _ = proc.communicate(timeout=120)
+        proc.wait(timeout=120)
     finally:
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)
-            proc.communicate()
-    assert proc.returncode == 124, output
+            proc.wait()
+    assert proc.returncode == 124, log.read_text()
     out = tmp_path / "out"
     assert_fits_the_way_back(out)
     summary = (out / "summary.txt").read_text()
