@@ -37,8 +37,9 @@ from sdnet_trainer.lazy import freeze_imports
 from sdnet_trainer.observability import setup_logging
 from sdnet_trainer.preflight import validate
 from sdnet_trainer.runtime.signals import EXIT_INTERRUPTED, die_with_launcher
+from sdnet_trainer.training.classes import resolve_trainer_class
 from sdnet_trainer.training.health import EXIT_NONFINITE, NonFiniteError
-from sdnet_trainer.training.trainer import Trainer, resolve_trainer_class
+from sdnet_trainer.training.trainer import Trainer
 
 logger = logging.getLogger("sdnet_trainer")
 

@@ -56,7 +56,8 @@ from sdnet_trainer.models.registry import decoder_sizes
 from sdnet_trainer.observability.memory import training_state_bytes
 from sdnet_trainer.preflight import validate
 from sdnet_trainer.runtime.precision import DTYPES
-from sdnet_trainer.training.trainer import Trainer, resolve_trainer_class
+from sdnet_trainer.training.classes import resolve_trainer_class
+from sdnet_trainer.training.trainer import Trainer
 
 
 @dataclass

@@ -20,10 +20,7 @@ from sdnet_trainer.distributed.mesh import parallel_dims
 from sdnet_trainer.distributed.parallelize import validate_compile, validate_parallel
 from sdnet_trainer.distributed.pipeline import validate_pipeline
 from sdnet_trainer.ft.checks import validate_ft
-from sdnet_trainer.models.gpt import validate_gpt
-from sdnet_trainer.models.hf_causal_lm import HF_CAUSAL_LM, validate_hf_causal_lm
-from sdnet_trainer.models.llama import validate_llama
-from sdnet_trainer.models.registry import GPT_NAME, LLAMA_NAME, llama_sizes
+from sdnet_trainer.models.registry import model_family
 from sdnet_trainer.observability.logs import validate_logging
 from sdnet_trainer.observability.prometheus import validate_prometheus
 from sdnet_trainer.observability.writers import validate_trackers
@@ -44,13 +41,9 @@ def validate(cfg: Config, *, world_size: int) -> None:
     validate_precision(cfg)
     validate_parallel(cfg, world_size)
     dims = parallel_dims(cfg.parallel, world_size)
-    if cfg.model.name == GPT_NAME:
-        validate_gpt(cfg, tp=dims.tp)
-    elif cfg.model.name == LLAMA_NAME:
-        # Reads model.hf_config / model.weights=hf:PATH's config.json: a bad one stops here.
-        validate_llama(cfg, llama_sizes(cfg.model), tp=dims.tp, pp=dims.pp)
-    elif cfg.model.name == HF_CAUSAL_LM:
-        validate_hf_causal_lm(cfg, tp=dims.tp, pp=dims.pp)
+    family = model_family(cfg.model.name)
+    if family is not None and family.validate is not None:  # model.* against data and layout
+        family.validate(cfg, tp=dims.tp, pp=dims.pp)
     validate_pipeline(cfg, world_size)
     validate_comm(cfg, world_size)
     validate_compile(cfg, world_size)

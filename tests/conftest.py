@@ -2,7 +2,7 @@
 
 - A ``cuda`` test is skipped, with the reason ``no CUDA device`` (shown by ``-rs``), where
   ``torch.cuda.is_available()`` is False. ``pytest -m cuda`` selects only them
-  (scripts/gpu_check.sh); a plain run collects both lanes.
+  (scripts/ci/gpu_check.sh); a plain run collects both lanes.
 - Every other test runs as on a machine without GPUs, also on one that has them: the CPU tests
   were written for gloo and the CPU (``dist.device=auto`` would pick CUDA and NCCL there, and two
   ranks would ask for GPU 1 of a one-GPU machine). For the whole of such a test, its fixtures
@@ -31,7 +31,7 @@ NO_CUDA_REASON = "no CUDA device"
 CUDA_AVAILABLE = torch.cuda.is_available()
 
 
-# The two tiers (``bash scripts/test.sh --quick`` runs the first, CI and the plain command both):
+# The two tiers (``bash scripts/ci/test.sh --quick`` runs the first, CI and the plain command both):
 # every test is in exactly one. By default the unit tests are quick and the multi-process,
 # end-to-end, security and CUDA tests full; a ``full`` marker moves a slow unit test out of the
 # quick tier, a ``quick`` marker moves a fast multi-process test into it (tests/unit/test_tiers.py).

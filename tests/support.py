@@ -123,7 +123,7 @@ def run_command(
     try:
         output, _ = proc.communicate(timeout=timeout)
     except BaseException as exc:
-        # The timeout, pytest-timeout's failure, a KeyboardInterrupt (scripts/gpu_check.sh ends
+        # The timeout, pytest-timeout's failure, a KeyboardInterrupt (scripts/ci/gpu_check.sh ends
         # pytest with SIGINT when its share runs out): the launch's session would outlive it.
         with contextlib.suppress(ProcessLookupError):
             os.killpg(proc.pid, signal.SIGKILL)
@@ -607,8 +607,8 @@ def assert_on_cuda(*things: object) -> None:
 
 
 # ---------------------------------------------------------------------- real data, shards, HTTP
-# The digits of scikit-learn (scripts/make_digits.py) as an ImageFolder, its shards, and a local
-# HTTP server: tests/e2e/test_real_data.py and tests/distributed/test_data_resume.py.
+# The digits of scikit-learn (scripts/data/make_digits.py) as an ImageFolder, its shards, and a
+# local HTTP server: tests/e2e/test_real_data.py and tests/distributed/test_data_resume.py.
 
 DIGITS_TRAIN, DIGITS_VAL, DIGITS_CLASSES = 1437, 360, 10
 
@@ -630,11 +630,16 @@ def tiny_llama_config(**overrides: Any) -> Any:
 
 
 def make_digits(out: Path, *, size: int = 16, timeout: float = 120) -> Path:
-    """``out`` made an ImageFolder of the digits by ``scripts/make_digits.py`` (its command line,
-    as a user runs it): ``out/train/<class>/*.png`` (1,437) and ``out/val/<class>/*.png`` (360),
-    RGB PNG of ``size`` px."""
+    """``out`` made an ImageFolder of the digits by ``scripts/data/make_digits.py`` (its command
+    line, as a user runs it): ``out/train/<class>/*.png`` (1,437) and ``out/val/<class>/*.png``
+    (360), RGB PNG of ``size`` px."""
     made = run_command(
-        [sys.executable, str(REPO / "scripts" / "make_digits.py"), str(out), f"--size={size}"],
+        [
+            sys.executable,
+            str(REPO / "scripts" / "data" / "make_digits.py"),
+            str(out),
+            f"--size={size}",
+        ],
         cwd=out.parent,
         timeout=timeout,
     )
@@ -744,7 +749,7 @@ def http_server(directory: Path) -> Iterator[str]:
 
 
 # ---------------------------------------------------------------------- a GPU image's Python
-# scripts/gpu_check.sh runs on GPU nodes whose Python comes with torch and most of what the
+# scripts/ci/gpu_check.sh runs on GPU nodes whose Python comes with torch and most of what the
 # project uses, but not Hydra: tests/unit/test_gpu_check_offline.py simulates such a Python here.
 
 # Top-level names (packages, modules, distributions, normalized) that a GPU image's Python lacks.

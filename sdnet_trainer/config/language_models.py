@@ -1,5 +1,5 @@
 """Typed schemas of the language models' sizes: ``model.gpt`` (``sdnet_trainer/models/gpt.py``)
-and ``model.llama`` (``sdnet_trainer/models/llama.py``), kept beside ``schema.py``, whose
+and ``model.llama`` (``sdnet_trainer/models/llama/``), kept beside ``schema.py``, whose
 ``ModelConfig`` includes them."""
 
 from __future__ import annotations

@@ -11,9 +11,10 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Dict, List, Optional
 
-# fault_tolerance, model.gpt and model.llama are defined beside this module.
+# fault_tolerance, logging, model.gpt and model.llama are defined beside this module.
 from sdnet_trainer.config.fault_tolerance import FaultToleranceConfig
 from sdnet_trainer.config.language_models import GPTConfig, LlamaConfig
+from sdnet_trainer.config.observability import LoggingConfig
 
 
 @dataclass
@@ -195,7 +196,7 @@ class SchedConfig:
 
 @dataclass
 class DDPConfig:
-    # null: torch's default, 25 MB, on every device (scripts/bench_peers.py measured it faster
+    # null: torch's default, 25 MB, on every device (scripts/bench/bench_peers.py measured it faster
     # than 5 MB on CPU too, on in-memory and on synthetic data).
     bucket_cap_mb: Optional[float] = None
     static_graph: bool = False
@@ -367,57 +368,6 @@ class LoopConfig:
     seed: int = 0
     # torch.use_deterministic_algorithms and friends: slower, bitwise repeatable kernels.
     deterministic: bool = False
-
-
-@dataclass
-class PrometheusConfig:
-    # Every rank serves its metrics at http://HOST:(port + local rank)/metrics while training;
-    # null: off.
-    port: Optional[int] = None
-    host: str = "0.0.0.0"
-    # A Prometheus Pushgateway URL to push to at every log point instead, for jobs that cannot be
-    # scraped; null: off.
-    pushgateway: Optional[str] = None
-
-
-@dataclass
-class MLflowConfig:
-    # A folder (MLflow's file store; all the mlflow extra needs): by default one per run.root,
-    # shared by its runs, so a run resumed in another run directory continues its MLflow run.
-    # MLflow 3 asks for MLFLOW_ALLOW_FILE_STORE=true to use it, which the run sets for itself;
-    # to browse it: MLFLOW_ALLOW_FILE_STORE=true mlflow ui --backend-store-uri outputs/mlruns.
-    # Or a server, http(s)://HOST:PORT; a database (sqlite:///...) needs `pip install mlflow`.
-    tracking_uri: str = "${run.root}/mlruns"
-    experiment: str = "sdnet_trainer"
-    # null: run.name
-    run_name: Optional[str] = None
-
-
-@dataclass
-class WandbConfig:
-    project: str = "sdnet_trainer"
-    entity: Optional[str] = None
-    # null: online when WANDB_API_KEY is set, else offline; or online | offline | disabled.
-    mode: Optional[str] = None
-
-
-@dataclass
-class LoggingConfig:
-    log_every_n_steps: int = 10
-    # Where rank 0 logs the scalars, the resolved config and the final summary: any of
-    # tensorboard, jsonl (metrics.jsonl), csv (metrics.csv), mlflow, wandb. A resumed run
-    # continues the same MLflow / W&B run (its id is kept in the checkpoint).
-    trackers: List[str] = field(default_factory=lambda: ["tensorboard", "jsonl"])
-    mlflow: MLflowConfig = field(default_factory=MLflowConfig)
-    wandb: WandbConfig = field(default_factory=WandbConfig)
-    prometheus: PrometheusConfig = field(default_factory=PrometheusConfig)
-    # auto: a progress bar on rank 0 only when stderr is a terminal; on / off force it.
-    progress_bar: str = "auto"
-    level: str = "INFO"
-    # Count model FLOPs per step (torch.utils.flop_counter, once at the start) and log MFU
-    # against peak_tflops (null: looked up for known GPUs; unknown devices log no MFU).
-    flops: bool = True
-    peak_tflops: Optional[float] = None
 
 
 @dataclass

@@ -4,8 +4,8 @@ glibc serves large blocks with mmap and raises its mmap threshold dynamically as
 A training step frees and re-allocates the same large activation buffers every step; depending on
 the order of allocations the threshold can stay low, and every step then maps, page-faults and
 unmaps those buffers again. Pinning the threshold (and not trimming the heap) keeps them in the
-heap (compare: scripts/bench_peers.py --trainer-override dist.pin_cpu_malloc=false); on GPUs the
-caching allocator makes this moot.
+heap (compare: scripts/bench/bench_peers.py --trainer-override dist.pin_cpu_malloc=false); on
+GPUs the caching allocator makes this moot.
 """
 
 from __future__ import annotations

@@ -261,13 +261,15 @@ class Pipeline:
         return self.num_stages - 1 in self.stage_ids
 
     def train_step(self, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-        """Forward and backward over ``microbatches`` micro-batches; the mean loss over them on the
-        rank holding the last stage, zero elsewhere. Gradients are averaged over the micro-batches
-        (torch's scale_grads), as accumulation would."""
+        """Forward and backward over ``microbatches`` micro-batches; the sum of their losses on
+        the rank holding the last stage, zero elsewhere. The loss function weighs each pipeline
+        micro-batch (the Trainer's: by its share of the step's counted targets), so the gradients
+        are those of that sum: torch's ``scale_grads`` (dividing by the micro-batch count, a mean
+        of means) is off."""
         losses: list[torch.Tensor] = []
         args = (inputs,) if self.has_first else ()
         self.schedule.step(*args, target=targets if self.has_last else None, losses=losses)
-        return torch.stack(losses).mean() if losses else torch.zeros((), device=inputs.device)
+        return torch.stack(losses).sum() if losses else torch.zeros((), device=inputs.device)
 
     @torch.no_grad()
     def forward(self, inputs: torch.Tensor) -> torch.Tensor | None:
@@ -307,10 +309,9 @@ def build_pipeline(
         for module, stage in zip(modules, ids)
     ]
     cls = get_schedule_class(cfg.schedule)
-    if single_stage_schedule(cfg.schedule):
-        schedule = cls(stages[0], n_microbatches=cfg.microbatches, loss_fn=loss_fn)
-    else:
-        schedule = cls(stages, n_microbatches=cfg.microbatches, loss_fn=loss_fn)
+    # The loss function weighs each micro-batch itself (Pipeline.train_step).
+    staged = stages[0] if single_stage_schedule(cfg.schedule) else stages
+    schedule = cls(staged, n_microbatches=cfg.microbatches, loss_fn=loss_fn, scale_grads=False)
     return Pipeline(schedule, stages, modules, ids, num_stages, cfg, group)
 
 

@@ -74,7 +74,6 @@ half-written files behind.
 from __future__ import annotations
 
 import logging
-import sys
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -118,6 +117,7 @@ from sdnet_trainer.export.writers import (
     write_onnx,
     write_safetensors,
 )
+from sdnet_trainer.models.registry import model_family
 
 __all__ = [
     "CONFIG_FILE",
@@ -136,7 +136,6 @@ __all__ = [
     "export",
     "formats",
     "load_model",
-    "main",
     "parse_args",
     "recorded_trainer",
     "require_modules",
@@ -267,7 +266,10 @@ def export(args: ExportArgs) -> Exported:
         for fmt in names:
             if fmt == "hf":
                 tokenizer = args.tokenizer or tokenizer_of(cfg)
-                write_hf(model, staging, tokenizer=tokenizer, source=source_config(cfg))
+                family = model_family(cfg.model.name)
+                write_hf(
+                    model, staging, family=family, tokenizer=tokenizer, source=source_config(cfg)
+                )
                 continue
             diff = write(fmt, model, inputs, staging / FILES[fmt], opset=args.opset)
             if diff is not None:
@@ -279,28 +281,3 @@ def export(args: ExportArgs) -> Exported:
         )
         files = publish(folder, out, staging, checkpoint)
     return Exported(out=out, files=files, max_abs_diff=diffs)
-
-
-def main(argv: Sequence[str] | None = None) -> int:
-    """``python -m sdnet_trainer.export key=value ...``; returns the exit code."""
-    argv = list(sys.argv[1:] if argv is None else argv)
-    if any(arg in ("-h", "--help") for arg in argv):
-        print(__doc__)
-        return 0
-    if not logging.getLogger().handlers:
-        # This package's progress at INFO; the exporters' own INFO chatter (graph passes) stays out.
-        logging.basicConfig(level=logging.WARNING, format="[%(name)s][%(levelname)s] %(message)s")
-        logging.getLogger("sdnet_trainer").setLevel(logging.INFO)
-    try:
-        result = export(parse_args(argv))
-    except ConfigError as err:
-        print(f"export error: {err}", file=sys.stderr)
-        return EXIT_BAD_INPUT
-    except ExportError as err:
-        print(f"export failed: {err}", file=sys.stderr)
-        return EXIT_EXPORT_FAILED
-    for path in result.files:
-        print(f"wrote {path} ({path.stat().st_size / 2**20:.2f} MB)")
-    for fmt, diff in result.max_abs_diff.items():
-        print(f"{fmt}: outputs match PyTorch, max abs difference {diff:.3g}")
-    return 0

@@ -1,8 +1,8 @@
-"""``python -m sdnet_trainer.export checkpoint=... format=...``."""
+"""``python -m sdnet_trainer.export key=value ...``: the command is ``export/cli.py``."""
 
 import sys
 
-from sdnet_trainer.export import main
+from sdnet_trainer.export.cli import main
 from sdnet_trainer.lazy import freeze_imports
 
 if __name__ == "__main__":

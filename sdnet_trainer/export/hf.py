@@ -1,16 +1,16 @@
-"""``format=hf``: a Llama as a Hugging Face checkpoint folder, which
-``transformers.AutoModelForCausalLM.from_pretrained(out)`` loads as it is.
+"""``format=hf``: a model of a family with a Hugging Face adapter (the Llama's) as a Hugging Face
+checkpoint folder, which ``transformers.AutoModelForCausalLM.from_pretrained(out)`` loads as it is.
 
-Written: ``config.json`` (the architecture, ``models/hf_llama.py``'s ``hf_config_of``), the
-weights under Hugging Face's names in safetensors shards of at most :data:`SHARD_BYTES`
-(``model-00001-of-0000N.safetensors``) with their index ``model.safetensors.index.json``, and the
-run's tokenizer files when its config names a local tokenizer (``data.tokenizer``: a folder
-holding them, or a ``tokenizer.json``). A run that started from a Hugging Face folder
-(``model.weights=hf:PATH`` or ``model.hf_config``) passes on that config's special token ids and
-its ``generation_config.json``; otherwise the ids are null (transformers' defaults, 1 and 2, are
-not Llama 3's). A tied output layer is stored once, as the embedding, and
-``tie_word_embeddings`` says so. The tensors keep the checkpoint's dtype (float32 for a run's
-weights and its average).
+Written: ``config.json`` (the architecture, the family's ``hf.config``: the Llama's
+``models/llama/hf.py`` ``hf_config_of``), the weights under Hugging Face's names (``hf.tensors``)
+in safetensors shards of at most :data:`SHARD_BYTES` (``model-00001-of-0000N.safetensors``)
+with their index ``model.safetensors.index.json``, and the run's tokenizer files when its config
+names a local tokenizer (``data.tokenizer``: a folder holding them, or a ``tokenizer.json``). A
+run that started from a Hugging Face folder (``model.weights=hf:PATH`` or ``model.hf_config``)
+passes on that config's special token ids and its ``generation_config.json``; otherwise the ids
+are null (transformers' defaults, 1 and 2, are not Llama 3's). A tied output layer is stored
+once, as the embedding, and ``tie_word_embeddings`` says so. The tensors keep the checkpoint's
+dtype (float32 for a run's weights and its average).
 """
 
 from __future__ import annotations
@@ -29,14 +29,9 @@ from torch import nn
 from sdnet_trainer.data.tokenizer import load_tokenizer
 from sdnet_trainer.errors import ConfigError
 from sdnet_trainer.export.writers import ExportError
-from sdnet_trainer.models.hf_llama import (
-    INDEX_FILE,
-    hf_config_of,
-    hf_weights_folder,
-    read_hf_config,
-    to_hf_name,
-)
-from sdnet_trainer.models.llama import Llama
+from sdnet_trainer.models.family import ModelFamily
+from sdnet_trainer.models.llama.hf import INDEX_FILE, hf_weights_folder, read_hf_config
+from sdnet_trainer.models.registry import FAMILIES
 
 logger = logging.getLogger(__name__)
 
@@ -61,24 +56,26 @@ def write_hf(
     model: nn.Module,
     folder: Path,
     *,
+    family: ModelFamily | None,
     tokenizer: str | None = None,
     source: Path | None = None,
     shard_bytes: int = SHARD_BYTES,
 ) -> list[str]:
-    """Write ``model`` (a Llama) as a Hugging Face folder into ``folder``; the names written.
-    ``source``: the Hugging Face config.json (or its folder) the run started from."""
-    if not isinstance(model, Llama):
+    """Write ``model`` as a Hugging Face folder into ``folder`` through its family's adapter
+    (``family.hf``: the Llama's); the names written. ``source``: the Hugging Face config.json
+    (or its folder) the run started from."""
+    if family is None or family.hf is None:
+        with_adapter = sorted(name for name, f in FAMILIES.items() if f.hf is not None)
         raise ExportError(
-            f"format=hf writes Llama models (model.name=llama); this checkpoint's model is a "
+            f"format=hf writes the model families with a Hugging Face adapter "
+            f"(model.name={' or '.join(with_adapter)}); this checkpoint's model is a "
             f"{type(model).__name__}: use format=pt or safetensors"
         )
     from safetensors.torch import save_file
 
-    tensors: dict[str, torch.Tensor] = {}
-    for name, value in model.state_dict().items():
-        if model.tie_embeddings and name == "head.weight":
-            continue  # the embedding's weight; transformers ties it back
-        tensors[to_hf_name(name)] = value.detach().cpu().contiguous()
+    tensors = {
+        name: value.detach().cpu().contiguous() for name, value in family.hf.tensors(model).items()
+    }
     dtype = next(iter(tensors.values())).dtype
     shards = _shards(tensors, shard_bytes)
     weight_map: dict[str, str] = {}
@@ -91,7 +88,7 @@ def write_hf(
     total = sum(t.numel() * t.element_size() for t in tensors.values())
     index = {"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))}
     (folder / INDEX_FILE).write_text(json.dumps(index, indent=2) + "\n")
-    config = {**hf_config_of(model, dtype=dtype), **_token_ids(source)}
+    config = {**family.hf.config(model, dtype), **_token_ids(source)}
     (folder / HF_CONFIG).write_text(json.dumps(config, indent=2) + "\n")
     written += [INDEX_FILE, HF_CONFIG]
     if source is not None:

@@ -18,7 +18,8 @@ from sdnet_trainer.config import Config
 from sdnet_trainer.data import is_language_model_data
 from sdnet_trainer.data.augment import crop_sizes
 from sdnet_trainer.errors import ConfigError
-from sdnet_trainer.training.trainer import Trainer, resolve_trainer_class
+from sdnet_trainer.training.classes import resolve_trainer_class
+from sdnet_trainer.training.trainer import Trainer
 
 logger = logging.getLogger(__name__)
 

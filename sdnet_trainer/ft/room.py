@@ -2,6 +2,8 @@
 
     begin_step      the quorum (sync mode): blocks until the lighthouse has this step's groups;
                     a group behind the others receives the live state from a healthy peer here
+    average         before the first backward (sync): the group's count of counted targets
+                    averaged over the quorum's groups (the step's loss weights, training/step.py)
     reduce_gradients  after backward (sync): every gradient averaged over the quorum's groups
                     through torchft's managed gloo process group, reconfigured at each new quorum
     should_commit   before the update: the group's vote; False discards the step everywhere in
@@ -214,6 +216,16 @@ class FaultTolerance:
             shard.copy_(flat[offset : offset + size].view_as(shard))
             param.grad = grad
             offset += size
+
+    def average(self, value: torch.Tensor) -> torch.Tensor:
+        """``value`` averaged over the quorum's groups (sync mode; semi-sync groups step on their
+        own data, so their own value stands). A failed peer's error is recorded by the Manager
+        and the step is then not committed."""
+        if self.cfg.mode != "sync":
+            return value
+        value = value.clone()
+        self.manager.allreduce(value).wait()  # AVG over the participants
+        return value
 
     def should_commit(self) -> bool:
         """The group's vote on this step; counts degraded (fewer groups) and skipped steps."""

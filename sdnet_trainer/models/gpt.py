@@ -24,10 +24,11 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from sdnet_trainer.config.schema import Config
+from sdnet_trainer.config.schema import Config, ModelConfig
 from sdnet_trainer.data import is_language_model_data
 from sdnet_trainer.errors import ConfigError
 from sdnet_trainer.models.decoder import Decoder, check_sequence
+from sdnet_trainer.models.family import ModelFamily, check_kwargs, config_dict
 from sdnet_trainer.models.init import InitStep, construction_resets
 from sdnet_trainer.models.parallel_spec import GPT_LAYOUT
 
@@ -283,3 +284,30 @@ def _check_sizes(**sizes: Any) -> None:
         )
     if not 0.0 <= sizes["dropout"] < 1.0:
         raise ConfigError(f"model.gpt.dropout={sizes['dropout']} must be in [0, 1)")
+
+
+def gpt_sizes(cfg: ModelConfig) -> dict[str, Any]:
+    """``GPT``'s constructor arguments: ``model.gpt``, with ``model.kwargs`` overriding single
+    sizes."""
+    if cfg.weights is not None:
+        raise ConfigError(
+            f"model.weights={cfg.weights!r}: model.name={cfg.name!r} has no pretrained weights"
+        )
+    sizes = config_dict(cfg.gpt)
+    # The schema rejects unknown keys in model.gpt, but model.kwargs is a free-form dict.
+    check_kwargs(cfg, sizes, "model.gpt")
+    return {**sizes, **cfg.kwargs}
+
+
+def _decoder_sizes(cfg: ModelConfig) -> tuple[int, int]:
+    sizes = {**config_dict(cfg.gpt), **cfg.kwargs}
+    return int(sizes["dim"]), int(sizes["n_layers"])
+
+
+FAMILY = ModelFamily(
+    name="gpt",
+    build=lambda cfg: GPT(**gpt_sizes(cfg)),
+    language=True,
+    validate=lambda cfg, *, tp, pp: validate_gpt(cfg, tp=tp),
+    decoder_sizes=_decoder_sizes,
+)

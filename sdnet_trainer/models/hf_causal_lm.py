@@ -29,7 +29,8 @@ from torch import nn
 from sdnet_trainer.config.schema import Config, ModelConfig
 from sdnet_trainer.data import is_language_model_data
 from sdnet_trainer.errors import ConfigError
-from sdnet_trainer.models.hf_llama import read_hf_config
+from sdnet_trainer.models.family import ModelFamily
+from sdnet_trainer.models.llama.hf import read_hf_config
 
 logger = logging.getLogger(__name__)
 
@@ -203,7 +204,12 @@ def validate_hf_causal_lm(cfg: Config, *, tp: int, pp: int) -> None:
         )
 
 
+FAMILY = ModelFamily(
+    name=HF_CAUSAL_LM, build=build_hf_causal_lm, language=True, validate=validate_hf_causal_lm
+)
+
 __all__ = [
+    "FAMILY",
     "HF_CAUSAL_LM",
     "HFCausalLM",
     "build_hf_causal_lm",

@@ -1,56 +1,72 @@
-"""Build a model from ``ModelConfig``: a name, a class count, and a few adaptations.
+"""Build a model from ``ModelConfig``: the model families by name, this project's own small
+classifiers, and torchvision's.
 
-Classifiers take ``model.num_classes``; the language models take their sizes from ``model.gpt``
-or ``model.llama`` instead (the vocabulary is the class count), so they have paths of their own.
-A Llama's sizes may also come from a Hugging Face config.json (``model.hf_config``, or the folder
-of ``model.weights=hf:PATH``, whose weights the Trainer loads into each rank's shards).
+The registry is data: :data:`FAMILIES` maps ``model.name`` to each family's entry
+(``models/family.py``'s ``ModelFamily``: its builder, validator, Hugging Face adapter, serving
+cache), and set-up, preflight, the dry run, export and serving ask :func:`model_family` instead of
+branching on names. A family of your own: :func:`register_family` from the module of the Trainer
+subclass your config names (docs/subclassing.md). Classifiers take ``model.num_classes``; the
+language families take their sizes from their own section (``model.gpt``, ``model.llama``, a
+Hugging Face config.json).
 """
 
 from __future__ import annotations
 
-import dataclasses
 import difflib
 import logging
 from collections.abc import Callable
-from typing import Any
 
 from torch import nn
 
 from sdnet_trainer.config.schema import ModelConfig
 from sdnet_trainer.errors import ConfigError
-from sdnet_trainer.models.gpt import GPT
-from sdnet_trainer.models.hf_causal_lm import HF_CAUSAL_LM, build_hf_causal_lm
-from sdnet_trainer.models.hf_llama import hf_weights_folder, llama_sizes_from_hf, read_hf_config
+from sdnet_trainer.models import gpt, hf_causal_lm, llama
+from sdnet_trainer.models.family import ModelFamily
 from sdnet_trainer.models.init import REPLACED_STEM, ZERO_INIT_RESIDUAL
-from sdnet_trainer.models.llama import Llama
 from sdnet_trainer.models.simple_cnn import SimpleCNN
 
 logger = logging.getLogger(__name__)
 
-# The project's own models: name -> constructor(num_classes=..., **kwargs).
+# The project's own classifiers: name -> constructor(num_classes=..., **kwargs).
 OWN_MODELS: dict[str, Callable[..., nn.Module]] = {"simple_cnn": SimpleCNN}
 
-# The language models, configured by model.gpt / model.llama rather than model.num_classes.
-GPT_NAME = "gpt"
-LLAMA_NAME = "llama"
+# The model families, by model.name: one entry each.
+FAMILIES: dict[str, ModelFamily] = {}
+
+
+def register_family(family: ModelFamily) -> ModelFamily:
+    """Add ``family`` under its name (registering the same entry again is a no-op)."""
+    taken = FAMILIES.get(family.name)
+    if taken is not None and taken is not family:
+        raise ConfigError(f"model family {family.name!r} is registered already")
+    if family.name in OWN_MODELS:
+        raise ConfigError(f"model.name={family.name!r} names one of the project's classifiers")
+    FAMILIES[family.name] = family
+    return family
+
+
+for _family in (gpt.FAMILY, llama.FAMILY, hf_causal_lm.FAMILY):
+    register_family(_family)
+
+
+def model_family(name: str) -> ModelFamily | None:
+    """The family registered under ``model.name``; None for a classifier."""
+    return FAMILIES.get(name)
 
 
 def available_models() -> list[str]:
     import torchvision  # here, not at the top: only runs that name its models need it (lazy.py)
 
-    return sorted(
-        [*OWN_MODELS, GPT_NAME, LLAMA_NAME, HF_CAUSAL_LM]
-    ) + torchvision.models.list_models(module=torchvision.models)
+    return sorted([*OWN_MODELS, *FAMILIES]) + torchvision.models.list_models(
+        module=torchvision.models
+    )
 
 
 def build_model(cfg: ModelConfig) -> nn.Module:
     model: nn.Module
-    if cfg.name == GPT_NAME:
-        model = _gpt_model(cfg)
-    elif cfg.name == LLAMA_NAME:
-        model = Llama(**llama_sizes(cfg))
-    elif cfg.name == HF_CAUSAL_LM:
-        model = build_hf_causal_lm(cfg)
+    family = model_family(cfg.name)
+    if family is not None:
+        model = family.build(cfg)
     elif cfg.name in OWN_MODELS:
         if cfg.weights is not None:
             raise ConfigError(
@@ -76,71 +92,12 @@ def _num_classes(cfg: ModelConfig) -> int:
     return cfg.num_classes
 
 
-def _gpt_model(cfg: ModelConfig) -> GPT:
-    """``GPT(**model.gpt)``, with ``model.kwargs`` overriding single sizes."""
-    if cfg.weights is not None:
-        raise ConfigError(
-            f"model.weights={cfg.weights!r}: model.name={cfg.name!r} has no pretrained weights"
-        )
-    sizes = _as_dict(cfg.gpt)
-    # The schema rejects unknown keys in model.gpt, but model.kwargs is a free-form dict.
-    unknown = sorted(set(cfg.kwargs) - set(sizes))
-    if unknown:
-        raise ConfigError(
-            f"model.kwargs has {unknown}, which model.name={cfg.name!r} does not take; "
-            f"it takes the keys of model.gpt: {', '.join(sizes)}"
-        )
-    return GPT(**{**sizes, **cfg.kwargs})
-
-
-def llama_sizes(cfg: ModelConfig) -> dict[str, Any]:
-    """The Llama's constructor arguments: from the Hugging Face config.json of
-    ``model.weights=hf:PATH`` or ``model.hf_config``, else ``model.llama``; ``model.kwargs``
-    overrides single ones."""
-    folder = hf_weights_folder(cfg.weights)
-    if cfg.weights is not None and folder is None:
-        raise ConfigError(
-            f"model.weights={cfg.weights!r}: model.name={cfg.name!r} loads Hugging Face "
-            f"checkpoints only, as model.weights=hf:PATH (a local folder)"
-        )
-    if folder is not None and cfg.hf_config is not None:
-        raise ConfigError(
-            f"model.weights={cfg.weights!r} brings its own config.json; leave model.hf_config "
-            f"(={cfg.hf_config!r}) unset"
-        )
-    source = cfg.hf_config if folder is None else folder
-    if source is not None:
-        key = "model.hf_config" if folder is None else "model.weights"
-        config = read_hf_config(source, key=key)
-        sizes = llama_sizes_from_hf(config, source=f"{key}={source}")
-    else:
-        sizes = _as_dict(cfg.llama)
-        sizes["rope_scaling"] = _as_dict(sizes["rope_scaling"])
-    unknown = sorted(set(cfg.kwargs) - set(sizes))
-    if unknown:
-        raise ConfigError(
-            f"model.kwargs has {unknown}, which model.name={cfg.name!r} does not take; "
-            f"it takes the keys of model.llama: {', '.join(sizes)}"
-        )
-    return {**sizes, **cfg.kwargs}
-
-
 def decoder_sizes(cfg: ModelConfig) -> tuple[int, int] | None:
     """(width, layer count) of a decoder language model's config; None for other models."""
-    if cfg.name == GPT_NAME:
-        sizes = {**_as_dict(cfg.gpt), **cfg.kwargs}
-    elif cfg.name == LLAMA_NAME:
-        sizes = llama_sizes(cfg)
-    else:
+    family = model_family(cfg.name)
+    if family is None or family.decoder_sizes is None:
         return None
-    return int(sizes["dim"]), int(sizes["n_layers"])
-
-
-def _as_dict(section: Any) -> dict[str, Any]:
-    # The schema's dataclass normally; a DictConfig or dict when a caller builds the config by hand.
-    if dataclasses.is_dataclass(section) and not isinstance(section, type):
-        return dataclasses.asdict(section)
-    return dict(section)
+    return family.decoder_sizes(cfg)
 
 
 def _torchvision_model(cfg: ModelConfig) -> nn.Module:

@@ -270,7 +270,7 @@ class MemoryWindow:
 
     CPU: ``peak_memory_mb`` stays the process's lifetime peak resident set size. The kernel's
     high-water mark can be reset (``/proc/self/clear_refs``), but that also resets what
-    ``getrusage`` reports to everything else in the process (``scripts/bench_memory.py`` reads
+    ``getrusage`` reports to everything else in the process (``scripts/bench/bench_memory.py`` reads
     it), so it is not touched; ``reserved_memory_mb`` is the resident set size at the read, which
     falls again when memory is returned.
     """

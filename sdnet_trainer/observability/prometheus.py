@@ -35,7 +35,8 @@ from urllib.parse import urlsplit
 
 import torch
 
-from sdnet_trainer.config.schema import Config, PrometheusConfig
+from sdnet_trainer.config.observability import PrometheusConfig
+from sdnet_trainer.config.schema import Config
 from sdnet_trainer.errors import ConfigError
 
 if TYPE_CHECKING:

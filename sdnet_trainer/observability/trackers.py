@@ -24,7 +24,7 @@ from types import ModuleType
 from typing import Any, ClassVar
 from urllib.parse import urlparse
 
-from sdnet_trainer.config.schema import MLflowConfig, WandbConfig
+from sdnet_trainer.config.observability import MLflowConfig, WandbConfig
 from sdnet_trainer.errors import ConfigError
 
 logger = logging.getLogger(__name__)

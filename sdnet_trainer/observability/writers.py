@@ -24,7 +24,8 @@ from urllib.parse import urlparse
 import torch.distributed as dist
 
 from sdnet_trainer.config.checks import check_choice
-from sdnet_trainer.config.schema import Config, LoggingConfig
+from sdnet_trainer.config.observability import LoggingConfig
+from sdnet_trainer.config.schema import Config
 from sdnet_trainer.errors import ConfigError
 from sdnet_trainer.observability.trackers import (
     EXTRAS,
@@ -145,9 +146,14 @@ class MetricsWriter:
         if error is not None:
             raise error
 
-    def write(self, step: int, metrics: dict[str, float]) -> None:
+    def write(
+        self, step: int, metrics: dict[str, float], *, this_rank: dict[str, float] | None = None
+    ) -> None:
+        """``metrics`` (the same on every rank) to the trackers and sinks; ``this_rank``, this
+        rank's own readings, to its sinks only (the trackers write rank 0's files)."""
+        own = {**metrics, **this_rank} if this_rank else metrics
         for sink in self._sinks:
-            sink.write(step, metrics)
+            sink.write(step, own)
         for tracker in self._trackers:
             try:
                 tracker.write(step, metrics)

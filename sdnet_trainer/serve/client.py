@@ -1,5 +1,5 @@
 """A small HTTP client of the server and a way to run one, on the standard library alone
-(scripts/bench_serve.py and the tests use them).
+(scripts/bench/bench_serve.py and the tests use them).
 
 One :class:`Client` holds one keep-alive connection: use one per thread.
 """

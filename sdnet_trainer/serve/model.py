@@ -36,14 +36,14 @@ from sdnet_trainer.checkpoint import MANIFEST, Checkpoint, find_checkpoint
 from sdnet_trainer.config import Config
 from sdnet_trainer.data import is_language_model_data
 from sdnet_trainer.errors import ConfigError
-from sdnet_trainer.models.hf_causal_lm import HF_CAUSAL_LM, HFCausalLM
+from sdnet_trainer.models.hf_causal_lm import HFCausalLM
+from sdnet_trainer.models.registry import model_family
 from sdnet_trainer.serve.args import ServeArgs
 from sdnet_trainer.serve.decoding import CausalLMDecoder
 from sdnet_trainer.serve.errors import first_line
 from sdnet_trainer.serve.hf_folder import eos_ids, is_hf_folder, load_hf_folder
 from sdnet_trainer.serve.images import ImageModel, class_names, eval_transform
 from sdnet_trainer.serve.language import LanguageModel, codec
-from sdnet_trainer.serve.llama_cache import hf_llama_of
 from sdnet_trainer.training.trainer import Trainer
 
 logger = logging.getLogger(__name__)
@@ -101,7 +101,8 @@ def resolve(args: ServeArgs) -> Source:
         cfg = export.training_config(checkpoint)
         cls = export.trainer_class(checkpoint, cfg, args.trainer)
         folder = None
-    language = is_language_model_data(cfg.data) or cfg.model.name in ("gpt", HF_CAUSAL_LM)
+    family = model_family(cfg.model.name)
+    language = is_language_model_data(cfg.data) or (family is not None and family.language)
     return Source(cfg, cls, checkpoint, folder, "language" if language else "image")
 
 
@@ -150,9 +151,12 @@ def load(args: ServeArgs, source: Source) -> Served:
                 f"ids of shape {list(example.shape)}; serving expects logits (batch, tokens, vocab)"
             )
         lm = _hf_causal_lm(runner)
-        # A transformers model (model.name=hf_causal_lm) generates with its KV cache, and so
-        # does a Llama, run as the transformers model of its weights.
-        cached = lm if lm is not None else hf_llama_of(getattr(runner, "model", None))
+        # A transformers model (model.name=hf_causal_lm) generates with its KV cache, and so does
+        # a model whose family has a generation model (the Llama: transformers' of its weights).
+        family = model_family(source.cfg.model.name)
+        served = getattr(runner, "model", None)
+        generation = family.generation_model if family is not None else None
+        cached = lm if lm is not None else (generation(served) if generation and served else None)
         tokens = codec(data)
         stop_ids: list[int] = []
         if lm is not None:

@@ -1,6 +1,6 @@
-"""The ft room in a Trainer (:func:`attach`), and its figures at each log point: one log line, and
-``ft/*`` keys for the metrics writer (TensorBoard, JSONL, the trackers and, through its sink,
-Prometheus as ``sdnet_ft_*``).
+"""The ft room in a Trainer (:func:`attach`): the step's peers under fault tolerance, and the
+room's figures at each log point: one log line, and ``ft/*`` keys for the metrics writer
+(TensorBoard, JSONL, the trackers and, through its sink, Prometheus as ``sdnet_ft_*``).
 
 The training loop's side of fault tolerance lives here, in training/: the room
 (sdnet_trainer.ft) receives what it needs as arguments and imports nothing of the training loop,
@@ -9,13 +9,19 @@ so the two folders do not import each other (tests/unit/test_architecture.py).""
 from __future__ import annotations
 
 import logging
-from typing import TYPE_CHECKING
+from contextlib import AbstractContextManager
+from typing import TYPE_CHECKING, Any
 
+import torch
+from torch import nn
+
+from sdnet_trainer.data.loader import RunData
 from sdnet_trainer.ft.data import ShareBatches
 from sdnet_trainer.ft.room import FaultTolerance
 from sdnet_trainer.observability.writers import MetricsWriter
 from sdnet_trainer.training.hooks import HookBase
 from sdnet_trainer.training.state import RunState, StepResult
+from sdnet_trainer.training.step import StepPeers
 
 if TYPE_CHECKING:
     from sdnet_trainer.training.trainer import Trainer
@@ -23,9 +29,10 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 
-def attach(trainer: Trainer) -> tuple[FaultTolerance, ShareBatches, FaultToleranceHook]:
+def attach(trainer: Trainer) -> tuple[FaultTolerantPeers, FaultToleranceHook]:
     """``fault_tolerance.enabled``: the room over the trainer's checkpoint parts (what a joining
-    group receives), this rank's share of each step's batch, and the metrics hook."""
+    group receives), the step's peers (this rank's share of each step's batch, the quorum's
+    agreement), and the metrics hook."""
     cfg, env, dims = trainer.cfg, trainer.env, trainer.dims
     batches = ShareBatches(
         trainer.data.train_loader.dataset,
@@ -45,8 +52,50 @@ def attach(trainer: Trainer) -> tuple[FaultTolerance, ShareBatches, FaultToleran
         after_load=rederive_rng,
         step=trainer.state.step,
     )
+    peers = FaultTolerantPeers(room, batches, data=trainer.data, state=trainer.state)
     every = cfg.logging.log_every_n_steps
-    return room, batches, FaultToleranceHook(room, writer=trainer.writer, every_n_steps=every)
+    return peers, FaultToleranceHook(room, writer=trainer.writer, every_n_steps=every)
+
+
+class FaultTolerantPeers(StepPeers):
+    """A step under fault tolerance (training/step.py's ``StepPeers``): the quorum first (a
+    joining group receives the state there), then this rank's share of the step's global batch,
+    divided among the quorum's groups; in sync mode the groups' mean count of targets, and after
+    backward the gradients averaged over the groups and the groups' vote."""
+
+    def __init__(
+        self, room: FaultTolerance, batches: ShareBatches, *, data: RunData, state: RunState
+    ) -> None:
+        super().__init__(data)
+        self.room, self.batches, self.state = room, batches, state
+        self.share = room.share
+
+    @property
+    def groups(self) -> int:
+        return self.share.groups
+
+    def begin_step(self) -> None:
+        self.share = self.room.begin_step()
+
+    def next_batch(self) -> Any:
+        state = self.state
+        batch = self.batches.batch(self.share, epoch=state.epoch, epoch_sample=state.epoch_sample)
+        return self.data.to_device(batch)
+
+    def average_count(self, count: torch.Tensor) -> torch.Tensor:
+        return self.room.average(count)
+
+    def commit(self, model: nn.Module) -> bool:
+        if self.room.cfg.mode != "sync":
+            return True  # semi-sync: the quorum and the commit are inside optimizer.step
+        self.room.reduce_gradients(model)  # averaged over the quorum's groups
+        return self.room.should_commit()
+
+    def running(self, model: nn.Module, optimizer: torch.optim.Optimizer) -> AbstractContextManager:
+        return self.room.semi_sync(model, optimizer)
+
+    def close(self) -> None:
+        self.room.close()
 
 
 class FaultToleranceHook(HookBase):
@@ -84,4 +133,4 @@ class FaultToleranceHook(HookBase):
         self.room.close()
 
 
-__all__ = ["FaultToleranceHook", "attach"]
+__all__ = ["FaultToleranceHook", "FaultTolerantPeers", "attach"]

@@ -15,14 +15,13 @@ import math
 import time
 from collections.abc import Callable
 from contextlib import AbstractContextManager
-from dataclasses import dataclass
 
 import torch
 
-from sdnet_trainer.config.schema import LoggingConfig, LoopConfig
-from sdnet_trainer.distributed import all_gather_floats
+from sdnet_trainer.config.observability import LoggingConfig
+from sdnet_trainer.config.schema import LoopConfig
 from sdnet_trainer.observability import MetricsWriter, ProgressBar, StepMeter
-from sdnet_trainer.observability.flops import mfu
+from sdnet_trainer.observability.figures import RunFigures, gather_named, per_rank, rank_spread
 from sdnet_trainer.observability.meters import MemoryWindow
 from sdnet_trainer.observability.profiler import StepProfiler
 from sdnet_trainer.observability.progress import progress_enabled
@@ -117,39 +116,19 @@ class EvalHook(HookBase):
         logger.info("eval @ step %d: %s (%.1f s)", state.step, shown, time.perf_counter() - started)
 
 
-@dataclass(frozen=True)
-class RunFigures:
-    """Fixed facts of a run that turn the loop's measurements into metrics: the schedule's length,
-    the epoch's size, whether this rank's loss counts (``metric_weight`` 1: last pipeline stage,
-    first tensor-parallel peer; else 0), and what turns samples/s into tokens/s, model TFLOPs/s
-    and MFU (None: not known)."""
-
-    total_steps: int
-    samples_per_epoch: int
-    metric_weight: float
-    world_size: int
-    tokens_per_sample: int | None = None
-    flops_per_sample: float | None = None
-    peak_tflops: float | None = None  # per device
-
-    def throughput(self, samples_per_s: float) -> dict[str, float]:
-        out = {}
-        if self.tokens_per_sample:
-            out["perf/tokens_per_s"] = samples_per_s * self.tokens_per_sample
-        if self.flops_per_sample:
-            flops_per_s = samples_per_s * self.flops_per_sample
-            out["perf/tflops_per_s"] = flops_per_s / 1e12
-            if self.peak_tflops:
-                out["perf/mfu"] = mfu(flops_per_s, self.peak_tflops, self.world_size)
-        return out
+# The step meter's window figures each rank reports at a log point (StepMeter.flush).
+_WINDOW = ("samples_per_s", "step_s", "data_wait_s", "fwd_bwd_s", "optimizer_s")
 
 
 class MetricsHook(HookBase):
     """Training metrics every ``every_n_steps`` (and at the last step), the progress bar, and the
     one-line summary at the end.
 
-    All ranks take part: each log point gathers a few floats per rank in one collective (loss,
-    throughput, step time, phase times, memory), so per-rank stragglers show in TensorBoard.
+    All ranks take part: each log point gathers a few named floats per rank in one collective
+    (loss, throughput, step time, phase times, memory) and reduces each by name
+    (``observability/figures.py``): stragglers show as the ranks' spread of step time and
+    samples/s and the slowest rank's index, a bounded number of keys at any world size (every
+    rank's own with ``logging.per_rank_metrics``).
     Memory figures are those of the window since the previous log point (see
     :class:`~sdnet_trainer.observability.meters.MemoryWindow`), evaluations and checkpoints in it
     included: the max over ranks, allocator retries the sum.
@@ -172,7 +151,7 @@ class MetricsHook(HookBase):
         lr: Callable[[], float],
         comm_bytes: Callable[[int], float] | None,
         loss_scale: Callable[[], float] | None,
-        is_main: bool,
+        rank: int,
         bad_samples: Callable[[], int] | None = None,
     ) -> None:
         self.figures = figures
@@ -180,12 +159,14 @@ class MetricsHook(HookBase):
         self.meter = meter
         self.device = device
         self.every_n_steps = cfg.log_every_n_steps
+        self.rank = rank
+        self.per_rank_metrics = cfg.per_rank_metrics
         self.total_steps = figures.total_steps
         self.lr = lr
         self.comm_bytes = comm_bytes
         self.loss_scale = loss_scale
         self.bad_samples = bad_samples
-        self.progress_bar = progress_enabled(cfg.progress_bar, is_main=is_main)
+        self.progress_bar = progress_enabled(cfg.progress_bar, is_main=rank == 0)
         self.memory = MemoryWindow(device)
         self._loss_sum: torch.Tensor | None = None
         self._loss_steps = 0
@@ -218,39 +199,35 @@ class MetricsHook(HookBase):
         )
         self._loss_sum, self._loss_steps = None, 0
         weight = self.figures.metric_weight
-        values = [
-            local_loss * weight if weight else 0.0,
-            weight,
-            window["samples_per_s"],
-            window["step_s"],
-            window["data_wait_s"],
-            window["fwd_bwd_s"],
-            window["optimizer_s"],
-        ]
-        memory_keys = self.memory.keys()
         memory = self.memory.read()
-        values.extend(memory[key] for key in memory_keys)
+        local = {
+            "loss": local_loss * weight if weight else 0.0,
+            "weight": weight,
+            **{key: window[key] for key in _WINDOW},
+            **{f"memory/{key}": value for key, value in memory.items()},
+        }
         if self.bad_samples is not None:
             # Weighted like the loss: tensor-parallel peers and pipeline stages load the same
             # samples, so each data-parallel rank counts once.
-            values.append(float(self.bad_samples()) * weight)
-        ranks = all_gather_floats(values, device=self.device)
-        columns = ranks.unbind(dim=1)
-        loss, weights, samples_per_s, step_s, data_wait_s, fwd_bwd_s, optimizer_s = columns[:7]
-        memory_columns = dict(zip(memory_keys, columns[7:]))
+            local["bad_samples"] = float(self.bad_samples()) * weight
+        ranks = gather_named(local, device=self.device)  # one collective, every rank's readings
+        step_s = ranks["step_s"]
         metrics = {
-            "train/loss": (loss.sum() / weights.sum()).item(),
+            "train/loss": (ranks["loss"].sum() / ranks["weight"].sum()).item(),
             "train/lr": self.lr(),
             "train/epoch": state.epoch + state.epoch_sample / self.figures.samples_per_epoch,
-            "perf/samples_per_s": samples_per_s.sum().item(),
-            "perf/step_s": step_s.max().item(),
-            "perf/data_wait_s": data_wait_s.max().item(),
-            "perf/fwd_bwd_s": fwd_bwd_s.max().item(),
-            "perf/optimizer_s": optimizer_s.max().item(),
+            "perf/samples_per_s": ranks["samples_per_s"].sum().item(),
+            # The phases of the slowest rank's window bound the step.
+            **{f"perf/{key}": ranks[key].max().item() for key in _WINDOW[1:]},
             "train/grad_norm": result.grad_norm.item(),
+            # Stragglers, in keys that do not grow with the world size.
+            **rank_spread("perf/rank_step_s", step_s),
+            **rank_spread("perf/rank_samples_per_s", ranks["samples_per_s"]),
+            "perf/slowest_rank": float(step_s.argmax().item()),
         }
-        for key, column in memory_columns.items():
+        for key in memory:
             # Retries add up over ranks (how often the run hit the limit); sizes are per rank.
+            column = ranks[f"memory/{key}"]
             metrics[f"perf/{key}"] = (
                 column.sum() if key == "alloc_retries" else column.max()
             ).item()
@@ -263,13 +240,14 @@ class MetricsHook(HookBase):
             metrics["train/loss_scale"] = self.loss_scale()
             metrics["train/skipped_steps"] = float(state.skipped_steps)
         if self.bad_samples is not None:
-            metrics["data/skipped_samples"] = columns[7 + len(memory_keys)].sum().item()
-        for rank, value in enumerate(samples_per_s.tolist()):
-            metrics[f"perf/samples_per_s_rank{rank}"] = value
-        for rank, value in enumerate(step_s.tolist()):
-            metrics[f"perf/step_s_rank{rank}"] = value
+            metrics["data/skipped_samples"] = ranks["bad_samples"].sum().item()
+        if self.per_rank_metrics:
+            metrics.update(per_rank("perf/samples_per_s", ranks["samples_per_s"]))
+            metrics.update(per_rank("perf/step_s", step_s))
+        # This rank's own readings go to its own sinks (Prometheus' per-rank gauges) only.
+        own = {f"perf/{key}_rank{self.rank}": local[key] for key in ("samples_per_s", "step_s")}
         state.metrics["train/loss"] = metrics["train/loss"]
-        self.writer.write(state.step, metrics)
+        self.writer.write(state.step, metrics, this_rank=own)
         if self._bar is not None:
             self._bar.update(
                 state.step,

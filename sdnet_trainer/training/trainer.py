@@ -9,8 +9,9 @@ export calls them on a Trainer that was never set up.
 
     setup:  model (mesh, parallelize) -> data -> optimization (optimizer, comm, precision,
             schedule) -> observability -> checkpointing (resume) -> hooks
-    fit:    for each step: train_step (micro-steps or the pipeline schedule, then
-            OptimizerStep: norm, agreement, update) -> hooks, in the order of ``build_hooks``
+    fit:    for each step: train_step (the step's batches and their counted targets, then
+            forward_backward on each: micro-steps or the pipeline schedule, then OptimizerStep:
+            norm, agreement, update) -> hooks, in the order of ``build_hooks``
 
 The run's counters live in ``self.state`` (a ``RunState``), which hooks and the checkpointer
 read. Ranks that share data-parallel coordinates load the same samples; metrics count each
@@ -28,7 +29,6 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from hydra.utils import get_class
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
@@ -53,13 +53,12 @@ from sdnet_trainer.distributed.env import shorten_timeout
 from sdnet_trainer.distributed.mesh import ParallelDims, build_mesh, parallel_dims
 from sdnet_trainer.distributed.parallelize import gradient_sync, parallelize
 from sdnet_trainer.distributed.pipeline import Pipeline
-from sdnet_trainer.errors import ConfigError
 from sdnet_trainer.ft.checks import check_lighthouse, lighthouse_address
-from sdnet_trainer.ft.data import ShareBatches, StepShare
 from sdnet_trainer.models import build_model
-from sdnet_trainer.models.hf_llama import hf_weights_folder, load_hf_weights
 from sdnet_trainer.models.init import allocate, build_deferred, materialize, without_parameters
+from sdnet_trainer.models.llama.hf import hf_weights_folder, load_hf_weights
 from sdnet_trainer.observability import MetricsWriter, StepMeter
+from sdnet_trainer.observability.figures import RunFigures
 from sdnet_trainer.observability.flops import run_flops
 from sdnet_trainer.observability.profiler import StepProfiler
 from sdnet_trainer.observability.prometheus import PrometheusExporter, prometheus_enabled
@@ -76,11 +75,11 @@ from sdnet_trainer.training.hooks import (
     HookBase,
     MetricsHook,
     ProfilerHook,
-    RunFigures,
     WatchdogHook,
 )
 from sdnet_trainer.training.optim import build_optimizer, build_scheduler
 from sdnet_trainer.training.state import EpochShape, RunState, StepResult
+from sdnet_trainer.training.step import LossWeights, StepPeers, counted_targets
 from sdnet_trainer.training.stepping import OptimizerStep
 
 logger = logging.getLogger(__name__)
@@ -110,8 +109,8 @@ class Trainer:
     watchdog: Watchdog | None  # when health.hang_timeout_s is set
     stepper: OptimizerStep  # norm, agreement and update after backward
     checkpointer: Checkpointer
-    ft: Any  # fault_tolerance.enabled: the ft room (sdnet_trainer.ft.room.FaultTolerance)
-    ft_batches: ShareBatches | None  # this rank's share of each step's batch under ft
+    ft: StepPeers  # the step's batches and replica groups (fault_tolerance.enabled: the room's)
+    loss_weights: LossWeights  # each micro-batch's share of the step's loss (training/step.py)
     ft_hook: HookBase | None  # the ft room's figures at each log point
     hooks: list[HookBase]
 
@@ -155,15 +154,24 @@ class Trainer:
         return build_scheduler(optimizer, self.cfg.sched, total_steps=total_steps)
 
     def compute_loss(self, batch: Any) -> torch.Tensor:
-        """The mean loss of one micro-batch (already on the device, inside autocast)."""
+        """The mean loss of one micro-batch over its counted targets (already on the device,
+        inside autocast); the step weighs it by ``count_targets(batch)``."""
         inputs, targets = batch
         return self.loss_fn(self.model(inputs), targets)
+
+    def count_targets(self, batch: Any) -> torch.Tensor | None:
+        """How many targets ``compute_loss``'s mean averages over (not -100): its weight in the
+        step's loss, the mean over the global batch's counted targets (training/step.py). None:
+        every micro-batch of the step weighs the same."""
+        pair = isinstance(batch, (tuple, list)) and len(batch) == 2 and torch.is_tensor(batch[1])
+        return counted_targets(batch[1]) if pair else None
 
     def loss_fn(self, outputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         """Cross-entropy over classes, or over the vocabulary at every position of a sequence
         model's (batch, time, vocab) logits: the mean over the positions whose target is not
         -100 (``token_cross_entropy``; chat prompts, masked document boundaries), per
-        micro-batch. Also the pipeline's loss on its last stage."""
+        micro-batch. Also the pipeline's loss on its last stage, weighted there per pipeline
+        micro-batch like a micro-step's."""
         if outputs.dim() == 3:
             return token_cross_entropy(
                 outputs.flatten(0, 1),
@@ -227,7 +235,7 @@ class Trainer:
             lr=lambda: float(self.scheduler.get_last_lr()[0]),
             comm_bytes=self.comm.bytes_per_step if self.comm is not None else None,
             loss_scale=self.precision.scaler.get_scale if self.precision.scaling else None,
-            is_main=self.env.is_main,
+            rank=self.env.rank,
             bad_samples=skipped_samples(self.data.train_loader.dataset),
         )
         hooks = [
@@ -316,7 +324,7 @@ class Trainer:
             env,
             self.mesh,
             self.dims,
-            loss_fn=self.loss_fn,
+            loss_fn=self._weighted_loss,
             materialize=materialize_parts,
         )
         self.model, self.pipeline = parallel.model, parallel.pipeline
@@ -473,13 +481,19 @@ class Trainer:
             self.state.next_epoch()
 
     def _setup_fault_tolerance(self) -> None:
-        """``fault_tolerance.enabled``: the ft room, this rank's share of each step's batch, and
-        the room's metrics hook (``sdnet_trainer.training.fault_tolerance.attach``)."""
-        self.ft, self.ft_batches, self.ft_hook = None, None, None
+        """The step's peers (``fault_tolerance.enabled``: the ft room's share of each batch and
+        the quorum's agreement, with its metrics hook; ``training.fault_tolerance.attach``), and
+        the loss weights, whose count the replica groups average."""
+        self.ft, self.ft_hook = StepPeers(self.data), None
         if self.cfg.fault_tolerance.enabled:
             from sdnet_trainer.training.fault_tolerance import attach
 
-            self.ft, self.ft_batches, self.ft_hook = attach(self)
+            self.ft, self.ft_hook = attach(self)
+        dims, pipe = self.dims, self.cfg.parallel.pipeline.microbatches if self.pipeline else 1
+        losses = self.layout.grad_accum_steps * pipe  # a step's loss terms on one rank
+        self.loss_weights = LossWeights(
+            dp=dims.dp, peers=dims.tp * dims.pp, losses=losses, across_groups=self.ft.average_count
+        )
 
     # ------------------------------------------------------------------ the loop
 
@@ -487,8 +501,7 @@ class Trainer:
         """Train to ``loop.max_steps`` (or ``max_epochs``); returns the final metrics."""
         self.setup()
         first_step = self.state.step + 1  # after a resume too
-        semi_sync = self.ft.semi_sync(self.model, self.optimizer) if self.ft else nullcontext()
-        with self._running(), semi_sync:
+        with self._running(), self.ft.running(self.model, self.optimizer):
             while not self._finished():
                 result = self.train_step()
                 if not result.committed:
@@ -550,70 +563,49 @@ class Trainer:
             ft.close()  # closed by its hook on every path through fit; here when set-up failed
         held = (
             "model pipeline optimizer comm scheduler stepper data checkpointer hooks ema writer "
-            "ft ft_batches ft_hook"
+            "ft ft_hook loss_weights"
         )
         for name in held.split():
             setattr(self, name, None)
 
     def train_step(self) -> StepResult:
-        """One optimizer step over ``grad_accum_steps`` micro-batches."""
+        """One optimizer step: the step's micro-batches, the sum of their counted targets over the
+        data-parallel ranks (``loss_weights``), ``forward_backward`` on each, the replica groups'
+        agreement (``self.ft``), then the update (``OptimizerStep``)."""
         step_started = time.perf_counter()
-        # Fault tolerance: the quorum first (a joining group receives the state here).
-        share = self.ft.begin_step() if self.ft is not None else None
-        accum, step = self.layout.grad_accum_steps, self.state.step + 1
+        self.ft.begin_step()  # fault tolerance: the quorum (a joining group receives the state)
         clock = self.meter.clock  # the phases, and under CUDA the step times: the GPU's timeline
         clock.start()
-        # Evaluation switches the unwrapped model and restores it; re-setting it costs ~1 ms.
-        if not unwrap(self.model).training:
+        if not unwrap(self.model).training:  # evaluation restores the unwrapped model only
             self.model.train()
-        loss_sum = torch.zeros((), device=self.device)
-        data_wait = 0.0
-        tp_loss = self.cfg.parallel.tensor_parallel.loss_parallel
-        fsdp_grad_sync = self.cfg.parallel.fsdp.grad_sync
-        for micro_step in range(accum):
-            started = time.perf_counter()
-            self.phase.enter("data", step=step)
-            batch = self.data.next_batch() if share is None else self._share_batch(share)
-            data_wait += time.perf_counter() - started  # fetch and copy to the device
-            clock.mark("data_wait")
+        step, started = self.state.step + 1, time.perf_counter()
+        self.phase.enter("data", step=step)
+        # All of the step's batches first: each one's weight needs the count of all of them.
+        batches = [self.ft.next_batch() for _ in range(self.layout.grad_accum_steps)]
+        self.loss_weights.start([self.count_targets(batch) for batch in batches])
+        data_wait = time.perf_counter() - started  # fetch and copy to the device
+        clock.mark("data_wait")
+        loss = torch.zeros((), device=self.device)
+        for index, batch in enumerate(batches):
             # DDP reduces gradients in backward on the last micro-step only; FSDP2 reduce-scatters
             # on every micro-step unless parallel.fsdp.grad_sync=last_microstep (gradient_sync).
-            sync = micro_step == accum - 1
+            sync = index == len(batches) - 1
             phase = "forward/backward (gradient reduction)" if sync else "forward/backward"
             self.phase.enter(phase, step=step)
-            # loss_parallel: with vocabulary-sharded logits the loss and its backward run on shards.
-            with (
-                gradient_sync(self.model, sync, fsdp_grad_sync=fsdp_grad_sync),
-                loss_parallel() if tp_loss else nullcontext(),
-            ):
-                if self.pipeline is not None:  # the schedule runs forward and backward
-                    with self.precision.autocast():
-                        loss = self.pipeline.train_step(*batch)
-                else:
-                    with self.precision.autocast():
-                        loss = self.compute_loss(batch)
-                    self.precision.scaler.scale(loss / accum).backward()
-            if isinstance(loss, DTensor):  # loss_parallel: the replicated loss of vocab shards
-                loss = loss.full_tensor()
-            loss_sum += loss.detach().float()
+            loss += self.forward_backward(batch, sync=sync)
             clock.mark("fwd_bwd")
-        loss = loss_sum / accum
-        if self.ft is not None and self.cfg.fault_tolerance.mode == "sync":
-            self.ft.reduce_gradients(self.model)  # averaged over the quorum's groups
-            if not self.ft.should_commit():  # a peer failed during the step: discard it
-                self.optimizer.zero_grad(set_to_none=True)
-                return StepResult(
-                    loss=loss, grad_norm=torch.zeros_like(loss), data_wait_s=data_wait,
-                    seconds=time.perf_counter() - step_started, nonfinite=False,
-                    stop_requested=False, save_due=False, committed=False,
-                )  # fmt: skip
+        if not self.ft.commit(self.model):  # a peer group failed during the step: discard it
+            self.optimizer.zero_grad(set_to_none=True)
+            return StepResult(
+                loss=loss, grad_norm=torch.zeros_like(loss), data_wait_s=data_wait,
+                seconds=time.perf_counter() - step_started, nonfinite=False,
+                stop_requested=False, save_due=False, committed=False,
+            )  # fmt: skip
         grad_norm, verdict = self.stepper.apply(loss)
         clock.mark("optimizer")
         done = time.perf_counter()
-        # Ranks that share samples (tensor/pipeline peers) share the count as well; under fault
-        # tolerance this group trained its share of the global batch.
-        groups = share.groups if share is not None else 1
-        samples = self.layout.global_batch_size / self.env.world_size / groups
+        # This rank's samples: tensor/pipeline peers share them; ft groups share the global batch.
+        samples = self.layout.global_batch_size / self.env.world_size / self.ft.groups
         # Host time: under CUDA the meter takes the GPU's instead (the host runs a step ahead).
         self.meter.step_done(samples=samples, seconds=done - step_started)
         return StepResult(
@@ -626,25 +618,32 @@ class Trainer:
             save_due=verdict.save_due,
         )
 
-    def _share_batch(self, share: StepShare) -> Any:
-        """Fault tolerance: this rank's share of the step's global batch, on the device."""
-        assert self.ft_batches is not None
-        state = self.state
-        batch = self.ft_batches.batch(share, epoch=state.epoch, epoch_sample=state.epoch_sample)
-        return self.data.to_device(batch)
+    def forward_backward(self, batch: Any, *, sync: bool) -> torch.Tensor:
+        """Forward and backward of one micro-batch (or the pipeline schedule over it); returns its
+        share of the step's loss, detached. ``sync``: the last, whose backward reduces gradients."""
+        with (
+            gradient_sync(self.model, sync, fsdp_grad_sync=self.cfg.parallel.fsdp.grad_sync),
+            # The loss and its backward on vocabulary-sharded logits (tensor parallel).
+            loss_parallel() if self.cfg.parallel.tensor_parallel.loss_parallel else nullcontext(),
+        ):
+            if self.pipeline is not None:  # the schedule runs forward and backward
+                with self.precision.autocast():
+                    loss = self.pipeline.train_step(*batch)  # weighted by _weighted_loss
+            else:
+                with self.precision.autocast():
+                    loss = self.compute_loss(batch)
+                    # After the forward: the count's all-reduce ran meanwhile.
+                    loss = loss * self.loss_weights.weight(self.count_targets(batch))
+                self.precision.scaler.scale(loss).backward()
+        if isinstance(loss, DTensor):  # loss_parallel: the replicated loss of vocab shards
+            loss = loss.full_tensor()
+        return loss.detach().float()
+
+    def _weighted_loss(self, outputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        """The pipeline's loss on its last stage, per pipeline micro-batch: ``loss_fn`` weighted
+        by the micro-batch's share of the step's counted targets."""
+        return self.loss_fn(outputs, targets) * self.loss_weights.weight(counted_targets(targets))
 
     def to_device(self, batch: Any) -> Any:
         """Move every tensor in a (nested) batch to the training device."""
         return self.data.to_device(batch)
-
-
-def resolve_trainer_class(target: str, *, key: str = "trainer._target_") -> type[Trainer]:
-    """The Trainer (sub)class named by the dotted path ``target``; ``key`` names its source in
-    errors."""
-    try:
-        cls = get_class(target)
-    except Exception as err:  # hydra wraps import failures in several exception types
-        raise ConfigError(f"{key}={target!r} cannot be imported: {err}") from None
-    if not (isinstance(cls, type) and issubclass(cls, Trainer)):
-        raise ConfigError(f"{key}={target!r} is not a subclass of sdnet_trainer.Trainer")
-    return cls

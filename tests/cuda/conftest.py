@@ -1,6 +1,6 @@
 """The order of the CUDA tests: the heaviest run last.
 
-scripts/gpu_check.sh gives its pytest one time budget for all the CUDA tests. A test marked
+scripts/ci/gpu_check.sh gives its pytest one time budget for all the CUDA tests. A test marked
 ``@pytest.mark.run_last`` (a cold inductor compile takes most of a minute) runs after every other
 test of the session, so that a budget that runs out loses only such tests. Among themselves they
 keep their collection order.

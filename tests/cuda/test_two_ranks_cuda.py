@@ -9,7 +9,7 @@ ranks. Each run must train as one process does on the concatenated batch
 final weights.
 
 FSDP2 the same way: gloo has CUDA paths for the all-gather into one tensor and implements the
-reduce-scatter as an all-reduce, so torch allows it; scripts/gpu_check.sh runs that case in its
+reduce-scatter as an all-reduce, so torch allows it; scripts/ci/gpu_check.sh runs that case in its
 full profile only (GPU_CHECK_FULL=1), the one-rank NCCL run of test_fit_cuda.py covering FSDP2 on
 the GPU in the default one.
 """

@@ -19,7 +19,7 @@ from sdnet_trainer import Trainer
 from sdnet_trainer.config import Config
 from sdnet_trainer.distributed.env import DistEnv
 from sdnet_trainer.lazy import freeze_imports
-from sdnet_trainer.training.trainer import resolve_trainer_class
+from sdnet_trainer.training.classes import resolve_trainer_class
 from tests.distributed._layout_worker import run_cases
 
 

@@ -9,9 +9,9 @@ parameters (gathered from shards, tensor-parallel pieces and pipeline stages), t
 metrics and every rank's training-state bytes. One launch serves many layouts: starting a process
 group costs more than training these tiny models.
 
-A case with ``model.weights=hf:PATH`` only sets up (the load is what it checks) and records, per
-rank, whether each local shard equals its slice of the Hugging Face file and the whole tensor its
-file tensor, and the peak resident memory the set-up added.
+A case named ``hf_load*`` (with ``model.weights=hf:PATH``) only sets up (the load is what it
+checks) and records, per rank, whether each local shard equals its slice of the Hugging Face file
+and the whole tensor its file tensor, and the peak resident memory the set-up added.
 """
 
 from __future__ import annotations
@@ -33,7 +33,7 @@ from sdnet_trainer.config.schema import DistConfig
 from sdnet_trainer.distributed import all_reduce_sum, distributed_session
 from sdnet_trainer.distributed.ops import all_gather_objects
 from sdnet_trainer.lazy import freeze_imports
-from sdnet_trainer.models.hf_llama import hf_weights_folder, to_hf_name, weight_files
+from sdnet_trainer.models.llama.hf import hf_weights_folder, to_hf_name, weight_files
 from sdnet_trainer.observability.memory import training_state_bytes
 from sdnet_trainer.preflight import validate
 
@@ -62,9 +62,14 @@ def gather_on_main(local: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     return {name: value for part in parts for name, value in part.items()}
 
 
+# Cases named so check the Hugging Face load under their layout and train nothing.
+LOAD_ONLY = "hf_load"
+
+
 class LayoutRecorder(Trainer):
     def setup(self) -> None:
-        self.hf_folder = hf_weights_folder(self.cfg.model.weights)
+        load_only = self.output_dir.name.startswith(LOAD_ONLY)
+        self.hf_folder = hf_weights_folder(self.cfg.model.weights) if load_only else None
         if self.hf_folder is not None:
             Path("/proc/self/clear_refs").write_text("5")  # the peak (VmHWM) restarts from now
             before = _status_kib("VmRSS")
@@ -75,7 +80,7 @@ class LayoutRecorder(Trainer):
         self.grad_norms: list[float] = []
 
     def fit(self) -> dict[str, float]:
-        if hf_weights_folder(self.cfg.model.weights) is not None:
+        if self.output_dir.name.startswith(LOAD_ONLY):
             self.setup()  # the Hugging Face load is the check: no training
             return {}
         return super().fit()

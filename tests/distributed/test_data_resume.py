@@ -1,7 +1,7 @@
 """Exact resume on the data sets read from files other than an image folder: tar shards
 (data=shards) and a Hugging Face dataset on disk (data=hf), both made from scikit-learn's digits
-(scripts/make_digits.py), and tokenized text (data=text through its token cache), under torchrun
-with gloo.
+(scripts/data/make_digits.py), and tokenized text (data=text through its token cache), under
+torchrun with gloo.
 
 A run stopped by SIGTERM at step 3 is resumed twice from the same checkpoint: with 2 processes it
 ends bitwise equal to the uninterrupted 2-process run; with 1 process (the global batch kept) it

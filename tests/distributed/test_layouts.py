@@ -20,9 +20,9 @@ import json
 import pytest
 import torch
 
-from sdnet_trainer.export import main as export_main
+from sdnet_trainer.export.cli import main as export_main
 from sdnet_trainer.plan import main as plan_main
-from tests.support import REPO, run_cli
+from tests.support import REPO, corpus_line, run_cli, tiny_llama_config, write_bpe_tokenizer
 
 WORKER = REPO / "tests" / "distributed" / "_layout_worker.py"
 COMMON = [
@@ -173,6 +173,82 @@ WORLD2 = {
 }
 
 
+# The step's loss over masked targets: chat windows counting 0 to 32 assistant targets each (the
+# prompts' targets are -100), so the micro-batches of a layout count very different numbers of
+# targets. 25 conversations pack into 40 training windows of 32 tokens (and 4 validation windows,
+# one per rank of the 4-process layouts): the global batch is the whole training split, so the one
+# step covers the same windows whatever the sampler's order.
+CHAT_CONVERSATIONS, CHAT_BATCH, CHAT_LR = 25, 40, 1.0
+CHAT_LAYOUTS = {
+    1: {"chat_1micro": [], "chat_4micro": ["loop.grad_accum_steps=4"]},
+    2: {
+        "chat_ddp": [],
+        "chat_fsdp": ["parallel=fsdp"],
+        "chat_pp": _pipeline("1F1B", 2),
+        "chat_tp_loss_parallel": ["parallel.tp=2", "parallel.tensor_parallel.loss_parallel=true"],
+    },
+    4: {
+        "chat_hsdp": ["parallel=fsdp", "parallel.dp_replicate=2", "parallel.dp_shard=2"],
+        "chat_ddp_accum": ["loop.grad_accum_steps=2"],
+        "chat_fsdp_tp_loss_seq": [
+            "parallel=fsdp",
+            "parallel.tp=2",
+            "parallel.tensor_parallel.loss_parallel=true",
+            "parallel.tensor_parallel.sequence_parallel=true",
+        ],
+    },
+}
+
+
+def _chat_run(out) -> list[str]:
+    """A tiny Hugging Face Llama, a BPE tokenizer and the conversations (written once), and the
+    overrides of one plain SGD step from them."""
+    from sdnet_trainer.data.chat import TEMPLATES
+
+    transformers = pytest.importorskip("transformers", reason="the llm extra is not installed")
+    folder, tokenizer, chats = out / "chat_hf", out / "chat_tokenizer", out / "chat.jsonl"
+    if not folder.exists():
+        torch.manual_seed(0)
+        config = tiny_llama_config(vocab_size=320, intermediate_size=48, eos_token_id=0)
+        transformers.LlamaForCausalLM(config).save_pretrained(folder)
+        write_bpe_tokenizer(tokenizer, template=TEMPLATES["chatml"])
+        with chats.open("w") as f:
+            for i in range(CHAT_CONVERSATIONS):
+                long = " ".join(corpus_line(i + k) for k in range(4))
+                short = corpus_line(i).split()[0]
+                user, assistant = (long, short) if i % 2 else (short, long)
+                messages = [
+                    {"role": "user", "content": user},
+                    {"role": "assistant", "content": assistant},
+                ]
+                f.write(json.dumps({"messages": messages}) + "\n")
+    return [
+        "model=llama3_debug",
+        f"model.weights=hf:{folder}",
+        "data=chat",
+        f"data.root={chats}",
+        f"data.tokenizer={tokenizer}",
+        "data.vocab_size=320",
+        "data.seq_len=32",
+        "precision=fp32",
+        "optim=sgd",
+        f"optim.lr={CHAT_LR}",
+        "optim.momentum=0",
+        "optim.weight_decay=0",
+        "sched=constant",
+        "loop.max_steps=1",
+        f"loop.global_batch_size={CHAT_BATCH}",
+        "loop.eval_at_end=false",
+        "loop.eval_at_epoch_end=false",
+        "logging.trackers=[]",
+        "checkpoint.save_on_exit=false",
+    ]
+
+
+def _chat_cases(out, nproc: int) -> dict[str, list[str]]:
+    return {name: _chat_run(out) + extra for name, extra in CHAT_LAYOUTS[nproc].items()}
+
+
 def _single(out) -> dict[str, list[str]]:
     def reload(name: str, base: list[str]) -> list[str]:
         return base + [f"checkpoint.resume={out / name / 'checkpoints' / 'step_00000005'}"]
@@ -242,9 +318,10 @@ def _hf_load_case(out) -> dict[str, list[str]]:
 def runs(layout_dir) -> dict[str, dict]:
     out = layout_dir
     # The Hugging Face load last: the earlier cases have imported everything it uses.
-    _launch(out, {**WORLD4, **_hf_load_case(out)}, nproc=4)
-    _launch(out, WORLD2, nproc=2)
-    _launch(out, _single(out), nproc=None)
+    # The longest launch (about 6 minutes of 2 loaded cores): a timeout of its own.
+    _launch(out, {**WORLD4, **_chat_cases(out, 4), **_hf_load_case(out)}, nproc=4, timeout=600)
+    _launch(out, {**WORLD2, **_chat_cases(out, 2)}, nproc=2)
+    _launch(out, {**_single(out), **_chat_cases(out, 1)}, nproc=None)
     return {path.stem: torch.load(path, weights_only=False) for path in out.glob("*.pt")}
 
 
@@ -432,8 +509,8 @@ def test_export_hf_of_a_multi_process_llama_checkpoint_loads_in_transformers(
     tied embeddings): transformers reloads the folder as is, its weights are the trained ones and
     its logits equal the trained model's."""
     transformers = pytest.importorskip("transformers", reason="the llm extra is not installed")
-    from sdnet_trainer.models.hf_llama import from_hf_name, llama_sizes_from_hf, read_hf_config
     from sdnet_trainer.models.llama import Llama
+    from sdnet_trainer.models.llama.hf import from_hf_name, llama_sizes_from_hf, read_hf_config
 
     checkpoint = layout_dir / saved / "checkpoints" / "step_00000005"
     args = [f"checkpoint={checkpoint}", "format=hf", f"out={tmp_path}"]
@@ -488,3 +565,47 @@ def test_dry_run_predicts_every_ranks_training_state(runs, tmp_path, name):
     assert [p["rank"] for p in planned] == [0, 1, 2, 3]
     for rank_plan, rank_bytes in zip(planned, measured, strict=True):
         assert {k: rank_plan[k] for k in ("params", "grads", "optim")} == rank_bytes
+
+
+@pytest.fixture(scope="module")
+def chat_reference(layout_dir) -> tuple[float, dict[str, torch.Tensor]]:
+    """transformers' own step on the whole global batch at once: ``LlamaForCausalLM``'s loss with
+    ``labels=`` (the mean over every counted target of the batch), one plain SGD step; (the loss,
+    the weights after the step)."""
+    transformers = pytest.importorskip("transformers", reason="the llm extra is not installed")
+    from sdnet_trainer.config import compose
+    from sdnet_trainer.data import build_datasets
+
+    cfg = compose(_chat_run(layout_dir))
+    train, _ = build_datasets(cfg.data)
+    assert len(train) == CHAT_BATCH
+    inputs, targets = (torch.stack(t) for t in zip(*(train[i] for i in range(len(train)))))
+    counts = (targets != -100).sum(dim=1)
+    assert counts.min() == 0 and counts.max() >= 30  # windows of very different weight
+    # labels[:, t + 1] is the target of position t (transformers shifts them); the appended
+    # position's own target is dropped by the shift, and causal attention keeps it from the others.
+    input_ids = torch.cat([inputs, torch.zeros_like(inputs[:, :1])], dim=1)
+    labels = torch.cat([torch.full_like(targets[:, :1], -100), targets], dim=1)
+    model = transformers.LlamaForCausalLM.from_pretrained(layout_dir / "chat_hf")
+    model.train()
+    loss = model(input_ids=input_ids, labels=labels).loss
+    loss.backward()
+    torch.optim.SGD(model.parameters(), lr=CHAT_LR).step()
+    return loss.item(), {k: v.detach().clone() for k, v in model.state_dict().items()}
+
+
+@pytest.mark.parametrize("name", [n for layouts in CHAT_LAYOUTS.values() for n in layouts])
+def test_the_step_loss_over_masked_targets_is_transformers_loss(runs, chat_reference, name):
+    """The loss of a step is the sum of the token losses over the global batch divided by its
+    count of counted targets, whatever the split into ranks, micro-batches, stages or vocabulary
+    shards: after one SGD step every layout's weights equal those of transformers' step on the
+    whole batch, and its logged loss is transformers' loss."""
+    from sdnet_trainer.models.llama.hf import to_hf_name
+
+    reference_loss, reference = chat_reference
+    run = runs[name]
+    assert run["losses"] == [pytest.approx(reference_loss, rel=1e-6)]
+    params = {to_hf_name(k): v for k, v in run["params"].items()}
+    assert params.keys() == reference.keys()
+    for key, value in reference.items():
+        torch.testing.assert_close(params[key], value, rtol=0, atol=1e-6, msg=key)

@@ -1,4 +1,4 @@
-"""scripts/bench_checkpoint.py end to end at a tiny size: it must run through both modes and
+"""scripts/bench/bench_checkpoint.py end to end at a tiny size: it must run through both modes and
 print its table (a broken script fails here, not when someone needs the figure)."""
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ NUMBER = r"(\d+(\.\d+)?|nan)"
 
 
 def test_bench_checkpoint_prints_async_and_sync_rows(tmp_path):
-    cmd = [sys.executable, str(REPO / "scripts" / "bench_checkpoint.py")]
+    cmd = [sys.executable, str(REPO / "scripts" / "bench" / "bench_checkpoint.py")]
     cmd += ["--params", "2e4", "--width", "32", "--gap", "0.05", "--saves", "2", "--rounds", "2"]
     launch = run_command([*cmd, "--dir", str(tmp_path)], cwd=tmp_path, timeout=300)
     assert launch.returncode == 0, launch.output

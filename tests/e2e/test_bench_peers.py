@@ -1,4 +1,4 @@
-"""scripts/bench_peers.py end to end, on its cheapest workload: the Trainer side must launch
+"""scripts/bench/bench_peers.py end to end, on its cheapest workload: the Trainer side must launch
 through the real CLI with every pinned key taking effect, and a missing peer package must be
 reported in its cell, not fail the run."""
 
@@ -16,7 +16,7 @@ def test_bench_peers_times_the_trainer_beside_the_hand_written_loop(tmp_path):
     sides = ["hand", "trainer"]
     if importlib.util.find_spec("lightning") is None:
         sides.append("lightning")  # not installed in the test extra: its cell says how to install
-    cmd = [sys.executable, str(REPO / "scripts" / "bench_peers.py"), "--workload", "gpt"]
+    cmd = [sys.executable, str(REPO / "scripts" / "bench" / "bench_peers.py"), "--workload", "gpt"]
     cmd += ["--sides", ",".join(sides), "--rounds-other", "1", "--warmup", "2", "--steps", "10"]
     launch = run_command([*cmd, "--out", str(out)], cwd=tmp_path, timeout=300)
     assert launch.returncode == 0, launch.output

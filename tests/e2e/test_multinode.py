@@ -112,7 +112,7 @@ def test_two_agents_with_c10d_rendezvous_train_like_one_agent(tmp_path, one_agen
 
 def test_static_rendezvous_from_operator_environment_trains_like_one_agent(tmp_path, one_agent):
     """The static --node_rank/--master_addr form, given as the Kubeflow operator gives it
-    (scripts/k8s/pytorchjob.yaml): PET_* variables that torchrun reads as its options, and the
+    (deploy/k8s/pytorchjob.yaml): PET_* variables that torchrun reads as its options, and the
     operator's own RANK/WORLD_SIZE per pod, which torchrun replaces for its workers."""
     port = _free_port()
     agent = [

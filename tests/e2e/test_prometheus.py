@@ -44,6 +44,8 @@ ARGS = TINY + [
     "loop.eval_at_end=false",
     "checkpoint.every_n_steps=10",
     "logging.prometheus.host=127.0.0.1",
+    # Every rank's figures in metrics.jsonl too, to compare with each rank's own gauges.
+    "logging.per_rank_metrics=true",
 ]
 # SignalTrainer sleeps this long in every step, so the run trains for several seconds: long
 # enough to be scraped many times (a log point per step).

@@ -23,7 +23,7 @@ from sdnet_trainer.checkpoint import find_checkpoint
 from sdnet_trainer.data.augment import IMAGENET_MEAN, IMAGENET_STD
 from sdnet_trainer.data.transforms import build_transforms
 from sdnet_trainer.export import ExportArgs, export, load_model, training_config
-from sdnet_trainer.serve import __main__ as serve_main
+from sdnet_trainer.serve import cli as serve_main
 from sdnet_trainer.serve.args import parse_args
 from sdnet_trainer.serve.client import Client, ServerProcess
 from sdnet_trainer.serve.model import load, resolve
@@ -490,7 +490,7 @@ def test_workers_that_cannot_load_the_model_stop_the_server_with_exit_2(tmp_path
     supervisor stops the server instead of restarting them, and the server exits 2."""
     folder = unloadable_export_folder(tmp_path / "export")
     code = (
-        "import sys; from sdnet_trainer.serve import __main__ as m; "
+        "import sys; from sdnet_trainer.serve import cli as m; "
         "m.check_loads = lambda args: None; sys.exit(m.main(sys.argv[1:]))"
     )
     proc = subprocess.Popen(

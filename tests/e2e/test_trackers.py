@@ -107,7 +107,7 @@ def _broadcast_worker(out: Path) -> None:
     cannot be created; each rank records its ids and the second writer's error."""
     import torch.distributed as dist
 
-    from sdnet_trainer.config.schema import LoggingConfig, MLflowConfig
+    from sdnet_trainer.config.observability import LoggingConfig, MLflowConfig
     from sdnet_trainer.observability.writers import MetricsWriter
 
     dist.init_process_group("gloo")

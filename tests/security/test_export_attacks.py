@@ -28,9 +28,9 @@ from sdnet_trainer.export import (
     EXPORT_MANIFEST,
     ExportError,
     escape_interpolations,
-    main,
     training_config,
 )
+from sdnet_trainer.export.cli import main
 from tests.support import TINY, cli_env
 
 safetensors_torch = pytest.importorskip(

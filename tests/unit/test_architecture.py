@@ -188,3 +188,19 @@ def test_no_module_holds_several_concerns_by_size():
         name = str(path.relative_to(PACKAGE))
         lines = len(path.read_text().splitlines())
         assert lines <= LONGER.get(name, MAX_LINES), f"{name}: {lines} lines"
+
+
+def test_the_wheel_lists_every_package_folder():
+    """pyproject.toml names the wheel's packages one by one (configs/ and recipes/ are mapped in):
+    a folder left out installs without its modules, and only a non-editable install shows it."""
+    import tomllib
+
+    listed = set(
+        tomllib.loads((REPO / "pyproject.toml").read_text())["tool"]["setuptools"]["packages"]
+    )
+    folders = {
+        ".".join(path.parent.relative_to(REPO).parts)
+        for path in PACKAGE.rglob("__init__.py")
+        if "__pycache__" not in path.parts
+    }
+    assert folders - listed == set(), "add them to [tool.setuptools] packages"

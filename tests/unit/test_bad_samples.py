@@ -12,7 +12,8 @@ import torch
 from torchvision import transforms
 
 from sdnet_trainer import Trainer, compose
-from sdnet_trainer.config.schema import DataConfig, LoggingConfig
+from sdnet_trainer.config.observability import LoggingConfig
+from sdnet_trainer.config.schema import DataConfig
 from sdnet_trainer.data import (
     BadSampleError,
     CheckedImageFolder,
@@ -23,7 +24,8 @@ from sdnet_trainer.data import (
 from sdnet_trainer.data.loader import stop_workers, train_loader
 from sdnet_trainer.errors import ConfigError
 from sdnet_trainer.observability import MetricsWriter, StepMeter
-from sdnet_trainer.training.hooks import MetricsHook, RunFigures
+from sdnet_trainer.observability.figures import RunFigures
+from sdnet_trainer.training.hooks import MetricsHook
 from sdnet_trainer.training.state import RunState, StepResult
 from tests.support import TINY, FaultTrainer, read_jsonl, run_cli
 
@@ -235,7 +237,7 @@ def test_metrics_hook_logs_skipped_samples(tmp_path):
             lr=lambda: 0.1,
             comm_bytes=None,
             loss_scale=None,
-            is_main=True,
+            rank=0,
             bad_samples=bad_samples,
         )
         result = StepResult(

@@ -1,5 +1,5 @@
 """The CUDA lane's glue, checked on the CPU: the ``cuda`` marker and its skip, the CPU tests' pin
-to the CPU, scripts/gpu_check.sh's syntax and scripts/bench_gpu.py without a GPU."""
+to the CPU, scripts/ci/gpu_check.sh's syntax and scripts/bench/bench_gpu.py without a GPU."""
 
 from __future__ import annotations
 
@@ -19,7 +19,7 @@ from sdnet_trainer import compose
 from sdnet_trainer.errors import ConfigError
 from tests.support import REPO, TINY, main_in_process, run_command
 
-SCRIPTS = REPO / "scripts"
+CI, BENCH = REPO / "scripts" / "ci", REPO / "scripts" / "bench"
 
 # Run by a pytest in a subprocess, with tests/conftest.py loaded as a plugin: one CUDA test, one
 # CPU test that reports what it saw.
@@ -105,7 +105,7 @@ def test_cpu_tests_see_no_gpu_in_this_process_nor_in_the_ones_they_start(
 @pytest.mark.parametrize("script", ["gpu_check.sh", "gpu_wheels.sh"])
 def test_gpu_scripts_parse(script):
     result = subprocess.run(
-        ["bash", "-n", str(SCRIPTS / script)], capture_output=True, text=True, timeout=30
+        ["bash", "-n", str(CI / script)], capture_output=True, text=True, timeout=30
     )
     assert result.returncode == 0, result.stderr
 
@@ -196,7 +196,7 @@ def test_bench_gpu_without_cuda_exits_2_with_its_message(bench_gpu, tmp_path, mo
 
 @pytest.fixture
 def bench_gpu(monkeypatch):
-    monkeypatch.syspath_prepend(str(SCRIPTS))
+    monkeypatch.syspath_prepend(str(BENCH))
     return importlib.import_module("bench_gpu")
 
 
@@ -215,7 +215,7 @@ def test_bench_gpu_runs_compose_as_described(bench_gpu, tmp_path):
     assert resnet.data.train_size >= 256 * (15 + 40 + 1)  # the whole launch in one epoch
     assert resnet.loop.max_steps == 56 and resnet.loop.global_batch_size == 256
     assert resnet.trainer._target_ == "bench_gpu.GpuBenchTrainer"
-    from sdnet_trainer.training.trainer import resolve_trainer_class
+    from sdnet_trainer.training.classes import resolve_trainer_class
 
     assert resolve_trainer_class(resnet.trainer._target_) is bench_gpu.GpuBenchTrainer
 
@@ -299,7 +299,7 @@ def test_bench_gpu_machinery_runs_on_the_cpu(tmp_path):
     """--cpu-smoke: both ResNet sides launched and timed (a ResNet-18 at 32x32, fp32), the loader
     section on generated JPEGs, the table and the JSON that gpu_check.sh reads."""
     figures_file = tmp_path / "figures.json"
-    cmd = [sys.executable, str(SCRIPTS / "bench_gpu.py"), "--cpu-smoke"]
+    cmd = [sys.executable, str(BENCH / "bench_gpu.py"), "--cpu-smoke"]
     cmd += ["--out", str(tmp_path / "out"), "--json", str(figures_file)]
     launch = run_command(cmd, cwd=tmp_path, timeout=600)
     assert launch.returncode == 0, launch.output

@@ -47,7 +47,7 @@ MISSPELT_ON_PURPOSE = {"optim.lrr"}
 @pytest.fixture(scope="module")
 def generator():
     spec = importlib.util.spec_from_file_location(
-        "gen_config_docs", REPO / "scripts" / "gen_config_docs.py"
+        "gen_config_docs", REPO / "scripts" / "docs" / "gen_config_docs.py"
     )
     module = importlib.util.module_from_spec(spec)
     sys.modules[spec.name] = module  # its dataclasses look their module up there
@@ -60,7 +60,7 @@ def test_configuration_reference_is_current(generator):
     current = generator.OUTPUT.read_text() if generator.OUTPUT.exists() else ""
     if current != expected:
         pytest.fail(
-            f"docs/configuration.md is stale: run python scripts/gen_config_docs.py\n"
+            f"docs/configuration.md is stale: run python scripts/docs/gen_config_docs.py\n"
             f"{generator.stale_summary(current, expected)}",
             pytrace=False,
         )
@@ -94,7 +94,7 @@ def test_the_reference_lists_every_key_of_the_schema(generator):
 def test_check_mode_reports_a_stale_file(generator, tmp_path, monkeypatch, capsys):
     monkeypatch.setattr(generator, "OUTPUT", tmp_path / "configuration.md")
     assert generator.main(["--check"]) == 1
-    assert "run python scripts/gen_config_docs.py" in capsys.readouterr().out
+    assert "run python scripts/docs/gen_config_docs.py" in capsys.readouterr().out
     assert generator.main([]) == 0 and generator.main(["--check"]) == 0
 
 

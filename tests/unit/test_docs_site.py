@@ -17,9 +17,15 @@ import yaml
 from tests.support import REPO
 
 MKDOCS_YML = REPO / "mkdocs.yml"
-HOOKS = REPO / "scripts" / "mkdocs_hooks.py"
+HOOKS = REPO / "scripts" / "docs" / "mkdocs_hooks.py"
 # What a build reads: the config, the pages, the hook and the two root files the hook shows.
-SITE_SOURCES = ["mkdocs.yml", "docs", "scripts/mkdocs_hooks.py", "README.md", "CONTRIBUTING.md"]
+SITE_SOURCES = [
+    "mkdocs.yml",
+    "docs",
+    "scripts/docs/mkdocs_hooks.py",
+    "README.md",
+    "CONTRIBUTING.md",
+]
 BUILD_TIMEOUT_S = 300
 
 needs_mkdocs = pytest.mark.skipif(

@@ -8,7 +8,7 @@ import torch
 
 from sdnet_trainer import Trainer, compose
 from sdnet_trainer.errors import ConfigError
-from sdnet_trainer.export import main as export_main
+from sdnet_trainer.export.cli import main as export_main
 from sdnet_trainer.preflight import validate
 from tests.support import TINY
 

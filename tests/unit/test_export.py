@@ -19,12 +19,12 @@ from sdnet_trainer.export import (
     ExportArgs,
     example_inputs,
     export,
-    main,
     recorded_trainer,
     trainer_class,
     trainer_hint,
     training_config,
 )
+from sdnet_trainer.export.cli import main
 from sdnet_trainer.recipes.custom_model import SpiralTrainer
 
 pytest.importorskip("onnxruntime", reason="the export extra is not installed")

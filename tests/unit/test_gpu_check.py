@@ -1,8 +1,8 @@
-"""scripts/gpu_check.sh on a simulated GPU image, offline, on the CPU.
+"""scripts/ci/gpu_check.sh on a simulated GPU image, offline, on the CPU.
 
 The image's Python is this environment's packages less what GPU images lack (Hydra, OmegaConf,
 the ANTLR runtime, the serve extra, the linters, the project itself: tests.support.
-gpu_image_python); the wheel folder holds what scripts/gpu_wheels.sh downloads, packed here from
+gpu_image_python); the wheel folder holds what scripts/ci/gpu_wheels.sh downloads, packed here from
 the installed distributions (no index is reached). pip is pointed at no index and HTTP goes to a
 dead proxy, so a check that tried the network fails here. Without a GPU the check must get
 through its install and the collection of every CUDA test and exit 2 ("no CUDA device"), not 1.
@@ -10,8 +10,8 @@ Whatever happens, the output folder must come back from an offline node whole: a
 files (no folder), each at most 16 MiB, named in letters, digits, '.', '_' and '-', with
 summary.txt among them; checked after a complete run, a part stopped by its share of the budget
 and a SIGTERM part way (what the node's own time limit sends). The closing table's benchmark rows
-(scripts/gpu_check_summary.py) are checked on a bench.json made here from scripts/bench_gpu.py's
-own summaries.
+(scripts/ci/gpu_check_summary.py) are checked on a bench.json made here from
+scripts/bench/bench_gpu.py's own summaries.
 """
 
 from __future__ import annotations
@@ -36,8 +36,8 @@ import pytest
 
 from tests.support import REPO, gpu_image_python, run_command, start_command
 
-SCRIPT = REPO / "scripts" / "gpu_check.sh"
-# What scripts/gpu_lane_requirements.txt names: the wheels a GPU node gets from the folder.
+SCRIPT = REPO / "scripts" / "ci" / "gpu_check.sh"
+# What scripts/ci/gpu_lane_requirements.txt names: the wheels a GPU node gets from the folder.
 LANE = ("hydra-core", "omegaconf", "antlr4-python3-runtime")
 DEAD = "http://127.0.0.1:9"  # the discard port: nothing answers there
 OFFLINE = {
@@ -57,7 +57,7 @@ def _record_hash(data: bytes) -> str:
 
 def wheel_from_installed(name: str, out_dir: Path) -> Path:
     """The installed distribution ``name`` packed as a pure-Python wheel (its files as RECORD
-    lists them, a fresh RECORD): what scripts/gpu_wheels.sh would download, without the index."""
+    lists them, a fresh RECORD): what scripts/ci/gpu_wheels.sh would download, without the index."""
     dist = importlib.metadata.distribution(name)
     files = [f for f in dist.files or () if "__pycache__" not in f.parts]
     info = next(f.parts[0] for f in files if f.parts[0].endswith(".dist-info"))
@@ -266,7 +266,7 @@ def test_gpu_check_without_the_wheel_folder_says_how_to_make_it(tmp_path, image)
     python, _ = image
     launch, out = _gpu_check(tmp_path, python, tmp_path / "no_wheels")
     assert launch.returncode == 1, launch.output
-    assert "bash scripts/gpu_wheels.sh DIR" in launch.output, launch.output
+    assert "bash scripts/ci/gpu_wheels.sh DIR" in launch.output, launch.output
     assert "Looking in indexes" not in (out / "setup.log").read_text()
     assert_fits_the_way_back(out)
     assert "FAILED: setup: cannot install" in (out / "summary.txt").read_text()
@@ -293,8 +293,10 @@ def test_gpu_check_names_the_torch_it_needs(tmp_path):
 
 @pytest.fixture
 def scripts(monkeypatch):
-    """(bench_gpu, gpu_check_summary) as gpu_check.sh runs them, from scripts/."""
-    monkeypatch.syspath_prepend(str(REPO / "scripts"))
+    """(bench_gpu, gpu_check_summary) as gpu_check.sh runs them, from scripts/bench and
+    scripts/ci."""
+    monkeypatch.syspath_prepend(str(REPO / "scripts" / "bench"))
+    monkeypatch.syspath_prepend(str(REPO / "scripts" / "ci"))
     return importlib.import_module("bench_gpu"), importlib.import_module("gpu_check_summary")
 
 

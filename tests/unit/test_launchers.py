@@ -30,8 +30,8 @@ from sdnet_trainer.sweep import (
 from sdnet_trainer.sweep import main as sweep_main
 from tests.support import REPO
 
-SBATCH = REPO / "scripts" / "slurm" / "train.sbatch"
-PYTORCHJOB = REPO / "scripts" / "k8s" / "pytorchjob.yaml"
+SBATCH = REPO / "deploy" / "slurm" / "train.sbatch"
+PYTORCHJOB = REPO / "deploy" / "k8s" / "pytorchjob.yaml"
 
 # What one task of a 2-node x 4-task submitit job sees (the third task: node 1, local rank 0).
 SUBMITIT_SLURM = {
@@ -173,7 +173,7 @@ def test_tasks_per_node_and_port():
     assert 15000 <= port_for_job("987654321") < 25000
 
 
-# --- scripts/slurm/train.sbatch ------------------------------------------------------------------
+# --- deploy/slurm/train.sbatch ------------------------------------------------------------------
 
 
 def test_sbatch_script_is_valid_bash():
@@ -262,7 +262,7 @@ def test_sbatch_outside_slurm_says_so(tmp_path):
     assert done.returncode != 0 and "submit this script with sbatch" in done.stderr
 
 
-# --- scripts/k8s/pytorchjob.yaml ------------------------------------------------------------------
+# --- deploy/k8s/pytorchjob.yaml ------------------------------------------------------------------
 
 
 def test_pytorchjob_manifest():

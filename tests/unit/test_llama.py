@@ -20,9 +20,9 @@ from sdnet_trainer.export.hf import write_hf
 from sdnet_trainer.models import build_model
 from sdnet_trainer.models.decoder import Decoder
 from sdnet_trainer.models.gpt import GPT
-from sdnet_trainer.models.hf_llama import from_hf_name, load_hf_weights, to_hf_name
 from sdnet_trainer.models.init import build_deferred, materialize
 from sdnet_trainer.models.llama import Llama
+from sdnet_trainer.models.llama.hf import from_hf_name, load_hf_weights, to_hf_name
 from sdnet_trainer.models.parallel_spec import GPT_LAYOUT, LLAMA_LAYOUT, pipeline_units
 from sdnet_trainer.models.rotary import inverse_frequencies
 from sdnet_trainer.preflight import validate
@@ -354,7 +354,7 @@ def test_export_hf_round_trips_through_transformers(llama_run, tmp_path, ema):
 
 
 def build_kwargs(folder) -> dict:
-    from sdnet_trainer.models.hf_llama import llama_sizes_from_hf, read_hf_config
+    from sdnet_trainer.models.llama.hf import llama_sizes_from_hf, read_hf_config
 
     return llama_sizes_from_hf(read_hf_config(folder, key="out"), source="out")
 
@@ -373,9 +373,14 @@ def test_the_trainer_starts_from_the_hf_weights(llama_run):
 def test_export_hf_refuses_other_models_and_mixed_formats(tmp_path):
     from sdnet_trainer.export import formats
     from sdnet_trainer.export.writers import ExportError
+    from sdnet_trainer.models.registry import model_family
 
-    with pytest.raises(ExportError, match="format=hf writes Llama models"):
-        write_hf(build_model(compose(["model=gpt_tiny"]).model), tmp_path)
+    gpt = build_model(compose(["model=gpt_tiny"]).model)
+    with pytest.raises(ExportError, match=r"Hugging Face adapter \(model.name=llama\)"):
+        write_hf(gpt, tmp_path, family=model_family("gpt"))
+    # A model the Llama's names do not fit, under model.name=llama: refused by name, not a crash.
+    with pytest.raises(ConfigError, match="Hugging Face names are a Llama's; this model is a GPT"):
+        write_hf(gpt, tmp_path, family=model_family("llama"))
     with pytest.raises(ConfigError, match="two weight files"):
         formats("hf,safetensors")
     assert "hf" not in formats("all")

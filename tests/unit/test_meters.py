@@ -11,10 +11,12 @@ from unittest import mock
 import pytest
 import torch
 
-from sdnet_trainer.config.schema import LoggingConfig
+from sdnet_trainer.config.observability import LoggingConfig
 from sdnet_trainer.observability import MetricsWriter, StepMeter, meters
+from sdnet_trainer.observability import figures as figures_module
+from sdnet_trainer.observability.figures import RunFigures
 from sdnet_trainer.observability.meters import MemoryWindow, PhaseClock, resident_memory_mb
-from sdnet_trainer.training.hooks import MetricsHook, RunFigures
+from sdnet_trainer.training.hooks import MetricsHook
 from sdnet_trainer.training.state import RunState, StepResult
 from tests.support import read_jsonl
 
@@ -97,7 +99,7 @@ def test_cpu_memory_window_is_the_lifetime_peak_and_leaves_rusage_alone():
     assert holding["reserved_memory_mb"] >= before["reserved_memory_mb"] + 90
     assert holding["peak_memory_mb"] >= holding["reserved_memory_mb"]
     # The resident size falls again; the CPU peak is a lifetime figure and reading it does not
-    # reset the kernel's high-water mark, which getrusage (scripts/bench_memory.py) reports.
+    # reset the kernel's high-water mark, which getrusage (scripts/bench/bench_memory.py) reports.
     assert released["reserved_memory_mb"] <= holding["reserved_memory_mb"] - 90
     # (Counters read moments apart differ by a page or so: 2 MB of slack, not 90.)
     assert released["peak_memory_mb"] >= holding["peak_memory_mb"] - 2
@@ -158,13 +160,41 @@ def test_cuda_memory_window_resets_the_peak_after_each_read(monkeypatch):
     assert second == {"peak_memory_mb": 150, "reserved_memory_mb": 500, "alloc_retries": 0}
 
 
-def _log_one_step(directory: Path, device: torch.device, meter: StepMeter) -> dict:
+class _Sink:
+    """What a rank's own sinks (the Prometheus exporter) receive."""
+
+    def __init__(self) -> None:
+        self.written: list[dict[str, float]] = []
+
+    def write(self, step: int, metrics: dict[str, float]) -> None:
+        self.written.append(metrics)
+
+    def close(self) -> None:
+        pass
+
+
+def _log_one_step(
+    directory: Path,
+    device: torch.device,
+    meter: StepMeter,
+    *,
+    rank: int = 0,
+    per_rank_metrics: bool = False,
+    sink: _Sink | None = None,
+) -> dict:
     writer = MetricsWriter(
-        directory, LoggingConfig(trackers=["jsonl"]), enabled=True, run_name="test", config={}
+        directory,
+        LoggingConfig(trackers=["jsonl"]),
+        enabled=True,
+        run_name="test",
+        config={},
+        sinks=[sink] if sink is not None else [],
     )
     figures = RunFigures(total_steps=2, samples_per_epoch=8, metric_weight=1.0, world_size=1)
     hook = MetricsHook(
-        LoggingConfig(log_every_n_steps=1, progress_bar="off", flops=False),
+        LoggingConfig(
+            log_every_n_steps=1, progress_bar="off", flops=False, per_rank_metrics=per_rank_metrics
+        ),
         figures,
         writer=writer,
         meter=meter,
@@ -172,7 +202,7 @@ def _log_one_step(directory: Path, device: torch.device, meter: StepMeter) -> di
         lr=lambda: 0.1,
         comm_bytes=None,
         loss_scale=None,
-        is_main=True,
+        rank=rank,
         bad_samples=lambda: 3,
     )
     result = StepResult(
@@ -211,7 +241,7 @@ def test_metrics_hook_logs_cuda_memory_columns(tmp_path, monkeypatch):
     fake = FakeCudaMemory()
     fake.install(monkeypatch)
     monkeypatch.setattr(
-        "sdnet_trainer.training.hooks.all_gather_floats",
+        "sdnet_trainer.observability.figures.all_gather_floats",
         lambda values, device: torch.tensor([values], dtype=torch.float64),
     )
     fake.allocate(300 * MB)  # during setup: before_train starts the first window after it
@@ -232,3 +262,52 @@ def test_metrics_hook_logs_cuda_memory_columns(tmp_path, monkeypatch):
     logged = _log_one_step(tmp_path, torch.device("cuda", 0), meter)
     assert logged["perf/peak_memory_mb"] == 64 and logged["perf/reserved_memory_mb"] == 300
     assert logged["perf/alloc_retries"] == 1.0 and logged["data/skipped_samples"] == 3.0
+
+
+def _world(size: int, straggler: int):
+    """all_gather_floats as ``size`` ranks would answer it: every rank reports this rank's
+    values, but ``straggler``'s step takes 4 times as long at a quarter of the rate."""
+
+    def gather(values: list[float], *, device: torch.device) -> torch.Tensor:
+        table = torch.tensor([values] * size, dtype=torch.float64)
+        table[straggler, 2] /= 4  # samples_per_s (after loss and weight)
+        table[straggler, 3] *= 4  # step_s
+        return table
+
+    return gather
+
+
+@pytest.mark.parametrize("per_rank_metrics", [False, True])
+def test_a_log_point_of_1024_ranks_writes_a_bounded_number_of_keys(
+    tmp_path, monkeypatch, per_rank_metrics
+):
+    """At 1,024 ranks a log point writes as many keys as at 1 (the ranks' spread and the slowest
+    rank's index, no key per rank) unless the full table is asked for; each rank's sinks still
+    receive that rank's own step time and samples/s."""
+    keys = {}
+    for size in (1, 1024):
+        monkeypatch.setattr(figures_module, "all_gather_floats", _world(size, straggler=size - 1))
+        sink = _Sink()
+        logged = _log_one_step(
+            tmp_path / f"{size}",
+            torch.device("cpu"),
+            StepMeter(),
+            rank=size - 1,
+            per_rank_metrics=per_rank_metrics,
+            sink=sink,
+        )
+        keys[size] = set(logged)
+        own = sink.written[0]
+        assert own[f"perf/step_s_rank{size - 1}"] == pytest.approx(1.0)  # this rank's, unchanged
+        assert own[f"perf/samples_per_s_rank{size - 1}"] == pytest.approx(8.0)
+        assert not any(f"_rank{size - 1}" in key for key in logged) or per_rank_metrics
+    assert logged["perf/slowest_rank"] == 1023
+    assert logged["perf/step_s"] == logged["perf/rank_step_s_max"] == pytest.approx(4.0)
+    assert logged["perf/rank_step_s_min"] == logged["perf/rank_step_s_median"] == pytest.approx(1.0)
+    assert logged["perf/rank_samples_per_s_min"] == pytest.approx(2.0)
+    assert logged["perf/samples_per_s"] == pytest.approx(1023 * 8.0 + 2.0)
+    if per_rank_metrics:
+        assert len(keys[1024] - keys[1]) == 2 * 1023  # every other rank's step_s and samples_per_s
+        assert logged["perf/step_s_rank1023"] == pytest.approx(4.0)
+    else:
+        assert keys[1024] == keys[1] and len(keys[1024]) < 40

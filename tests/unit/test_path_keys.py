@@ -13,7 +13,7 @@ from sdnet_trainer.checkpoint import CheckpointManager
 from sdnet_trainer.config.paths import check_creatable_folder
 from sdnet_trainer.errors import ConfigError
 from sdnet_trainer.export import EXIT_BAD_INPUT
-from sdnet_trainer.export import main as export_main
+from sdnet_trainer.export.cli import main as export_main
 from sdnet_trainer.recipes.custom_model import SpiralTrainer
 from tests.support import TINY
 

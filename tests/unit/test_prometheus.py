@@ -29,7 +29,8 @@ pytest.importorskip("prometheus_client", reason="the monitor extra is not instal
 
 from prometheus_client.parser import text_string_to_metric_families  # noqa: E402
 
-from sdnet_trainer.config.schema import Config, PrometheusConfig  # noqa: E402
+from sdnet_trainer.config.observability import PrometheusConfig  # noqa: E402
+from sdnet_trainer.config.schema import Config  # noqa: E402
 from sdnet_trainer.errors import ConfigError  # noqa: E402
 from sdnet_trainer.observability import hardware  # noqa: E402
 from sdnet_trainer.observability.hardware import GPU_METRICS, HardwareSampler  # noqa: E402
@@ -699,7 +700,7 @@ def test_compose_mounts_the_files_of_deploy_monitoring():
 
 
 def _podmonitor_and_job() -> tuple[dict, dict]:
-    k8s = REPO / "scripts" / "k8s"
+    k8s = REPO / "deploy" / "k8s"
     return (
         yaml.safe_load((k8s / "podmonitor.yaml").read_text()),
         yaml.safe_load((k8s / "pytorchjob.yaml").read_text()),
@@ -723,7 +724,7 @@ def test_the_pytorchjob_serves_what_the_podmonitor_scrapes():
         (container,) = replica["template"]["spec"]["containers"]
         port_args = [a for a in container["args"] if a.startswith("logging.prometheus.port=")]
         if not port_args:
-            pytest.skip("scripts/k8s/pytorchjob.yaml does not set logging.prometheus.port")
+            pytest.skip("deploy/k8s/pytorchjob.yaml does not set logging.prometheus.port")
         base = int(port_args[0].split("=", 1)[1])
         declared = {p["name"]: p["containerPort"] for p in container.get("ports", [])}
         expected = {port: base + i for i, port in enumerate(ports)}

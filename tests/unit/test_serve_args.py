@@ -13,7 +13,7 @@ import torch
 from sdnet_trainer.config import Config
 from sdnet_trainer.errors import ConfigError
 from sdnet_trainer.export import config_yaml
-from sdnet_trainer.serve import __main__ as serve_main
+from sdnet_trainer.serve import cli as serve_main
 from sdnet_trainer.serve.args import parse_args
 
 

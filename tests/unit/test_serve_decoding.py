@@ -254,7 +254,7 @@ def test_a_llama_export_of_this_project_serves_with_the_cache(folder, served, tm
     project's Llama recomputing the whole sequence) and transformers' generate."""
     from sdnet_trainer import compose
     from sdnet_trainer.models import build_model
-    from sdnet_trainer.models.hf_llama import load_hf_weights
+    from sdnet_trainer.models.llama.hf import load_hf_weights
 
     cfg = compose(
         [

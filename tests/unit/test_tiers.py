@@ -55,7 +55,7 @@ def test_every_test_is_in_exactly_one_tier(everything):
 
 
 def test_the_markers_select_the_tiers(everything):
-    """``-m quick`` collects exactly the quick tier (what ``bash scripts/test.sh --quick`` runs)."""
+    """``-m quick`` collects exactly the quick tier (``bash scripts/ci/test.sh --quick``)."""
     result = subprocess.run(
         [sys.executable, "-m", "pytest", "--collect-only", "-q", "-m", QUICK, "tests"],
         cwd=REPO,

@@ -17,7 +17,8 @@ import pytest
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
 from sdnet_trainer.checkpoint.parts import Part
-from sdnet_trainer.config.schema import CheckpointConfig, Config, LoggingConfig, MLflowConfig
+from sdnet_trainer.config.observability import LoggingConfig, MLflowConfig
+from sdnet_trainer.config.schema import CheckpointConfig, Config
 from sdnet_trainer.errors import ConfigError
 from sdnet_trainer.observability.trackers import CSV_FILE, MLFLOW_DIR, flatten
 from sdnet_trainer.observability.writers import (

@@ -94,7 +94,7 @@ def _drop_remote_filesystems(root: str) -> None:
     runs. Left in fsspec's instance cache, it would be inherited by every forked loader worker,
     whose copy of the cache fsspec clears: collecting the instance there waits a full second for
     an event loop no thread of the worker runs (about 1 s per worker, and half the HTTP
-    throughput of one worker, by scripts/bench_data.py). Readers open their own, lazily."""
+    throughput of one worker, by scripts/bench/bench_data.py). Readers open their own, lazily."""
     fs, _ = fsspec.core.url_to_fs(root)
     if not isinstance(fs, LocalFileSystem):
         type(fs).clear_instance_cache()

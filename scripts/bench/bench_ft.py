@@ -1,0 +1,293 @@
+"""Fault tolerance's costs: per-step overhead against plain DDP, and how fast a failure heals.
+
+What it measures
+    1. Overhead: the median step time (``perf/step_s``, steps from the 5th on) of 2 replica
+       groups of 1 process each under ``fault_tolerance.mode=sync`` (quorum, gradients averaged
+       through torchft's gloo process group, commit vote) against plain DDP on 2 processes
+       (torchrun) over the same global batch and model, in alternating rounds (DDP, FT, DDP, FT,
+       ...), so a change in the machine's load hits both; the ratio of each round and their
+       median.
+    2. Failure: a lighthouse and 3 groups of 1 process (the quickstart model, ``simple_cnn``);
+       group 2 is SIGKILLed once every group has committed ``--kill-after`` steps. Death to next
+       commit: from the kill to the first step the survivors commit in a quorum without the dead
+       group (bounded by the lighthouse's heartbeat timeout, 2 s by default, plus one step).
+       Then group 2 is relaunched. Restart to rejoin: from the relaunch to its first committed
+       step after receiving the state from a peer; its two parts are the process's start-up
+       (Python, torch, the model: the log's set-up line) and the recovery itself (the room's
+       ``recovered step ... in S s`` line).
+
+How
+    Real launches of the command line on gloo and the CPU (``OMP_NUM_THREADS=1``), the lighthouse
+    as ``python -m sdnet_trainer.ft.lighthouse`` on a free port. Times of events are read from
+    the launches' logs (timestamps to the millisecond, the same clock as this driver's).
+
+    Default workload of the overhead: ResNet-18 with the CIFAR stem (``model=resnet18_cifar``,
+    11.2M parameters) on 32x32 synthetic images, 16 per group (per DDP rank), SGD with momentum.
+
+Run (from the repository root; about 5 minutes on 2 busy CPU cores with the defaults)
+    python scripts/bench/bench_ft.py
+    python scripts/bench/bench_ft.py --rounds 3 --steps 30 --out /tmp/bench_ft
+
+Exit status 0 with the figures printed; 1 if a launch fails or times out.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from datetime import datetime
+from pathlib import Path
+
+from _launch import REPO, LaunchError, load_line, run_launch, torchrun
+
+COMMON = [
+    "dist.device=cpu",
+    "data.val_size=16",
+    "sched=constant",
+    "optim.momentum=0.9",
+    "optim.lr=0.05",
+    "loop.eval_at_epoch_end=false",
+    "logging.log_every_n_steps=1",
+    "logging.trackers=[jsonl]",
+    "logging.flops=false",
+    "checkpoint.save_on_exit=false",
+]
+OVERHEAD = ["model=resnet18_cifar", "data.image_size=32", "data.train_size=2048"]
+FAILURE = [
+    "model=simple_cnn",
+    "data.image_size=16",
+    "data.train_size=4096",
+    "loop.global_batch_size=24",  # divisible among 1, 2 or 3 groups
+    "loop.max_steps=100000",
+]
+LOG_TIME = re.compile(r"^\[(\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d{3})\]")
+STARTUP_TIMEOUT_S = 240.0
+
+
+def _start(cmd: list[str], log: Path) -> subprocess.Popen:
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
+    with open(log, "w") as out:
+        return subprocess.Popen(
+            cmd, cwd=REPO, env=env, stdout=out, stderr=subprocess.STDOUT,
+            stdin=subprocess.DEVNULL, start_new_session=True,
+        )  # fmt: skip
+
+
+def _stop(proc: subprocess.Popen) -> None:
+    if proc.poll() is None:
+        os.killpg(proc.pid, signal.SIGKILL)
+    proc.wait()
+
+
+def _wait(condition, *, timeout: float, what: str, running: list | None = None) -> None:
+    """Until ``condition()``; a LaunchError after ``timeout`` or when a ``running`` one exits."""
+    deadline = time.monotonic() + timeout
+    while not condition():
+        for proc in running or []:
+            if proc.poll() is not None:
+                raise LaunchError(f"a launch exited ({proc.returncode}) while waiting for {what}")
+        if time.monotonic() > deadline:
+            raise LaunchError(f"timed out after {timeout:.0f} s waiting for {what}")
+        time.sleep(0.05)
+
+
+def _lighthouse(out: Path, *, min_groups: int) -> tuple[subprocess.Popen, str]:
+    """The lighthouse; ``min_groups`` keeps the first quorum from forming before every group
+    is up (a group alone would train the whole global batch)."""
+    log = out / "lighthouse.log"
+    cmd = [sys.executable, "-m", "sdnet_trainer.ft.lighthouse", "--bind", "[::]:0"]
+    proc = _start([*cmd, "--min-groups", str(min_groups)], log)
+    _wait(lambda: "lighthouse at" in log.read_text(), timeout=120, what="the lighthouse")
+    found = re.search(r"lighthouse at (\S+)", log.read_text())
+    assert found is not None
+    return proc, found[1]
+
+
+def _ft_keys(address: str, *, groups: int, group: int) -> list[str]:
+    return [
+        "fault_tolerance.enabled=true",
+        f"fault_tolerance.lighthouse={address}",
+        f"fault_tolerance.groups={groups}",
+        f"fault_tolerance.replica_group={group}",
+    ]
+
+
+def _median_step(run_dir: Path) -> float:
+    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    times = [row["perf/step_s"] for row in rows if "perf/step_s" in row and row["step"] >= 5]
+    return statistics.median(times)
+
+
+def _cmd(args: list[str], run_dir: Path) -> list[str]:
+    return [sys.executable, "-m", "sdnet_trainer", *args, f"hydra.run.dir={run_dir}"]
+
+
+def overhead(out: Path, *, rounds: int, steps: int, batch: int, timeout: float) -> list[float]:
+    """Alternating rounds of DDP (2 processes) and FT (2 groups of 1 process)."""
+    work = [*COMMON, *OVERHEAD, f"loop.max_steps={steps}", f"loop.global_batch_size={2 * batch}"]
+    ratios = []
+    for r in range(rounds):
+        ddp_dir = out / f"ddp{r}"
+        run_launch(
+            torchrun(2, "-m", "sdnet_trainer", *work, f"hydra.run.dir={ddp_dir}"),
+            out / f"ddp{r}.log",
+            timeout,
+        )
+        lighthouse, address = _lighthouse(out, min_groups=2)
+        dirs = [out / f"ft{r}_g{g}" for g in range(2)]
+        procs = [
+            _start(_cmd([*work, *_ft_keys(address, groups=2, group=g)], d), out / f"{d.name}.log")
+            for g, d in enumerate(dirs)
+        ]
+        try:
+            for proc, d in zip(procs, dirs, strict=True):
+                if proc.wait(timeout=timeout) != 0:
+                    raise LaunchError(f"{d.name} failed (see {out / d.name}.log)")
+        finally:
+            for proc in [*procs, lighthouse]:
+                _stop(proc)
+        ddp = _median_step(ddp_dir)
+        ft = max(_median_step(d) for d in dirs)
+        ratios.append(ft / ddp)
+        print(
+            f"round {r + 1}: DDP {ddp * 1e3:.1f} ms/step, FT {ft * 1e3:.1f} ms/step, "
+            f"ratio {ft / ddp:.3f}"
+        )
+    return ratios
+
+
+def _log_times(log: Path, pattern: str) -> list[float]:
+    """Unix times of the log lines that match ``pattern``."""
+    times = []
+    for line in log.read_text(errors="replace").splitlines():
+        stamp = LOG_TIME.match(line)
+        if stamp and re.search(pattern, line):
+            moment = datetime.strptime(stamp[1], "%Y-%m-%d %H:%M:%S,%f")
+            times.append(moment.timestamp())
+    return times
+
+
+def _committed(log: Path) -> int:
+    return len(_log_times(log, r"should_commit=True"))
+
+
+def failure(out: Path, *, kill_after: int) -> tuple[float, float, float, float]:
+    """(death to next commit, restart to rejoin, of which start-up, of which recovery) seconds."""
+    lighthouse, address = _lighthouse(out, min_groups=2)
+    logs = [out / f"group{g}.log" for g in range(3)]
+    procs = [
+        _start(
+            _cmd([*COMMON, *FAILURE, *_ft_keys(address, groups=3, group=g)], out / f"group{g}"), log
+        )
+        for g, log in enumerate(logs)
+    ]
+    try:
+        _wait(
+            lambda: all(_committed(log) >= kill_after for log in logs),
+            timeout=STARTUP_TIMEOUT_S,
+            what=f"{kill_after} committed steps in every group",
+            running=procs,
+        )
+        os.killpg(procs[2].pid, signal.SIGKILL)
+        killed = time.time()
+        procs[2].wait()
+
+        def next_commit(log: Path) -> float | None:
+            reconfigured = [
+                t for t in _log_times(log, r"reconfiguring for quorum_id") if t > killed
+            ]
+            if not reconfigured:
+                return None
+            commits = [t for t in _log_times(log, r"should_commit=True") if t > reconfigured[0]]
+            return commits[0] if commits else None
+
+        _wait(
+            lambda: all(next_commit(log) for log in logs[:2]),
+            timeout=60,
+            what="the survivors' next commit",
+            running=procs[:2],
+        )
+        death = max(next_commit(log) or 0.0 for log in logs[:2]) - killed
+        rejoin_log = out / "group2_rejoin.log"
+        restarted = time.time()
+        cmd = _cmd(
+            [*COMMON, *FAILURE, *_ft_keys(address, groups=3, group=2)], out / "group2_rejoin"
+        )
+        procs.append(_start(cmd, rejoin_log))
+        _wait(
+            lambda: _committed(rejoin_log) >= 1,
+            timeout=STARTUP_TIMEOUT_S,
+            what="the rejoin",
+            running=procs[:2] + procs[3:],
+        )
+        rejoined = _log_times(rejoin_log, r"should_commit=True")[0]
+        set_up = _log_times(rejoin_log, r"M parameters \|")[0]
+        recovery = re.search(
+            r"recovered step \d+ from a peer in ([\d.]+) s", rejoin_log.read_text()
+        )
+        return (
+            death,
+            rejoined - restarted,
+            set_up - restarted,
+            float(recovery[1]) if recovery else float("nan"),
+        )
+    finally:
+        for proc in [*procs, lighthouse]:
+            _stop(proc)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument(
+        "--rounds", type=int, default=2, help="alternating DDP/FT rounds (0: skip the overhead)"
+    )
+    parser.add_argument("--steps", type=int, default=12, help="steps per overhead run")
+    parser.add_argument("--batch-size", type=int, default=16, help="per group (per DDP rank)")
+    parser.add_argument(
+        "--kill-after", type=int, default=30, help="committed steps before the kill"
+    )
+    parser.add_argument("--timeout", type=float, default=600.0, help="per launch, seconds")
+    parser.add_argument(
+        "--out", type=Path, default=None, help="run folders and logs (default: a temporary folder)"
+    )
+    args = parser.parse_args(argv)
+    out = args.out or Path(tempfile.mkdtemp(prefix="bench_ft_"))
+    out.mkdir(parents=True, exist_ok=True)
+    # SIGTERM (a timeout's) unwinds like an error, so the launches are killed on the way out.
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(1))
+    before = os.getloadavg()
+    try:
+        ratios = overhead(
+            out, rounds=args.rounds, steps=args.steps, batch=args.batch_size, timeout=args.timeout
+        )
+        death, rejoin, startup, recovery = failure(out, kill_after=args.kill_after)
+    except LaunchError as err:
+        print(f"bench_ft: {err}", file=sys.stderr)
+        return 1
+    if ratios:
+        print(
+            f"per-step overhead, FT sync (2 groups x 1) / DDP (2 ranks), ResNet-18: median "
+            f"ratio {statistics.median(ratios):.3f} over {len(ratios)} rounds"
+        )
+    print(f"death to the survivors' next committed step: {death:.2f} s")
+    print(
+        f"restart to rejoin (first committed step): {rejoin:.2f} s = start-up {startup:.2f} s "
+        f"+ quorum and recovery from a peer ({recovery:.2f} s) + one step"
+    )
+    print(load_line(before, os.getloadavg()))
+    print(f"logs in {out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

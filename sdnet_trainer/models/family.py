@@ -1,0 +1,69 @@
+"""A model family as data: what the rest of the project asks of a model, by ``model.name``.
+
+A family is a folder (or a module) holding its model, its Hugging Face adapter, its validator and
+its serving cache, and one :class:`ModelFamily` that names them; ``models/registry.py`` lists the
+project's families. Set-up, the preflight checks, the dry run, export and serving ask the family
+instead of branching on names, so adding a family is adding its folder and one registry entry
+(or, from outside the package, one :func:`~sdnet_trainer.models.registry.register_family` call in
+the module of a Trainer subclass the config names: docs/subclassing.md).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+
+from sdnet_trainer.config.schema import ModelConfig
+from sdnet_trainer.errors import ConfigError
+
+
+@dataclass(frozen=True)
+class HFAdapter:
+    """A family's Hugging Face side: ``format=hf`` writes ``tensors(model)`` (Hugging Face's
+    names, a tied tensor once) and ``config(model, dtype)`` as config.json."""
+
+    tensors: Callable[[nn.Module], dict[str, torch.Tensor]]
+    config: Callable[[nn.Module, torch.dtype], dict[str, Any]]
+
+
+@dataclass(frozen=True)
+class ModelFamily:
+    """One family's entries; every entry but the name and the builder is optional."""
+
+    name: str  # model.name
+    build: Callable[[ModelConfig], nn.Module]  # the bare model from model.*
+    # Token ids in, (batch, time, vocab) logits out: serving decodes text for it.
+    language: bool = False
+    # model.* against the data and the layout, before launch: validate(cfg, tp=..., pp=...).
+    validate: Callable[..., None] | None = None
+    # (width, layer count) of a decoder, from model.* (the dry run's activation estimate).
+    decoder_sizes: Callable[[ModelConfig], tuple[int, int]] | None = None
+    hf: HFAdapter | None = None  # format=hf export
+    # Serving: a model with a KV cache that shares the served model's tensors (None: none).
+    generation_model: Callable[[nn.Module], nn.Module | None] | None = None
+
+
+def config_dict(section: Any) -> dict[str, Any]:
+    """A config section as a plain dict: the schema's dataclass normally; a DictConfig or dict
+    when a caller builds the config by hand."""
+    if dataclasses.is_dataclass(section) and not isinstance(section, type):
+        return dataclasses.asdict(section)
+    return dict(section)
+
+
+def check_kwargs(cfg: ModelConfig, sizes: dict[str, Any], section: str) -> None:
+    """``model.kwargs`` (free-form) may override only the keys of the family's sizes."""
+    unknown = sorted(set(cfg.kwargs) - set(sizes))
+    if unknown:
+        raise ConfigError(
+            f"model.kwargs has {unknown}, which model.name={cfg.name!r} does not take; "
+            f"it takes the keys of {section}: {', '.join(sizes)}"
+        )
+
+
+__all__ = ["HFAdapter", "ModelFamily", "check_kwargs", "config_dict"]

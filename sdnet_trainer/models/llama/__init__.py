@@ -1,0 +1,105 @@
+"""The Llama family (``model.name=llama``): its model (``model.py``), its Hugging Face adapter
+(``hf.py``: names, config.json, ``model.weights=hf:PATH``), its serving cache (``cache.py``: the
+same weights as a ``transformers.LlamaForCausalLM`` with a KV cache), and the family's entry
+(:data:`FAMILY`) that ``models/registry.py`` lists. Its tensor-parallel plan and pipeline units
+are the decoder machinery's it shares with the GPT (``models/parallel_spec.py``)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+
+from sdnet_trainer.config.schema import Config, ModelConfig
+from sdnet_trainer.errors import ConfigError
+from sdnet_trainer.models.family import HFAdapter, ModelFamily, check_kwargs, config_dict
+from sdnet_trainer.models.llama.cache import hf_llama_of
+from sdnet_trainer.models.llama.hf import (
+    hf_config_of,
+    hf_weights_folder,
+    llama_sizes_from_hf,
+    read_hf_config,
+    to_hf_name,
+)
+from sdnet_trainer.models.llama.model import (
+    Llama,
+    check_sizes,
+    check_tensor_parallel,
+    validate_llama,
+)
+
+NAME = "llama"
+
+
+def llama_sizes(cfg: ModelConfig) -> dict[str, Any]:
+    """The Llama's constructor arguments: from the Hugging Face config.json of
+    ``model.weights=hf:PATH`` or ``model.hf_config``, else ``model.llama``; ``model.kwargs``
+    overrides single ones."""
+    folder = hf_weights_folder(cfg.weights)
+    if cfg.weights is not None and folder is None:
+        raise ConfigError(
+            f"model.weights={cfg.weights!r}: model.name={cfg.name!r} loads Hugging Face "
+            f"checkpoints only, as model.weights=hf:PATH (a local folder)"
+        )
+    if folder is not None and cfg.hf_config is not None:
+        raise ConfigError(
+            f"model.weights={cfg.weights!r} brings its own config.json; leave model.hf_config "
+            f"(={cfg.hf_config!r}) unset"
+        )
+    source = cfg.hf_config if folder is None else folder
+    if source is not None:
+        key = "model.hf_config" if folder is None else "model.weights"
+        config = read_hf_config(source, key=key)
+        sizes = llama_sizes_from_hf(config, source=f"{key}={source}")
+    else:
+        sizes = config_dict(cfg.llama)
+        sizes["rope_scaling"] = config_dict(sizes["rope_scaling"])
+    check_kwargs(cfg, sizes, "model.llama")
+    return {**sizes, **cfg.kwargs}
+
+
+def hf_tensors(model: nn.Module) -> dict[str, torch.Tensor]:
+    """The Llama's tensors under Hugging Face's names; a tied output layer once, as the
+    embedding (transformers ties it back)."""
+    if not isinstance(model, Llama):
+        raise ConfigError(
+            f"model.name={NAME}'s Hugging Face names are a Llama's; this model is a "
+            f"{type(model).__name__}"
+        )
+    return {
+        to_hf_name(name): value
+        for name, value in model.state_dict().items()
+        if not (model.tie_embeddings and name == "head.weight")
+    }
+
+
+def _validate(cfg: Config, *, tp: int, pp: int) -> None:
+    # Reads model.hf_config / model.weights=hf:PATH's config.json: a bad one stops here.
+    validate_llama(cfg, llama_sizes(cfg.model), tp=tp, pp=pp)
+
+
+def _decoder_sizes(cfg: ModelConfig) -> tuple[int, int]:
+    sizes = llama_sizes(cfg)
+    return int(sizes["dim"]), int(sizes["n_layers"])
+
+
+FAMILY = ModelFamily(
+    name=NAME,
+    build=lambda cfg: Llama(**llama_sizes(cfg)),
+    language=True,
+    validate=_validate,
+    decoder_sizes=_decoder_sizes,
+    hf=HFAdapter(tensors=hf_tensors, config=lambda model, dtype: hf_config_of(model, dtype=dtype)),
+    generation_model=hf_llama_of,
+)
+
+__all__ = [
+    "FAMILY",
+    "Llama",
+    "check_sizes",
+    "check_tensor_parallel",
+    "hf_tensors",
+    "llama_sizes",
+    "validate_llama",
+]

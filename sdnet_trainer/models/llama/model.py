@@ -1,0 +1,345 @@
+"""The Llama architecture (Llama 2/3 shapes), laid out like the GPT for every parallel layout.
+
+``embed -> blocks[0..n) -> norm -> head`` as the GPT (see ``models/decoder.py``), with Llama's
+parts: RMSNorm before attention and MLP, rotary positions (with Llama 3's frequency scaling,
+``models/rotary.py``) applied to queries and keys inside attention, grouped-query attention
+(``n_kv_heads`` key/value heads, each shared by ``n_heads / n_kv_heads`` query heads) through
+``F.scaled_dot_product_attention``, and a SwiGLU MLP ``w2(silu(w1 x) * w3 x)``. Parameter names
+map one to one onto Hugging Face's ``LlamaForCausalLM`` (``models/llama/hf.py``), whose rotary
+layout this model uses, so its checkpoints load and export without permutation.
+
+The output layer may share the token embedding's weights (``tie_embeddings``, Llama 3.2 1B and
+3B): one parameter under two names, which pipeline parallelism cannot split over stages.
+"""
+
+from __future__ import annotations
+
+import math
+from functools import partial
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+
+from sdnet_trainer.config.schema import Config
+from sdnet_trainer.data import is_language_model_data
+from sdnet_trainer.errors import ConfigError
+from sdnet_trainer.models.decoder import Decoder, check_sequence
+from sdnet_trainer.models.init import InitStep, construction_resets
+from sdnet_trainer.models.parallel_spec import LLAMA_LAYOUT
+from sdnet_trainer.models.rotary import ROPE_TYPES, Rotary
+
+_INIT_STD = 0.02
+
+
+class Embedding(nn.Module):
+    """Token embedding alone (positions are rotary, inside attention): (B, T) -> (B, T, dim)."""
+
+    def __init__(self, vocab_size: int, seq_len: int, dim: int) -> None:
+        super().__init__()
+        self.tok = nn.Embedding(vocab_size, dim)
+        self.seq_len = seq_len
+        # Set by tensor parallelism with sequence parallel (see the GPT's Embedding).
+        self.sequence_shards = 1
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        check_sequence(
+            tokens.shape[1],
+            seq_len=self.seq_len,
+            sequence_shards=self.sequence_shards,
+            context_key="model.llama.seq_len",
+        )
+        return self.tok(tokens)
+
+
+class RMSNorm(nn.Module):
+    """``x / rms(x) * weight``, the mean square taken in float32 (as transformers does)."""
+
+    def __init__(self, dim: int, eps: float) -> None:
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.empty(dim))
+        self.reset_parameters()
+
+    def reset_parameters(self) -> None:
+        nn.init.ones_(self.weight)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        dtype = x.dtype
+        x = x.float()
+        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x.to(dtype)
+
+
+class Attention(nn.Module):
+    """Causal grouped-query attention with rotary positions; head counts follow the local
+    projection widths (tensor parallelism gives each rank whole query and key/value heads)."""
+
+    def __init__(
+        self, dim: int, n_heads: int, n_kv_heads: int, *, theta: float, scaling: dict
+    ) -> None:
+        super().__init__()
+        self.head_dim = dim // n_heads
+        self.wq = nn.Linear(dim, n_heads * self.head_dim, bias=False)
+        self.wk = nn.Linear(dim, n_kv_heads * self.head_dim, bias=False)
+        self.wv = nn.Linear(dim, n_kv_heads * self.head_dim, bias=False)
+        self.wo = nn.Linear(n_heads * self.head_dim, dim, bias=False)
+        self.rotary = Rotary(self.head_dim, theta=theta, scaling=scaling)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        batch, length = x.shape[:2]
+
+        def heads(t: torch.Tensor) -> torch.Tensor:
+            return t.view(batch, length, -1, self.head_dim).transpose(1, 2)
+
+        q, k, v = heads(self.wq(x)), heads(self.wk(x)), heads(self.wv(x))
+        q, k = self.rotary(q, k)
+        out = F.scaled_dot_product_attention(
+            q, k, v, is_causal=True, enable_gqa=q.shape[1] != k.shape[1]
+        )
+        return self.wo(out.transpose(1, 2).reshape(batch, length, -1))
+
+
+class FeedForward(nn.Module):
+    """SwiGLU: ``w2(silu(w1 x) * w3 x)`` (Hugging Face: gate_proj, up_proj, down_proj)."""
+
+    def __init__(self, dim: int, hidden: int) -> None:
+        super().__init__()
+        self.w1 = nn.Linear(dim, hidden, bias=False)
+        self.w3 = nn.Linear(dim, hidden, bias=False)
+        self.w2 = nn.Linear(hidden, dim, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.w2(F.silu(self.w1(x)) * self.w3(x))
+
+
+class Block(nn.Module):
+    """Pre-norm block: ``x + attn(norm1(x))``, then ``x + mlp(norm2(x))``."""
+
+    def __init__(
+        self,
+        dim: int,
+        n_heads: int,
+        n_kv_heads: int,
+        hidden: int,
+        *,
+        eps: float,
+        theta: float,
+        scaling: dict,
+    ) -> None:
+        super().__init__()
+        self.norm1 = RMSNorm(dim, eps)
+        self.attn = Attention(dim, n_heads, n_kv_heads, theta=theta, scaling=scaling)
+        self.norm2 = RMSNorm(dim, eps)
+        self.mlp = FeedForward(dim, hidden)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = x + self.attn(self.norm1(x))
+        return x + self.mlp(self.norm2(x))
+
+
+class Llama(Decoder):
+    """int64 tokens (B, T) with T <= seq_len -> logits (B, T, vocab_size). The keyword
+    arguments are ``model.llama``'s keys (``rope_scaling`` as a dict)."""
+
+    layout = LLAMA_LAYOUT
+
+    def __init__(
+        self,
+        vocab_size: int,
+        seq_len: int,
+        dim: int,
+        n_layers: int,
+        n_heads: int,
+        n_kv_heads: int | None = None,
+        hidden_dim: int = 344,
+        norm_eps: float = 1e-5,
+        rope_theta: float = 500000.0,
+        rope_scaling: dict[str, Any] | None = None,
+        tie_embeddings: bool = False,
+    ) -> None:
+        super().__init__()
+        n_kv_heads = n_heads if n_kv_heads is None else n_kv_heads
+        scaling = dict(rope_scaling or {"rope_type": "default"})
+        check_sizes(
+            vocab_size=vocab_size,
+            seq_len=seq_len,
+            dim=dim,
+            n_layers=n_layers,
+            n_heads=n_heads,
+            n_kv_heads=n_kv_heads,
+            hidden_dim=hidden_dim,
+            rope_scaling=scaling,
+        )
+        self.vocab_size, self.seq_len, self.dim = vocab_size, seq_len, dim
+        self.n_layers, self.n_heads, self.n_kv_heads = n_layers, n_heads, n_kv_heads
+        self.hidden_dim, self.norm_eps, self.rope_theta = hidden_dim, norm_eps, rope_theta
+        self.rope_scaling = scaling
+        self.tie_embeddings = tie_embeddings
+        self.embed = Embedding(vocab_size, seq_len, dim)
+        self.blocks = nn.ModuleList(
+            Block(
+                dim,
+                n_heads,
+                n_kv_heads,
+                hidden_dim,
+                eps=norm_eps,
+                theta=rope_theta,
+                scaling=scaling,
+            )
+            for _ in range(n_layers)
+        )
+        self.norm = RMSNorm(dim, norm_eps)
+        self.head = nn.Linear(dim, vocab_size, bias=False)
+        self._tie()
+        with torch.no_grad():
+            for step in self._llama_steps():
+                step.fn(step.module)
+
+    def init_steps(self) -> list[InitStep]:
+        """Construction's draws, then normal(0, 0.02) weights with the projections that write
+        into the residual stream (``wo``, ``w2``) scaled by 1/sqrt(2 n_layers), norms at one."""
+        return construction_resets(self.modules()) + self._llama_steps()
+
+    def _llama_steps(self) -> list[InitStep]:
+        residual_std = _INIT_STD / math.sqrt(2 * self.n_layers)
+        steps = []
+        for name, module in self.named_modules():
+            if isinstance(module, (nn.Linear, nn.Embedding)):
+                std = residual_std if name.endswith((".wo", ".w2")) else _INIT_STD
+                steps.append(InitStep(module, partial(_normal_init, std=std)))
+        return steps
+
+    def _apply(self, fn: Any, recurse: bool = True) -> Any:
+        # Module._apply (to(), to_empty(): the allocation after a meta build) makes a new
+        # parameter per module, which would untie the output layer from the embedding.
+        result = super()._apply(fn, recurse)
+        self._tie()
+        return result
+
+    def _tie(self) -> None:
+        embed, head = getattr(self, "embed", None), getattr(self, "head", None)
+        if self.tie_embeddings and embed is not None and head is not None:
+            head.weight = embed.tok.weight
+
+    def pipeline_units(self) -> list[str]:
+        if self.tie_embeddings:
+            raise ConfigError(
+                "model.llama.tie_embeddings=true shares one weight between the token embedding "
+                "(first pipeline stage) and the output layer (last): use parallel.pp=1 or an "
+                "untied model"
+            )
+        return super().pipeline_units()
+
+    def check_tensor_parallel(self, tp: int, *, sequence_parallel: bool) -> None:
+        check_tensor_parallel(
+            n_heads=self.n_heads,
+            n_kv_heads=self.n_kv_heads,
+            hidden_dim=self.hidden_dim,
+            seq_len=self.seq_len,
+            tp=tp,
+            sequence_parallel=sequence_parallel,
+        )
+
+    def apply_tensor_parallel(
+        self, tp_mesh: DeviceMesh, *, loss_parallel: bool, sequence_parallel: bool
+    ) -> None:
+        super().apply_tensor_parallel(
+            tp_mesh, loss_parallel=loss_parallel, sequence_parallel=sequence_parallel
+        )
+        # Both are split by vocabulary rows (Shard(0)); the plan gave each its own DTensor
+        # parameter, which are made one again.
+        self._tie()
+
+
+def _normal_init(module: nn.Module, *, std: float) -> None:
+    nn.init.normal_(module.weight, mean=0.0, std=std)  # type: ignore[arg-type]
+
+
+def check_sizes(**sizes: Any) -> None:
+    """The sizes a Llama can be built with, each error naming its ``model.llama`` key."""
+    for key in ("vocab_size", "seq_len", "dim", "n_layers", "n_heads", "n_kv_heads", "hidden_dim"):
+        if sizes[key] < 1:
+            raise ConfigError(f"model.llama.{key}={sizes[key]} must be >= 1")
+    if sizes["dim"] % sizes["n_heads"] or (sizes["dim"] // sizes["n_heads"]) % 2:
+        raise ConfigError(
+            f"model.llama.dim={sizes['dim']} must be divisible by model.llama.n_heads="
+            f"{sizes['n_heads']} into an even head size (rotary positions rotate channel pairs)"
+        )
+    if sizes["n_heads"] % sizes["n_kv_heads"]:
+        raise ConfigError(
+            f"model.llama.n_heads={sizes['n_heads']} must be a multiple of "
+            f"model.llama.n_kv_heads={sizes['n_kv_heads']}: each key/value head serves a group "
+            f"of query heads"
+        )
+    rope_type = sizes["rope_scaling"].get("rope_type")
+    if rope_type not in ROPE_TYPES:
+        raise ConfigError(
+            f"model.llama.rope_scaling.rope_type={rope_type!r} is not one of "
+            f"{', '.join(ROPE_TYPES)}"
+        )
+
+
+def check_tensor_parallel(
+    *,
+    n_heads: int,
+    n_kv_heads: int,
+    hidden_dim: int,
+    seq_len: int,
+    tp: int,
+    sequence_parallel: bool,
+) -> None:
+    """Whether a Llama of these sizes shards over ``tp`` ranks: whole query and key/value heads
+    and equal MLP slices on every rank."""
+    for key, value in (("n_heads", n_heads), ("n_kv_heads", n_kv_heads)):
+        if value % tp:
+            raise ConfigError(
+                f"model.llama.{key}={value} must be divisible by parallel.tp={tp}: tensor "
+                f"parallelism gives each rank whole attention heads"
+            )
+    if hidden_dim % tp:
+        raise ConfigError(
+            f"model.llama.hidden_dim={hidden_dim} MLP channels must be divisible by "
+            f"parallel.tp={tp}"
+        )
+    if sequence_parallel and seq_len % tp:
+        raise ConfigError(
+            f"model.llama.seq_len={seq_len} must be divisible by parallel.tp={tp} "
+            f"with parallel.tensor_parallel.sequence_parallel=true"
+        )
+
+
+def validate_llama(cfg: Config, sizes: dict[str, Any], *, tp: int, pp: int) -> None:
+    """The Llama's ``sizes`` (``model.llama``, or a Hugging Face config's) against the data and
+    the layout, before launch."""
+    data = cfg.data
+    if is_language_model_data(data):
+        if data.vocab_size != sizes["vocab_size"]:
+            raise ConfigError(
+                f"data.vocab_size={data.vocab_size} differs from the model's "
+                f"model.llama.vocab_size={sizes['vocab_size']}"
+            )
+        if data.seq_len > sizes["seq_len"]:
+            raise ConfigError(
+                f"data.seq_len={data.seq_len} is longer than the model's context "
+                f"model.llama.seq_len={sizes['seq_len']}"
+            )
+    if pp > 1 and sizes.get("tie_embeddings"):
+        raise ConfigError(
+            f"model.llama.tie_embeddings=true with parallel.pp={pp}: the token embedding and the "
+            f"output layer share one weight and cannot live on different pipeline stages"
+        )
+    if tp > 1:
+        check_tensor_parallel(
+            n_heads=sizes["n_heads"],
+            n_kv_heads=sizes.get("n_kv_heads") or sizes["n_heads"],
+            hidden_dim=sizes["hidden_dim"],
+            seq_len=sizes["seq_len"],
+            tp=tp,
+            sequence_parallel=cfg.parallel.tensor_parallel.sequence_parallel,
+        )
+
+
+__all__ = ["Llama", "check_sizes", "check_tensor_parallel", "validate_llama"]
