@@ -53,7 +53,7 @@ from sdnet_trainer.errors import EXIT_CONFIG_ERROR, ConfigError
 from sdnet_trainer.lazy import freeze_imports
 from sdnet_trainer.models.parallel_spec import parallel_blocks
 from sdnet_trainer.models.registry import decoder_sizes
-from sdnet_trainer.observability.memory import training_state_bytes
+from sdnet_trainer.observability.memory import step_on_meta, training_state_bytes
 from sdnet_trainer.preflight import validate
 from sdnet_trainer.runtime.precision import DTYPES
 from sdnet_trainer.training.classes import resolve_trainer_class
@@ -126,7 +126,7 @@ def plan_rank(cfg: Config, rank: int, world_size: int) -> RankPlan:
         except _Replicated:
             trained, roots = model, held
         optimizer = trainer.build_optimizer(trained)
-        _step_on_meta(trained, optimizer)
+        step_on_meta(trained, optimizer)
         sizes = training_state_bytes(trained, optimizer)
         blocks = {id(b) for b in parallel_blocks(model) if b is not None}
         collectives = _data_parallel_collectives(cfg, roots, blocks, dims)
@@ -142,20 +142,6 @@ def plan_rank(cfg: Config, rank: int, world_size: int) -> RankPlan:
         activations=_activation_estimate(cfg, trainer, dims, stage_numel, stage),
         collectives=collectives + _model_parallel_collectives(cfg, dims, trainer, stage),
     )
-
-
-def _step_on_meta(model: nn.Module, optimizer: torch.optim.Optimizer) -> None:
-    """One optimizer step over zero gradients, so the optimizer's state exists (on meta)."""
-    inner = getattr(optimizer, "optim", optimizer)  # ZeRO-1 wraps the local optimizer
-    for group in [*optimizer.param_groups, *inner.param_groups]:
-        # Fused and foreach kernels take no meta tensors; the state they make is the same.
-        for key in ("fused", "foreach"):
-            if group.get(key):
-                group[key] = False
-    for p in model.parameters():
-        if p.requires_grad:
-            p.grad = torch.zeros_like(p)
-    optimizer.step()
 
 
 def _gpu_dtype(cfg: Config) -> str:

@@ -629,6 +629,72 @@ def tiny_llama_config(**overrides: Any) -> Any:
     return transformers.LlamaConfig(**{**sizes, **overrides})
 
 
+# The edited Hugging Face folders of lying_hf_folders, and what a refusal of each names (the
+# tensor, the shapes, the file), whichever family reads it.
+LYING_FOLDERS = {
+    # config.json claims the model 2,048 times as wide (heads that divide it): 137 GB in fp32.
+    "wider": [
+        "model-00001-of-00003.safetensors: tensor model.embed_tokens.weight has shape [96, 32]",
+        "[96, 65536]",
+    ],
+    # config.json's num_hidden_layers is one more than the files hold.
+    "extra_layer": ["lacks tensors", "model.layers.2.self_attn.q_proj.weight"],
+    # model.norm.weight stored as model.final_norm.weight.
+    "renamed": ["lacks tensors", "model.norm.weight", "no place for: model.final_norm.weight"],
+    # The last shard cut 100 bytes short.
+    "truncated": ["model-00003-of-00003.safetensors is not a safetensors file"],
+    # The index names a shard that is not in the folder.
+    "missing_shard": ["model-00001-of-00003.safetensors does not exist (named by the index)"],
+}
+
+
+def lying_hf_folders(root: Path) -> dict[str, Path]:
+    """A tiny Llama saved by transformers in two shards with their index (``root/ok``), and a
+    copy of it edited as a user's wrong or altered folder would be (``LYING_FOLDERS``)."""
+    import shutil
+
+    import transformers
+    from safetensors.torch import load_file, save_file
+
+    torch.manual_seed(0)
+    config = tiny_llama_config(vocab_size=96, intermediate_size=48, max_position_embeddings=64)
+    ok = root / "ok"
+    transformers.LlamaForCausalLM(config).save_pretrained(ok, max_shard_size="40KB")
+    index = json.loads((ok / "model.safetensors.index.json").read_text())
+    shards = sorted(set(index["weight_map"].values()))
+    assert len(shards) >= 2, shards
+    folders = {}
+    for name in LYING_FOLDERS:
+        folders[name] = root / name
+        shutil.copytree(ok, folders[name])
+    config_file = folders["wider"] / "config.json"
+    wider = json.loads(config_file.read_text())
+    wider.update(
+        hidden_size=65536,
+        num_attention_heads=4096,
+        num_key_value_heads=4096,
+        head_dim=16,
+    )
+    config_file.write_text(json.dumps(wider))
+    config_file = folders["extra_layer"] / "config.json"
+    deeper = json.loads(config_file.read_text())
+    deeper["num_hidden_layers"] += 1
+    config_file.write_text(json.dumps(deeper))
+    renamed = folders["renamed"]
+    shard = index["weight_map"]["model.norm.weight"]
+    tensors = load_file(renamed / shard)
+    tensors["model.final_norm.weight"] = tensors.pop("model.norm.weight")
+    save_file(tensors, renamed / shard, metadata={"format": "pt"})
+    weight_map = dict(index["weight_map"])
+    weight_map["model.final_norm.weight"] = weight_map.pop("model.norm.weight")
+    renamed_index = {**index, "weight_map": weight_map}
+    (renamed / "model.safetensors.index.json").write_text(json.dumps(renamed_index))
+    cut = folders["truncated"] / shards[-1]
+    os.truncate(cut, cut.stat().st_size - 100)
+    (folders["missing_shard"] / shards[0]).unlink()
+    return {"ok": ok, **folders}
+
+
 def make_digits(out: Path, *, size: int = 16, timeout: float = 120) -> Path:
     """``out`` made an ImageFolder of the digits by ``scripts/data/make_digits.py`` (its command
     line, as a user runs it): ``out/train/<class>/*.png`` (1,437) and ``out/val/<class>/*.png``

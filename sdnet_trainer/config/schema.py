@@ -265,6 +265,11 @@ class ParallelConfig:
     pp: int = 1
     # Convert BatchNorm layers to SyncBatchNorm (statistics over the global batch).
     sync_batchnorm: bool = False
+    # The memory one rank may fill, in GiB: before allocating, each rank's training state
+    # (parameters, gradients, optimizer state) is compared with it, and a layout that cannot fit
+    # is refused. null: measured (a GPU's free memory; on the CPU, and for what FSDP's CPU offload
+    # keeps on the host, the host's available memory shared by the node's ranks).
+    memory_per_rank_gib: Optional[float] = None
     ddp: DDPConfig = field(default_factory=DDPConfig)
     fsdp: FSDPConfig = field(default_factory=FSDPConfig)
     tensor_parallel: TensorParallelConfig = field(default_factory=TensorParallelConfig)

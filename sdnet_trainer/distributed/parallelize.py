@@ -68,6 +68,7 @@ def validate_parallel(cfg: Config, world_size: int) -> None:
     strategy = parallel.strategy
     check_choice("parallel.strategy", strategy, STRATEGIES)
     check_positive("parallel.ddp.bucket_cap_mb", parallel.ddp.bucket_cap_mb, allow_none=True)
+    check_positive("parallel.memory_per_rank_gib", parallel.memory_per_rank_gib, allow_none=True)
     dims = parallel_dims(parallel, world_size)
     if strategy in ("ddp", "zero1") and dims.dp_shard > 1:
         raise ConfigError(

@@ -30,7 +30,7 @@ from sdnet_trainer.data.tokenizer import load_tokenizer
 from sdnet_trainer.errors import ConfigError
 from sdnet_trainer.export.writers import ExportError
 from sdnet_trainer.models.family import ModelFamily
-from sdnet_trainer.models.llama.hf import INDEX_FILE, hf_weights_folder, read_hf_config
+from sdnet_trainer.models.hf_folder import INDEX_FILE, hf_weights_folder, read_hf_config
 from sdnet_trainer.models.registry import FAMILIES
 
 logger = logging.getLogger(__name__)

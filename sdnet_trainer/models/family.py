@@ -13,7 +13,8 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from pathlib import Path
+from typing import Any, NamedTuple
 
 import torch
 from torch import nn
@@ -32,6 +33,24 @@ class HFAdapter:
 
 
 @dataclass(frozen=True)
+class HFWeights:
+    """A family's reader of ``model.weights=hf:PATH`` into the Trainer's meta build:
+    ``check(model, folder)`` compares the model built on the meta device with what the folder's
+    files declare, before anything is allocated (a ConfigError naming the tensor and the file);
+    ``load(model, folder)`` fills the parameters this rank holds, after sharding."""
+
+    check: Callable[[nn.Module, Path], object]
+    load: Callable[[nn.Module, Path], None]
+
+
+class FolderReader(NamedTuple):
+    """A family's :class:`HFWeights` bound to the folder of ``model.weights=hf:PATH``."""
+
+    check: Callable[[nn.Module], object]
+    load: Callable[[nn.Module], None]
+
+
+@dataclass(frozen=True)
 class ModelFamily:
     """One family's entries; every entry but the name and the builder is optional."""
 
@@ -44,6 +63,8 @@ class ModelFamily:
     # (width, layer count) of a decoder, from model.* (the dry run's activation estimate).
     decoder_sizes: Callable[[ModelConfig], tuple[int, int]] | None = None
     hf: HFAdapter | None = None  # format=hf export
+    # model.weights=hf:PATH read after sharding (None: the builder reads the weights itself).
+    hf_weights: HFWeights | None = None
     # Serving: a model with a KV cache that shares the served model's tensors (None: none).
     generation_model: Callable[[nn.Module], nn.Module | None] | None = None
 
@@ -66,4 +87,11 @@ def check_kwargs(cfg: ModelConfig, sizes: dict[str, Any], section: str) -> None:
         )
 
 
-__all__ = ["HFAdapter", "ModelFamily", "check_kwargs", "config_dict"]
+__all__ = [
+    "FolderReader",
+    "HFAdapter",
+    "HFWeights",
+    "ModelFamily",
+    "check_kwargs",
+    "config_dict",
+]

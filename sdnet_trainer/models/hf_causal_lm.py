@@ -20,6 +20,8 @@ from __future__ import annotations
 
 import importlib.util
 import logging
+import math
+import re
 from pathlib import Path
 from typing import Any
 
@@ -30,13 +32,17 @@ from sdnet_trainer.config.schema import Config, ModelConfig
 from sdnet_trainer.data import is_language_model_data
 from sdnet_trainer.errors import ConfigError
 from sdnet_trainer.models.family import ModelFamily
-from sdnet_trainer.models.llama.hf import read_hf_config
+from sdnet_trainer.models.hf_folder import (
+    HF_PREFIX,
+    check_dtype_field,
+    check_stored,
+    read_hf_config,
+    stored_tensors,
+)
 
 logger = logging.getLogger(__name__)
 
 HF_CAUSAL_LM = "hf_causal_lm"
-# model.weights=hf:PATH: a folder saved by save_pretrained (config.json + safetensors).
-HF_WEIGHTS = "hf:"
 LLM_EXTRA_HINT = "pip install 'sdnet_trainer[llm]'"
 # config.json fields that give the longest sequence a model takes, by architecture.
 CONTEXT_FIELDS = ("max_position_embeddings", "n_positions", "max_sequence_length", "seq_length")
@@ -117,20 +123,79 @@ def build_hf_causal_lm(cfg: ModelConfig) -> HFCausalLM:
             str(folder), local_files_only=True, **dict(cfg.kwargs)
         )
         if key == "model.weights":
-            lm = transformers.AutoModelForCausalLM.from_pretrained(
+            check_folder(transformers, config, folder)
+            lm, report = transformers.AutoModelForCausalLM.from_pretrained(
                 str(folder),
                 config=config,
                 local_files_only=True,
+                output_loading_info=True,
                 **{dtype_key(transformers): torch.float32},
             )
+            _check_report(report, folder)
         else:
             lm = transformers.AutoModelForCausalLM.from_config(config)
+    except ConfigError:
+        raise  # the folder's own check: it names the tensor and the file
     except (OSError, ValueError, KeyError, TypeError) as err:
         raise ConfigError(
             f"{key}={str(folder)!r}: transformers cannot build a causal LM from it: "
             f"{type(err).__name__}: {str(err).strip().splitlines()[0] if str(err) else ''}"
         ) from err
     return HFCausalLM(lm)
+
+
+def check_folder(transformers: Any, config: Any, folder: Path) -> None:
+    """Before ``from_pretrained`` allocates the model config.json describes: that model, built
+    on the meta device, against what the folder's safetensors headers declare (names, shapes,
+    dtypes, every file whole). Some architectures are stored under other names than the model's
+    (transformers fuses a MoE's experts as it loads them): where the tensors the two sides do not
+    share hold the same number of elements, only the shared names are compared here, and
+    transformers' own loading report (:func:`_check_report`) judges the rest."""
+    with torch.device("meta"):
+        meta = transformers.AutoModelForCausalLM.from_config(config)
+    first: dict[int, str] = {}
+    tied = []  # the second name of a tied weight (the output layer): stored once
+    for name, param in meta.named_parameters(remove_duplicate=False):
+        if first.setdefault(id(param), name) != name:
+            tied.append(name)
+    expected = {name: tuple(p.shape) for name, p in meta.named_parameters(remove_duplicate=False)}
+    stored = stored_tensors(folder)
+    ignored = [
+        re.compile(p) for p in getattr(meta, "_keys_to_ignore_on_load_unexpected", None) or []
+    ]
+    known = set(meta.state_dict()) | {n for n in stored if any(p.search(n) for p in ignored)}
+    ours = [n for n in expected if n not in stored and n not in tied]
+    theirs = [n for n in stored if n not in known]
+    if ours and _numel(expected[n] for n in ours) == _numel(stored[n].shape for n in theirs):
+        expected = {n: shape for n, shape in expected.items() if n in stored}
+        known |= set(theirs)
+    what = f"the {type(meta).__name__} of its config.json"
+    check_stored(expected, stored, folder, optional=tied, known=known, what=what)
+    check_dtype_field(config.to_dict(), stored, f"model.weights=hf:{folder}: config.json")
+
+
+def _numel(shapes: Any) -> int:
+    return sum(math.prod(shape) for shape in shapes)
+
+
+def _check_report(report: dict[str, Any], folder: Path) -> None:
+    """transformers' loading report: a weight it had to initialise (missing from the folder), a
+    stored one it had no place for, or one of another shape is an error here, not a warning: a
+    run that starts from a folder starts from all of its weights."""
+    problems = []
+    for field, what in (
+        ("missing_keys", "lacks tensors the model needs"),
+        ("mismatched_keys", "holds tensors of other shapes than the model's"),
+        ("unexpected_keys", "holds tensors the model has no place for"),
+    ):
+        names = sorted(str(n) for n in report.get(field) or ())
+        if names:
+            more = f" and {len(names) - 5} more" if len(names) > 5 else ""
+            problems.append(f"{what}: {', '.join(names[:5])}{more}")
+    if problems:
+        raise ConfigError(
+            f"model.weights=hf:{folder} {'; and '.join(problems)} (transformers' loading report)"
+        )
 
 
 def source_folder(cfg: ModelConfig) -> tuple[str, Path]:
@@ -142,12 +207,12 @@ def source_folder(cfg: ModelConfig) -> tuple[str, Path]:
             f"folder holds its own config.json"
         )
     if weights is not None:
-        if not weights.startswith(HF_WEIGHTS):
+        if not weights.startswith(HF_PREFIX):
             raise ConfigError(
                 f"model.weights={weights!r}: model.name={HF_CAUSAL_LM} loads a saved transformers "
-                f"folder, written model.weights={HF_WEIGHTS}PATH"
+                f"folder, written model.weights={HF_PREFIX}PATH"
             )
-        key, path = "model.weights", Path(weights[len(HF_WEIGHTS) :]).expanduser()
+        key, path = "model.weights", Path(weights[len(HF_PREFIX) :]).expanduser()
     elif hf_config is not None:
         key, path = "model.hf_config", Path(hf_config).expanduser()
         if path.name == "config.json" and path.is_file():
@@ -155,7 +220,7 @@ def source_folder(cfg: ModelConfig) -> tuple[str, Path]:
     else:
         raise ConfigError(
             f"model.name={HF_CAUSAL_LM} needs model.hf_config=PATH (a folder with config.json: "
-            f"random weights) or model.weights={HF_WEIGHTS}PATH (a saved model folder)"
+            f"random weights) or model.weights={HF_PREFIX}PATH (a saved model folder)"
         )
     if not (path / "config.json").is_file():
         raise ConfigError(f"{key}={str(path)!r}: no config.json there")

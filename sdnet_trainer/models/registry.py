@@ -21,7 +21,8 @@ from torch import nn
 from sdnet_trainer.config.schema import ModelConfig
 from sdnet_trainer.errors import ConfigError
 from sdnet_trainer.models import gpt, hf_causal_lm, llama
-from sdnet_trainer.models.family import ModelFamily
+from sdnet_trainer.models.family import FolderReader, ModelFamily
+from sdnet_trainer.models.hf_folder import hf_weights_folder
 from sdnet_trainer.models.init import REPLACED_STEM, ZERO_INIT_RESIDUAL
 from sdnet_trainer.models.simple_cnn import SimpleCNN
 
@@ -52,6 +53,20 @@ for _family in (gpt.FAMILY, llama.FAMILY, hf_causal_lm.FAMILY):
 def model_family(name: str) -> ModelFamily | None:
     """The family registered under ``model.name``; None for a classifier."""
     return FAMILIES.get(name)
+
+
+def hf_weights_reader(cfg: ModelConfig) -> FolderReader | None:
+    """The family's reader of ``model.weights=hf:PATH`` (``ModelFamily.hf_weights``) bound to the
+    folder; None without such weights, or where the family's builder reads them itself (a
+    transformers model)."""
+    family, folder = model_family(cfg.name), hf_weights_folder(cfg.weights)
+    if family is None or family.hf_weights is None or folder is None:
+        return None
+    weights = family.hf_weights
+    return FolderReader(
+        check=lambda model: weights.check(model, folder),
+        load=lambda model: weights.load(model, folder),
+    )
 
 
 def available_models() -> list[str]:

@@ -42,4 +42,19 @@ def training_state_bytes(model: nn.Module, optimizer: torch.optim.Optimizer) -> 
     }
 
 
-__all__ = ["training_state_bytes"]
+def step_on_meta(model: nn.Module, optimizer: torch.optim.Optimizer) -> None:
+    """One optimizer step over zero gradients, so the optimizer's state exists (on meta): what
+    the dry run and the Trainer's check before allocating count."""
+    inner = getattr(optimizer, "optim", optimizer)  # ZeRO-1 wraps the local optimizer
+    for group in [*optimizer.param_groups, *inner.param_groups]:
+        # Fused and foreach kernels take no meta tensors; the state they make is the same.
+        for key in ("fused", "foreach"):
+            if group.get(key):
+                group[key] = False
+    for p in model.parameters():
+        if p.requires_grad:
+            p.grad = torch.zeros_like(p)
+    optimizer.step()
+
+
+__all__ = ["step_on_meta", "training_state_bytes"]

@@ -56,7 +56,7 @@ from sdnet_trainer.distributed.pipeline import Pipeline
 from sdnet_trainer.ft.checks import check_lighthouse, lighthouse_address
 from sdnet_trainer.models import build_model
 from sdnet_trainer.models.init import allocate, build_deferred, materialize, without_parameters
-from sdnet_trainer.models.llama.hf import hf_weights_folder, load_hf_weights
+from sdnet_trainer.models.registry import hf_weights_reader
 from sdnet_trainer.observability import MetricsWriter, StepMeter
 from sdnet_trainer.observability.figures import RunFigures
 from sdnet_trainer.observability.flops import run_flops
@@ -68,6 +68,7 @@ from sdnet_trainer.runtime.signals import StopSignals
 from sdnet_trainer.training.checkpointer import Checkpointer, plain_config, run_meta, run_parts
 from sdnet_trainer.training.ema import WeightAverage
 from sdnet_trainer.training.evaluation import evaluate_batches, metric_sums, token_cross_entropy
+from sdnet_trainer.training.fits import check_fits
 from sdnet_trainer.training.health import Heartbeat, PhaseTracker, Watchdog, hang_log_path
 from sdnet_trainer.training.hooks import (
     EvalHook,
@@ -286,46 +287,41 @@ class Trainer:
         # Same seed on every rank for the model's initial weights (DDP also broadcasts rank 0's);
         # pipeline stages and tensor-parallel shards hold the values of identical full models.
         seeded = torch.get_rng_state()
-        # The stock build_model only constructs (unless it loads torchvision's pretrained
-        # weights), so it can run on the meta device; an override may load values, and decides
-        # for itself. Hugging Face weights (model.weights=hf:PATH) are read after sharding, each
-        # rank its own slices.
-        hf_folder = hf_weights_folder(cfg.model.weights)
+        # The stock build_model only constructs (unless it loads weights: torchvision's, a
+        # transformers model's), so it runs on the meta device; an override decides for itself.
+        # A family's reader of model.weights=hf:PATH checks the folder against the meta build
+        # before anything is allocated, and reads after sharding, each rank its own slices.
+        reader = hf_weights_reader(cfg.model)
         stock = type(self).build_model is Trainer.build_model and (
-            cfg.model.weights is None or hf_folder is not None
+            cfg.model.weights is None or reader is not None
         )
         model, steps = build_deferred(self.build_model, on_meta=stock)
+        if reader is not None:
+            reader.check(model)
         # loop.deterministic on CUDA: refuse modules without a deterministic backward up front.
         rng.check_deterministic(model, self.device, deterministic=cfg.loop.deterministic)
-        materialize_parts = None
+        fill = None
         if steps is None:
             model = model.to(self.device)
-            if hf_folder is not None:
-                load_hf_weights(model, hf_folder)
+            if reader is not None:
+                reader.load(model)
         else:
 
-            def materialize_parts(parts: list[nn.Module]) -> None:
-                # Allocate this rank's shards, then fill them from the generator state a CPU
-                # build would have started from: the same weights as building on the CPU.
+            def fill(parts: list[nn.Module]) -> None:
+                # This rank's meta shards against its memory; then allocated and filled from the
+                # generator state a CPU build starts from: the same weights as the CPU build's.
+                check_fits(parts, cfg, self.device, dp=self.dims.dp)
                 for part in parts:
                     allocate(part, self.device, cpu_offload=cfg.parallel.fsdp.cpu_offload)
                 torch.set_rng_state(seeded)
-                if hf_folder is None:
-                    materialize(steps)
-                else:
-                    # The checkpoint sets every parameter: only computed buffers need their init.
-                    materialize(without_parameters(steps))
-                    load_hf_weights(model, hf_folder)
+                # A checkpoint sets every parameter: only computed buffers need their init then.
+                materialize(steps if reader is None else without_parameters(steps))
+                if reader is not None:
+                    reader.load(model)
 
         self.num_parameters = sum(p.numel() for p in model.parameters())  # of the whole model
         parallel = parallelize(
-            model,
-            cfg,
-            env,
-            self.mesh,
-            self.dims,
-            loss_fn=self._weighted_loss,
-            materialize=materialize_parts,
+            model, cfg, env, self.mesh, self.dims, loss_fn=self._weighted_loss, materialize=fill
         )
         self.model, self.pipeline = parallel.model, parallel.pipeline
         # This rank's metrics count once: last pipeline stage, first tensor-parallel peer.

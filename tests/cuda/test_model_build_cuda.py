@@ -63,3 +63,29 @@ def test_stock_model_initialised_on_the_gpu_equals_the_cpu_build(tmp_path, monke
     assert state.keys() == expected.keys()
     for key, value in expected.items():
         assert torch.equal(state[key], value), key
+
+
+def test_a_layout_larger_than_the_free_gpu_memory_is_refused_before_allocating(tmp_path):
+    """training/fits.py on a GPU: the rank's memory is the device's free memory, and a model
+    whose training state exceeds it is refused before anything is allocated on the device."""
+    from sdnet_trainer.errors import ConfigError
+    from sdnet_trainer.training.fits import available_bytes, in_units
+
+    cfg = compose([*CUDA, *RUNS["gpt_tiny"]])
+    device = torch.device("cuda", torch.cuda.current_device())
+    free, total = torch.cuda.mem_get_info(device)
+    room = available_bytes(cfg, device)
+    assert room is not None and room[1] == f"free memory of {device}"
+    assert 0 < room[0] <= total
+    # A GPT as wide as the whole device's memory, in fp32 weights alone: it cannot fit.
+    dim = int((total / 4 / 12) ** 0.5 // 64 * 64) + 64
+    wide = [*CUDA, *RUNS["gpt_tiny"], f"model.gpt.dim={dim}"]
+    before = torch.cuda.memory_allocated(device)
+    with distributed_session(cfg.dist) as env:
+        assert env.device.type == "cuda"
+        trainer = Trainer(compose(wide), output_dir=tmp_path, env=env)
+        with pytest.raises(ConfigError, match="training state needs .* GiB") as err:
+            trainer.setup()
+        trainer.close()
+    assert f"free memory of {device}" in str(err.value)
+    assert torch.cuda.memory_allocated(device) == before, in_units(free)

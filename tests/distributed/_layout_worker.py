@@ -33,7 +33,8 @@ from sdnet_trainer.config.schema import DistConfig
 from sdnet_trainer.distributed import all_reduce_sum, distributed_session
 from sdnet_trainer.distributed.ops import all_gather_objects
 from sdnet_trainer.lazy import freeze_imports
-from sdnet_trainer.models.llama.hf import hf_weights_folder, to_hf_name, weight_files
+from sdnet_trainer.models.hf_folder import hf_weights_folder, weight_files
+from sdnet_trainer.models.llama.hf import to_hf_name
 from sdnet_trainer.observability.memory import training_state_bytes
 from sdnet_trainer.preflight import validate
 

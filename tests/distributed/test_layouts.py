@@ -509,8 +509,9 @@ def test_export_hf_of_a_multi_process_llama_checkpoint_loads_in_transformers(
     tied embeddings): transformers reloads the folder as is, its weights are the trained ones and
     its logits equal the trained model's."""
     transformers = pytest.importorskip("transformers", reason="the llm extra is not installed")
+    from sdnet_trainer.models.hf_folder import read_hf_config
     from sdnet_trainer.models.llama import Llama
-    from sdnet_trainer.models.llama.hf import from_hf_name, llama_sizes_from_hf, read_hf_config
+    from sdnet_trainer.models.llama.hf import from_hf_name, llama_sizes_from_hf
 
     checkpoint = layout_dir / saved / "checkpoints" / "step_00000005"
     args = [f"checkpoint={checkpoint}", "format=hf", f"out={tmp_path}"]

@@ -354,7 +354,8 @@ def test_export_hf_round_trips_through_transformers(llama_run, tmp_path, ema):
 
 
 def build_kwargs(folder) -> dict:
-    from sdnet_trainer.models.llama.hf import llama_sizes_from_hf, read_hf_config
+    from sdnet_trainer.models.hf_folder import read_hf_config
+    from sdnet_trainer.models.llama.hf import llama_sizes_from_hf
 
     return llama_sizes_from_hf(read_hf_config(folder, key="out"), source="out")
 

@@ -13,13 +13,21 @@ from torch import nn
 
 from sdnet_trainer.config.schema import Config, ModelConfig
 from sdnet_trainer.errors import ConfigError
-from sdnet_trainer.models.family import HFAdapter, ModelFamily, check_kwargs, config_dict
+from sdnet_trainer.models.family import (
+    HFAdapter,
+    HFWeights,
+    ModelFamily,
+    check_kwargs,
+    config_dict,
+)
+from sdnet_trainer.models.hf_folder import hf_weights_folder, read_hf_config
 from sdnet_trainer.models.llama.cache import hf_llama_of
 from sdnet_trainer.models.llama.hf import (
+    CONFIG_KEYS,
+    check_hf_weights,
     hf_config_of,
-    hf_weights_folder,
     llama_sizes_from_hf,
-    read_hf_config,
+    load_hf_weights,
     to_hf_name,
 )
 from sdnet_trainer.models.llama.model import (
@@ -76,7 +84,19 @@ def hf_tensors(model: nn.Module) -> dict[str, torch.Tensor]:
 
 def _validate(cfg: Config, *, tp: int, pp: int) -> None:
     # Reads model.hf_config / model.weights=hf:PATH's config.json: a bad one stops here.
-    validate_llama(cfg, llama_sizes(cfg.model), tp=tp, pp=pp)
+    model = cfg.model
+    folder = hf_weights_folder(model.weights)
+    source = model.hf_config if folder is None else folder / "config.json"
+    fields = {ours: theirs for ours, theirs in CONFIG_KEYS} | {
+        "tie_embeddings": "tie_word_embeddings"
+    }
+
+    def named(key: str, value: Any) -> str:
+        return (
+            f"model.llama.{key}={value}" if source is None else f"{fields[key]}={value} ({source})"
+        )
+
+    validate_llama(cfg, llama_sizes(model), tp=tp, pp=pp, named=named)
 
 
 def _decoder_sizes(cfg: ModelConfig) -> tuple[int, int]:
@@ -91,6 +111,7 @@ FAMILY = ModelFamily(
     validate=_validate,
     decoder_sizes=_decoder_sizes,
     hf=HFAdapter(tensors=hf_tensors, config=lambda model, dtype: hf_config_of(model, dtype=dtype)),
+    hf_weights=HFWeights(check=check_hf_weights, load=load_hf_weights),
     generation_model=hf_llama_of,
 )
 

@@ -11,23 +11,16 @@ only the block it holds (a DTensor's local shard of FSDP and/or tensor paralleli
 tensor where it is not sharded, nothing for the units a pipeline split removed), through
 safetensors' lazy slices of the memory-mapped file. No rank reads the whole model.
 
-The folder is untrusted input, read as data with clear errors: ``config.json`` and the index are
-JSON of bounded size with typed fields; weight files are plain names directly in the folder,
-opened without following symbolic links and only if they are regular files; every tensor's name,
-shape and dtype is checked against the model before any value is read, and a name the model has
-no place for, or a tensor it needs that the files lack, is an error naming the file.
+The folder is untrusted input (``models/hf_folder.py`` reads it): :func:`check_hf_weights`
+compares the model built on the meta device, before anything is allocated, with what the files'
+headers declare (every name, shape and dtype; a tied output layer against the stored one; the
+``torch_dtype`` field), and :func:`load_hf_weights` checks again before it reads a value.
 """
 
 from __future__ import annotations
 
-import errno
-import json
 import logging
-import os
 import re
-import stat
-from collections.abc import Iterator
-from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -37,14 +30,17 @@ from torch.distributed.tensor import DTensor
 from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
 from sdnet_trainer.errors import ConfigError
+from sdnet_trainer.models.hf_folder import (
+    CONFIG_FILE,
+    StoredTensor,
+    check_dtype_field,
+    check_stored,
+    open_safetensors,
+    read_hf_config,
+    stored_tensors,
+)
 
 logger = logging.getLogger(__name__)
-
-HF_PREFIX = "hf:"
-CONFIG_FILE = "config.json"
-SINGLE_FILE = "model.safetensors"
-INDEX_FILE = "model.safetensors.index.json"
-_JSON_MAX_BYTES = 64 << 20
 
 # This project's parameter names -> Hugging Face LlamaForCausalLM's ({i}: the layer).
 HF_NAMES: tuple[tuple[str, str], ...] = (
@@ -105,27 +101,6 @@ def from_hf_name(name: str) -> str | None:
 
 
 # ---------------------------------------------------------------------- config.json
-
-
-def hf_weights_folder(weights: str | None) -> Path | None:
-    """The folder of ``model.weights=hf:PATH`` (None for any other value)."""
-    if weights is None or not weights.startswith(HF_PREFIX):
-        return None
-    path = weights[len(HF_PREFIX) :]
-    if not path:
-        raise ConfigError("model.weights=hf: needs a folder: model.weights=hf:/path/to/model")
-    return Path(path).expanduser()
-
-
-def read_hf_config(path: str | Path, *, key: str) -> dict[str, Any]:
-    """The JSON object of ``path`` (a config.json, or the folder holding one); ``key`` names the
-    setting that gave the path, for the errors."""
-    path = Path(path).expanduser()
-    file = path / CONFIG_FILE if path.is_dir() else path
-    config = _read_json(file, key=key)
-    if not isinstance(config, dict):
-        raise ConfigError(f"{key}: {file} is not a JSON object (a Hugging Face config.json)")
-    return config
 
 
 def llama_sizes_from_hf(config: dict[str, Any], *, source: str) -> dict[str, Any]:
@@ -239,117 +214,75 @@ def hf_config_of(llama: nn.Module, *, dtype: torch.dtype) -> dict[str, Any]:
 # ---------------------------------------------------------------------- the weight files
 
 
-def weight_files(folder: Path) -> dict[str, str]:
-    """Hugging Face tensor name -> file name (plain, inside ``folder``), from the index or the
-    single ``model.safetensors``, checked for containment; the files' contents are not read."""
-    key = "model.weights"
-    if not folder.is_dir():
-        raise ConfigError(f"{key}=hf:{folder}: not a folder (config.json and safetensors files)")
-    index = folder / INDEX_FILE
-    if index.exists():
-        data = _read_json(index, key=key)
-        weight_map = data.get("weight_map") if isinstance(data, dict) else None
-        if not isinstance(weight_map, dict) or not weight_map:
-            raise ConfigError(f"{key}: {index}: field 'weight_map' is missing or empty")
-        for name, file in weight_map.items():
-            if (
-                not isinstance(file, str)
-                or not _plain_name(file)
-                or not file.endswith(".safetensors")
-            ):
+def check_hf_weights(model: nn.Module, folder: Path) -> dict[str, StoredTensor]:
+    """The Llama ``model`` (built on the meta device: nothing allocated yet; whole, or one
+    pipeline stage's part) against what the folder's headers declare: every tensor it needs,
+    none it has no place for, each of its shape and of a floating-point dtype, a tied output
+    layer against a stored one, config.json's ``torch_dtype``. The stored tensors."""
+    stored = stored_tensors(folder)
+    expected = {to_hf_name(name): tuple(t.shape) for name, t in model.state_dict().items()}
+    tied = bool(getattr(model, "tie_embeddings", False))
+    head = to_hf_name("head.weight")
+    # Names of the whole model (a pipeline stage holds fewer), to tell foreign tensors apart.
+    layers = max(int(getattr(model, "n_layers", 0)), 1)
+    known = {hf.replace("{i}", str(i)) for _, hf in HF_NAMES for i in range(layers)}
+    known |= {name for name in stored if _IGNORED.fullmatch(name)}
+    what = "the Llama of its config.json"
+    check_stored(expected, stored, folder, optional=[head] if tied else [], known=known, what=what)
+    source = f"model.weights=hf:{folder}: {CONFIG_FILE}"
+    if tied and head in stored and to_hf_name("embed.tok.weight") in stored:
+        _check_tied(folder, stored, source)
+    check_dtype_field(read_hf_config(folder, key="model.weights"), stored, source)
+    return stored
+
+
+def _check_tied(folder: Path, stored: dict[str, StoredTensor], source: str) -> None:
+    """``tie_word_embeddings``: the output layer is the embedding. Some exports store it under
+    both names; the two must then hold the same values (compared in blocks of rows)."""
+    embed, head = to_hf_name("embed.tok.weight"), to_hf_name("head.weight")
+    rows, width = stored[embed].shape[0], max(stored[embed].shape[1], 1)
+    block = max(1, (16 << 20) // width)
+    with (
+        open_safetensors(folder, stored[embed].file) as fe,
+        open_safetensors(folder, stored[head].file) as fh,
+    ):
+        ours, theirs = fe.get_slice(embed), fh.get_slice(head)
+        for start in range(0, rows, block):
+            rows_e = ours[start : start + block].float()
+            rows_h = theirs[start : start + block].float()
+            if not torch.equal(rows_e, rows_h):
                 raise ConfigError(
-                    f"{key}: {index}: field 'weight_map.{name}' is {file!r}, not a .safetensors "
-                    f"file name inside {folder}"
+                    f"{source}: field 'tie_word_embeddings' is true, but "
+                    f"{folder / stored[head].file} stores {head} with other values than {embed} "
+                    f"(from row {start}): the output layer would not be the stored one"
                 )
-        return dict(weight_map)
-    if not (folder / SINGLE_FILE).exists():
-        raise ConfigError(
-            f"{key}=hf:{folder}: neither {SINGLE_FILE} nor {INDEX_FILE} is in the folder"
-        )
-    with _open_safetensors(folder, SINGLE_FILE) as f:
-        return {name: SINGLE_FILE for name in f.keys()}  # noqa: SIM118 (not iterable)
 
 
 def load_hf_weights(model: nn.Module, folder: Path) -> None:
     """Fill every parameter of ``model`` (a Llama, possibly sharded or pruned to pipeline stages)
-    this rank holds from the Hugging Face folder, each from the slice of its file it holds."""
-    files = weight_files(folder)
+    this rank holds from the Hugging Face folder, each from the slice of its file it holds;
+    checked first (:func:`check_hf_weights`)."""
+    stored = check_hf_weights(model, folder)
     state = model.state_dict(keep_vars=True)
-    wanted: dict[str, list[str]] = {}  # hf name -> our names (a tied weight has two)
-    for name in state:
-        wanted.setdefault(to_hf_name(name), []).append(name)
-    _check_names(model, files, wanted, folder)
-    by_file: dict[str, list[str]] = {}
-    for hf_name in wanted:
-        if hf_name in files:
-            by_file.setdefault(files[hf_name], []).append(hf_name)
-    loaded: set[int] = set()
+    by_file: dict[str, list[tuple[str, str]]] = {}
+    seen: set[int] = set()
+    for ours, target in state.items():
+        if id(target) in seen:
+            continue  # a tied weight: read once, under the embedding's name (which comes first)
+        seen.add(id(target))
+        hf_name = to_hf_name(ours)
+        by_file.setdefault(stored[hf_name].file, []).append((hf_name, ours))
     read_bytes = 0
     for file, names in sorted(by_file.items()):
-        with _open_safetensors(folder, file) as f:
-            present = set(f.keys())  # noqa: SIM118 (not iterable)
-            for hf_name in names:
-                if hf_name not in present:
-                    raise ConfigError(
-                        f"model.weights: {folder / INDEX_FILE} puts {hf_name} in {file}, which "
-                        f"does not hold it"
-                    )
-                lazy = f.get_slice(hf_name)
-                for ours in wanted[hf_name]:
-                    target = state[ours]
-                    if id(target) in loaded:
-                        continue  # a tied weight, already read under its other name
-                    _check_tensor(lazy, target, hf_name=hf_name, ours=ours, where=folder / file)
-                    read_bytes += _copy_local(lazy, target)
-                    loaded.add(id(target))
+        with open_safetensors(folder, file) as f:
+            for hf_name, ours in names:
+                read_bytes += _copy_local(f.get_slice(hf_name), state[ours])
     logger.info(
         "loaded %d tensors from %s (%.1f MB read by this rank)",
-        len(loaded),
+        len(seen),
         folder,
         read_bytes / 2**20,
     )
-
-
-def _check_names(
-    model: nn.Module, files: dict[str, str], wanted: dict[str, list[str]], folder: Path
-) -> None:
-    tied = bool(getattr(model, "tie_embeddings", False))
-    missing = [
-        name
-        for name in wanted
-        if name not in files and not (tied and name == to_hf_name("head.weight"))
-    ]
-    if missing:
-        more = f" and {len(missing) - 5} more" if len(missing) > 5 else ""
-        raise ConfigError(
-            f"model.weights=hf:{folder} lacks tensors the model needs: "
-            f"{', '.join(missing[:5])}{more} (is config.json the checkpoint's own?)"
-        )
-    # Names of the whole model (a pipeline stage holds fewer), to tell foreign tensors apart.
-    n_layers = getattr(model, "n_layers", 0)
-    known = {hf.replace("{i}", str(i)) for _, hf in HF_NAMES for i in range(max(n_layers, 1))}
-    extra = sorted(n for n in files if n not in known and not _IGNORED.fullmatch(n))
-    if extra:
-        more = f" and {len(extra) - 5} more" if len(extra) > 5 else ""
-        raise ConfigError(
-            f"model.weights=hf:{folder} holds tensors the Llama of its config.json has no place "
-            f"for: {', '.join(extra[:5])}{more}"
-        )
-
-
-def _check_tensor(lazy: Any, target: torch.Tensor, *, hf_name: str, ours: str, where: Path) -> None:
-    shape = tuple(lazy.get_shape())
-    if shape != tuple(target.shape):
-        raise ConfigError(
-            f"model.weights: {where}: tensor {hf_name} has shape {list(shape)}, the model's "
-            f"{ours} {list(target.shape)} (config.json and the weights disagree)"
-        )
-    dtype = lazy.get_dtype()
-    if dtype not in ("F32", "F16", "BF16", "F64"):
-        raise ConfigError(
-            f"model.weights: {where}: tensor {hf_name} has dtype {dtype}; floating-point "
-            f"weights expected (quantized checkpoints are not read)"
-        )
 
 
 @torch.no_grad()
@@ -374,74 +307,13 @@ def _copy_local(lazy: Any, target: torch.Tensor) -> int:
     return block.numel() * block.element_size()
 
 
-# ---------------------------------------------------------------------- untrusted files
-
-
-def _plain_name(name: str) -> bool:
-    return name not in ("", ".", "..") and "/" not in name and os.sep not in name
-
-
-def _read_json(file: Path, *, key: str) -> Any:
-    try:
-        info = os.lstat(file)
-    except FileNotFoundError:
-        raise ConfigError(f"{key}: {file} does not exist") from None
-    if not stat.S_ISREG(info.st_mode):
-        raise ConfigError(f"{key}: {file} is not a regular file (a link or a folder)")
-    if info.st_size > _JSON_MAX_BYTES:
-        raise ConfigError(f"{key}: {file} is {info.st_size} bytes, more than a config holds")
-    try:
-        return json.loads(file.read_text(encoding="utf-8"))
-    except (OSError, ValueError) as err:
-        raise ConfigError(f"{key}: {file} is not valid JSON: {err}") from None
-
-
-@contextmanager
-def _open_safetensors(folder: Path, name: str) -> Iterator[Any]:
-    """safetensors' ``safe_open`` of ``folder/name``, a regular file there: opened first with
-    O_NOFOLLOW (a symbolic link is refused) and read through that descriptor, so the file
-    checked is the file read."""
-    from safetensors import SafetensorError, safe_open
-
-    path = folder / name
-    if not _plain_name(name):
-        raise ConfigError(f"model.weights: refusing {name!r}: not a file name inside {folder}")
-    try:
-        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
-    except FileNotFoundError:
-        raise ConfigError(f"model.weights: {path} does not exist (named by the index)") from None
-    except OSError as err:
-        if err.errno == errno.ELOOP:
-            raise ConfigError(
-                f"model.weights: {path} is a symbolic link; weight files must be regular files "
-                f"inside the folder"
-            ) from None
-        raise ConfigError(f"model.weights: cannot open {path}: {err.strerror}") from None
-    try:
-        if not stat.S_ISREG(os.fstat(fd).st_mode):
-            raise ConfigError(f"model.weights: {path} is not a regular file")
-        via = f"/proc/self/fd/{fd}" if os.path.isdir("/proc/self/fd") else str(path)
-        try:
-            handle = safe_open(via, framework="pt")
-        except (SafetensorError, OSError, ValueError) as err:
-            raise ConfigError(f"model.weights: {path} is not a safetensors file: {err}") from None
-        with handle as f:
-            yield f
-    finally:
-        os.close(fd)
-
-
 __all__ = [
     "CONFIG_KEYS",
     "HF_NAMES",
-    "HF_PREFIX",
-    "INDEX_FILE",
+    "check_hf_weights",
     "from_hf_name",
     "hf_config_of",
-    "hf_weights_folder",
     "llama_sizes_from_hf",
     "load_hf_weights",
-    "read_hf_config",
     "to_hf_name",
-    "weight_files",
 ]

@@ -15,6 +15,7 @@ The output layer may share the token embedding's weights (``tie_embeddings``, Ll
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from functools import partial
 from typing import Any
 
@@ -311,24 +312,32 @@ def check_tensor_parallel(
         )
 
 
-def validate_llama(cfg: Config, sizes: dict[str, Any], *, tp: int, pp: int) -> None:
+def validate_llama(
+    cfg: Config,
+    sizes: dict[str, Any],
+    *,
+    tp: int,
+    pp: int,
+    named: Callable[[str, Any], str] = "model.llama.{}={}".format,
+) -> None:
     """The Llama's ``sizes`` (``model.llama``, or a Hugging Face config's) against the data and
-    the layout, before launch."""
+    the layout, before launch; ``named(key, value)`` says where a size came from
+    (``model.llama.KEY=VALUE``, or config.json's field), for the messages."""
     data = cfg.data
     if is_language_model_data(data):
         if data.vocab_size != sizes["vocab_size"]:
             raise ConfigError(
                 f"data.vocab_size={data.vocab_size} differs from the model's "
-                f"model.llama.vocab_size={sizes['vocab_size']}"
+                f"{named('vocab_size', sizes['vocab_size'])}"
             )
         if data.seq_len > sizes["seq_len"]:
             raise ConfigError(
                 f"data.seq_len={data.seq_len} is longer than the model's context "
-                f"model.llama.seq_len={sizes['seq_len']}"
+                f"{named('seq_len', sizes['seq_len'])}"
             )
     if pp > 1 and sizes.get("tie_embeddings"):
         raise ConfigError(
-            f"model.llama.tie_embeddings=true with parallel.pp={pp}: the token embedding and the "
+            f"{named('tie_embeddings', 'true')} with parallel.pp={pp}: the token embedding and the "
             f"output layer share one weight and cannot live on different pipeline stages"
         )
     if tp > 1:
