@@ -7,14 +7,17 @@ What it measures
        (torchrun) over the same global batch and model, in alternating rounds (DDP, FT, DDP, FT,
        ...), so a change in the machine's load hits both; the ratio of each round and their
        median.
-    2. Failure: a lighthouse and 3 groups of 1 process (the quickstart model, ``simple_cnn``);
-       group 2 is SIGKILLed once every group has committed ``--kill-after`` steps. Death to next
-       commit: from the kill to the first step the survivors commit in a quorum without the dead
-       group (bounded by the lighthouse's heartbeat timeout, 2 s by default, plus one step).
-       Then group 2 is relaunched. Restart to rejoin: from the relaunch to its first committed
-       step after receiving the state from a peer; its two parts are the process's start-up
-       (Python, torch, the model: the log's set-up line) and the recovery itself (the room's
-       ``recovered step ... in S s`` line).
+    2. Failure: a lighthouse and 3 groups of ``--group-ranks`` processes (1, or 2 under
+       torchrun with FSDP2 inside: HSDP across the groups) training the quickstart model
+       (``simple_cnn``), with ``fault_tolerance.timeouts.step_s`` at ``--step-s`` (120 s).
+       Group 2's whole launch (torchrun and its workers at once) is SIGKILLed at an arbitrary
+       moment, once every group has committed ``--kill-after`` more steps, then relaunched;
+       ``--kills`` times. Per kill: death to next commit, from the kill to the first step the
+       survivors commit in a quorum formed after it (what bounds it: the lighthouse's heartbeat
+       timeout, 2 s, plus one step; a survivor stuck in a collective with the dead group would
+       add up to ``step_s``), and restart to rejoin, from the relaunch to its first committed
+       step after receiving the state from a peer. Printed as distributions: median, 95th
+       percentile, max.
 
 How
     Real launches of the command line on gloo and the CPU (``OMP_NUM_THREADS=1``), the lighthouse
@@ -24,9 +27,10 @@ How
     Default workload of the overhead: ResNet-18 with the CIFAR stem (``model=resnet18_cifar``,
     11.2M parameters) on 32x32 synthetic images, 16 per group (per DDP rank), SGD with momentum.
 
-Run (from the repository root; about 5 minutes on 2 busy CPU cores with the defaults)
+Run (from the repository root)
     python scripts/bench/bench_ft.py
-    python scripts/bench/bench_ft.py --rounds 3 --steps 30 --out /tmp/bench_ft
+    python scripts/bench/bench_ft.py --rounds 0 --kills 20 --kill-after 5
+    python scripts/bench/bench_ft.py --rounds 0 --kills 20 --kill-after 5 --group-ranks 2
 
 Exit status 0 with the figures printed; 1 if a launch fails or times out.
 """
@@ -34,6 +38,7 @@ Exit status 0 with the figures printed; 1 if a launch fails or times out.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import re
@@ -179,69 +184,110 @@ def _committed(log: Path) -> int:
     return len(_log_times(log, r"should_commit=True"))
 
 
-def failure(out: Path, *, kill_after: int) -> tuple[float, float, float, float]:
-    """(death to next commit, restart to rejoin, of which start-up, of which recovery) seconds."""
+def _tree(pid: int) -> list[int]:
+    """``pid`` and its descendants (torchrun starts its workers in sessions of their own, so a
+    signal to the launch's process group does not reach them)."""
+    children: dict[int, list[int]] = {}
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                fields = (entry / "stat").read_text().rsplit(")", 1)[1].split()
+            except OSError:
+                continue
+            children.setdefault(int(fields[1]), []).append(int(entry.name))
+    found, todo = [], [pid]
+    while todo:
+        found.append(todo.pop())
+        todo += children.get(found[-1], [])
+    return found
+
+
+def _kill_tree(proc: subprocess.Popen) -> None:
+    """SIGKILL the whole launch at once, as when its node is lost."""
+    for pid in _tree(proc.pid):
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGKILL)
+    proc.wait()
+
+
+def _next_commit(log: Path, after: float) -> float | None:
+    """The first step ``log``'s group committed in a quorum formed after ``after``."""
+    reconfigured = [t for t in _log_times(log, r"reconfiguring for quorum_id") if t > after]
+    if not reconfigured:
+        return None
+    commits = [t for t in _log_times(log, r"should_commit=True") if t > reconfigured[0]]
+    return commits[0] if commits else None
+
+
+def _percentile(values: list[float], q: float) -> float:
+    ranked = sorted(values)
+    return ranked[min(len(ranked) - 1, max(0, round(q * (len(ranked) - 1))))]
+
+
+def failure(
+    out: Path, *, kill_after: int, kills: int, ranks: int, step_s: float
+) -> tuple[list[float], list[float]]:
+    """Kill group 2's launch ``kills`` times, each once every live group has committed
+    ``kill_after`` more steps, and relaunch it; (death to the survivors' next commit, restart to
+    rejoin) seconds, one per kill. Groups of ``ranks`` processes (2: torchrun with FSDP2 inside,
+    HSDP across the groups)."""
     lighthouse, address = _lighthouse(out, min_groups=2)
+    inside = ["parallel=fsdp"] if ranks > 1 else []
+    # A quorum waits out a slow step (the config check): quorum_s >= step_s.
+    t = "fault_tolerance.timeouts"
+    timeouts = [f"{t}.step_s={step_s}", f"{t}.quorum_s={max(60.0, step_s + 30)}"]
+
+    def launch(group: int, name: str) -> subprocess.Popen:
+        args = [*COMMON, *FAILURE, *inside, *timeouts, *_ft_keys(address, groups=3, group=group)]
+        cmd = _cmd(args, out / name)
+        if ranks > 1:
+            cmd = torchrun(ranks, *cmd[1:])
+        return _start(cmd, out / f"{name}.log")
+
     logs = [out / f"group{g}.log" for g in range(3)]
-    procs = [
-        _start(
-            _cmd([*COMMON, *FAILURE, *_ft_keys(address, groups=3, group=g)], out / f"group{g}"), log
-        )
-        for g, log in enumerate(logs)
-    ]
+    procs = [launch(g, f"group{g}") for g in range(3)]
+    deaths, rejoins = [], []
     try:
-        _wait(
-            lambda: all(_committed(log) >= kill_after for log in logs),
-            timeout=STARTUP_TIMEOUT_S,
-            what=f"{kill_after} committed steps in every group",
-            running=procs,
-        )
-        os.killpg(procs[2].pid, signal.SIGKILL)
-        killed = time.time()
-        procs[2].wait()
+        for k in range(kills):
+            marks = [_committed(log) for log in logs]
+            _wait(
+                lambda marks=marks: all(
+                    _committed(log) >= m + kill_after for log, m in zip(logs, marks, strict=True)
+                ),
+                timeout=STARTUP_TIMEOUT_S,
+                what=f"{kill_after} more committed steps in every group",
+                running=procs,
+            )
+            _kill_tree(procs[2])
+            killed = time.time()
 
-        def next_commit(log: Path) -> float | None:
-            reconfigured = [
-                t for t in _log_times(log, r"reconfiguring for quorum_id") if t > killed
-            ]
-            if not reconfigured:
-                return None
-            commits = [t for t in _log_times(log, r"should_commit=True") if t > reconfigured[0]]
-            return commits[0] if commits else None
-
-        _wait(
-            lambda: all(next_commit(log) for log in logs[:2]),
-            timeout=60,
-            what="the survivors' next commit",
-            running=procs[:2],
-        )
-        death = max(next_commit(log) or 0.0 for log in logs[:2]) - killed
-        rejoin_log = out / "group2_rejoin.log"
-        restarted = time.time()
-        cmd = _cmd(
-            [*COMMON, *FAILURE, *_ft_keys(address, groups=3, group=2)], out / "group2_rejoin"
-        )
-        procs.append(_start(cmd, rejoin_log))
-        _wait(
-            lambda: _committed(rejoin_log) >= 1,
-            timeout=STARTUP_TIMEOUT_S,
-            what="the rejoin",
-            running=procs[:2] + procs[3:],
-        )
-        rejoined = _log_times(rejoin_log, r"should_commit=True")[0]
-        set_up = _log_times(rejoin_log, r"M parameters \|")[0]
-        recovery = re.search(
-            r"recovered step \d+ from a peer in ([\d.]+) s", rejoin_log.read_text()
-        )
-        return (
-            death,
-            rejoined - restarted,
-            set_up - restarted,
-            float(recovery[1]) if recovery else float("nan"),
-        )
+            _wait(
+                lambda killed=killed: all(_next_commit(log, killed) for log in logs[:2]),
+                timeout=step_s + 60,
+                what="the survivors' next commit",
+                running=procs[:2],
+            )
+            deaths.append(max(_next_commit(log, killed) or 0.0 for log in logs[:2]) - killed)
+            logs[2] = out / f"group2_rejoin{k}.log"
+            restarted = time.time()
+            procs[2] = launch(2, f"group2_rejoin{k}")
+            _wait(
+                lambda: _committed(logs[2]) >= 1,
+                timeout=STARTUP_TIMEOUT_S,
+                what="the rejoin",
+                running=procs,
+            )
+            rejoins.append(_log_times(logs[2], r"should_commit=True")[0] - restarted)
+            print(
+                f"kill {k + 1}/{kills}: death to next commit {deaths[-1]:.2f} s, restart to "
+                f"rejoin {rejoins[-1]:.2f} s",
+                flush=True,
+            )
+        return deaths, rejoins
     finally:
         for proc in [*procs, lighthouse]:
-            _stop(proc)
+            if proc.poll() is None:
+                _kill_tree(proc)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -255,6 +301,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--batch-size", type=int, default=16, help="per group (per DDP rank)")
     parser.add_argument(
         "--kill-after", type=int, default=30, help="committed steps before the kill"
+    )
+    parser.add_argument("--kills", type=int, default=5, help="kills of group 2, each relaunched")
+    parser.add_argument(
+        "--group-ranks", type=int, default=1, help="processes per group (2: FSDP2 inside)"
+    )
+    parser.add_argument(
+        "--step-s", type=float, default=120.0, help="fault_tolerance.timeouts.step_s"
     )
     parser.add_argument("--timeout", type=float, default=600.0, help="per launch, seconds")
     parser.add_argument(
@@ -270,7 +323,13 @@ def main(argv: list[str] | None = None) -> int:
         ratios = overhead(
             out, rounds=args.rounds, steps=args.steps, batch=args.batch_size, timeout=args.timeout
         )
-        death, rejoin, startup, recovery = failure(out, kill_after=args.kill_after)
+        deaths, rejoins = failure(
+            out,
+            kill_after=args.kill_after,
+            kills=args.kills,
+            ranks=args.group_ranks,
+            step_s=args.step_s,
+        )
     except LaunchError as err:
         print(f"bench_ft: {err}", file=sys.stderr)
         return 1
@@ -279,11 +338,13 @@ def main(argv: list[str] | None = None) -> int:
             f"per-step overhead, FT sync (2 groups x 1) / DDP (2 ranks), ResNet-18: median "
             f"ratio {statistics.median(ratios):.3f} over {len(ratios)} rounds"
         )
-    print(f"death to the survivors' next committed step: {death:.2f} s")
-    print(
-        f"restart to rejoin (first committed step): {rejoin:.2f} s = start-up {startup:.2f} s "
-        f"+ quorum and recovery from a peer ({recovery:.2f} s) + one step"
-    )
+    for what, values in (("death to the survivors' next commit", deaths),
+                         ("restart to rejoin", rejoins)):  # fmt: skip
+        print(
+            f"{what} ({len(values)} kills, groups of {args.group_ranks}, step_s {args.step_s:g} "
+            f"s): median {statistics.median(values):.2f} s, p95 {_percentile(values, 0.95):.2f} "
+            f"s, max {max(values):.2f} s"
+        )
     print(load_line(before, os.getloadavg()))
     print(f"logs in {out}")
     return 0

@@ -28,6 +28,7 @@ optimizer's step every ``sync_every`` steps.
 
 from __future__ import annotations
 
+import gc
 import logging
 import os
 import socket
@@ -228,7 +229,16 @@ class FaultTolerance:
         return value
 
     def should_commit(self) -> bool:
-        """The group's vote on this step; counts degraded (fewer groups) and skipped steps."""
+        """The group's vote on this step; counts degraded (fewer groups) and skipped steps.
+
+        A collective of this step that failed (a peer group died) first closes this rank's
+        cross-group connections, before the vote waits on the group: gloo's ring all-reduce
+        receives from one neighbour and sends to the other, so a survivor whose neighbour was
+        the dead group fails at once, while the survivor that receives from it would wait, for
+        the bytes it will now never send, until ``fault_tolerance.timeouts.step_s``. Closing
+        the sockets ends that wait within milliseconds; the next quorum builds a new group."""
+        if self.manager.errored() is not None:
+            self._drop_connections()
         committed = self.manager.should_commit()
         if not committed:
             self.skipped_steps += 1
@@ -236,6 +246,16 @@ class FaultTolerance:
         elif self.share.groups < self.cfg.groups:
             self.degraded_steps += 1
         return committed
+
+    def _drop_connections(self) -> None:
+        # torchft's abort lets go of the gloo group; its destructor closes the sockets once the
+        # last reference goes, and a failed work object caught in a reference cycle would keep
+        # it: the young generations are collected first (cheap, the imports are frozen).
+        gc.collect(1)
+        self.pg.abort()
+        logger.warning(
+            "fault tolerance: a collective failed; this rank's cross-group connections are closed"
+        )
 
     def semi_sync(
         self, model: nn.Module, optimizer: torch.optim.Optimizer

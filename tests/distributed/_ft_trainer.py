@@ -9,9 +9,12 @@ parameters after each step, the run's metrics).
 Under FSDP the recorded parameters and optimizer state are gathered whole (every rank takes
 part; rank 0 writes ``ft_final.pt``).
 
-Environment: ``SDNET_FT_KILL_AT=S`` SIGKILLs this process during step S (before the forward, so
-before the gradients cross groups), and under torchrun its agent first: the whole group dies at
-once, its other ranks with the agent (their parent-death signal), as when a node is pulled;
+Environment: ``SDNET_FT_KILL_AT=S`` SIGKILLs this process during step S as its gradients start
+crossing the groups (the other groups are then entering the same all-reduce), and under torchrun
+its agent first: the whole group dies at once, its other ranks with the agent (their
+parent-death signal), as when a node is pulled; ``SDNET_FT_FREEZE=S:SECONDS`` stops this process
+(SIGSTOP, every thread: its heartbeats too) during step S for SECONDS, then lets it go on
+(SIGCONT), as a slow but live group;
 ``SDNET_FT_PAUSE=S:PATH`` waits after step S until PATH exists;
 ``SDNET_FT_READY=PATH`` is written once set up, before the first quorum;
 ``SDNET_FT_START=PATH,...`` then waits until every one of those files exists (so that groups
@@ -23,6 +26,7 @@ from __future__ import annotations
 import json
 import os
 import signal
+import subprocess
 import time
 from pathlib import Path
 
@@ -107,15 +111,37 @@ class FTRecorder(Trainer):
     def build_hooks(self):
         return [*super().build_hooks(), _Recorder(self)]
 
+    def _setup_fault_tolerance(self) -> None:
+        super()._setup_fault_tolerance()
+        if self.kill_at:
+            room = self.ft.room  # type: ignore[attr-defined]  # FaultTolerantPeers
+            reduce_gradients = room.reduce_gradients
+
+            def dying(model):
+                if self.state.step + 1 == self.kill_at:
+                    self._die()
+                reduce_gradients(model)
+
+            room.reduce_gradients = dying
+
+    def _die(self) -> None:
+        # torchrun's agent first (still this process's parent): the whole launch dies, its other
+        # ranks with the agent (their parent-death signal).
+        if self.agent is not None and os.getppid() == self.agent:
+            os.kill(self.agent, signal.SIGKILL)
+        os.kill(os.getpid(), signal.SIGKILL)
+
     def compute_loss(self, batch):
         inputs, targets, index = batch
         self.indices = index.tolist()
-        if self.state.step + 1 == self.kill_at:
-            # torchrun's agent first (still this process's parent): the whole launch dies, its
-            # other ranks with the agent (their parent-death signal).
-            if self.agent is not None and os.getppid() == self.agent:
-                os.kill(self.agent, signal.SIGKILL)
-            os.kill(os.getpid(), signal.SIGKILL)
+        freeze = os.environ.get("SDNET_FT_FREEZE")
+        if freeze and self.state.step + 1 == int(freeze.split(":")[0]):
+            seconds = float(freeze.split(":")[1])
+            pid = os.getpid()  # a process cannot wake itself: a shell stops and continues it
+            subprocess.Popen(
+                ["/bin/sh", "-c", f"kill -STOP {pid}; sleep {seconds}; kill -CONT {pid}"]
+            )
+            time.sleep(seconds + 0.5)  # stopped in here
         return self.loss_fn(self.model(inputs), targets)
 
     def fit(self):
