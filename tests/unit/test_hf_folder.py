@@ -166,3 +166,41 @@ def test_the_data_against_config_json_names_its_field(folders):
     with pytest.raises(ConfigError) as err:
         validate(compose([*base, "data.vocab_size=96", "data.seq_len=128"]), world_size=1)
     assert f"context max_position_embeddings=64 {source}" in str(err.value)
+
+
+def test_the_trainer_starts_a_transformers_model_from_the_folders_weights(folders, tmp_path):
+    """model=hf_causal_lm model.weights=hf:PATH through the Trainer's set-up: transformers loads
+    the folder in the family's builder (not on the meta device, where from_pretrained refuses to
+    run), and training starts from the stored weights."""
+    from safetensors.torch import load_file
+
+    from sdnet_trainer import Trainer
+    from sdnet_trainer.distributed import distributed_session
+
+    cfg = compose(
+        [
+            "+recipe=llama3_debug",
+            "model=hf_causal_lm",
+            f"model.weights=hf:{folders['ok']}",
+            "dist.device=cpu",
+            "parallel=ddp",
+            "data.vocab_size=96",
+            "data.seq_len=32",
+            "data.train_size=16",
+            "data.val_size=8",
+            "loop.global_batch_size=8",
+            "logging.trackers=[]",
+        ]
+    )
+    stored = {}
+    for file in folders["ok"].glob("*.safetensors"):
+        stored.update(load_file(file))
+    with distributed_session(cfg.dist) as env:
+        trainer = Trainer(cfg, output_dir=tmp_path, env=env)
+        try:
+            trainer.setup()
+            state = trainer.model.state_dict()
+            for name, value in stored.items():
+                torch.testing.assert_close(state[f"lm.{name}"], value, rtol=0, atol=0)
+        finally:
+            trainer.close()
