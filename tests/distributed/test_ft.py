@@ -264,11 +264,12 @@ def test_three_groups_one_killed_the_others_continue_it_rejoins_from_a_peer(
     for step in range(1, STEPS + 1):
         trained = sorted(i for r in records if step in r for i in r[step]["indices"])
         assert trained == sorted(ref_records[step]["indices"]), f"step {step}"
-    # No survivor step waited longer than the quorum timeout (60 s by default) but the pause.
+    # No survivor step waited as long as the step timeout (120 s), but the one after the pause
+    # (which lasts as long as the relaunch's start-up: over a minute on a loaded machine).
     for r in records[:2]:
-        times = [r[s]["time"] for s in sorted(r) if s != pause_after + 1]
-        gaps = [b - a for a, b in zip(times, times[1:])]
-        assert max(gaps) < 60
+        steps = sorted(r)
+        gaps = [r[b]["time"] - r[a]["time"] for a, b in zip(steps, steps[1:]) if a != pause_after]
+        assert max(gaps) < 60, gaps
     # Noticed without waiting out the step timeout (120 s); how fast: scripts/bench/bench_ft.py.
     after_kill = min(r[kill_at]["time"] for r in records[:2]) - killed
     assert after_kill < 60, after_kill
