@@ -36,6 +36,8 @@ from sdnet_trainer.models.hf_folder import (
     HF_PREFIX,
     check_dtype_field,
     check_stored,
+    hf_weights_folder,
+    listed,
     read_hf_config,
     stored_tensors,
 )
@@ -190,8 +192,7 @@ def _check_report(report: dict[str, Any], folder: Path) -> None:
     ):
         names = sorted(str(n) for n in report.get(field) or ())
         if names:
-            more = f" and {len(names) - 5} more" if len(names) > 5 else ""
-            problems.append(f"{what}: {', '.join(names[:5])}{more}")
+            problems.append(f"{what}: {listed(names)}")
     if problems:
         raise ConfigError(
             f"model.weights=hf:{folder} {'; and '.join(problems)} (transformers' loading report)"
@@ -207,12 +208,13 @@ def source_folder(cfg: ModelConfig) -> tuple[str, Path]:
             f"folder holds its own config.json"
         )
     if weights is not None:
-        if not weights.startswith(HF_PREFIX):
+        folder = hf_weights_folder(weights)
+        if folder is None:
             raise ConfigError(
                 f"model.weights={weights!r}: model.name={HF_CAUSAL_LM} loads a saved transformers "
                 f"folder, written model.weights={HF_PREFIX}PATH"
             )
-        key, path = "model.weights", Path(weights[len(HF_PREFIX) :]).expanduser()
+        key, path = "model.weights", folder
     elif hf_config is not None:
         key, path = "model.hf_config", Path(hf_config).expanduser()
         if path.name == "config.json" and path.is_file():

@@ -163,9 +163,9 @@ def check_stored(
     extra = sorted(name for name in stored if name not in known)
     problems = []
     if missing:
-        problems.append(f"lacks tensors {what} needs: {_listed(missing)}")
+        problems.append(f"lacks tensors {what} needs: {listed(missing)}")
     if extra:
-        problems.append(f"holds tensors {what} has no place for: {_listed(extra)}")
+        problems.append(f"holds tensors {what} has no place for: {listed(extra)}")
     if problems:
         raise ConfigError(
             f"model.weights=hf:{folder} {'; and '.join(problems)} (is config.json the "
@@ -194,7 +194,8 @@ def check_dtype_field(config: dict[str, Any], stored: dict[str, StoredTensor], s
             )
 
 
-def _listed(names: list[str]) -> str:
+def listed(names: list[str]) -> str:
+    """The first names of a refusal's list, and how many more."""
     more = f" and {len(names) - _LISTED} more" if len(names) > _LISTED else ""
     return ", ".join(names[:_LISTED]) + more
 
@@ -266,6 +267,7 @@ __all__ = [
     "check_dtype_field",
     "check_stored",
     "hf_weights_folder",
+    "listed",
     "open_safetensors",
     "read_hf_config",
     "stored_tensors",

@@ -15,7 +15,8 @@ from torch.distributed.optim import ZeroRedundancyOptimizer
 from torch.distributed.tensor import DTensor
 
 
-def _local_bytes(tensors: Iterable[torch.Tensor]) -> int:
+def local_bytes(tensors: Iterable[torch.Tensor]) -> int:
+    """Bytes of ``tensors`` on this rank: a DTensor's local shard, a plain tensor whole."""
     total = 0
     for t in tensors:
         local = t.to_local() if isinstance(t, DTensor) else t
@@ -36,9 +37,9 @@ def training_state_bytes(model: nn.Module, optimizer: torch.optim.Optimizer) -> 
         if isinstance(v, torch.Tensor) and v.dim() > 0
     ]  # not the scalar step counters
     return {
-        "params": _local_bytes(params),
-        "grads": _local_bytes(p for p in params if p.requires_grad),
-        "optim": _local_bytes(state),
+        "params": local_bytes(params),
+        "grads": local_bytes(p for p in params if p.requires_grad),
+        "optim": local_bytes(state),
     }
 
 
@@ -57,4 +58,4 @@ def step_on_meta(model: nn.Module, optimizer: torch.optim.Optimizer) -> None:
     optimizer.step()
 
 
-__all__ = ["step_on_meta", "training_state_bytes"]
+__all__ = ["local_bytes", "step_on_meta", "training_state_bytes"]

@@ -22,7 +22,7 @@ from torch.distributed.tensor import DTensor
 from sdnet_trainer.config.schema import Config
 from sdnet_trainer.distributed.env import local_world_size_from_env
 from sdnet_trainer.errors import ConfigError
-from sdnet_trainer.observability.memory import step_on_meta, training_state_bytes
+from sdnet_trainer.observability.memory import local_bytes, step_on_meta, training_state_bytes
 from sdnet_trainer.training.optim import build_optimizer
 
 logger = logging.getLogger(__name__)
@@ -48,21 +48,13 @@ def optimizer_bytes_per_element(cfg: Config) -> float:
 def required_bytes(parts: list[nn.Module], cfg: Config, *, dp: int) -> dict[str, int]:
     """This rank's training state from its parts on the meta device (their local shards):
     parameters, gradients, optimizer state (ZeRO-1 keeps 1/dp of it)."""
-    params = {id(p): p for part in parts for p in part.parameters()}.values()
-    local = [(_local(p), p.requires_grad) for p in params]
-    trainable = sum(t.numel() for t, grad in local if grad)
-    optim = trainable * optimizer_bytes_per_element(cfg)
+    params = list({id(p): p for part in parts for p in part.parameters()}.values())
+    trainable = [p for p in params if p.requires_grad]
+    elements = sum((p.to_local() if isinstance(p, DTensor) else p).numel() for p in trainable)
+    optim = elements * optimizer_bytes_per_element(cfg)
     if cfg.parallel.strategy == "zero1":
         optim /= max(dp, 1)
-    return {
-        "params": sum(t.numel() * t.element_size() for t, _ in local),
-        "grads": sum(t.numel() * t.element_size() for t, grad in local if grad),
-        "optim": int(optim),
-    }
-
-
-def _local(p: torch.Tensor) -> torch.Tensor:
-    return p.to_local() if isinstance(p, DTensor) else p
+    return {"params": local_bytes(params), "grads": local_bytes(trainable), "optim": int(optim)}
 
 
 def available_bytes(cfg: Config, device: torch.device) -> tuple[int, str] | None:
