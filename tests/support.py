@@ -95,10 +95,18 @@ def run_cli(
     timeout: float = 240,
     torchrun_args: tuple[str, ...] = (),
     env: dict[str, str] | None = None,
+    fork: bool = True,
 ) -> Launch:
-    """Run ``python -m sdnet_trainer`` (nproc None) or ``torchrun --standalone`` with ``nproc``
-    processes; ``script`` replaces ``-m sdnet_trainer``. The whole process tree is killed on
-    timeout. torchrun's --standalone picks a free port for its rendezvous."""
+    """``python -m sdnet_trainer ARGS`` (nproc None) or an ``nproc``-process world of it;
+    ``script`` replaces ``-m sdnet_trainer``. By default each process is forked ready-imported
+    (tests/forked.py: the ranks get the variables a scheduler sets, the exit code is the first
+    failed rank's own). ``fork=False`` starts the command a user types instead, the interpreter or
+    ``torchrun --standalone`` (a free port for its rendezvous), for the tests of the launcher and
+    of the command itself. The whole process tree is killed on timeout."""
+    if fork and not torchrun_args:
+        from tests.forked import run_forked
+
+        return run_forked(args, cwd=cwd, nproc=nproc, script=script, timeout=timeout, env=env)
     target = (str(script),) if script else ("-m", "sdnet_trainer")
     if nproc is None:
         cmd = [sys.executable, *target, *args]

@@ -1,4 +1,4 @@
-"""Worker for tests/distributed/test_checkpoint.py, launched with torchrun (gloo, CPU).
+"""Worker for tests/distributed/test_checkpoint.py, on 2 ranks (gloo, CPU).
 
     python -m torch.distributed.run --standalone --nproc_per_node=2 _checkpoint_worker.py DIR
 

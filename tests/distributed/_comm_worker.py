@@ -1,4 +1,4 @@
-"""Worker for tests/distributed/test_comm.py, launched by torchrun with two ranks (gloo, CPU).
+"""Worker for tests/distributed/test_comm.py, on two ranks (gloo, CPU).
 
     python -m torch.distributed.run --standalone --nproc_per_node=2 _comm_worker.py OUT_DIR
 

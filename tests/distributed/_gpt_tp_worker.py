@@ -1,4 +1,4 @@
-"""Worker for tests/distributed/test_gpt_tp.py, launched with torchrun (gloo, CPU, 2 ranks).
+"""Worker for tests/distributed/test_gpt_tp.py, on 2 ranks (gloo, CPU).
 
     python -m torch.distributed.run --standalone --nproc_per_node=2 _gpt_tp_worker.py OUT.json
 

@@ -1,4 +1,4 @@
-"""Worker for tests/distributed/test_readiness_procs.py, launched by torchrun with two ranks (gloo).
+"""Worker for tests/distributed/test_readiness_procs.py, on two ranks (gloo).
 
     python -m torch.distributed.run --standalone --nproc_per_node=2 _readiness_worker.py OUT_DIR
 

@@ -1,11 +1,12 @@
 """DDP under torchrun with gloo on CPU, compared against a single-process reference.
 
-The single-process runs and the main two-process run go through the real CLI (``python -m
-sdnet_trainer``, ``torchrun -m sdnet_trainer``); every other two-process configuration trains in
-one shared launch of tests/distributed/_ddp_worker.py (one process group, one Trainer per case,
-composed from the same overrides as on the command line): starting a process group costs more
-than training this tiny model. RecordingTrainer (tests/support.py) saves the final parameters,
-the per-step global losses and the number of gradient all-reduce calls per step.
+The main two-process run goes through the command a user types (``torchrun -m sdnet_trainer``),
+the single-process runs through the same CLI forked ready-imported (tests/forked.py); every other
+two-process configuration trains in one shared launch of tests/distributed/_ddp_worker.py (one
+process group, one Trainer per case, composed from the same overrides as on the command line):
+starting a process group costs more than training this tiny model. RecordingTrainer
+(tests/support.py) saves the final parameters, the per-step global losses and the number of
+gradient all-reduce calls per step.
 """
 
 from __future__ import annotations
@@ -40,9 +41,11 @@ CASES = {
 }
 
 
-def _run(tmp_path, name, overrides, nproc=None) -> dict:
+def _run(tmp_path, name, overrides, nproc=None, fork=True) -> dict:
     run_dir = tmp_path / name
-    launch = run_cli(COMMON + overrides + [f"hydra.run.dir={run_dir}"], cwd=tmp_path, nproc=nproc)
+    launch = run_cli(
+        COMMON + overrides + [f"hydra.run.dir={run_dir}"], cwd=tmp_path, nproc=nproc, fork=fork
+    )
     assert launch.returncode == 0, launch.output
     return torch.load(run_dir / FINAL_STATE, weights_only=True)
 
@@ -56,7 +59,7 @@ def reference(tmp_path_factory) -> dict:
 @pytest.fixture(scope="module")
 def ddp2(tmp_path_factory) -> dict:
     """Two processes through the real CLI: torchrun -m sdnet_trainer."""
-    return _run(tmp_path_factory.mktemp("ddp2"), "ddp2", [], nproc=2)
+    return _run(tmp_path_factory.mktemp("ddp2"), "ddp2", [], nproc=2, fork=False)
 
 
 @pytest.fixture(scope="module")

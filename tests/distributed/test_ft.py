@@ -21,7 +21,8 @@ import pytest
 import torch
 
 from tests.distributed._ft_trainer import FINAL, RECORD
-from tests.support import TINY, run_cli, start_command, torchrun_command, wait_until
+from tests.forked import ForkedLaunch, run_forked
+from tests.support import TINY, start_command, torchrun_command, wait_until
 
 pytestmark = pytest.mark.full
 
@@ -47,30 +48,50 @@ def _ft(address: str, *, groups: int, min_groups: int, group: int, **extra: obje
     ]
 
 
+Started = subprocess.Popen | ForkedLaunch
+
+
+def _kill(proc: Started) -> None:
+    """The launch and everything it started (its own pids only)."""
+    if isinstance(proc, ForkedLaunch):
+        proc.kill()
+    elif proc.poll() is None:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait(timeout=30)
+
+
 @contextmanager
-def _launches() -> Iterator[list[subprocess.Popen]]:
-    """Processes started in sessions of their own; any still running at the end is killed with
-    its process group (its own pids only)."""
-    procs: list[subprocess.Popen] = []
+def _launches() -> Iterator[list[Started]]:
+    """Launches in sessions of their own; any still running at the end is killed."""
+    procs: list[Started] = []
     try:
         yield procs
     finally:
         for proc in procs:
-            if proc.poll() is None:
-                os.killpg(proc.pid, signal.SIGKILL)
-                proc.wait(timeout=30)
+            _kill(proc)
 
 
-def _start(procs: list, run_dir: Path, args: list[str], env: dict | None = None, nproc: int = 1):
-    """One replica group: ``python -m sdnet_trainer``, or torchrun with ``nproc`` ranks."""
+def _start(
+    procs: list,
+    run_dir: Path,
+    args: list[str],
+    env: dict | None = None,
+    nproc: int = 1,
+    torchrun: bool = False,
+) -> Started:
+    """One replica group of ``nproc`` ranks, forked ready-imported (tests/forked.py), or with
+    ``torchrun`` a torchrun launch (its agent and workers die together, as a node pulled)."""
     args = [*args, f"hydra.run.dir={run_dir}"]
-    if nproc == 1:
-        cmd = [sys.executable, "-m", "sdnet_trainer", *args]
+    log = run_dir.parent / f"{run_dir.name}.log"
+    proc: Started
+    if torchrun:
+        proc = start_command(
+            torchrun_command(args, nproc=nproc), cwd=run_dir.parent, log=log, env=env
+        )
     else:
-        cmd = torchrun_command(args, nproc=nproc)
-    proc = start_command(
-        cmd, cwd=run_dir.parent, log=run_dir.parent / f"{run_dir.name}.log", env=env
-    )
+        proc = ForkedLaunch(
+            args, cwd=run_dir.parent, log=log, nproc=nproc if nproc > 1 else None, env=env
+        )
     procs.append(proc)
     return proc
 
@@ -79,12 +100,11 @@ def _log(run_dir: Path) -> str:
     return (run_dir.parent / f"{run_dir.name}.log").read_text(errors="replace")
 
 
-def _finish(proc: subprocess.Popen, run_dir: Path, *, timeout: float = LAUNCH_TIMEOUT_S) -> None:
+def _finish(proc: Started, run_dir: Path, *, timeout: float = LAUNCH_TIMEOUT_S) -> None:
     try:
         code = proc.wait(timeout=timeout)
     except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        proc.wait(timeout=30)
+        _kill(proc)
         raise AssertionError(f"{run_dir.name} timed out:\n{_log(run_dir)[-6000:]}") from None
     assert code == 0, f"{run_dir.name} exited {code}:\n{_log(run_dir)[-6000:]}"
 
@@ -119,12 +139,12 @@ def _lighthouse(min_groups: int) -> Iterator[str]:
 def reference(tmp_path_factory) -> tuple[Path, dict]:
     """The uninterrupted single-process run over the same global batch."""
     root = tmp_path_factory.mktemp("ft_reference")
-    run = run_cli([*BASE, f"hydra.run.dir={root / 'ref'}"], cwd=root, timeout=LAUNCH_TIMEOUT_S)
+    run = run_forked([*BASE, f"hydra.run.dir={root / 'ref'}"], cwd=root, timeout=LAUNCH_TIMEOUT_S)
     assert run.returncode == 0, run.output[-4000:]
     return root / "ref", torch.load(root / "ref" / FINAL, weights_only=False)
 
 
-# Inside each group: one process, or torchrun with 2 ranks and DDP, or FSDP2 (HSDP across groups).
+# Inside each group: one process, or 2 ranks and DDP, or FSDP2 (HSDP across groups).
 GROUP_LAYOUTS = {
     "1_rank_per_group": (1, []),
     "2_ranks_ddp_per_group": (2, []),
@@ -134,7 +154,7 @@ GROUP_LAYOUTS = {
 
 @pytest.mark.parametrize("layout", list(GROUP_LAYOUTS))
 def test_sync_two_groups_match_single_process_training_step_for_step(tmp_path, reference, layout):
-    """Two groups (of 1 process, or torchrun with 2 ranks and DDP or FSDP inside) against one
+    """Two groups (of 1 process, or 2 ranks and DDP or FSDP inside) against one
     process over the same global batch: the same parameters after every step, to float
     rounding."""
     ref_dir, ref = reference
@@ -218,8 +238,10 @@ def test_three_groups_one_killed_the_others_continue_it_rejoins_from_a_peer(
         freeze_at, frozen_s = 2, 1.0
         if ranks == 1:
             envs[2]["SDNET_FT_FREEZE"] = f"{freeze_at}:{frozen_s}"
+        # Groups of 2 under torchrun: the killed group's agent and workers die at once.
+        launch = {"nproc": ranks, "torchrun": ranks > 1}
         group = {g: _start(procs, runs[g], [*args, *_ft(address, groups=3, min_groups=2, group=g)],
-                           env=envs[g], nproc=ranks) for g in range(3)}  # fmt: skip
+                           env=envs[g], **launch) for g in range(3)}  # fmt: skip
         assert group[2].wait(timeout=LAUNCH_TIMEOUT_S) == -signal.SIGKILL, _log(runs[2])[-4000:]
         killed = time.time()
         # The other two keep stepping, without a restart: same processes, next steps committed.
@@ -231,7 +253,7 @@ def test_three_groups_one_killed_the_others_continue_it_rejoins_from_a_peer(
         assert group[0].poll() is None and group[1].poll() is None
         ft = _ft(address, groups=3, min_groups=2, group=2)
         env = {"SDNET_FT_READY": str(tmp_path / "ready_rejoined")}
-        relaunch = _start(procs, rejoined, [*args, *ft], env=env, nproc=ranks)
+        relaunch = _start(procs, rejoined, [*args, *ft], env=env, **launch)
         for g in (0, 1):
             _finish(group[g], runs[g])
         _finish(relaunch, rejoined)
@@ -354,7 +376,7 @@ def test_an_unreachable_lighthouse_stops_the_launch_with_a_config_error(tmp_path
         port = sock.getsockname()[1]
     ft = _ft(f"http://localhost:{port}", groups=2, min_groups=1, group=0)
     args = [*BASE, *ft, "fault_tolerance.timeouts.connect_s=2", f"hydra.run.dir={tmp_path / 'r'}"]
-    run = run_cli(args, cwd=tmp_path, timeout=LAUNCH_TIMEOUT_S)
+    run = run_forked(args, cwd=tmp_path, timeout=LAUNCH_TIMEOUT_S)
     assert run.returncode == 2, run.output[-3000:]
     assert f"fault_tolerance.lighthouse='http://localhost:{port}' is not reachable" in run.output
     assert "fault_tolerance.timeouts.connect_s=2 s" in run.output

@@ -36,7 +36,7 @@ class HealthRun:
 def health_run(tmp_path_factory) -> HealthRun:
     out_dir = tmp_path_factory.mktemp("health")
     started = time.monotonic()
-    launch = run_cli([str(out_dir)], cwd=out_dir, nproc=2, script=WORKER, timeout=120)
+    launch = run_cli([str(out_dir)], cwd=out_dir, nproc=2, script=WORKER, timeout=120, fork=False)
     ended = time.monotonic()
     # CLOCK_MONOTONIC is system-wide on Linux, so the workers' stamps compare with ours.
     armed = [float(t) for t in re.findall(r"rank \d armed at ([\d.]+)", launch.output)]

@@ -34,6 +34,7 @@ COMMON = [
     "logging.trackers=[jsonl]",
     "logging.log_every_n_steps=5",
     "checkpoint.save_on_exit=false",
+    "logging.flops=false",  # no MFU figures checked here: the count is a forward per rank and case
     # The weights' moving average in every layout (decay 0.5: 5 steps move it visibly away from
     # the weights), compared with the single process's, and evaluated as val_ema/*.
     "model.ema.enabled=true",
@@ -241,6 +242,7 @@ def _chat_run(out) -> list[str]:
         "loop.eval_at_end=false",
         "loop.eval_at_epoch_end=false",
         "logging.trackers=[]",
+        "logging.flops=false",
         "checkpoint.save_on_exit=false",
     ]
 

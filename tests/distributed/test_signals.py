@@ -53,7 +53,7 @@ def _final(run_dir):
 
 @pytest.fixture(scope="module")
 def uninterrupted(tmp_path_factory):
-    """The run that no signal reaches, under torchrun with 2 processes."""
+    """The run that no signal reaches, on 2 processes (forked ready-imported: tests/forked.py)."""
     tmp = tmp_path_factory.mktemp("uninterrupted")
     run = run_cli(COMMON + [f"hydra.run.dir={tmp / 'run'}"], cwd=tmp, nproc=2)
     assert run.returncode == 0, run.output

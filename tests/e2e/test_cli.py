@@ -21,6 +21,7 @@ def test_quickstart_under_torchrun_trains_and_logs(tmp_path):
         ["+recipe=quickstart", "loop.max_steps=100", "loop.eval_every_n_steps=50"],
         cwd=tmp_path,
         nproc=2,
+        fork=False,
     )
     assert launch.returncode == 0, launch.output
     run_dir = _only_run_dir(tmp_path / "outputs" / "quickstart")  # the predictable default path
@@ -61,7 +62,9 @@ def test_quickstart_under_torchrun_trains_and_logs(tmp_path):
 
 def test_single_process_cli_from_any_directory(tmp_path):
     run_dir = tmp_path / "elsewhere" / "run"
-    launch = run_cli(TINY + ["loop.max_steps=4", f"hydra.run.dir={run_dir}"], cwd=tmp_path)
+    launch = run_cli(
+        TINY + ["loop.max_steps=4", f"hydra.run.dir={run_dir}"], cwd=tmp_path, fork=False
+    )
     assert launch.returncode == 0, launch.output
     assert "world size 1" in (run_dir / "train.log").read_text()
     assert not (tmp_path / "outputs").exists()
@@ -75,7 +78,7 @@ def test_trainer_subclass_trains_through_the_cli(tmp_path, route):
         f"hydra.run.dir={tmp_path / 'run'}",
     ]
     script = REPO / "recipes" / "custom_model.py" if route == "script" else None
-    launch = run_cli(overrides, cwd=tmp_path, nproc=2, script=script)
+    launch = run_cli(overrides, cwd=tmp_path, nproc=2, script=script, fork=False)
     assert launch.returncode == 0, launch.output
     rows = read_jsonl(tmp_path / "run" / "metrics.jsonl")
     assert last_metric(rows, "val/top1") > 80.0  # three classes: chance is 33%
@@ -105,6 +108,7 @@ def test_bad_batch_split_stops_every_rank_before_the_process_group(tmp_path):
         TINY + ["loop.global_batch_size=33", f"hydra.run.dir={tmp_path / 'run'}"],
         cwd=tmp_path,
         nproc=2,
+        fork=False,
     )
     assert launch.returncode != 0
     message = "config error: loop.global_batch_size=33 is not divisible by world size (2)"
@@ -149,6 +153,7 @@ def test_gpt_pipeline_recipe_trains_under_torchrun(tmp_path):
         ],
         cwd=tmp_path,
         nproc=2,
+        fork=False,
     )
     assert launch.returncode == 0, launch.output
     rows = read_jsonl(run_dir / "metrics.jsonl")

@@ -1,0 +1,235 @@
+"""Launches without an interpreter's start-up: ``python -m sdnet_trainer`` (or another of the
+project's commands, or a script) and N-process worlds of it, forked from a server that has
+imported torch and the project once.
+
+A launch through ``torchrun -m sdnet_trainer`` starts three interpreters that each import torch
+and the project: about 20 CPU-seconds before the first step on the 2-core test machines, more
+than most tests' training. The tests whose subject is not the launcher (a layout, a resume, a
+fault inside the training loop) start their processes here instead: Python's forkserver, with
+``tests.support`` and the CLI preloaded, forks each rank already imported. Each rank gets the
+variables a scheduler that starts processes without torchrun sets (RANK, WORLD_SIZE,
+LOCAL_RANK, LOCAL_WORLD_SIZE, MASTER_ADDR, MASTER_PORT: ``srun`` and submitit do the same), runs
+the command's ``__main__`` as the interpreter would, and exits with its code. What torchrun's
+agent does for a failed world, this does too: when one rank exits non-zero, the others get
+SIGTERM, then SIGKILL 30 s later.
+
+The tests of the launcher itself (signals to torchrun's agent, its death, its restarts, the
+rendezvous of several agents, its failure summary) and of the command line as a user types it
+start the real command: ``run_cli(..., fork=False)`` in tests/support.py.
+"""
+
+from __future__ import annotations
+
+import atexit
+import contextlib
+import io
+import multiprocessing
+import os
+import runpy
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+import traceback
+from pathlib import Path
+
+from tests.support import Launch, cli_env
+
+# As torchrun's agent: it looks at its workers every MONITOR_S; after a failure it sends the
+# others SIGTERM, and SIGKILL TERMINATE_GRACE_S later. A forked rank leaves without the
+# interpreter's finalization, a fraction of a second sooner than under torchrun: its peers get
+# FAILED_GRACE_S before the SIGTERM, so that ranks failing together each finish saying why.
+MONITOR_S = 0.1
+FAILED_GRACE_S = 1.0
+TERMINATE_GRACE_S = 30.0
+
+_SERVER = multiprocessing.get_context("forkserver")
+# Imported once in the fork server (per pytest process): torch, the project and its CLI (Hydra),
+# and the recording Trainers the tests name as trainer._target_.
+_SERVER.set_forkserver_preload(["tests.support", "sdnet_trainer.cli"])
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def _interpreter_exit_code(ended: SystemExit) -> int:
+    """The interpreter's rule: None is 0, an int itself, anything else is printed and is 1."""
+    if ended.code is None:
+        return 0
+    if isinstance(ended.code, int):
+        return ended.code & 0xFF
+    print(ended.code, file=sys.stderr)
+    return 1
+
+
+def _rank_main(target: str, args: list[str], env: dict[str, str], cwd: str, log: str):
+    """In the forked rank: what ``python -m MODULE ARGS`` (or ``python SCRIPT.py ARGS``) would
+    do, in a session of its own (a kill of its group reaches its DataLoader workers), output to
+    ``log``."""
+    os.setsid()
+    # The start method of a new interpreter (the fork server's children inherit its own): the
+    # DataLoader's workers are forked from the rank, as they would be.
+    multiprocessing.set_start_method(None, force=True)
+    os.environ.clear()
+    os.environ.update(env)
+    os.chdir(cwd)
+    out = os.open(log, os.O_WRONLY | os.O_APPEND)
+    os.dup2(out, 1)
+    os.dup2(out, 2)
+    os.close(out)
+    # PYTHONUNBUFFERED, as cli_env sets for a launched interpreter: lines reach the log in order.
+    sys.stdout = io.TextIOWrapper(io.FileIO(1, "w", closefd=False), write_through=True)
+    sys.stderr = io.TextIOWrapper(io.FileIO(2, "w", closefd=False), write_through=True)
+    try:
+        if target.endswith(".py"):
+            sys.argv = [target, *args]
+            runpy.run_path(target, run_name="__main__")
+        else:
+            sys.argv = ["-m", *args]
+            runpy.run_module(target, run_name="__main__", alter_sys=True)
+        code = 0
+    except SystemExit as ended:
+        code = _interpreter_exit_code(ended)
+    except BaseException:
+        traceback.print_exc()
+        code = 1
+    # The interpreter's own shutdown: join the threads that are not daemons (an asynchronous
+    # checkpoint's writer), then the atexit functions; then leave without the fork server's.
+    threading._shutdown()  # type: ignore[attr-defined]
+    atexit._run_exitfuncs()
+    os._exit(code)
+
+
+class ForkedLaunch:
+    """A started launch: ``python -m MODULE ARGS`` (nproc None) or an ``nproc``-process world of
+    it, each rank forked ready-imported in a session of its own, output appended to ``log``;
+    ``script`` (a .py file) replaces ``-m MODULE``. Its exit code is the first failed rank's own
+    (torchrun would say 1), 0 when every rank succeeded."""
+
+    def __init__(
+        self,
+        args: list[str],
+        *,
+        cwd: Path,
+        log: Path,
+        nproc: int | None = None,
+        script: Path | None = None,
+        module: str = "sdnet_trainer",
+        env: dict[str, str] | None = None,
+    ) -> None:
+        target = str(script) if script else module
+        self.what = " ".join([target, *args])
+        self.returncode: int | None = None
+        self._failed_at: float | None = None
+        self._code = 0
+        self._terminated = False
+        base = {**cli_env(), **(env or {})}
+        ranks: list[dict[str, str]] = [{}]
+        if nproc is not None:
+            port = str(_free_port())
+            ranks = [
+                {
+                    "RANK": str(rank),
+                    "LOCAL_RANK": str(rank),
+                    "WORLD_SIZE": str(nproc),
+                    "LOCAL_WORLD_SIZE": str(nproc),
+                    "MASTER_ADDR": "127.0.0.1",
+                    "MASTER_PORT": port,
+                }
+                for rank in range(nproc)
+            ]
+        Path(log).touch()
+        self.ranks: list = []
+        try:
+            for rank_env in ranks:
+                proc = _SERVER.Process(
+                    target=_rank_main, args=(target, args, {**base, **rank_env}, str(cwd), str(log))
+                )
+                proc.start()
+                self.ranks.append(proc)
+        except BaseException:
+            self.kill()
+            raise
+
+    def poll(self) -> int | None:
+        """One look, as torchrun's agent takes every MONITOR_S: after the first failure the other
+        ranks get SIGTERM (FAILED_GRACE_S later), then SIGKILL. The exit code once all ended."""
+        if self.returncode is not None:
+            return self.returncode
+        codes = [proc.exitcode for proc in self.ranks]
+        now = time.monotonic()
+        if self._failed_at is None:
+            failed = [code for code in codes if code not in (None, 0)]
+            if failed:
+                self._failed_at, self._code = now, failed[0]
+        elif now > self._failed_at + FAILED_GRACE_S + TERMINATE_GRACE_S:
+            self._signal(signal.SIGKILL)
+        elif now > self._failed_at + FAILED_GRACE_S and not self._terminated:
+            self._signal(signal.SIGTERM)  # once: a repeated stop signal ends a rank at once
+            self._terminated = True
+        if any(code is None for code in codes):
+            return None
+        self.returncode = self._code
+        return self.returncode
+
+    def wait(self, timeout: float | None = None) -> int:
+        """The exit code; subprocess.TimeoutExpired after ``timeout`` seconds (the ranks run on)."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while (code := self.poll()) is None:
+            if deadline is not None and time.monotonic() > deadline:
+                raise subprocess.TimeoutExpired(self.what, timeout or 0)
+            time.sleep(MONITOR_S)
+        return code
+
+    def kill(self) -> None:
+        """SIGKILL every rank's session (the rank and its DataLoader workers); wait for them."""
+        self._signal(signal.SIGKILL)
+        for proc in self.ranks:
+            proc.join()
+
+    def _signal(self, signum: int) -> None:
+        for proc in self.ranks:
+            if proc.exitcode is None:
+                with contextlib.suppress(ProcessLookupError, PermissionError):
+                    os.killpg(proc.pid, signum)
+
+
+def run_forked(
+    args: list[str],
+    *,
+    cwd: Path,
+    nproc: int | None = None,
+    script: Path | None = None,
+    module: str = "sdnet_trainer",
+    timeout: float = 240,
+    env: dict[str, str] | None = None,
+) -> Launch:
+    """run_cli's launch, forked ready-imported (``ForkedLaunch``): the exit code is the first
+    failed rank's own, the output every rank's, interleaved. The whole world is killed on
+    timeout."""
+    fd, name = tempfile.mkstemp(prefix="forked-", suffix=".log")
+    os.close(fd)
+    log = Path(name)
+    try:
+        launch = ForkedLaunch(
+            args, cwd=cwd, log=log, nproc=nproc, script=script, module=module, env=env
+        )
+        try:
+            code = launch.wait(timeout)
+        except BaseException as exc:
+            launch.kill()
+            if isinstance(exc, subprocess.TimeoutExpired):
+                output = log.read_text(errors="replace")
+                raise AssertionError(
+                    f"timed out after {timeout} s: {launch.what}\n{output}"
+                ) from None
+            raise
+        return Launch(code, log.read_text(errors="replace"))
+    finally:
+        log.unlink(missing_ok=True)
