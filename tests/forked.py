@@ -13,9 +13,13 @@ the command's ``__main__`` as the interpreter would, and exits with its code. Wh
 agent does for a failed world, this does too: when one rank exits non-zero, the others get
 SIGTERM, then SIGKILL 30 s later.
 
-The tests of the launcher itself (signals to torchrun's agent, its death, its restarts, the
-rendezvous of several agents, its failure summary) and of the command line as a user types it
-start the real command: ``run_cli(..., fork=False)`` in tests/support.py.
+What a fork shares that fresh interpreters would not: the seed of ``str`` hashes (every rank,
+and every launch of a pytest worker, has the server's); and a rank leaves without the
+interpreter's finalization. The tests of the launcher itself (signals to torchrun's agent, its
+death, its restarts, the rendezvous of several agents, its failure summary), of the command line
+as a user types it, and the CUDA tests start the real command: ``run_cli(..., fork=False)`` in
+tests/support.py; the bitwise resumes after a signal to torchrun or a killed rank restarted by
+it run their stopped leg there.
 """
 
 from __future__ import annotations
@@ -25,6 +29,7 @@ import contextlib
 import io
 import multiprocessing
 import os
+import random
 import runpy
 import signal
 import socket
@@ -34,6 +39,7 @@ import tempfile
 import threading
 import time
 import traceback
+import weakref
 from pathlib import Path
 
 from tests.support import Launch, cli_env
@@ -43,6 +49,7 @@ from tests.support import Launch, cli_env
 # interpreter's finalization, a fraction of a second sooner than under torchrun: its peers get
 # FAILED_GRACE_S before the SIGTERM, so that ranks failing together each finish saying why.
 MONITOR_S = 0.1
+_TORCHRUN = ("TORCHELASTIC_", "GROUP_", "ROLE_")
 FAILED_GRACE_S = 1.0
 TERMINATE_GRACE_S = 30.0
 
@@ -51,11 +58,31 @@ _SERVER = multiprocessing.get_context("forkserver")
 # and the recording Trainers the tests name as trainer._target_.
 _SERVER.set_forkserver_preload(["tests.support", "sdnet_trainer.cli"])
 
+# Launches still running: killed when this process exits (an interrupted pytest), before
+# multiprocessing's own exit handler would wait for them to finish.
+_LIVE: weakref.WeakSet[ForkedLaunch] = weakref.WeakSet()
+
+
+@atexit.register
+def _kill_live() -> None:
+    for launch in list(_LIVE):
+        launch.kill()
+
 
 def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
+    """A port nothing listens on, for rank 0's store, from below the kernel's range of ephemeral
+    ports: between this check and the rank's bind, the many connections of the tests' process
+    groups (each takes an ephemeral port) cannot take it."""
+    low = int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    for _ in range(100):
+        port = random.randrange(10_000, low)
+        with socket.socket() as sock:
+            try:
+                sock.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return port
+    raise RuntimeError(f"no free port between 10000 and {low}")
 
 
 def _interpreter_exit_code(ended: SystemExit) -> int:
@@ -85,7 +112,9 @@ def _rank_main(target: str, args: list[str], env: dict[str, str], cwd: str, log:
     os.close(out)
     # PYTHONUNBUFFERED, as cli_env sets for a launched interpreter: lines reach the log in order.
     sys.stdout = io.TextIOWrapper(io.FileIO(1, "w", closefd=False), write_through=True)
-    sys.stderr = io.TextIOWrapper(io.FileIO(2, "w", closefd=False), write_through=True)
+    sys.stderr = io.TextIOWrapper(
+        io.FileIO(2, "w", closefd=False), write_through=True, errors="backslashreplace"
+    )
     try:
         if target.endswith(".py"):
             sys.argv = [target, *args]
@@ -129,7 +158,11 @@ class ForkedLaunch:
         self._failed_at: float | None = None
         self._code = 0
         self._terminated = False
-        base = {**cli_env(), **(env or {})}
+        # Without torchrun's variables (a shell inside a torchrun job has them): a rank started
+        # this way is not torchrun's worker, and must not bind its life to a parent it lacks.
+        base = {
+            k: v for k, v in {**cli_env(), **(env or {})}.items() if not k.startswith(_TORCHRUN)
+        }
         ranks: list[dict[str, str]] = [{}]
         if nproc is not None:
             port = str(_free_port())
@@ -146,6 +179,7 @@ class ForkedLaunch:
             ]
         Path(log).touch()
         self.ranks: list = []
+        _LIVE.add(self)
         try:
             for rank_env in ranks:
                 proc = _SERVER.Process(
@@ -175,6 +209,7 @@ class ForkedLaunch:
             self._terminated = True
         if any(code is None for code in codes):
             return None
+        _LIVE.discard(self)
         self.returncode = self._code
         return self.returncode
 
@@ -191,13 +226,17 @@ class ForkedLaunch:
         """SIGKILL every rank's session (the rank and its DataLoader workers); wait for them."""
         self._signal(signal.SIGKILL)
         for proc in self.ranks:
-            proc.join()
+            proc.join(timeout=TERMINATE_GRACE_S)
+        _LIVE.discard(self)
 
     def _signal(self, signum: int) -> None:
         for proc in self.ranks:
             if proc.exitcode is None:
-                with contextlib.suppress(ProcessLookupError, PermissionError):
-                    os.killpg(proc.pid, signum)
+                try:
+                    os.killpg(proc.pid, signum)  # its session: the rank and its loader workers
+                except ProcessLookupError:  # forked, but not yet in a session of its own
+                    with contextlib.suppress(ProcessLookupError):
+                        os.kill(proc.pid, signum)
 
 
 def run_forked(

@@ -90,6 +90,7 @@ def test_one_gpu_fit_bf16_compiled_and_profiled(tmp_path, model):
         ],
         cwd=tmp_path,
         timeout=270,
+        fork=False,
     )
     assert launch.returncode == 0, launch.output
 
@@ -237,6 +238,7 @@ def test_one_rank_nccl_process_group(tmp_path, strategy):
         cwd=tmp_path,
         nproc=1,
         timeout=210,
+        fork=False,
     )
     assert launch.returncode == 0, launch.output
     probe = read_probe(run_dir)

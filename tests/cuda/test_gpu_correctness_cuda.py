@@ -54,7 +54,7 @@ GPU = torch.device("cuda", 0)
 @pytest.fixture(scope="module")
 def group_results(tmp_path_factory) -> tuple[dict, Path]:
     out_dir = tmp_path_factory.mktemp("gpu_group")
-    launch = run_cli([str(out_dir)], cwd=out_dir, nproc=1, script=Path(worker.__file__))
+    launch = run_cli([str(out_dir)], cwd=out_dir, nproc=1, script=Path(worker.__file__), fork=False)
     assert launch.returncode == 0, launch.output
     return torch.load(out_dir / "results.pt", weights_only=False), out_dir
 
@@ -119,6 +119,7 @@ def test_a_short_run_with_the_default_watchdog_exits_promptly(tmp_path):
         ],
         cwd=tmp_path,
         nproc=1,
+        fork=False,
     )
     ended = time.time()
     assert launch.returncode == 0, launch.output
@@ -240,6 +241,7 @@ def test_local_rank_beyond_the_gpus_is_a_config_error(monkeypatch, tmp_path):
         [*CUDA, *TINY_RUN, "loop.max_steps=1", f"hydra.run.dir={tmp_path / 'run'}"],
         cwd=tmp_path,
         env={"LOCAL_RANK": str(count)},
+        fork=False,
     )
     assert launch.returncode == 2, launch.output
     assert f"LOCAL_RANK={count} needs GPU {count}" in launch.output

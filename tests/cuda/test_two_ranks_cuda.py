@@ -46,7 +46,12 @@ def _run(tmp_path: Path, name: str, device_keys: list[str], nproc: int | None) -
     out = tmp_path / name
     out.mkdir()
     launch = run_cli(
-        [str(out), *device_keys, *RUN], cwd=tmp_path, nproc=nproc, script=WORKER, timeout=200
+        [str(out), *device_keys, *RUN],
+        cwd=tmp_path,
+        nproc=nproc,
+        script=WORKER,
+        timeout=200,
+        fork=False,
     )
     assert launch.returncode == 0, launch.output
     return out

@@ -1,7 +1,7 @@
 """CheckpointManager: DCP save/load, atomic commit, validation, pruning, resume, load safety.
 
 Single-process tests run here without a process group (DCP's no_dist path). The two-rank tests
-share one torchrun launch of tests/distributed/_checkpoint_worker.py (gloo): it saves sync and
+share one 2-process launch of tests/distributed/_checkpoint_worker.py (gloo): it saves sync and
 async, loads back on both ranks, then has rank 1 SIGKILLed in the middle of a save.
 """
 
@@ -411,7 +411,7 @@ def test_async_save_error_is_logged_and_raised_by_wait(tmp_path, caplog):
     assert ckpts.latest().step == 2
 
 
-# ---------------------------------------------------------------------- two ranks (torchrun, gloo)
+# ---------------------------------------------------------------------- two ranks (gloo)
 
 
 @pytest.fixture(scope="module")

@@ -1,5 +1,4 @@
-"""sdnet_trainer.distributed.comm and comm_hooks: DDP communication hooks under torchrun with two
-ranks (gloo).
+"""sdnet_trainer.distributed.comm and comm_hooks: DDP communication hooks on two ranks (gloo).
 
 One launch of tests/distributed/_comm_worker.py (plain DDP + GradientComm, no Trainer) runs every
 scenario; each test checks one part of its results against a reference computed in the same

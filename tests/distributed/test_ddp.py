@@ -1,4 +1,4 @@
-"""DDP under torchrun with gloo on CPU, compared against a single-process reference.
+"""DDP with gloo on CPU, compared against a single-process reference.
 
 The main two-process run goes through the command a user types (``torchrun -m sdnet_trainer``),
 the single-process runs through the same CLI forked ready-imported (tests/forked.py); every other

@@ -42,7 +42,7 @@ CASES = {
 
 
 class Runs:
-    """Launched when first asked for: both two-process cases in one torchrun (one process group,
+    """Launched when first asked for: both two-process cases in one launch (one process group,
     one Trainer per case: starting a group costs more than training this model), the
     single-process reference in a process of its own."""
 

@@ -1,6 +1,6 @@
 """GPT tensor parallelism: a 2-rank TP model computes what the single-process model computes.
 
-One torchrun launch of tests/distributed/_gpt_tp_worker.py (gloo, CPU) runs every combination of
+One 2-process launch of tests/distributed/_gpt_tp_worker.py (gloo, CPU) runs every combination of
 loss_parallel and sequence_parallel and writes, for each rank, how far each is from the
 reference; the tests below hold the tolerances, one combination each.
 """

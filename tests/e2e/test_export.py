@@ -1,4 +1,4 @@
-"""python -m sdnet_trainer.export on a checkpoint written by 2 processes under torchrun."""
+"""python -m sdnet_trainer.export on a checkpoint written by 2 processes."""
 
 from __future__ import annotations
 

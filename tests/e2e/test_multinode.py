@@ -2,7 +2,7 @@
 
 Two torchrun agents meet through c10d rendezvous (the command docs/multinode.md gives for N nodes),
 or through a static master address set the way the Kubeflow operator sets it, and must train
-exactly like one agent with both processes; submitit's local executor (the stand-in for Hydra's
+exactly like both processes on one node; submitit's local executor (the stand-in for Hydra's
 SLURM launcher) starts tasks without torchrun and must do the same.
 """
 
@@ -36,7 +36,7 @@ def _free_port() -> int:
 
 @pytest.fixture(scope="module")
 def one_agent(tmp_path_factory) -> dict:
-    """The reference: one torchrun agent, two processes."""
+    """The reference: two processes on one node (forked ready-imported, tests/forked.py)."""
     tmp_path = tmp_path_factory.mktemp("one_agent")
     launch = run_cli(COMMON + [f"hydra.run.dir={tmp_path / 'run'}"], cwd=tmp_path, nproc=2)
     assert launch.returncode == 0, launch.output

@@ -1,6 +1,6 @@
 """Real images through the command line: scikit-learn's scanned digits
 (scripts/data/make_digits.py), as an ImageFolder and as the shards the converter makes of it,
-trained by torchrun with 2 processes. The shard run, local or over http://, sees the same samples
+trained by 2 processes. The shard run, local or over http://, sees the same samples
 in the same order as the folder run (the same losses step for step) and ends with the same
 validation accuracy, well above chance."""
 

@@ -1,5 +1,5 @@
 """python -m sdnet_trainer.serve over real HTTP on loopback: a CNN checkpoint written by 2
-processes under torchrun, a GPT checkpoint, and an export folder on onnxruntime; each server is
+processes, a GPT checkpoint, and an export folder on onnxruntime; each server is
 started on a free port and stopped (SIGTERM) by the test."""
 
 from __future__ import annotations

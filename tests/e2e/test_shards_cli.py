@@ -1,5 +1,5 @@
-"""Shards from the command line: the converter, then training with data.name=shards under
-torchrun, locally and from http:// URLs, step for step like the ImageFolder it came from."""
+"""Shards from the command line: the converter, then training with data.name=shards on 2
+processes, locally and from http:// URLs, step for step like the ImageFolder it came from."""
 
 from __future__ import annotations
 
