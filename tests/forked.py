@@ -1,6 +1,5 @@
-"""Launches without an interpreter's start-up: ``python -m sdnet_trainer`` (or another of the
-project's commands, or a script) and N-process worlds of it, forked from a server that has
-imported torch and the project once.
+"""Launches without an interpreter's start-up: ``python -m sdnet_trainer`` (or a script) and
+N-process worlds of it, forked from a server that has imported torch and the project once.
 
 A launch through ``torchrun -m sdnet_trainer`` starts three interpreters that each import torch
 and the project: about 20 CPU-seconds before the first step on the 2-core test machines, more
@@ -29,10 +28,8 @@ import contextlib
 import io
 import multiprocessing
 import os
-import random
 import runpy
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -42,16 +39,20 @@ import traceback
 import weakref
 from pathlib import Path
 
-from tests.support import Launch, cli_env
+from tests.support import Launch, cli_env, free_port
 
 # As torchrun's agent: it looks at its workers every MONITOR_S; after a failure it sends the
 # others SIGTERM, and SIGKILL TERMINATE_GRACE_S later. A forked rank leaves without the
 # interpreter's finalization, a fraction of a second sooner than under torchrun: its peers get
 # FAILED_GRACE_S before the SIGTERM, so that ranks failing together each finish saying why.
 MONITOR_S = 0.1
-_TORCHRUN = ("TORCHELASTIC_", "GROUP_", "ROLE_")
 FAILED_GRACE_S = 1.0
 TERMINATE_GRACE_S = 30.0
+
+# The variables torchrun's agent sets for its workers, left out of a rank's environment (a shell
+# inside a torchrun job has them): a rank started here is not torchrun's worker, and must not bind
+# its life to a parent it lacks.
+_TORCHRUN = ("TORCHELASTIC_", "GROUP_", "ROLE_")
 
 _SERVER = multiprocessing.get_context("forkserver")
 # Imported once in the fork server (per pytest process): torch, the project and its CLI (Hydra),
@@ -69,22 +70,6 @@ def _kill_live() -> None:
         launch.kill()
 
 
-def _free_port() -> int:
-    """A port nothing listens on, for rank 0's store, from below the kernel's range of ephemeral
-    ports: between this check and the rank's bind, the many connections of the tests' process
-    groups (each takes an ephemeral port) cannot take it."""
-    low = int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
-    for _ in range(100):
-        port = random.randrange(10_000, low)
-        with socket.socket() as sock:
-            try:
-                sock.bind(("127.0.0.1", port))
-            except OSError:
-                continue
-            return port
-    raise RuntimeError(f"no free port between 10000 and {low}")
-
-
 def _interpreter_exit_code(ended: SystemExit) -> int:
     """The interpreter's rule: None is 0, an int itself, anything else is printed and is 1."""
     if ended.code is None:
@@ -96,7 +81,7 @@ def _interpreter_exit_code(ended: SystemExit) -> int:
 
 
 def _rank_main(target: str, args: list[str], env: dict[str, str], cwd: str, log: str):
-    """In the forked rank: what ``python -m MODULE ARGS`` (or ``python SCRIPT.py ARGS``) would
+    """In the forked rank: what ``python -m TARGET ARGS`` (or ``python TARGET.py ARGS``) would
     do, in a session of its own (a kill of its group reaches its DataLoader workers), output to
     ``log``."""
     os.setsid()
@@ -136,10 +121,10 @@ def _rank_main(target: str, args: list[str], env: dict[str, str], cwd: str, log:
 
 
 class ForkedLaunch:
-    """A started launch: ``python -m MODULE ARGS`` (nproc None) or an ``nproc``-process world of
-    it, each rank forked ready-imported in a session of its own, output appended to ``log``;
-    ``script`` (a .py file) replaces ``-m MODULE``. Its exit code is the first failed rank's own
-    (torchrun would say 1), 0 when every rank succeeded."""
+    """A started launch: ``python -m sdnet_trainer ARGS`` (nproc None) or an ``nproc``-process
+    world of it, each rank forked ready-imported in a session of its own, output appended to
+    ``log``; ``script`` (a .py file) replaces ``-m sdnet_trainer``. Its exit code is the first
+    failed rank's own (torchrun would say 1), 0 when every rank succeeded."""
 
     def __init__(
         self,
@@ -149,23 +134,20 @@ class ForkedLaunch:
         log: Path,
         nproc: int | None = None,
         script: Path | None = None,
-        module: str = "sdnet_trainer",
         env: dict[str, str] | None = None,
     ) -> None:
-        target = str(script) if script else module
+        target = str(script) if script else "sdnet_trainer"
         self.what = " ".join([target, *args])
         self.returncode: int | None = None
         self._failed_at: float | None = None
         self._code = 0
         self._terminated = False
-        # Without torchrun's variables (a shell inside a torchrun job has them): a rank started
-        # this way is not torchrun's worker, and must not bind its life to a parent it lacks.
         base = {
             k: v for k, v in {**cli_env(), **(env or {})}.items() if not k.startswith(_TORCHRUN)
         }
         ranks: list[dict[str, str]] = [{}]
         if nproc is not None:
-            port = str(_free_port())
+            port = str(free_port())
             ranks = [
                 {
                     "RANK": str(rank),
@@ -245,7 +227,6 @@ def run_forked(
     cwd: Path,
     nproc: int | None = None,
     script: Path | None = None,
-    module: str = "sdnet_trainer",
     timeout: float = 240,
     env: dict[str, str] | None = None,
 ) -> Launch:
@@ -256,9 +237,7 @@ def run_forked(
     os.close(fd)
     log = Path(name)
     try:
-        launch = ForkedLaunch(
-            args, cwd=cwd, log=log, nproc=nproc, script=script, module=module, env=env
-        )
+        launch = ForkedLaunch(args, cwd=cwd, log=log, nproc=nproc, script=script, env=env)
         try:
             code = launch.wait(timeout)
         except BaseException as exc:

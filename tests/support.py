@@ -7,6 +7,7 @@ import contextlib
 import json
 import math
 import os
+import random
 import signal
 import socket
 import subprocess
@@ -435,6 +436,30 @@ class SignalTrainer(FaultTrainer):
             if (int(rank), int(step)) == (self.env.rank, self.state.step + 1):
                 os.kill(os.getpid(), signal.Signals[f"SIG{name}"])
         return super().compute_loss(batch)
+
+
+def free_port(count: int = 1) -> int:
+    """A port p with p..p+count-1 free now, below the kernel's ephemeral range: ports from that
+    range are handed out to every bind(0), gloo's and the rendezvous store's included, so one
+    of them could take a port of ours between this probe and the bind of whoever it is for."""
+    try:
+        low = int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        low = 32768
+    for _ in range(200):
+        base = random.randrange(10000, max(low, 10000 + count + 1) - count)
+        if all(_bindable(port) for port in range(base, base + count)):
+            return base
+    raise AssertionError(f"no {count} consecutive free ports")
+
+
+def _bindable(port: int) -> bool:
+    with socket.socket() as sock:
+        try:
+            sock.bind(("127.0.0.1", port))
+        except OSError:
+            return False
+    return True
 
 
 def torchrun_command(

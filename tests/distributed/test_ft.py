@@ -21,8 +21,8 @@ import pytest
 import torch
 
 from tests.distributed._ft_trainer import FINAL, RECORD
-from tests.forked import ForkedLaunch, run_forked
-from tests.support import TINY, start_command, torchrun_command, wait_until
+from tests.forked import ForkedLaunch
+from tests.support import TINY, run_cli, start_command, torchrun_command, wait_until
 
 pytestmark = pytest.mark.full
 
@@ -139,7 +139,7 @@ def _lighthouse(min_groups: int) -> Iterator[str]:
 def reference(tmp_path_factory) -> tuple[Path, dict]:
     """The uninterrupted single-process run over the same global batch."""
     root = tmp_path_factory.mktemp("ft_reference")
-    run = run_forked([*BASE, f"hydra.run.dir={root / 'ref'}"], cwd=root, timeout=LAUNCH_TIMEOUT_S)
+    run = run_cli([*BASE, f"hydra.run.dir={root / 'ref'}"], cwd=root, timeout=LAUNCH_TIMEOUT_S)
     assert run.returncode == 0, run.output[-4000:]
     return root / "ref", torch.load(root / "ref" / FINAL, weights_only=False)
 
@@ -376,7 +376,7 @@ def test_an_unreachable_lighthouse_stops_the_launch_with_a_config_error(tmp_path
         port = sock.getsockname()[1]
     ft = _ft(f"http://localhost:{port}", groups=2, min_groups=1, group=0)
     args = [*BASE, *ft, "fault_tolerance.timeouts.connect_s=2", f"hydra.run.dir={tmp_path / 'r'}"]
-    run = run_forked(args, cwd=tmp_path, timeout=LAUNCH_TIMEOUT_S)
+    run = run_cli(args, cwd=tmp_path, timeout=LAUNCH_TIMEOUT_S)
     assert run.returncode == 2, run.output[-3000:]
     assert f"fault_tolerance.lighthouse='http://localhost:{port}' is not reachable" in run.output
     assert "fault_tolerance.timeouts.connect_s=2 s" in run.output

@@ -2,19 +2,12 @@
 
 from __future__ import annotations
 
-import socket
-
 import pytest
 import torch.distributed as dist
 
 from sdnet_trainer.config import DistConfig
 from sdnet_trainer.distributed import distributed_session
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+from tests.support import free_port
 
 
 @pytest.fixture
@@ -23,7 +16,7 @@ def one_rank_env(monkeypatch):
     monkeypatch.setenv("LOCAL_RANK", "0")
     monkeypatch.setenv("WORLD_SIZE", "1")
     monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
-    monkeypatch.setenv("MASTER_PORT", str(_free_port()))
+    monkeypatch.setenv("MASTER_PORT", str(free_port()))
 
 
 def test_group_is_destroyed_when_training_raises(one_rank_env):

@@ -11,7 +11,6 @@ from __future__ import annotations
 import contextlib
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -21,17 +20,11 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.support import FINAL_STATE, TINY, cli_env, run_cli
+from tests.support import FINAL_STATE, TINY, cli_env, free_port, run_cli
 
 TARGET = "trainer._target_=tests.support.RecordingTrainer"
 COMMON = TINY + [TARGET, "loop.max_steps=6", "loop.global_batch_size=32"]
 AGENT_TIMEOUT_S = 120
-
-
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 @pytest.fixture(scope="module")
@@ -84,7 +77,7 @@ def _wait_all(procs: list[subprocess.Popen], logs: list) -> None:
 
 def test_two_agents_with_c10d_rendezvous_train_like_one_agent(tmp_path, one_agent):
     rdzv_id = f"sdnet-{uuid.uuid4().hex[:8]}"
-    endpoint = f"127.0.0.1:{_free_port()}"
+    endpoint = f"127.0.0.1:{free_port()}"
     agent = [
         sys.executable,
         "-m",
@@ -114,7 +107,7 @@ def test_static_rendezvous_from_operator_environment_trains_like_one_agent(tmp_p
     """The static --node_rank/--master_addr form, given as the Kubeflow operator gives it
     (deploy/k8s/pytorchjob.yaml): PET_* variables that torchrun reads as its options, and the
     operator's own RANK/WORLD_SIZE per pod, which torchrun replaces for its workers."""
-    port = _free_port()
+    port = free_port()
     agent = [
         sys.executable,
         "-m",

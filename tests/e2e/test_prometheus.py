@@ -23,14 +23,20 @@ from pathlib import Path
 import pytest
 import yaml
 
-from tests.support import TINY, read_jsonl, start_command, torchrun_command, wait_until
+from tests.support import (
+    TINY,
+    free_port,
+    read_jsonl,
+    start_command,
+    torchrun_command,
+    wait_until,
+)
 from tests.unit.test_prometheus import (
     DASHBOARD,
     EXPECTED,
     Samples,
     _expressions,
     _metric_names,
-    free_port,
     parse,
 )
 

@@ -7,7 +7,6 @@ from __future__ import annotations
 import http.server
 import json
 import logging
-import random
 import re
 import shutil
 import socket
@@ -40,7 +39,7 @@ from sdnet_trainer.observability.prometheus import (  # noqa: E402
     metric_names,
     validate_prometheus,
 )
-from tests.support import REPO, wait_until  # noqa: E402
+from tests.support import REPO, free_port, wait_until  # noqa: E402
 
 MONITORING = REPO / "deploy" / "monitoring"
 DASHBOARD = MONITORING / "grafana" / "dashboards" / "sdnet_training.json"
@@ -136,30 +135,6 @@ EXPECTED = {
     "ft/skipped_steps": ("sdnet_ft_skipped_steps", {}, 1),
     "ft/committed_steps": ("sdnet_ft_committed_steps", {}, 1),
 }
-
-
-def free_port(count: int = 1) -> int:
-    """A port p with p..p+count-1 free now, below the kernel's ephemeral range: ports from that
-    range are handed out to every bind(0), gloo's and the rendezvous store's included, so one
-    of them could take a port of ours between this probe and the exporter's bind."""
-    try:
-        low = int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
-    except (OSError, ValueError, IndexError):
-        low = 32768
-    for _ in range(200):
-        base = random.randrange(10000, max(low, 10000 + count + 1) - count)
-        if all(_bindable(port) for port in range(base, base + count)):
-            return base
-    raise AssertionError(f"no {count} consecutive free ports")
-
-
-def _bindable(port: int) -> bool:
-    with socket.socket() as sock:
-        try:
-            sock.bind(("127.0.0.1", port))
-        except OSError:
-            return False
-    return True
 
 
 Samples = dict[tuple[str, frozenset[tuple[str, str]]], float]

@@ -316,7 +316,7 @@ def test_a_failed_setup_releases_the_metrics_writer_and_its_port(tmp_path):
     checkpoint) leaves no Prometheus server behind once the Trainer is closed."""
     import socket
 
-    from tests.unit.test_prometheus import free_port
+    from tests.support import free_port
 
     port = free_port()
     overrides = [f"logging.prometheus.port={port}", f"checkpoint.resume={tmp_path / 'none'}"]
