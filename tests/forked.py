@@ -1,5 +1,6 @@
-"""Launches without an interpreter's start-up: ``python -m sdnet_trainer`` (or a script) and
-N-process worlds of it, forked from a server that has imported torch and the project once.
+"""Launches without an interpreter's start-up: ``python -m sdnet_trainer`` (or another of the
+project's commands, or a script) and N-process worlds of it, forked from a server that has
+imported torch and the project once.
 
 A launch through ``torchrun -m sdnet_trainer`` starts three interpreters that each import torch
 and the project: about 20 CPU-seconds before the first step on the 2-core test machines, more
@@ -36,6 +37,7 @@ import tempfile
 import threading
 import time
 import traceback
+import warnings
 import weakref
 from pathlib import Path
 
@@ -56,8 +58,14 @@ _TORCHRUN = ("TORCHELASTIC_", "GROUP_", "ROLE_")
 
 _SERVER = multiprocessing.get_context("forkserver")
 # Imported once in the fork server (per pytest process): torch, the project and its CLI (Hydra),
-# and the recording Trainers the tests name as trainer._target_.
-_SERVER.set_forkserver_preload(["tests.support", "sdnet_trainer.cli"])
+# and the recording Trainers the tests name as trainer._target_; then what a training rank imports
+# on its way anyway, a second or two each: torch._dynamo (torch's optimizers import it when the
+# first is built), torchvision (image data, ResNets) and transformers (Hugging Face folders).
+# The test of what the CLI leaves out starts a fresh interpreter (test_lazy_imports, fork=False).
+# A module that is not installed is left out (the fork server skips an ImportError).
+_SERVER.set_forkserver_preload(
+    ["tests.support", "sdnet_trainer.cli", "torch._dynamo", "torchvision", "transformers"]
+)
 
 # Launches still running: killed when this process exits (an interrupted pytest), before
 # multiprocessing's own exit handler would wait for them to finish.
@@ -80,10 +88,19 @@ def _interpreter_exit_code(ended: SystemExit) -> int:
     return 1
 
 
-def _rank_main(target: str, args: list[str], env: dict[str, str], cwd: str, log: str):
+def _rank_main(
+    target: str,
+    args: list[str],
+    env: dict[str, str],
+    cwd: str,
+    log: str,
+    err_log: str | None = None,
+    warnings_as_errors: bool = False,
+):
     """In the forked rank: what ``python -m TARGET ARGS`` (or ``python TARGET.py ARGS``) would
     do, in a session of its own (a kill of its group reaches its DataLoader workers), output to
-    ``log``."""
+    ``log`` (stderr to ``err_log`` where given); ``warnings_as_errors``: as ``python -W error``
+    for what runs after the fork (runpy's own warnings and the command's imports and run)."""
     os.setsid()
     # The start method of a new interpreter (the fork server's children inherit its own): the
     # DataLoader's workers are forked from the rank, as they would be.
@@ -93,6 +110,9 @@ def _rank_main(target: str, args: list[str], env: dict[str, str], cwd: str, log:
     os.chdir(cwd)
     out = os.open(log, os.O_WRONLY | os.O_APPEND)
     os.dup2(out, 1)
+    if err_log is not None:
+        os.close(out)
+        out = os.open(err_log, os.O_WRONLY | os.O_APPEND)
     os.dup2(out, 2)
     os.close(out)
     # PYTHONUNBUFFERED, as cli_env sets for a launched interpreter: lines reach the log in order.
@@ -100,6 +120,8 @@ def _rank_main(target: str, args: list[str], env: dict[str, str], cwd: str, log:
     sys.stderr = io.TextIOWrapper(
         io.FileIO(2, "w", closefd=False), write_through=True, errors="backslashreplace"
     )
+    if warnings_as_errors:
+        warnings.simplefilter("error")
     try:
         if target.endswith(".py"):
             sys.argv = [target, *args]
@@ -123,8 +145,10 @@ def _rank_main(target: str, args: list[str], env: dict[str, str], cwd: str, log:
 class ForkedLaunch:
     """A started launch: ``python -m sdnet_trainer ARGS`` (nproc None) or an ``nproc``-process
     world of it, each rank forked ready-imported in a session of its own, output appended to
-    ``log``; ``script`` (a .py file) replaces ``-m sdnet_trainer``. Its exit code is the first
-    failed rank's own (torchrun would say 1), 0 when every rank succeeded."""
+    ``log`` (stderr to ``err_log`` where given); ``module`` (another of the project's commands,
+    ``sdnet_trainer.data.shards``) or ``script`` (a .py file) replaces ``-m sdnet_trainer``. Its
+    exit code is the first failed rank's own (torchrun would say 1), 0 when every rank
+    succeeded."""
 
     def __init__(
         self,
@@ -134,9 +158,12 @@ class ForkedLaunch:
         log: Path,
         nproc: int | None = None,
         script: Path | None = None,
+        module: str = "sdnet_trainer",
         env: dict[str, str] | None = None,
+        err_log: Path | None = None,
+        warnings_as_errors: bool = False,
     ) -> None:
-        target = str(script) if script else "sdnet_trainer"
+        target = str(script) if script else module
         self.what = " ".join([target, *args])
         self.returncode: int | None = None
         self._failed_at: float | None = None
@@ -160,12 +187,19 @@ class ForkedLaunch:
                 for rank in range(nproc)
             ]
         Path(log).touch()
+        if err_log is not None:
+            Path(err_log).touch()
         self.ranks: list = []
         _LIVE.add(self)
         try:
             for rank_env in ranks:
                 proc = _SERVER.Process(
-                    target=_rank_main, args=(target, args, {**base, **rank_env}, str(cwd), str(log))
+                    target=_rank_main,
+                    args=(target, args, {**base, **rank_env}, str(cwd), str(log)),
+                    kwargs={
+                        "err_log": None if err_log is None else str(err_log),
+                        "warnings_as_errors": warnings_as_errors,
+                    },
                 )
                 proc.start()
                 self.ranks.append(proc)
@@ -227,27 +261,73 @@ def run_forked(
     cwd: Path,
     nproc: int | None = None,
     script: Path | None = None,
+    module: str = "sdnet_trainer",
     timeout: float = 240,
     env: dict[str, str] | None = None,
 ) -> Launch:
     """run_cli's launch, forked ready-imported (``ForkedLaunch``): the exit code is the first
     failed rank's own, the output every rank's, interleaved. The whole world is killed on
-    timeout."""
+    timeout. ``module``: ``python -m MODULE``, another of the project's commands."""
     fd, name = tempfile.mkstemp(prefix="forked-", suffix=".log")
     os.close(fd)
     log = Path(name)
     try:
-        launch = ForkedLaunch(args, cwd=cwd, log=log, nproc=nproc, script=script, env=env)
-        try:
-            code = launch.wait(timeout)
-        except BaseException as exc:
-            launch.kill()
-            if isinstance(exc, subprocess.TimeoutExpired):
-                output = log.read_text(errors="replace")
-                raise AssertionError(
-                    f"timed out after {timeout} s: {launch.what}\n{output}"
-                ) from None
-            raise
-        return Launch(code, log.read_text(errors="replace"))
+        launch = ForkedLaunch(
+            args, cwd=cwd, log=log, nproc=nproc, script=script, module=module, env=env
+        )
+        return Launch(_waited(launch, timeout, log), log.read_text(errors="replace"))
     finally:
         log.unlink(missing_ok=True)
+
+
+def run_module_apart(
+    module: str,
+    args: list[str],
+    *,
+    cwd: Path,
+    timeout: float = 120,
+    warnings_as_errors: bool = False,
+) -> subprocess.CompletedProcess:
+    """``python [-W error] -m MODULE ARGS`` forked ready-imported, one process, with stdout and
+    stderr apart, as ``subprocess.run(..., capture_output=True, text=True)`` returns them: for the
+    tests of a command's own output (its report, its help, nothing on stderr) rather than of the
+    interpreter's start-up. ``warnings_as_errors``: any warning raised after the fork (runpy's,
+    the command's imports and run) is an error, as under ``-W error``."""
+    logs = []
+    for name in ("out", "err"):
+        fd, path = tempfile.mkstemp(prefix=f"forked-{name}-", suffix=".log")
+        os.close(fd)
+        logs.append(Path(path))
+    out, err = logs
+    try:
+        launch = ForkedLaunch(
+            args,
+            cwd=cwd,
+            log=out,
+            module=module,
+            err_log=err,
+            warnings_as_errors=warnings_as_errors,
+        )
+        code = _waited(launch, timeout, out, err)
+        return subprocess.CompletedProcess(
+            ["-m", module, *args],
+            code,
+            out.read_text(errors="replace"),
+            err.read_text(errors="replace"),
+        )
+    finally:
+        for log in logs:
+            log.unlink(missing_ok=True)
+
+
+def _waited(launch: ForkedLaunch, timeout: float, *logs: Path) -> int:
+    """The launch's exit code; killed, and an AssertionError with its output, after ``timeout``
+    seconds (killed on any other exception too)."""
+    try:
+        return launch.wait(timeout)
+    except BaseException as exc:
+        launch.kill()
+        if isinstance(exc, subprocess.TimeoutExpired):
+            output = "".join(log.read_text(errors="replace") for log in logs)
+            raise AssertionError(f"timed out after {timeout} s: {launch.what}\n{output}") from None
+        raise

@@ -10,9 +10,10 @@ Under FSDP the recorded parameters and optimizer state are gathered whole (every
 part; rank 0 writes ``ft_final.pt``).
 
 Environment: ``SDNET_FT_KILL_AT=S`` SIGKILLs this process during step S as its gradients start
-crossing the groups (the other groups are then entering the same all-reduce), and under torchrun
-its agent first: the whole group dies at once, its other ranks with the agent (their
-parent-death signal), as when a node is pulled; ``SDNET_FT_FREEZE=S:SECONDS`` stops this process
+crossing the groups (the other groups are then entering the same all-reduce), and its group's
+other ranks first (under torchrun its agent, the other ranks dying with it by their parent-death
+signal; forked ranks, tests/forked.py, by the pids they wrote at setup): the whole group dies at
+once, as when a node is pulled; ``SDNET_FT_FREEZE=S:SECONDS`` stops this process
 (SIGSTOP, every thread: its heartbeats too) during step S for SECONDS, then lets it go on
 (SIGCONT), as a slow but live group;
 ``SDNET_FT_PAUSE=S:PATH`` waits after step S until PATH exists;
@@ -23,6 +24,7 @@ launched together are all in the first quorum).
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -38,7 +40,7 @@ from sdnet_trainer.distributed.ddp import unwrap
 from sdnet_trainer.runtime.signals import launched_by_torchrun
 from tests.support import IndexedDataset
 
-RECORD, FINAL = "committed_rank{rank}.jsonl", "ft_final.pt"
+RECORD, FINAL, PID = "committed_rank{rank}.jsonl", "ft_final.pt", "pid_rank{rank}"
 PAUSE_LIMIT_S = 240.0
 
 
@@ -103,6 +105,8 @@ class FTRecorder(Trainer):
         self.kill_at = int(os.environ.get("SDNET_FT_KILL_AT", "0"))
         self.agent = os.getppid() if launched_by_torchrun() else None
         super().setup()
+        if self.kill_at:  # the group's pids, for _die
+            (self.output_dir / PID.format(rank=self.env.rank)).write_text(str(os.getpid()))
         if ready := os.environ.get("SDNET_FT_READY"):
             Path(ready).write_text("set up")
         if start := os.environ.get("SDNET_FT_START"):
@@ -129,6 +133,15 @@ class FTRecorder(Trainer):
         # ranks with the agent (their parent-death signal).
         if self.agent is not None and os.getppid() == self.agent:
             os.kill(self.agent, signal.SIGKILL)
+        elif self.agent is None:
+            # Forked ranks have no common parent: this rank kills its group's others (each in a
+            # session of its own, with its loader workers), which reach this point at the same
+            # step anyway, then itself.
+            for path in self.output_dir.glob(PID.format(rank="*")):
+                pid = int(path.read_text())
+                if pid != os.getpid():
+                    with contextlib.suppress(ProcessLookupError, PermissionError):
+                        os.killpg(pid, signal.SIGKILL)
         os.kill(os.getpid(), signal.SIGKILL)
 
     def compute_loss(self, batch):

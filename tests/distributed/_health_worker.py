@@ -1,4 +1,5 @@
-"""Worker for tests/distributed/test_health_procs.py, launched by torchrun with two ranks.
+"""Worker for tests/distributed/test_health_procs.py, launched as two ranks (RANK, WORLD_SIZE,
+MASTER_ADDR and MASTER_PORT set).
 
     _health_worker.py OUT_DIR
 

@@ -29,7 +29,7 @@ from torch.distributed.tensor import DTensor
 
 from sdnet_trainer import Trainer
 from sdnet_trainer.config import compose
-from sdnet_trainer.config.schema import DistConfig
+from sdnet_trainer.config.schema import Config, DistConfig
 from sdnet_trainer.distributed import all_reduce_sum, distributed_session
 from sdnet_trainer.distributed.ops import all_gather_objects
 from sdnet_trainer.lazy import freeze_imports
@@ -160,11 +160,14 @@ class LayoutRecorder(Trainer):
 
 def run_cases(out: Path, cases: dict[str, list[str]], recorder: type[Trainer]) -> None:
     """Train every case in one process group, each with a Trainer of class ``recorder`` (whose
-    ``record(fit_result)`` says what to keep); rank 0 saves each record as ``out/<case>.pt``."""
+    ``record(fit_result)`` says what to keep); rank 0 saves each record as ``out/<case>.pt``.
+
+    Rank 0 composes each case's config and sends it to the others: every rank would compose the
+    same config from the same overrides (most of a second each, times ranks, times cases)."""
     out.mkdir(parents=True, exist_ok=True)
     with distributed_session(DistConfig()) as env:
         for name, overrides in cases.items():
-            cfg = compose(overrides)
+            cfg = _composed_on_main(overrides, env.is_main)
             validate(cfg, world_size=env.world_size)
             trainer = recorder(cfg, output_dir=out / name, env=env)
             try:
@@ -173,6 +176,15 @@ def run_cases(out: Path, cases: dict[str, list[str]], recorder: type[Trainer]) -
                 trainer.close()
             if env.is_main:
                 torch.save(record, out / f"{name}.pt")
+
+
+def _composed_on_main(overrides: list[str], is_main: bool) -> Config:
+    """The config of ``overrides``, composed by rank 0 alone and broadcast to every rank."""
+    cfg = [compose(overrides) if is_main else None]
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        dist.broadcast_object_list(cfg, src=0)
+    assert cfg[0] is not None
+    return cfg[0]
 
 
 def main(out: Path, cases: dict[str, list[str]]) -> None:

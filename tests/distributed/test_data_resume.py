@@ -20,7 +20,7 @@ import torch
 
 from tests.support import (
     CPU,
-    DIGITS_TRAIN,
+    DIGITS_CLASSES,
     FINAL_STATE,
     convert_to_shards,
     corpus_line,
@@ -32,7 +32,12 @@ from tests.support import (
 )
 
 GLOBAL_BATCH = 64
-STEPS = DIGITS_TRAIN // GLOBAL_BATCH  # one epoch: 22 steps, 1,408 of the 1,437 images
+# The first 46 training images of each digit: an epoch of 7 steps (448 of the 460 images, the
+# last partial batch dropped) and shards of 100 images, more than one per epoch: the resume at step
+# 3 has 4 steps after it; the whole 1,437 images would only repeat the same check 3 times over.
+TRAIN_PER_CLASS = 46
+TRAIN_IMAGES = TRAIN_PER_CLASS * DIGITS_CLASSES
+STEPS = TRAIN_IMAGES // GLOBAL_BATCH
 COMMON = [
     *CPU,
     "trainer._target_=tests.support.FaultTrainer",  # records each rank's sample indices
@@ -55,13 +60,19 @@ ENV = {"SDNET_TEST_DROPOUT": "0"}
 
 @pytest.fixture(scope="module")
 def digits(tmp_path_factory):
-    return make_digits(tmp_path_factory.mktemp("digits") / "folder", size=16)
+    """The digits' ImageFolder, its training split cut to TRAIN_PER_CLASS images a class."""
+    folder = make_digits(tmp_path_factory.mktemp("digits") / "folder", size=16)
+    for label in (folder / "train").iterdir():
+        for image in sorted(label.iterdir())[TRAIN_PER_CLASS:]:
+            image.unlink()
+    assert len(list((folder / "train").glob("*/*.png"))) == TRAIN_IMAGES
+    return folder
 
 
 @pytest.fixture(scope="module")
 def digit_shards(digits):
     """The digits as shards, written once and only read by the runs."""
-    return convert_to_shards(digits, digits.parent / "shards", shard_size=300)
+    return convert_to_shards(digits, digits.parent / "shards", shard_size=100)
 
 
 def _data_args(kind: str, digits, digit_shards, base) -> list[str]:

@@ -6,6 +6,7 @@ One uninterrupted single-process run is the reference: the same global batch, th
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
@@ -22,7 +23,7 @@ import torch
 
 from tests.distributed._ft_trainer import FINAL, RECORD
 from tests.forked import ForkedLaunch
-from tests.support import TINY, run_cli, start_command, torchrun_command, wait_until
+from tests.support import TINY, run_cli, start_command, wait_until
 
 pytestmark = pytest.mark.full
 
@@ -72,26 +73,14 @@ def _launches() -> Iterator[list[Started]]:
 
 
 def _start(
-    procs: list,
-    run_dir: Path,
-    args: list[str],
-    env: dict | None = None,
-    nproc: int = 1,
-    torchrun: bool = False,
+    procs: list, run_dir: Path, args: list[str], env: dict | None = None, nproc: int = 1
 ) -> Started:
-    """One replica group of ``nproc`` ranks, forked ready-imported (tests/forked.py), or with
-    ``torchrun`` a torchrun launch (its agent and workers die together, as a node pulled)."""
+    """One replica group of ``nproc`` ranks, forked ready-imported (tests/forked.py)."""
     args = [*args, f"hydra.run.dir={run_dir}"]
     log = run_dir.parent / f"{run_dir.name}.log"
-    proc: Started
-    if torchrun:
-        proc = start_command(
-            torchrun_command(args, nproc=nproc), cwd=run_dir.parent, log=log, env=env
-        )
-    else:
-        proc = ForkedLaunch(
-            args, cwd=run_dir.parent, log=log, nproc=nproc if nproc > 1 else None, env=env
-        )
+    proc = ForkedLaunch(
+        args, cwd=run_dir.parent, log=log, nproc=nproc if nproc > 1 else None, env=env
+    )
     procs.append(proc)
     return proc
 
@@ -217,9 +206,10 @@ def test_three_groups_one_killed_the_others_continue_it_rejoins_from_a_peer(
     relaunched, receives the state from a peer and rejoins; all three end bitwise identical, and
     every step's global batch was trained exactly once (the guarantee of
     sdnet_trainer/ft/data.py). The same with 2 processes per group and FSDP inside (HSDP across
-    groups): torchrun's whole launch is killed, and the relaunch's rank r receives rank r's
-    shards from a peer. Before its death, group 2 of 1 process is stopped (SIGSTOP) for 1 s, less
-    than the lighthouse's 2 s heartbeat timeout, and kept: it commits every step up to its death."""
+    groups): both ranks of group 2 are killed at once, and the relaunch's rank r receives rank
+    r's shards from a peer. Before its death, group 2 of 1 process is stopped (SIGSTOP) for 1 s,
+    less than the lighthouse's 2 s heartbeat timeout, and kept: it commits every step up to its
+    death."""
     ref_dir, ref = reference
     ranks, inside = GROUP_LAYOUTS[layout]
     timeouts = ["fault_tolerance.timeouts.step_s=120", "fault_tolerance.timeouts.quorum_s=150"]
@@ -228,8 +218,10 @@ def test_three_groups_one_killed_the_others_continue_it_rejoins_from_a_peer(
     runs = {g: tmp_path / f"g{g}" for g in range(3)}
     rejoined = tmp_path / "g2_rejoined"
     ready = [tmp_path / f"ready{g}" for g in range(3)]
-    with _launches() as procs:
-        address = _start_lighthouse(procs, tmp_path, min_groups=2)
+    # The lighthouse's own command once; the same server in this process for the FSDP groups.
+    in_process = _lighthouse(2) if ranks > 1 else contextlib.nullcontext()
+    with in_process as address, _launches() as procs:
+        address = address or _start_lighthouse(procs, tmp_path, min_groups=2)
         start = ",".join(map(str, ready))
         envs = [{"SDNET_FT_READY": str(ready[g]), "SDNET_FT_START": start} for g in range(3)]
         for g in (0, 1):  # they wait after step pause_after until the relaunch is set up
@@ -238,10 +230,8 @@ def test_three_groups_one_killed_the_others_continue_it_rejoins_from_a_peer(
         freeze_at, frozen_s = 2, 1.0
         if ranks == 1:
             envs[2]["SDNET_FT_FREEZE"] = f"{freeze_at}:{frozen_s}"
-        # Groups of 2 under torchrun: the killed group's agent and workers die at once.
-        launch = {"nproc": ranks, "torchrun": ranks > 1}
         group = {g: _start(procs, runs[g], [*args, *_ft(address, groups=3, min_groups=2, group=g)],
-                           env=envs[g], **launch) for g in range(3)}  # fmt: skip
+                           env=envs[g], nproc=ranks) for g in range(3)}  # fmt: skip
         assert group[2].wait(timeout=LAUNCH_TIMEOUT_S) == -signal.SIGKILL, _log(runs[2])[-4000:]
         killed = time.time()
         # The other two keep stepping, without a restart: same processes, next steps committed.
@@ -253,7 +243,7 @@ def test_three_groups_one_killed_the_others_continue_it_rejoins_from_a_peer(
         assert group[0].poll() is None and group[1].poll() is None
         ft = _ft(address, groups=3, min_groups=2, group=2)
         env = {"SDNET_FT_READY": str(tmp_path / "ready_rejoined")}
-        relaunch = _start(procs, rejoined, [*args, *ft], env=env, **launch)
+        relaunch = _start(procs, rejoined, [*args, *ft], env=env, nproc=ranks)
         for g in (0, 1):
             _finish(group[g], runs[g])
         _finish(relaunch, rejoined)

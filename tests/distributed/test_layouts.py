@@ -70,6 +70,9 @@ RESNET = COMMON + [
     "model=resnet18",
     "model.cifar_stem=true",
     "data.image_size=16",
+    # One validation batch per rank of the 4-process layouts: under FSDP each eval forward
+    # gathers the whole ResNet-18 (11M parameters) again, for the weights and for their average.
+    "data.val_size=16",
     "optim=sgd",
     "optim.lr=0.002",
     "optim.momentum=0.9",

@@ -11,10 +11,12 @@ import re
 import signal
 import sys
 import textwrap
+from pathlib import Path
 
 import pytest
 import torch
 
+from sdnet_trainer.runtime import signals as signals_module
 from sdnet_trainer.runtime.signals import (
     EXIT_INTERRUPTED,
     EXIT_TERMINATED,
@@ -66,9 +68,26 @@ def _stop_lines(output: str, what: str) -> list[tuple[str, int]]:
     return [(prefix, int(step)) for prefix, step in re.findall(pattern, output, re.MULTILINE)]
 
 
-@pytest.mark.parametrize(
-    "name, target", [("INT", "agent"), ("INT", "process group"), ("TERM", "agent")]
-)
+def _process_group(pgid: int) -> set[int]:
+    """The live processes of process group ``pgid``."""
+    members = set()
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            fields = (entry / "stat").read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        if int(fields[2]) == pgid and fields[0] not in ("Z", "X"):
+            members.add(int(entry.name))
+    return members
+
+
+# SIGINT to torchrun's process group (Ctrl-C) and SIGTERM to the agent (a scheduler's kill). The
+# group holds the agent alone (checked below: torchrun starts each worker in a session of its
+# own), so the Ctrl-C case also delivers exactly what SIGINT to the agent would: one launch
+# covers both.
+@pytest.mark.parametrize("name, target", [("INT", "process group"), ("TERM", "agent")])
 def test_signal_to_torchrun_saves_stops_every_rank_and_resumes_bitwise(
     tmp_path, uninterrupted, name, target
 ):
@@ -90,6 +109,9 @@ def test_signal_to_torchrun_saves_stops_every_rank_and_resumes_bitwise(
         )
         assert agent.poll() is None, log.read_text()
         workers = child_processes(agent.pid)
+        # Were a worker in the agent's group, a terminal's Ctrl-C would reach it too, besides
+        # the agent's forwarded copy: that case would need a launch of its own.
+        assert _process_group(agent.pid) == {agent.pid}, (workers, _process_group(agent.pid))
         signum = signal.Signals[f"SIG{name}"]
         if target == "agent":
             os.kill(agent.pid, signum)
@@ -152,12 +174,24 @@ def test_signal_to_one_worker_stops_the_other_at_the_same_step(tmp_path):
 
 # ---------------------------------------------------------------------- StopSignals alone
 
+# The scripts below run in fresh interpreters that load sdnet_trainer/runtime/signals.py from its
+# file, under its own name: it imports only the standard library, and an interpreter that
+# imported the package (torch, the CLI) would spend about 7 CPU-seconds before the first line.
+LOAD_SIGNALS = f"""
+import importlib.util, sys
+_spec = importlib.util.spec_from_file_location(
+    "sdnet_trainer.runtime.signals", {signals_module.__file__!r}
+)
+signals = importlib.util.module_from_spec(_spec)
+sys.modules[_spec.name] = signals
+_spec.loader.exec_module(signals)
+"""
+
 REPEATS = """
 import os, signal, sys, time
-from sdnet_trainer.runtime.signals import StopSignals
 
 window = float(sys.argv[1])
-with StopSignals(repeat_after_s=window) as stop:
+with signals.StopSignals(repeat_after_s=window) as stop:
     os.kill(os.getpid(), signal.SIGINT)
     time.sleep(0.2)
     print("first", stop.signum, flush=True)
@@ -175,9 +209,8 @@ with StopSignals(repeat_after_s=window) as stop:
 # the watcher thread (started before the block) sees the signals.
 BLOCKED = """
 import ctypes, os, signal, threading
-from sdnet_trainer.runtime.signals import StopSignals
 
-with StopSignals(repeat_after_s=0.5) as stop:
+with signals.StopSignals(repeat_after_s=0.5) as stop:
     signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT, signal.SIGTERM})
     pid = os.getpid()
     threading.Timer(0.2, os.kill, (pid, signal.SIGTERM)).start()
@@ -187,9 +220,10 @@ with StopSignals(repeat_after_s=0.5) as stop:
 """
 
 
-def _script(tmp_path, text: str):
-    path = tmp_path / "script.py"
-    path.write_text(textwrap.dedent(text))
+def _script(tmp_path, text: str, name: str = "script.py"):
+    """``text`` after LOAD_SIGNALS, as a script: ``signals`` is the module under test."""
+    path = tmp_path / name
+    path.write_text(LOAD_SIGNALS + textwrap.dedent(text))
     return path
 
 
@@ -250,7 +284,6 @@ else:  # leave once the worker has recorded its launcher, before it binds itself
 WORKER = """
 import os, sys, time
 from pathlib import Path
-from sdnet_trainer.runtime import signals
 
 Path(sys.argv[2]).write_text("imported")
 if sys.argv[1] == "late":  # bind only once the launcher is gone: the race after the fork
@@ -263,9 +296,9 @@ time.sleep(120)
 
 
 def _launch(tmp_path, mode: str):
-    launcher, worker = tmp_path / "launcher.py", tmp_path / "worker.py"
+    launcher = tmp_path / "launcher.py"
     launcher.write_text(textwrap.dedent(LAUNCHER))
-    worker.write_text(textwrap.dedent(WORKER))
+    worker = _script(tmp_path, WORKER, "worker.py")
     imported, bound, log = tmp_path / "imported", tmp_path / "bound", tmp_path / "log"
     # The worker gets the launcher's arguments after its own path: MODE IMPORTED BOUND.
     cmd = [sys.executable, str(launcher), str(worker), mode, str(imported), str(bound)]

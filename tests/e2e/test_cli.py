@@ -1,6 +1,11 @@
 """The real command line: python -m sdnet_trainer and torchrun -m sdnet_trainer. The runs that
 stop before training (bad input, --help, --cfg) call the same entry point, ``cli.main``, in this
-process: what they check is the CLI's handling, not a new interpreter's start-up (seconds each)."""
+process: what they check is the CLI's handling, not a new interpreter's start-up (seconds each).
+Each command as a user types it starts for real once (torchrun -m sdnet_trainer: the quickstart,
+and its failure summary; torchrun recipes/custom_model.py; python -m sdnet_trainer); the other
+2-process runs (a recipe, a Trainer named in config) check what the CLI trains, and fork their
+ranks ready-imported (tests/forked.py) instead of starting torchrun's agent and two
+interpreters."""
 
 from __future__ import annotations
 
@@ -72,13 +77,16 @@ def test_single_process_cli_from_any_directory(tmp_path):
 
 @pytest.mark.parametrize("route", ["script", "config"])
 def test_trainer_subclass_trains_through_the_cli(tmp_path, route):
+    """A Trainer subclass learns through the CLI: its own script under torchrun, as a user types
+    it; or named in config, ``-m sdnet_trainer`` with forked ranks (that command under torchrun is
+    the quickstart's test)."""
     overrides = [
         "+recipe=custom_spirals",
         "loop.max_steps=200",
         f"hydra.run.dir={tmp_path / 'run'}",
     ]
     script = REPO / "recipes" / "custom_model.py" if route == "script" else None
-    launch = run_cli(overrides, cwd=tmp_path, nproc=2, script=script, fork=False)
+    launch = run_cli(overrides, cwd=tmp_path, nproc=2, script=script, fork=route == "config")
     assert launch.returncode == 0, launch.output
     rows = read_jsonl(tmp_path / "run" / "metrics.jsonl")
     assert last_metric(rows, "val/top1") > 80.0  # three classes: chance is 33%
@@ -135,10 +143,11 @@ def test_help_and_cfg_job(tmp_path, monkeypatch, capfd):
     assert not (tmp_path / "outputs").exists()  # --cfg only prints
 
 
-def test_gpt_pipeline_recipe_trains_under_torchrun(tmp_path):
-    """The pipeline recipe through the real CLI: bf16 autocast, 2 stages, 1F1B, the GPT and its
-    token data; metrics reported from the last stage; the profiler and MFU (with a given device
-    peak, as CPUs have none in the table) wired on every rank."""
+def test_gpt_pipeline_recipe_trains_through_the_cli(tmp_path):
+    """The pipeline recipe through the real CLI (``-m sdnet_trainer``'s ``__main__``, 2 ranks
+    forked ready-imported): bf16 autocast, 2 stages, 1F1B, the GPT and its token data; metrics
+    reported from the last stage; the profiler and MFU (with a given device peak, as CPUs have
+    none in the table) wired on every rank."""
     run_dir = tmp_path / "run"
     launch = run_cli(
         [
@@ -153,7 +162,6 @@ def test_gpt_pipeline_recipe_trains_under_torchrun(tmp_path):
         ],
         cwd=tmp_path,
         nproc=2,
-        fork=False,
     )
     assert launch.returncode == 0, launch.output
     rows = read_jsonl(run_dir / "metrics.jsonl")

@@ -59,8 +59,14 @@ def test_wheel_ships_configs_and_recipes_and_runs_from_another_directory(tmp_pat
     env = {**os.environ, "PYTHONPATH": str(target), "OMP_NUM_THREADS": "1"}
     workdir = tmp_path / "somewhere_else"
     workdir.mkdir()
+    # Where `import sdnet_trainer` finds the package (the file it would run as __file__), without
+    # running it: the import itself (torch, seconds of CPU) is the command line's, below.
     shown = _run(
-        [sys.executable, "-c", "import sdnet_trainer; print(sdnet_trainer.__file__)"],
+        [
+            sys.executable,
+            "-c",
+            "import importlib.util; print(importlib.util.find_spec('sdnet_trainer').origin)",
+        ],
         cwd=workdir,
         env=env,
     )

@@ -23,12 +23,11 @@ from pathlib import Path
 import pytest
 import yaml
 
+from tests.forked import ForkedLaunch
 from tests.support import (
     TINY,
     free_port,
     read_jsonl,
-    start_command,
-    torchrun_command,
     wait_until,
 )
 from tests.unit.test_prometheus import (
@@ -139,11 +138,10 @@ def test_every_rank_serves_what_the_run_logs(tmp_path):
     server = _Prometheus(binary, ports, tmp_path) if binary else None
     args = [*ARGS, f"logging.prometheus.port={base}", f"hydra.run.dir={run_dir}"]
     log = tmp_path / "run.log"
-    agent = start_command(
-        torchrun_command(args, nproc=2),
-        cwd=tmp_path,
-        log=log,
-        env={"SDNET_TEST_STEP_DELAY": STEP_DELAY_S},
+    # Two ranks forked ready-imported (tests/forked.py): the exporter, not the launcher, is
+    # what is checked, and each rank's identity comes from the variables any launcher sets.
+    agent = ForkedLaunch(
+        args, cwd=tmp_path, log=log, nproc=2, env={"SDNET_TEST_STEP_DELAY": STEP_DELAY_S}
     )
     scrapes: list[tuple[int, Samples]] = []  # (rank, one scrape)
     stored: list[tuple[float, float, float]] = []  # Prometheus' (time, step, loss) of rank 0
@@ -174,8 +172,7 @@ def test_every_rank_serves_what_the_run_logs(tmp_path):
             _check_prometheus(server, stored, run_dir, last_training_time=stored[-1][0])
     finally:
         if agent.poll() is None:
-            os.killpg(agent.pid, signal.SIGKILL)
-            agent.wait(timeout=30)
+            agent.kill()
         if server is not None:
             server.stop()
 

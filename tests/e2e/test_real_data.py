@@ -45,6 +45,7 @@ RUN = [
     f"loop.max_steps={STEPS}",
     "loop.eval_at_epoch_end=false",
     "logging.log_every_n_steps=1",
+    "checkpoint.save_on_exit=false",  # the runs are compared by their metrics
 ]
 
 

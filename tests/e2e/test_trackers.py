@@ -14,7 +14,7 @@ import pytest
 
 from sdnet_trainer.observability.trackers import CSV_FILE, MLFLOW_DIR
 from sdnet_trainer.observability.writers import METRICS_FILE
-from tests.support import TINY, read_jsonl, run_cli, run_command, torchrun_command
+from tests.support import TINY, read_jsonl, run_cli
 
 # The tiny CNN, 8 steps an epoch at any world size (256 samples, global batch 32), every tracker
 # that needs no network, logging every 2 steps.
@@ -92,8 +92,7 @@ def test_every_rank_holds_rank_0s_run_ids_and_its_failure(tmp_path):
     """The checkpoint part is replicated: after ``start`` every rank's state must be rank 0's
     (DCP saves one rank's copy of it, which one depends on the sizes of the other entries). Rank
     0 alone talks to MLflow; when it cannot, every rank stops with the reason."""
-    cmd = torchrun_command([str(tmp_path)], nproc=2, target=(__file__,))
-    launch = run_command(cmd, cwd=tmp_path, timeout=240, env=ENV)
+    launch = run_cli([str(tmp_path)], cwd=tmp_path, nproc=2, script=Path(__file__), env=ENV)
     assert launch.returncode == 0, launch.output
     states = [json.loads((tmp_path / f"rank{rank}.json").read_text()) for rank in (0, 1)]
     assert states[0]["ids"] == states[1]["ids"]
@@ -103,7 +102,7 @@ def test_every_rank_holds_rank_0s_run_ids_and_its_failure(tmp_path):
 
 
 def _broadcast_worker(out: Path) -> None:
-    """Under torchrun (gloo): a writer per rank with MLflow on rank 0, then one whose store
+    """On 2 ranks (gloo): a writer per rank with MLflow on rank 0, then one whose store
     cannot be created; each rank records its ids and the second writer's error."""
     import torch.distributed as dist
 

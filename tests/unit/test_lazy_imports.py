@@ -84,7 +84,9 @@ def test_the_cli_and_a_tiny_run_leave_out_what_they_do_not_use(tmp_path):
     probe.write_text(PROBE.format(at_import=AT_IMPORT, in_the_run=IN_THE_RUN))
     run_dir = tmp_path / "run"
     args = [*TINY, "loop.max_steps=2", f"hydra.run.dir={run_dir}"]
-    launch = run_cli(args, cwd=tmp_path, script=probe, timeout=240)
+    # A fresh interpreter (fork=False): a forked one would start with the fork server's imports
+    # (tests/forked.py preloads the CLI and what training imports anyway, torch._dynamo included).
+    launch = run_cli(args, cwd=tmp_path, script=probe, timeout=240, fork=False)
     assert launch.returncode == 0, launch.output[-3000:]
     assert checkpoint_names(run_dir / "checkpoints") == {"step_00000002"}, launch.output[-3000:]
     at_import = _reported(launch.output, "AT_IMPORT")

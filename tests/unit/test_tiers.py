@@ -7,22 +7,33 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+from dataclasses import dataclass
 
 import pytest
 
 from tests.conftest import FULL, QUICK, TIERS_FILE
 from tests.support import REPO
 
-# Two collections of the whole suite (seconds each), shared by the tests: checked in the full suite.
+# A collection of the whole suite (seconds), shared by the tests: checked in the full suite.
 pytestmark = pytest.mark.full
 
 
-def _collect(tmp_path, *args: str) -> dict[str, str]:
-    """{test id: its tiers, comma-separated} as pytest's collection gives them."""
-    listing = tmp_path / f"tiers{len(args)}.tsv"
+@dataclass(frozen=True)
+class Collection:
+    tiers: dict[str, str]  # every collected test: its tiers, comma-separated
+    selected: set[str]  # what `-m quick` kept of them
+
+
+@pytest.fixture(scope="module")
+def collection(tmp_path_factory) -> Collection:
+    """One collection of the whole suite with ``-m quick``, for both tests: tests/conftest.py
+    writes every test's tiers to TIERS_FILE before the marker deselects any (its hook runs
+    first), and pytest lists what the marker kept."""
+    listing = tmp_path_factory.mktemp("tiers") / "tiers.tsv"
     env = {**os.environ, TIERS_FILE: str(listing), "OMP_NUM_THREADS": "1"}
     result = subprocess.run(
-        [sys.executable, "-m", "pytest", "--collect-only", "-q", "-p", "no:cacheprovider", *args],
+        [sys.executable, "-m", "pytest", "--collect-only", "-q", "-p", "no:cacheprovider"]
+        + ["-m", QUICK, "tests"],
         cwd=REPO,
         env=env,
         capture_output=True,
@@ -31,17 +42,12 @@ def _collect(tmp_path, *args: str) -> dict[str, str]:
     )
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     rows = [line.split("\t") for line in listing.read_text().splitlines()]
-    return {nodeid: tiers for nodeid, tiers in rows}
+    selected = {line for line in result.stdout.splitlines() if "::" in line}
+    return Collection({nodeid: tiers for nodeid, tiers in rows}, selected)
 
 
-@pytest.fixture(scope="module")
-def everything(tmp_path_factory) -> dict[str, str]:
-    """The whole suite's tiers, collected once for both tests."""
-    return _collect(tmp_path_factory.mktemp("tiers"), "tests")
-
-
-def test_every_test_is_in_exactly_one_tier(everything):
-    tiers = everything
+def test_every_test_is_in_exactly_one_tier(collection):
+    tiers = collection.tiers
     assert len(tiers) > 1000  # the whole suite was collected
     assert {t for t in tiers.values()} == {QUICK, FULL}, sorted(set(tiers.values()))
     quick = {n for n, t in tiers.items() if t == QUICK}
@@ -54,16 +60,8 @@ def test_every_test_is_in_exactly_one_tier(everything):
     assert len(quick) > 500 and len(full) > 300
 
 
-def test_the_markers_select_the_tiers(everything):
+def test_the_markers_select_the_tiers(collection):
     """``-m quick`` collects exactly the quick tier (``bash scripts/ci/test.sh --quick``)."""
-    result = subprocess.run(
-        [sys.executable, "-m", "pytest", "--collect-only", "-q", "-m", QUICK, "tests"],
-        cwd=REPO,
-        env={**os.environ, "OMP_NUM_THREADS": "1"},
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
-    assert result.returncode == 0, result.stderr[-3000:]
-    selected = {line for line in result.stdout.splitlines() if "::" in line}
-    assert selected == {n for n, t in everything.items() if t == QUICK}
+    quick = {n for n, t in collection.tiers.items() if t == QUICK}
+    assert collection.selected == quick
+    assert len(collection.selected) < len(collection.tiers)  # the full tier was deselected
