@@ -275,7 +275,7 @@ def run_forked(
         launch = ForkedLaunch(
             args, cwd=cwd, log=log, nproc=nproc, script=script, module=module, env=env
         )
-        return Launch(_waited(launch, timeout, log), log.read_text(errors="replace"))
+        return Launch(waited(launch, timeout, log), log.read_text(errors="replace"))
     finally:
         log.unlink(missing_ok=True)
 
@@ -308,7 +308,7 @@ def run_module_apart(
             err_log=err,
             warnings_as_errors=warnings_as_errors,
         )
-        code = _waited(launch, timeout, out, err)
+        code = waited(launch, timeout, out, err)
         return subprocess.CompletedProcess(
             ["-m", module, *args],
             code,
@@ -320,9 +320,9 @@ def run_module_apart(
             log.unlink(missing_ok=True)
 
 
-def _waited(launch: ForkedLaunch, timeout: float, *logs: Path) -> int:
-    """The launch's exit code; killed, and an AssertionError with its output, after ``timeout``
-    seconds (killed on any other exception too)."""
+def waited(launch: ForkedLaunch, timeout: float, *logs: Path) -> int:
+    """The launch's exit code; killed, and an AssertionError with its ``logs``, after ``timeout``
+    seconds (killed on any other exception too, an interrupted test's)."""
     try:
         return launch.wait(timeout)
     except BaseException as exc:

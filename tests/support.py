@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import importlib
 import json
 import math
 import os
@@ -83,6 +84,24 @@ def main_in_process(argv: list[str], monkeypatch, capfd) -> tuple[int, str]:
     except SystemExit as ended:
         # The interpreter's rule: None is 0, an int itself, anything else (a message) 1.
         code = ended.code if isinstance(ended.code, int) else int(ended.code is not None)
+    captured = capfd.readouterr()
+    return code, captured.out + captured.err
+
+
+def bench_main_in_process(
+    name: str, argv: list[str], *, cwd: Path, monkeypatch, capfd
+) -> tuple[int, str]:
+    """``python scripts/bench/NAME.py ARGV`` run from ``cwd``: the exit code its ``main`` returns
+    and its output, through that ``main`` in this process. For the tests of a benchmark's
+    machinery, whose launches are processes of their own: they import this tree's package, as
+    the tests' processes do. What main sets for its process (its folder on PYTHONPATH) is put
+    back after the test, with the arguments and the directory."""
+    monkeypatch.syspath_prepend(str(REPO / "scripts" / "bench"))  # as when run as a script
+    module = importlib.import_module(name)
+    monkeypatch.setattr(sys, "argv", [f"{name}.py", *argv])
+    monkeypatch.setenv("PYTHONPATH", cli_env()["PYTHONPATH"])
+    monkeypatch.chdir(cwd)
+    code = module.main()
     captured = capfd.readouterr()
     return code, captured.out + captured.err
 

@@ -30,7 +30,7 @@ from torch.distributed.tensor import DTensor
 from sdnet_trainer import Trainer
 from sdnet_trainer.config import compose
 from sdnet_trainer.config.schema import Config, DistConfig
-from sdnet_trainer.distributed import all_reduce_sum, distributed_session
+from sdnet_trainer.distributed import DistEnv, all_reduce_sum, distributed_session
 from sdnet_trainer.distributed.ops import all_gather_objects
 from sdnet_trainer.lazy import freeze_imports
 from sdnet_trainer.models.hf_folder import hf_weights_folder, weight_files
@@ -167,7 +167,7 @@ def run_cases(out: Path, cases: dict[str, list[str]], recorder: type[Trainer]) -
     out.mkdir(parents=True, exist_ok=True)
     with distributed_session(DistConfig()) as env:
         for name, overrides in cases.items():
-            cfg = _composed_on_main(overrides, env.is_main)
+            cfg = _composed_on_main(overrides, env)
             validate(cfg, world_size=env.world_size)
             trainer = recorder(cfg, output_dir=out / name, env=env)
             try:
@@ -178,10 +178,10 @@ def run_cases(out: Path, cases: dict[str, list[str]], recorder: type[Trainer]) -
                 torch.save(record, out / f"{name}.pt")
 
 
-def _composed_on_main(overrides: list[str], is_main: bool) -> Config:
+def _composed_on_main(overrides: list[str], env: DistEnv) -> Config:
     """The config of ``overrides``, composed by rank 0 alone and broadcast to every rank."""
-    cfg = [compose(overrides) if is_main else None]
-    if dist.is_initialized() and dist.get_world_size() > 1:
+    cfg = [compose(overrides) if env.is_main else None]
+    if env.world_size > 1:
         dist.broadcast_object_list(cfg, src=0)
     assert cfg[0] is not None
     return cfg[0]

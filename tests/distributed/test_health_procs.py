@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 
 from tests.distributed._health_worker import HANG_TIMEOUT_S, PG_TIMEOUT_S
-from tests.forked import ForkedLaunch
+from tests.forked import ForkedLaunch, waited
 
 WORKER = Path(__file__).with_name("_health_worker.py")
 # From the watchdogs' start to the launch's end: the timeout, then the launcher noticing (it looks
@@ -43,11 +43,7 @@ def health_run(tmp_path_factory) -> HealthRun:
     log = out_dir / "launch.log"
     started = time.monotonic()
     launch = ForkedLaunch([str(out_dir)], cwd=out_dir, log=log, nproc=2, script=WORKER)
-    try:
-        returncode = launch.wait(timeout=120)
-    finally:
-        if launch.returncode is None:  # timed out, or the test was interrupted: end both ranks
-            launch.kill()
+    returncode = waited(launch, 120, log)
     ended = time.monotonic()
     output = log.read_text(errors="replace")
     codes = {rank: proc.exitcode for rank, proc in enumerate(launch.ranks)}

@@ -7,20 +7,17 @@ from __future__ import annotations
 import importlib
 import logging
 import re
-import sys
 import warnings
 
-from tests.support import REPO
+from tests.support import REPO, bench_main_in_process
 
 NUMBER = r"(\d+(\.\d+)?|nan)"
 
 
 def test_bench_checkpoint_prints_async_and_sync_rows(tmp_path, monkeypatch, capfd):
-    monkeypatch.syspath_prepend(str(REPO / "scripts" / "bench"))  # as when run as a script
+    monkeypatch.syspath_prepend(str(REPO / "scripts" / "bench"))  # to read what main changes
     bench_checkpoint = importlib.import_module("bench_checkpoint")
-    argv = ["bench_checkpoint.py", "--params", "2e4", "--width", "32", "--gap", "0.05"]
-    argv += ["--saves", "2", "--rounds", "2", "--dir", str(tmp_path)]
-    monkeypatch.setattr(sys, "argv", argv)
+    argv = ["--params", "2e4", "--width", "32", "--gap", "0.05", "--saves", "2", "--rounds", "2"]
     # What main sets up for its process, put back for the tests that follow in this one: the
     # checkpoint logger's level and handler, a warnings filter, torch's global seed.
     ckpt_logger = logging.getLogger(bench_checkpoint.checkpoint_module.__name__)
@@ -28,15 +25,20 @@ def test_bench_checkpoint_prints_async_and_sync_rows(tmp_path, monkeypatch, capf
     rng = bench_checkpoint.torch.random.get_rng_state()
     try:
         with warnings.catch_warnings():
-            assert bench_checkpoint.main() == 0
+            code, out = bench_main_in_process(
+                "bench_checkpoint",
+                [*argv, "--dir", str(tmp_path)],
+                cwd=tmp_path,
+                monkeypatch=monkeypatch,
+                capfd=capfd,
+            )
     finally:
         for handler in ckpt_logger.handlers[:]:
             if handler not in handlers:
                 ckpt_logger.removeHandler(handler)
         ckpt_logger.setLevel(level)
         bench_checkpoint.torch.random.set_rng_state(rng)
-    captured = capfd.readouterr()
-    out = captured.out + captured.err
+    assert code == 0, out
     # Both modes in each round, alternating which goes first.
     rounds = re.findall(r"^round (\d) +(sync|async): blocked .* waited ", out, flags=re.M)
     assert rounds == [("1", "sync"), ("1", "async"), ("2", "async"), ("2", "sync")], out

@@ -5,12 +5,10 @@ its launches, each a torchrun of its own, not the driver's start-up)."""
 
 from __future__ import annotations
 
-import importlib
 import importlib.util
 import json
-import sys
 
-from tests.support import REPO, cli_env
+from tests.support import bench_main_in_process
 
 
 def test_bench_peers_times_the_trainer_beside_the_hand_written_loop(tmp_path, monkeypatch, capfd):
@@ -18,18 +16,12 @@ def test_bench_peers_times_the_trainer_beside_the_hand_written_loop(tmp_path, mo
     sides = ["hand", "trainer"]
     if importlib.util.find_spec("lightning") is None:
         sides.append("lightning")  # not installed in the test extra: its cell says how to install
-    argv = ["bench_peers.py", "--workload", "gpt", "--sides", ",".join(sides)]
+    argv = ["--workload", "gpt", "--sides", ",".join(sides)]
     argv += ["--rounds-other", "1", "--warmup", "2", "--steps", "10", "--timeout", "300"]
     argv += ["--out", str(out)]
-    monkeypatch.setattr(sys, "argv", argv)
-    monkeypatch.syspath_prepend(str(REPO / "scripts" / "bench"))  # as when run as a script
-    # The launches import this tree's package, as the test environment's processes do; main
-    # prepends scripts/bench to PYTHONPATH, put back after the test.
-    monkeypatch.setenv("PYTHONPATH", cli_env()["PYTHONPATH"])
-    monkeypatch.chdir(tmp_path)
-    code = importlib.import_module("bench_peers").main()
-    captured = capfd.readouterr()
-    output = captured.out + captured.err
+    code, output = bench_main_in_process(
+        "bench_peers", argv, cwd=tmp_path, monkeypatch=monkeypatch, capfd=capfd
+    )
     assert code == 0, output
     results = {p.stem: json.loads(p.read_text()) for p in (out / "gpt").glob("r1_*.json")}
     assert {"r1_hand", "r1_trainer"} <= set(results), output

@@ -17,7 +17,7 @@ import yaml
 
 from sdnet_trainer import compose
 from sdnet_trainer.errors import ConfigError
-from tests.support import REPO, TINY, main_in_process, run_command
+from tests.support import REPO, TINY, bench_main_in_process, main_in_process, run_command
 
 CI, BENCH = REPO / "scripts" / "ci", REPO / "scripts" / "bench"
 
@@ -295,19 +295,15 @@ def test_bench_gpu_decoder_launch_composes_through_the_cli(
 
 
 @pytest.mark.full  # seconds: out of the quick tier
-def test_bench_gpu_machinery_runs_on_the_cpu(bench_gpu, tmp_path, monkeypatch, capfd):
+def test_bench_gpu_machinery_runs_on_the_cpu(tmp_path, monkeypatch, capfd):
     """--cpu-smoke: both ResNet sides launched and timed (a ResNet-18 at 32x32, fp32), the loader
     section on generated JPEGs, the table and the JSON that gpu_check.sh reads. The driver's main
     runs in this process (the launches are processes of their own, as on the GPU node)."""
     figures_file = tmp_path / "figures.json"
-    argv = ["bench_gpu.py", "--cpu-smoke", "--out", str(tmp_path / "out")]
-    monkeypatch.setattr(sys, "argv", [*argv, "--json", str(figures_file)])
-    # main points PYTHONPATH at scripts/bench for its launches: put back after the test.
-    monkeypatch.setenv("PYTHONPATH", os.environ.get("PYTHONPATH", ""))
-    monkeypatch.chdir(tmp_path)
-    code = bench_gpu.main()
-    captured = capfd.readouterr()
-    output = captured.out + captured.err
+    argv = ["--cpu-smoke", "--out", str(tmp_path / "out"), "--json", str(figures_file)]
+    code, output = bench_main_in_process(
+        "bench_gpu", argv, cwd=tmp_path, monkeypatch=monkeypatch, capfd=capfd
+    )
     assert code == 0, output
     figures = json.loads(figures_file.read_text())
     assert figures["matmul"]["tflops_per_s"] > 0 and figures["matmul"]["size"] == 64
