@@ -317,8 +317,9 @@ else
         setup_fail "installing the project (pip install --no-deps --no-build-isolation -e .) failed"
 fi
 # Everything the CUDA tests and the benchmark import, before any of them runs: tensorboard is a
-# default logger, torchvision the ResNets' source.
-imports=$("$VPY" - "$REPO" 2>&1 <<'EOF'
+# default logger, torchvision the ResNets' source. The same process, torch imported, writes what
+# the machine section shows of torch and the devices (one interpreter start less on the node).
+imports=$("$VPY" - "$REPO" "$WORK" 2>&1 <<'EOF'
 import sys
 from pathlib import Path
 
@@ -335,6 +336,25 @@ import sdnet_trainer
 
 if not Path(sdnet_trainer.__file__).resolve().is_relative_to(Path(sys.argv[1]).resolve()):
     sys.exit(f"sdnet_trainer comes from {sdnet_trainer.__file__}, not {sys.argv[1]}")
+
+import torch
+import torch.distributed as dist
+
+work = Path(sys.argv[2])
+lines = [f"torch {torch.__version__}, built for CUDA {torch.version.cuda}"]
+(work / "cuda_available").write_text("1" if torch.cuda.is_available() else "0")
+(work / "torch.txt").write_text(f"{torch.__version__} (CUDA {torch.version.cuda})")
+if torch.cuda.is_available():
+    for i in range(torch.cuda.device_count()):
+        p = torch.cuda.get_device_properties(i)
+        lines.append(
+            f"  cuda:{i} {p.name}, {p.total_memory / 2**30:.0f} GiB, compute {p.major}.{p.minor}"
+        )
+    nccl = ".".join(map(str, torch.cuda.nccl.version())) if dist.is_nccl_available() else "none"
+    lines.append(f"cuDNN {torch.backends.cudnn.version()}, NCCL {nccl}")
+else:
+    lines.append("torch.cuda.is_available() is False: the CUDA tests will skip")
+(work / "torch_devices.txt").write_text("\n".join(lines) + "\n")
 EOF
 ) || setup_fail "the venv lacks what the CUDA tests need: $imports"
 echo "$STAMP" >"$STAMP_FILE"
@@ -371,25 +391,7 @@ fi
     echo "$HOST_NOTE"
     echo "$SHM_NOTE"
     echo "$(nproc) cores, $(awk '/MemTotal/ { printf "%.0f GiB", $2 / 1048576 }' /proc/meminfo) memory"
-    "$VPY" - "$WORK" <<'EOF'
-import sys
-from pathlib import Path
-
-import torch
-import torch.distributed as dist
-
-print(f"torch {torch.__version__}, built for CUDA {torch.version.cuda}")
-Path(sys.argv[1], "cuda_available").write_text("1" if torch.cuda.is_available() else "0")
-Path(sys.argv[1], "torch.txt").write_text(f"{torch.__version__} (CUDA {torch.version.cuda})")
-if torch.cuda.is_available():
-    for i in range(torch.cuda.device_count()):
-        p = torch.cuda.get_device_properties(i)
-        print(f"  cuda:{i} {p.name}, {p.total_memory / 2**30:.0f} GiB, compute {p.major}.{p.minor}")
-    nccl = ".".join(map(str, torch.cuda.nccl.version())) if dist.is_nccl_available() else "none"
-    print(f"cuDNN {torch.backends.cudnn.version()}, NCCL {nccl}")
-else:
-    print("torch.cuda.is_available() is False: the CUDA tests will skip")
-EOF
+    cat "$WORK/torch_devices.txt" # written by the import check
 } 2>&1 | tee "$WORK/machine.txt"
 cuda=$(cat "$WORK/cuda_available" 2>/dev/null || echo 0)
 

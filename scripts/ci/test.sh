@@ -17,12 +17,16 @@ PYTHON=${PYTHON:-python3}
 if [ ! -x .venv/bin/python ]; then
     "$PYTHON" -m venv .venv
 fi
-# Byte-code: the install leaves it out (pip compiles every module it installs, torch's thousands,
-# on one core: a minute on a fresh clone), and each module is compiled when a process first
-# imports it, written beside it and read by every later process. Where PYTHONDONTWRITEBYTECODE is
-# set, nothing would be written and each of the suite's hundreds of launches would compile the
-# same modules again (seconds each): it is unset here, for this command only.
-.venv/bin/python -m pip install --quiet --no-compile -e '.[test]'
+# The project with its test extras, installed by uv from where pip would install them
+# (scripts/ci/uv_pip_install.py): pip unpacks torch's gigabytes of wheels on one core, about two
+# minutes of a fresh clone; uv takes under half a minute.
+.venv/bin/python -m pip install --quiet 'uv>=0.9,<1'
+.venv/bin/python scripts/ci/uv_pip_install.py --quiet -e '.[test]'
+# Byte-code: the install leaves it out (compiling torch's thousands of modules takes a minute of
+# one core), and each module is compiled when a process first imports it, written beside it and
+# read by every later process. Where PYTHONDONTWRITEBYTECODE is set, nothing would be written and
+# each of the suite's hundreds of launches would compile the same modules again (seconds each): it
+# is unset here, for this command only.
 unset PYTHONDONTWRITEBYTECODE
 # Lint and formatting first: seconds, and a failure names the file and line.
 .venv/bin/ruff check .

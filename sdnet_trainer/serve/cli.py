@@ -66,6 +66,12 @@ EXIT_EXPORT_FAILED = 1
 EXTRA_HINT = "pip install 'sdnet_trainer[serve]'"
 # The arguments, as JSON, for the worker processes of workers > 1 (see app_from_env).
 ARGS_ENV = "SDNET_SERVE_ARGS"
+# How long uvicorn's supervisor waits for a worker process to answer its health check before it
+# kills and replaces it. A worker answers from a thread, which cannot while the process imports
+# torch (loading its native libraries holds the interpreter's lock): uvicorn's 5 s, on a busy
+# machine, kills each worker before it has started, and its replacement too. Gunicorn's worker
+# timeout, for comparison, is 30 s.
+WORKER_HEALTHCHECK_S = 30
 # The serve extra's modules, by import name (python-multipart is python_multipart, formerly
 # multipart).
 _REQUIRED = (("fastapi",), ("uvicorn",), ("prometheus_client",), ("python_multipart", "multipart"))
@@ -106,7 +112,9 @@ def app_from_env() -> Any:
         return build_app(args)
     except (ConfigError, ExportError) as err:
         print(f"serve error: worker process {os.getpid()}: {err}", file=sys.stderr, flush=True)
-        sys.exit(STARTUP_FAILURE)
+        # At once, as multiprocessing ends its children, without the interpreter's teardown
+        # (seconds with torch loaded): the supervisor sees the death (_supervisor_class).
+        os._exit(STARTUP_FAILURE)
 
 
 def check_loads(args: Any) -> None:
@@ -178,17 +186,41 @@ def _supervise(workers: int, sock: socket.socket, options: dict[str, Any]) -> No
     with STARTUP_FAILURE: app_from_env)."""
     import uvicorn
     from uvicorn.config import STARTUP_FAILURE
-    from uvicorn.supervisors import Multiprocess
 
     config = uvicorn.Config(
-        "sdnet_trainer.serve.cli:app_from_env", factory=True, workers=workers, **options
+        "sdnet_trainer.serve.cli:app_from_env",
+        factory=True,
+        workers=workers,
+        timeout_worker_healthcheck=WORKER_HEALTHCHECK_S,
+        **options,
     )
     # The workers share the parent's socket (spawned processes get it pickled).
-    supervisor = Multiprocess(config, sockets=[sock])
+    supervisor = _supervisor_class()(config, sockets=[sock])
     supervisor.run()
     # The supervisor keeps a worker that failed to start in its list (it restarts any other).
     if any(process.exitcode == STARTUP_FAILURE for process in supervisor.processes):
         raise ConfigError("a worker process could not start: its message is above")
+
+
+def _supervisor_class() -> type:
+    from uvicorn.supervisors import Multiprocess
+
+    class Supervisor(Multiprocess):
+        """uvicorn's supervisor, told of a worker's death while it waits for its reply.
+
+        The supervisor pings each live worker over a pipe and waits up to the health-check
+        timeout for the reply. It keeps its own copy of the worker's end of that pipe, so a
+        worker that dies with a ping unanswered (it exits, or is still tearing down its memory
+        when it is pinged) leaves it waiting the whole timeout. Each worker has its end from its
+        start (the spawn passes it): closed here, before the worker's first ping, the death
+        reads as end-of-file at once and the supervisor goes on."""
+
+        def keep_subprocess_alive(self) -> None:
+            for process in self.processes:  # started since the last round too (restarts)
+                process.child_conn.close()  # closing a closed end does nothing
+            super().keep_subprocess_alive()
+
+    return Supervisor
 
 
 class _Stop(Exception):

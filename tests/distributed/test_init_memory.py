@@ -24,6 +24,10 @@ def test_gpt_1b_under_fsdp_never_holds_the_whole_model(tmp_path):
             "loop.global_batch_size=4",
             "loop.max_steps=1",
             "logging.trackers=[jsonl]",
+            # The FLOPs count runs the 1B model's shapes forward and backward on the meta device
+            # (tests/unit/test_flops.py: the GPT counts there, never on a CPU copy), about 2
+            # CPU-seconds per rank for a figure not checked here.
+            "logging.flops=false",
         ],
         cwd=tmp_path,
         nproc=4,

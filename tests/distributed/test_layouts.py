@@ -107,31 +107,29 @@ RESNET_SPLITS = {
 # A validation set whose shares need different batch counts: 65 samples over 4 data-parallel
 # ranks in batches of 4 (the micro-batch) are 5 batches on rank 0 and 4 on the others; over 2 in
 # batches of 8, 5 and 4. Each FSDP forward gathers the weights, so every rank must run as many
-# (padding batches, not counted); the metrics equal one process's over the same 65 samples.
+# (padding batches, not counted); the metrics equal one process's over the same 65 samples. The
+# plain FSDP and FSDP x TP layouts evaluate it (their training is the GPT reference's).
 VAL_REMAINDER = {
-    "gpt_fsdp_val_remainder": GPT + ["parallel=fsdp", "data.val_size=65"],
-    "gpt_fsdp_tp_val_remainder": GPT + ["parallel=fsdp", "parallel.tp=2", "data.val_size=65"],
+    "gpt_fsdp": GPT + ["parallel=fsdp", "data.val_size=65"],
+    "gpt_fsdp_tp": GPT + ["parallel=fsdp", "parallel.tp=2", "data.val_size=65"],
 }
 VAL_REMAINDER_REF = "gpt_ref_val_remainder"
 
 # name -> (world size, overrides, reference). Every GPT layout is compared with one process on
 # the whole batch; ResNet layouts with one process over the same 4 micro-batches of 4.
 WORLD4 = {
-    "gpt_fsdp": GPT + ["parallel=fsdp"],
+    **VAL_REMAINDER,
     "gpt_fsdp_zero2": GPT + ["parallel=fsdp", "parallel.fsdp.reshard_after_forward=false"],
-    "gpt_hsdp": GPT + ["parallel=fsdp", "parallel.dp_replicate=2", "parallel.dp_shard=2"],
-    "gpt_fsdp_accum": GPT + ["parallel=fsdp", "loop.grad_accum_steps=2"],
-    # compile (aot_eager: no code generation) and activation checkpointing per block, under FSDP2.
-    "gpt_fsdp_compiled_ac": GPT
+    # Replicas of 2 shards, each rank's batch in 2 micro-batches.
+    "gpt_hsdp_accum": GPT
     + [
         "parallel=fsdp",
-        "compile=on",
-        "compile.backend=aot_eager",
-        "model.activation_checkpointing=true",
+        "parallel.dp_replicate=2",
+        "parallel.dp_shard=2",
+        "loop.grad_accum_steps=2",
     ],
     "gpt_zero1": GPT + ["parallel=zero1"] + SAVE,  # its optimizer state is saved by parameter name
     "gpt_tp": GPT + ["parallel.tp=4"],
-    "gpt_fsdp_tp": GPT + ["parallel=fsdp", "parallel.tp=2"],
     "gpt_fsdp_tp_loss_seq": GPT
     + [
         "parallel=fsdp",
@@ -141,12 +139,10 @@ WORLD4 = {
     ],
     "gpt_ddp_pp": GPT + _pipeline("1F1B", 2),
     "gpt_fsdp_pp": GPT + ["parallel=fsdp"] + _pipeline("1F1B", 2),
-    **VAL_REMAINDER,
     # The Llama in the GPT's layouts (one implementation of blocks, TP plan and pipeline units).
     "llama_fsdp_ac": LLAMA + ["parallel=fsdp", "model.activation_checkpointing=true"],
     # 2 stages of TP 2; saved, as the tied FSDP x TP run below, for the Hugging Face export.
     "llama_tp_pp": LLAMA + ["parallel.tp=2"] + _pipeline("1F1B", 2) + SAVE,
-    "llama_ddp_pp": LLAMA + _pipeline("1F1B", 2),
     "llama_fsdp_tp_loss_seq": LLAMA
     + [
         "parallel=fsdp",
@@ -156,11 +152,12 @@ WORLD4 = {
     ],
     # One parameter under two names, split by vocabulary rows under TP and sharded by FSDP.
     "llama_tied_fsdp_tp": LLAMA_TIED + ["parallel=fsdp", "parallel.tp=2"] + SAVE,
-    "resnet_fsdp": RESNET + ["parallel=fsdp"],
-    # FSDP2 refuses channels_last parameters: the layout rides on the inputs alone there.
-    "resnet_fsdp_channels_last": RESNET + ["parallel=fsdp", "model.channels_last=true"],
-    "resnet_fsdp_zero2": RESNET + ["parallel=fsdp", "parallel.fsdp.reshard_after_forward=false"],
-    "resnet_hsdp": RESNET + ["parallel=fsdp", "parallel.dp_replicate=2", "parallel.dp_shard=2"],
+    # The ResNet in the layouts where a CNN differs from a decoder: how it is sharded (whole
+    # blocks, BatchNorm's buffers per rank) and staged (at layer boundaries). FSDP's other
+    # settings and meshes (reshard_after_forward, HSDP) shard it as they shard the GPT above, at
+    # several times a GPT case's cost (11M parameters gathered per forward). FSDP2 refuses
+    # channels_last parameters: the layout rides on the inputs alone there.
+    "resnet_fsdp": RESNET + ["parallel=fsdp", "model.channels_last=true"],
     "resnet_zero1": RESNET + ["parallel=zero1"],
     "resnet_ddp_pp": RESNET + _pipeline("1F1B", 2) + RESNET_SPLITS[1],
     "resnet_fsdp_pp": RESNET + ["parallel=fsdp"] + _pipeline("1F1B", 2) + RESNET_SPLITS[1],
@@ -168,8 +165,23 @@ WORLD4 = {
 WORLD2 = {
     # Tensor parallel alone (its 2 key/value heads bound the Llama's TP degree).
     "llama_tp": LLAMA + ["parallel.tp=2"],
+    # compile (aot_eager: no code generation) and activation checkpointing per block, under FSDP2
+    # (each rank compiles: the costliest GPT case, on 2 ranks rather than 4).
+    "gpt_fsdp_compiled_ac": GPT
+    + [
+        "parallel=fsdp",
+        "compile=on",
+        "compile.backend=aot_eager",
+        "model.activation_checkpointing=true",
+    ],
     **{f"gpt_pp_{s}": GPT + _pipeline(s, 4) for s in SCHEDULES},
-    **{f"resnet_pp_{s}": RESNET + _pipeline(s, 4) + RESNET_SPLITS[n] for s, n in SCHEDULES.items()},
+    # Every schedule runs the GPT above; the ResNet runs those that treat its stages differently:
+    # several per rank, and the backward split into input and weight gradients (through
+    # convolutions and BatchNorm). One stage per rank: resnet_ddp_pp, resnet_pp_saved.
+    **{
+        f"resnet_pp_{s}": RESNET + _pipeline(s, 4) + RESNET_SPLITS[SCHEDULES[s]]
+        for s in ("Interleaved1F1B", "ZBVZeroBubble", "DualPipeV")
+    },
     # Written here, read back by one process without the layout (cross-layout checkpoints).
     "gpt_fsdp2_saved": GPT + ["parallel=fsdp"] + SAVE,
     "gpt_pp_saved": GPT + _pipeline("1F1B", 2) + SAVE,

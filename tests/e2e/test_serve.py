@@ -487,7 +487,8 @@ def test_ema_true_without_an_average_exits_2(cnn_run, capsys):
 
 def test_workers_that_cannot_load_the_model_stop_the_server_with_exit_2(tmp_path):
     """The workers' own failure to load (the parent's load first is skipped here): uvicorn's
-    supervisor stops the server instead of restarting them, and the server exits 2."""
+    supervisor stops the server instead of restarting them, and the server exits 2. No worker
+    was taken for hung while it imported torch on a busy machine (cli.WORKER_HEALTHCHECK_S)."""
     folder = unloadable_export_folder(tmp_path / "export")
     code = (
         "import sys; from sdnet_trainer.serve import cli as m; "
@@ -511,3 +512,4 @@ def test_workers_that_cannot_load_the_model_stop_the_server_with_exit_2(tmp_path
     assert proc.returncode == 2, output
     assert "weights do not fit" in output and "could not start" in output, output
     assert "Traceback" not in output, output
+    assert "died" not in output, output  # uvicorn's word for a worker it killed and replaced

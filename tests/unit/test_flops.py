@@ -124,6 +124,29 @@ class NeedsValues(nn.Module):
         return self.fc(x) * (2.0 if x.sum().item() > 0 else 1.0)
 
 
+@pytest.mark.parametrize("family", ["gpt", "llama"])
+def test_the_projects_decoders_count_on_the_meta_device(family):
+    """device="meta" raises where the meta device cannot run the model: the project's decoders
+    count on shapes, never on a CPU copy of the whole model (so the 4-process memory test of the
+    1B GPT, tests/distributed/test_init_memory.py, leaves its FLOPs count out)."""
+    from functools import partial
+
+    from sdnet_trainer.models.gpt import GPT
+    from sdnet_trainer.models.llama import Llama
+
+    sizes = dict(vocab_size=64, seq_len=16, dim=32, n_layers=2, n_heads=4)
+    build = partial(GPT, **sizes) if family == "gpt" else partial(Llama, **sizes, n_kv_heads=2)
+    tokens = torch.randint(0, 64, (2, 17))
+    batch = (tokens[:, :-1], tokens[:, 1:])
+    meta = train_flops_per_sample(build, batch, lm_loss, device="meta")
+    cpu = train_flops_per_sample(build, batch, lm_loss, device="cpu")
+    # torch's counter has no formula for the CPU's fused attention kernel (it counts 0), where the
+    # meta device runs attention as its two matmuls (2 x seq x seq x dim each per sample, full
+    # square, in each layer; backward twice the forward): only the meta count includes them.
+    seq, dim, layers = sizes["seq_len"], sizes["dim"], sizes["n_layers"]
+    assert meta == cpu + 3 * layers * 2 * (2 * seq * seq * dim) and cpu > 0
+
+
 def test_models_that_need_real_values_fall_back_to_a_cpu_copy(caplog):
     batch = (torch.randn(3, 8), torch.tensor([0, 1, 2]))
     with caplog.at_level(logging.INFO, logger="sdnet_trainer.observability.flops"):

@@ -103,11 +103,17 @@ def test_workers_exit_2_at_once_on_a_model_that_cannot_load(tmp_path, capsys):
 def test_a_worker_that_cannot_load_exits_with_uvicorns_startup_failure(
     tmp_path, monkeypatch, capsys
 ):
-    """Not an exception: uvicorn's supervisor would restart that worker forever."""
+    """Not an exception: uvicorn's supervisor would restart that worker forever. And at once
+    (os._exit), not through the interpreter's teardown, which answers no health check."""
     from uvicorn.config import STARTUP_FAILURE
 
     args = parse_args([f"checkpoint={unloadable_export_folder(tmp_path / 'export')}", "workers=2"])
     monkeypatch.setenv(serve_main.ARGS_ENV, json.dumps(asdict(args)))
+
+    def exit_now(code: int) -> None:
+        raise SystemExit(code)  # this test's process goes on
+
+    monkeypatch.setattr(serve_main.os, "_exit", exit_now)
     with pytest.raises(SystemExit) as exited:
         serve_main.app_from_env()
     assert exited.value.code == STARTUP_FAILURE
