@@ -12,6 +12,7 @@ import signal
 import subprocess
 import sys
 import threading
+import time
 
 import numpy as np
 import pytest
@@ -27,7 +28,7 @@ from sdnet_trainer.serve import cli as serve_main
 from sdnet_trainer.serve.args import parse_args
 from sdnet_trainer.serve.client import Client, ServerProcess
 from sdnet_trainer.serve.model import load, resolve
-from tests.support import CPU, REPO, TINY, cli_env, run_cli
+from tests.support import CPU, REPO, TINY, cli_env, run_cli, start_command, wait_until
 from tests.unit.test_serve_args import unloadable_export_folder
 
 pytest.importorskip("fastapi", reason="the serve extra is not installed")
@@ -483,6 +484,46 @@ def test_ema_true_without_an_average_exits_2(cnn_run, capsys):
 
 
 # ---------------------------------------------------------------------- worker processes
+
+
+SUPERVISOR = """
+import sys
+import uvicorn
+from sdnet_trainer.serve.cli import _supervisor_class, listen
+
+config = uvicorn.Config(
+    "tests.e2e._asgi_app:app", workers=1, timeout_worker_healthcheck=120, log_level="info"
+)
+_supervisor_class()(config, sockets=[listen("127.0.0.1", 0)]).run()
+"""
+
+
+def test_the_supervisor_sees_a_worker_die_with_a_ping_unanswered(tmp_path):
+    """A worker that cannot answer (stopped) is pinged, then killed: the supervisor sees the death
+    at once and replaces it, where uvicorn's own would wait out the whole health-check timeout
+    (120 s here) on its copy of the worker's pipe end (cli._supervisor_class)."""
+    log = tmp_path / "server.log"
+    server = start_command([sys.executable, "-c", SUPERVISOR], cwd=REPO, log=log)
+    try:
+        started = re.compile(r"Started server process \[(\d+)\]")
+        wait_until(lambda: started.search(log.read_text()), timeout=60, what="the worker")
+        worker = int(started.search(log.read_text())[1])
+        os.kill(worker, signal.SIGSTOP)
+        time.sleep(1.5)  # the supervisor's next ping (every 0.5 s) goes unanswered
+        os.kill(worker, signal.SIGKILL)
+        wait_until(
+            lambda: f"Child process [{worker}] died" in log.read_text(),
+            timeout=20,
+            what="the supervisor to see the death",
+        )
+        wait_until(lambda: len(started.findall(log.read_text())) == 2, timeout=60, what="a new one")
+    finally:
+        os.killpg(server.pid, signal.SIGTERM)
+        try:
+            server.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            os.killpg(server.pid, signal.SIGKILL)
+            server.wait()
 
 
 def test_workers_that_cannot_load_the_model_stop_the_server_with_exit_2(tmp_path):
