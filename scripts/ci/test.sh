@@ -18,8 +18,8 @@ if [ ! -x .venv/bin/python ]; then
     "$PYTHON" -m venv .venv
 fi
 # The project with its test extras, installed by uv from where pip would install them
-# (scripts/ci/uv_pip_install.py): pip unpacks torch's gigabytes of wheels on one core, about two
-# minutes of a fresh clone; uv takes under half a minute.
+# (scripts/ci/uv_pip_install.py): pip unpacks torch's gigabytes of wheels on one core (the two
+# installs' times: docs/testing.md).
 .venv/bin/python -m pip install --quiet 'uv>=0.9,<1'
 .venv/bin/python scripts/ci/uv_pip_install.py --quiet -e '.[test]'
 # Byte-code: the install leaves it out (compiling torch's thousands of modules takes a minute of

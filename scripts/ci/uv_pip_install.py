@@ -1,8 +1,8 @@
 """``uv pip install ARGS`` into this interpreter's environment, from where pip would install.
 
 scripts/ci/test.sh installs the project with uv rather than pip: the same resolution, but uv
-unpacks wheels in parallel, and torch's CUDA libraries are gigabytes of them (pip: about two
-minutes of one core on a fresh clone; uv: under half a minute). uv reads none of pip's
+unpacks wheels in parallel, and torch's CUDA libraries are gigabytes of them (the two installs'
+times: docs/testing.md). uv reads none of pip's
 configuration, so pip's own settings (``pip config list``: its configuration files and PIP_*
 variables) are handed to uv as the equivalent UV_* variables: the same indexes, local wheel
 folders, constraints (a machine's cap on the torch release, say), certificate and timeout.

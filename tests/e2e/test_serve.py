@@ -487,7 +487,6 @@ def test_ema_true_without_an_average_exits_2(cnn_run, capsys):
 
 
 SUPERVISOR = """
-import sys
 import uvicorn
 from sdnet_trainer.serve.cli import _supervisor_class, listen
 

@@ -104,7 +104,7 @@ def test_a_worker_that_cannot_load_exits_with_uvicorns_startup_failure(
     tmp_path, monkeypatch, capsys
 ):
     """Not an exception: uvicorn's supervisor would restart that worker forever. And at once
-    (os._exit), not through the interpreter's teardown, which answers no health check."""
+    (os._exit), without the interpreter's teardown (seconds with torch loaded)."""
     from uvicorn.config import STARTUP_FAILURE
 
     args = parse_args([f"checkpoint={unloadable_export_folder(tmp_path / 'export')}", "workers=2"])
