@@ -251,16 +251,25 @@ import re
 import sys
 
 need = sys.argv[1]
+# The installed distribution's version, without importing torch (seconds with its CUDA
+# libraries, and the import check below imports it anyway); a torch without package metadata
+# (built in place) is imported for its version.
 try:
-    import torch
-except Exception as exc:
-    sys.exit(f"{sys.executable} cannot import torch ({exc}): set PYTHON to the node's "
-             "Python with torch")
-have = tuple(int(v) for v in re.match(r"(\d+)\.(\d+)", torch.__version__).groups())
+    from importlib.metadata import PackageNotFoundError, version
+
+    have_version = version("torch")
+except PackageNotFoundError:
+    try:
+        import torch
+    except Exception as exc:
+        sys.exit(f"{sys.executable} cannot import torch ({exc}): set PYTHON to the node's "
+                 "Python with torch")
+    have_version = torch.__version__
+have = tuple(int(v) for v in re.match(r"(\d+)\.(\d+)", have_version).groups())
 if have < tuple(int(v) for v in need.split(".")[:2]):
     sys.exit(f"this project needs torch>={need} (pyproject.toml); {sys.executable} "
-             f"has torch {torch.__version__}")
-print(f"{sys.executable}: Python {sys.version.split()[0]}, torch {torch.__version__}")
+             f"has torch {have_version}")
+print(f"{sys.executable}: Python {sys.version.split()[0]}, torch {have_version}")
 EOF
 ); then
     setup_fail "$torch_line"

@@ -1,10 +1,11 @@
 """DDP with gloo on CPU, compared against a single-process reference.
 
-The main two-process run goes through the command a user types (``torchrun -m sdnet_trainer``),
-the single-process runs through the same CLI forked ready-imported (tests/forked.py); every other
-two-process configuration trains in one shared launch of tests/distributed/_ddp_worker.py (one
-process group, one Trainer per case, composed from the same overrides as on the command line):
-starting a process group costs more than training this tiny model. RecordingTrainer
+The main two-process run and the single-process runs go through the CLI, forked ready-imported
+(tests/forked.py: the command a user types, ``torchrun -m sdnet_trainer``, trains DDP in
+tests/e2e/test_cli.py and under the signal and fault tests); every other two-process
+configuration trains in one shared launch of tests/distributed/_ddp_worker.py (one process group,
+one Trainer per case, composed from the same overrides as on the command line): starting a
+process group costs more than training this tiny model. RecordingTrainer
 (tests/support.py) saves the final parameters, the per-step global losses and the number of
 gradient all-reduce calls per step.
 """
@@ -41,11 +42,9 @@ CASES = {
 }
 
 
-def _run(tmp_path, name, overrides, nproc=None, fork=True) -> dict:
+def _run(tmp_path, name, overrides, nproc=None) -> dict:
     run_dir = tmp_path / name
-    launch = run_cli(
-        COMMON + overrides + [f"hydra.run.dir={run_dir}"], cwd=tmp_path, nproc=nproc, fork=fork
-    )
+    launch = run_cli(COMMON + overrides + [f"hydra.run.dir={run_dir}"], cwd=tmp_path, nproc=nproc)
     assert launch.returncode == 0, launch.output
     return torch.load(run_dir / FINAL_STATE, weights_only=True)
 
@@ -58,8 +57,8 @@ def reference(tmp_path_factory) -> dict:
 
 @pytest.fixture(scope="module")
 def ddp2(tmp_path_factory) -> dict:
-    """Two processes through the real CLI: torchrun -m sdnet_trainer."""
-    return _run(tmp_path_factory.mktemp("ddp2"), "ddp2", [], nproc=2, fork=False)
+    """Two processes through the CLI."""
+    return _run(tmp_path_factory.mktemp("ddp2"), "ddp2", [], nproc=2)
 
 
 @pytest.fixture(scope="module")

@@ -108,10 +108,18 @@ RESNET_SPLITS = {
 # ranks in batches of 4 (the micro-batch) are 5 batches on rank 0 and 4 on the others; over 2 in
 # batches of 8, 5 and 4. Each FSDP forward gathers the weights, so every rank must run as many
 # (padding batches, not counted); the metrics equal one process's over the same 65 samples. The
-# plain FSDP and FSDP x TP layouts evaluate it (their training is the GPT reference's).
+# plain FSDP and the FSDP x TP (loss and sequence parallel) layouts evaluate it (their training
+# is the GPT reference's).
 VAL_REMAINDER = {
     "gpt_fsdp": GPT + ["parallel=fsdp", "data.val_size=65"],
-    "gpt_fsdp_tp": GPT + ["parallel=fsdp", "parallel.tp=2", "data.val_size=65"],
+    "gpt_fsdp_tp_loss_seq": GPT
+    + [
+        "parallel=fsdp",
+        "parallel.tp=2",
+        "parallel.tensor_parallel.loss_parallel=true",
+        "parallel.tensor_parallel.sequence_parallel=true",
+        "data.val_size=65",
+    ],
 }
 VAL_REMAINDER_REF = "gpt_ref_val_remainder"
 
@@ -130,36 +138,22 @@ WORLD4 = {
     ],
     "gpt_zero1": GPT + ["parallel=zero1"] + SAVE,  # its optimizer state is saved by parameter name
     "gpt_tp": GPT + ["parallel.tp=4"],
-    "gpt_fsdp_tp_loss_seq": GPT
-    + [
-        "parallel=fsdp",
-        "parallel.tp=2",
-        "parallel.tensor_parallel.loss_parallel=true",
-        "parallel.tensor_parallel.sequence_parallel=true",
-    ],
     "gpt_ddp_pp": GPT + _pipeline("1F1B", 2),
     "gpt_fsdp_pp": GPT + ["parallel=fsdp"] + _pipeline("1F1B", 2),
     # The Llama in the GPT's layouts (one implementation of blocks, TP plan and pipeline units).
+    # FSDP x TP with loss and sequence parallel trains it in chat_fsdp_tp_loss_seq (below).
     "llama_fsdp_ac": LLAMA + ["parallel=fsdp", "model.activation_checkpointing=true"],
     # 2 stages of TP 2; saved, as the tied FSDP x TP run below, for the Hugging Face export.
     "llama_tp_pp": LLAMA + ["parallel.tp=2"] + _pipeline("1F1B", 2) + SAVE,
-    "llama_fsdp_tp_loss_seq": LLAMA
-    + [
-        "parallel=fsdp",
-        "parallel.tp=2",
-        "parallel.tensor_parallel.loss_parallel=true",
-        "parallel.tensor_parallel.sequence_parallel=true",
-    ],
     # One parameter under two names, split by vocabulary rows under TP and sharded by FSDP.
     "llama_tied_fsdp_tp": LLAMA_TIED + ["parallel=fsdp", "parallel.tp=2"] + SAVE,
     # The ResNet in the layouts where a CNN differs from a decoder: how it is sharded (whole
     # blocks, BatchNorm's buffers per rank) and staged (at layer boundaries). FSDP's other
     # settings and meshes (reshard_after_forward, HSDP) shard it as they shard the GPT above, at
-    # several times a GPT case's cost (11M parameters gathered per forward). FSDP2 refuses
+    # several times a GPT case's cost (11M parameters gathered per forward); ZeRO-1 and DDP
+    # over stages treat every model's parameters alike (gpt_zero1, gpt_ddp_pp). FSDP2 refuses
     # channels_last parameters: the layout rides on the inputs alone there.
     "resnet_fsdp": RESNET + ["parallel=fsdp", "model.channels_last=true"],
-    "resnet_zero1": RESNET + ["parallel=zero1"],
-    "resnet_ddp_pp": RESNET + _pipeline("1F1B", 2) + RESNET_SPLITS[1],
     "resnet_fsdp_pp": RESNET + ["parallel=fsdp"] + _pipeline("1F1B", 2) + RESNET_SPLITS[1],
 }
 WORLD2 = {
@@ -175,13 +169,11 @@ WORLD2 = {
         "model.activation_checkpointing=true",
     ],
     **{f"gpt_pp_{s}": GPT + _pipeline(s, 4) for s in SCHEDULES},
-    # Every schedule runs the GPT above; the ResNet runs those that treat its stages differently:
-    # several per rank, and the backward split into input and weight gradients (through
-    # convolutions and BatchNorm). One stage per rank: resnet_ddp_pp, resnet_pp_saved.
-    **{
-        f"resnet_pp_{s}": RESNET + _pipeline(s, 4) + RESNET_SPLITS[SCHEDULES[s]]
-        for s in ("Interleaved1F1B", "ZBVZeroBubble", "DualPipeV")
-    },
+    # Every schedule runs the GPT above; the ResNet runs one that treats its stages differently:
+    # two per rank (a V: the first and the last on one rank), and the backward split into input
+    # and weight gradients (through convolutions and BatchNorm). One stage per rank:
+    # resnet_fsdp_pp, resnet_pp_saved.
+    "resnet_pp_ZBVZeroBubble": RESNET + _pipeline("ZBVZeroBubble", 4) + RESNET_SPLITS[2],
     # Written here, read back by one process without the layout (cross-layout checkpoints).
     "gpt_fsdp2_saved": GPT + ["parallel=fsdp"] + SAVE,
     "gpt_pp_saved": GPT + _pipeline("1F1B", 2) + SAVE,
@@ -470,13 +462,10 @@ def test_fsdp_holds_a_quarter_of_the_training_state(runs, name):
         assert rank_bytes["params"] < full["params"] / 3
 
 
-@pytest.mark.parametrize("name", ["gpt_zero1", "resnet_zero1"])
-def test_zero1_shards_only_the_optimizer_state(runs, name):
-    full = runs[_reference(name)]["state_bytes"][0]
-    ranks = runs[name]["state_bytes"]
-    largest = max(
-        v.numel() * v.element_size() for v in _trained_params(runs[_reference(name)]).values()
-    )
+def test_zero1_shards_only_the_optimizer_state(runs):
+    full = runs["gpt_ref"]["state_bytes"][0]
+    ranks = runs["gpt_zero1"]["state_bytes"]
+    largest = max(v.numel() * v.element_size() for v in _trained_params(runs["gpt_ref"]).values())
     assert (
         sum(r["optim"] for r in ranks) == full["optim"]
     )  # every parameter's state on one rank only
@@ -559,15 +548,16 @@ def test_hugging_face_weights_load_each_ranks_slices_under_fsdp_tp(runs):
 
 
 # Layouts whose per-rank bytes the dry run predicts: sharded (FSDP, FSDP x TP, FSDP x PP, ResNet
-# FSDP with uneven shards), tensor parallel alone, and ZeRO-1 (replicated, optimizer sharded).
+# FSDP with uneven shards, a weight shared by two modules), tensor parallel alone, and ZeRO-1
+# (replicated, optimizer sharded).
 PLANNED = [
     "gpt_fsdp",
-    "gpt_fsdp_tp",
+    "gpt_fsdp_tp_loss_seq",
     "gpt_fsdp_pp",
     "gpt_tp",
     "gpt_zero1",
     "resnet_fsdp",
-    "llama_fsdp_tp_loss_seq",
+    "llama_tied_fsdp_tp",
 ]
 
 

@@ -24,7 +24,7 @@ from tests.support import (
 )
 
 SIZE = 16
-STEPS = 80
+STEPS = 50
 # 1,437 training images / 32 = 44 steps an epoch: the run goes into a second epoch.
 RUN = [
     *CPU,

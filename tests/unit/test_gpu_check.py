@@ -273,13 +273,28 @@ def test_gpu_check_without_the_wheel_folder_says_how_to_make_it(tmp_path, image)
 
 
 @whole_check
-def test_gpu_check_names_the_torch_it_needs(tmp_path):
-    """A Python whose torch is older than pyproject.toml's minimum: one line, before any setup."""
+@pytest.mark.parametrize("found_by", ["metadata", "import"])
+def test_gpu_check_names_the_torch_it_needs(tmp_path, found_by):
+    """A Python whose torch is older than pyproject.toml's minimum: one line, before any setup.
+    The version comes from the installed package's metadata, or, for a torch without any (built
+    in place), from importing it: here a Python without its site folders, whose only torch is
+    the fake one."""
     fake = tmp_path / "fake"
     (fake / "torch").mkdir(parents=True)
-    (fake / "torch" / "__init__.py").write_text('__version__ = "2.10.0+cu128"\n')
+    flags = ""
+    if found_by == "metadata":  # found before the real torch's, which comes later on the path
+        info = fake / "torch-2.10.0+cu128.dist-info"
+        info.mkdir()
+        (info / "METADATA").write_text(
+            "Metadata-Version: 2.1\nName: torch\nVersion: 2.10.0+cu128\n"
+        )
+        module = 'raise ImportError("the version check imported torch")\n'
+    else:
+        module = '__version__ = "2.10.0+cu128"\n'
+        flags = "-S "
+    (fake / "torch" / "__init__.py").write_text(module)
     python = tmp_path / "python"
-    python.write_text(f'#!/bin/sh\nPYTHONPATH={fake} exec {sys.executable} "$@"\n')
+    python.write_text(f'#!/bin/sh\nPYTHONPATH={fake} exec {sys.executable} {flags}"$@"\n')
     python.chmod(0o755)
     launch, out = _gpu_check(tmp_path, python, tmp_path)
     assert launch.returncode == 1, launch.output
