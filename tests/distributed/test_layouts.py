@@ -27,7 +27,10 @@ from tests.support import REPO, corpus_line, run_cli, tiny_llama_config, write_b
 WORKER = REPO / "tests" / "distributed" / "_layout_worker.py"
 COMMON = [
     "data.train_size=256",
-    "data.val_size=64",
+    # One validation batch per rank of the 4-process layouts (the evaluation of the weights and
+    # of their average is compared, not the figures of a larger set): each forward of a sharded
+    # model is a round of collectives, under FSDP a gather of all its weights.
+    "data.val_size=16",
     "loop.max_steps=5",
     "loop.global_batch_size=16",
     "loop.eval_at_epoch_end=false",
@@ -70,9 +73,6 @@ RESNET = COMMON + [
     "model=resnet18",
     "model.cifar_stem=true",
     "data.image_size=16",
-    # One validation batch per rank of the 4-process layouts: under FSDP each eval forward
-    # gathers the whole ResNet-18 (11M parameters) again, for the weights and for their average.
-    "data.val_size=16",
     "optim=sgd",
     "optim.lr=0.002",
     "optim.momentum=0.9",
@@ -104,21 +104,21 @@ RESNET_SPLITS = {
     2: ["parallel.pipeline.split_points=[layer2,layer3,layer4]"],
 }
 
-# A validation set whose shares need different batch counts: 65 samples over 4 data-parallel
-# ranks in batches of 4 (the micro-batch) are 5 batches on rank 0 and 4 on the others; over 2 in
-# batches of 8, 5 and 4. Each FSDP forward gathers the weights, so every rank must run as many
-# (padding batches, not counted); the metrics equal one process's over the same 65 samples. The
+# A validation set whose shares need different batch counts: 17 samples over 4 data-parallel
+# ranks in batches of 4 (the micro-batch) are 2 batches on rank 0 and 1 on the others; over 2 in
+# batches of 8, 2 and 1. Each FSDP forward gathers the weights, so every rank must run as many
+# (padding batches, not counted); the metrics equal one process's over the same 17 samples. The
 # plain FSDP and the FSDP x TP (loss and sequence parallel) layouts evaluate it (their training
 # is the GPT reference's).
 VAL_REMAINDER = {
-    "gpt_fsdp": GPT + ["parallel=fsdp", "data.val_size=65"],
+    "gpt_fsdp": GPT + ["parallel=fsdp", "data.val_size=17"],
     "gpt_fsdp_tp_loss_seq": GPT
     + [
         "parallel=fsdp",
         "parallel.tp=2",
         "parallel.tensor_parallel.loss_parallel=true",
         "parallel.tensor_parallel.sequence_parallel=true",
-        "data.val_size=65",
+        "data.val_size=17",
     ],
 }
 VAL_REMAINDER_REF = "gpt_ref_val_remainder"
@@ -266,7 +266,7 @@ def _single(out) -> dict[str, list[str]]:
         "gpt_ref": GPT,
         "llama_ref": LLAMA,
         "llama_tied_ref": LLAMA_TIED,
-        VAL_REMAINDER_REF: GPT + ["data.val_size=65"],
+        VAL_REMAINDER_REF: GPT + ["data.val_size=17"],
         "resnet_ref": RESNET + ["loop.grad_accum_steps=4"],
         "gpt_from_fsdp2": reload("gpt_fsdp2_saved", GPT),
         "gpt_from_pp": reload("gpt_pp_saved", GPT),
@@ -314,7 +314,6 @@ def _hf_load_case(out) -> dict[str, list[str]]:
         "model.ema.enabled=false",  # a copy of the weights would count in the set-up's memory
         "data.vocab_size=32000",
         "data.train_size=64",
-        "data.val_size=16",
         "parallel=fsdp",
         "parallel.tp=2",
         "parallel.tensor_parallel.loss_parallel=true",
@@ -414,7 +413,7 @@ def test_uneven_validation_shards_evaluate_like_one_process(runs, name):
     assert keys == {k for k in run["metrics"] if k.startswith(("val/", "val_ema/"))}
     for key in sorted(keys):
         assert run["metrics"][key] == pytest.approx(ref["metrics"][key], rel=1e-4, abs=1e-6), key
-    # 65 samples, not 64: the remainder sample changes the mean.
+    # 17 samples, not 16: the remainder sample changes the mean.
     assert ref["metrics"]["val/loss"] != runs["gpt_ref"]["metrics"]["val/loss"]
 
 
