@@ -4,9 +4,6 @@ between them."""
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
 from dataclasses import dataclass
 
 import pytest
@@ -24,26 +21,35 @@ class Collection:
     selected: set[str]  # what `-m quick` kept of them
 
 
+class _Selected:
+    """A plugin that keeps the node ids a session selected (what ``--collect-only`` lists)."""
+
+    def __init__(self) -> None:
+        self.ids: set[str] = set()
+
+    def pytest_collection_finish(self, session: pytest.Session) -> None:
+        self.ids = {item.nodeid for item in session.items}
+
+
 @pytest.fixture(scope="module")
 def collection(tmp_path_factory) -> Collection:
     """One collection of the whole suite with ``-m quick``, for both tests: tests/conftest.py
     writes every test's tiers to TIERS_FILE before the marker deselects any (its hook runs
-    first), and pytest lists what the marker kept."""
+    first), and the session keeps what the marker selected. In this process (``pytest.main``,
+    as pytest's own pytester runs one inline): the modules this session already imported are
+    not imported again, where a new interpreter would import torch and every test module (about
+    17 CPU-seconds on the 2-core machine)."""
     listing = tmp_path_factory.mktemp("tiers") / "tiers.tsv"
-    env = {**os.environ, TIERS_FILE: str(listing), "OMP_NUM_THREADS": "1"}
-    result = subprocess.run(
-        [sys.executable, "-m", "pytest", "--collect-only", "-q", "-p", "no:cacheprovider"]
-        + ["-m", QUICK, "tests"],
-        cwd=REPO,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
-    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    selected = _Selected()
+    with pytest.MonkeyPatch.context() as env:
+        env.setenv(TIERS_FILE, str(listing))
+        code = pytest.main(
+            ["--collect-only", "-q", "-p", "no:cacheprovider", "-m", QUICK, str(REPO / "tests")],
+            plugins=[selected],
+        )
+    assert code == pytest.ExitCode.OK, code
     rows = [line.split("\t") for line in listing.read_text().splitlines()]
-    selected = {line for line in result.stdout.splitlines() if "::" in line}
-    return Collection({nodeid: tiers for nodeid, tiers in rows}, selected)
+    return Collection({nodeid: tiers for nodeid, tiers in rows}, selected.ids)
 
 
 def test_every_test_is_in_exactly_one_tier(collection):
