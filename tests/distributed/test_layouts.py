@@ -103,6 +103,14 @@ RESNET_SPLITS = {
     1: ["parallel.pipeline.split_points=[layer3]"],
     2: ["parallel.pipeline.split_points=[layer2,layer3,layer4]"],
 }
+# FSDP x TP 2, the loss computed on the vocabulary shards and the activations between blocks split
+# along the sequence.
+FSDP_TP_LOSS_SEQ = [
+    "parallel=fsdp",
+    "parallel.tp=2",
+    "parallel.tensor_parallel.loss_parallel=true",
+    "parallel.tensor_parallel.sequence_parallel=true",
+]
 
 # A validation set whose shares need different batch counts: 17 samples over 4 data-parallel
 # ranks in batches of 4 (the micro-batch) are 2 batches on rank 0 and 1 on the others; over 2 in
@@ -112,14 +120,7 @@ RESNET_SPLITS = {
 # is the GPT reference's).
 VAL_REMAINDER = {
     "gpt_fsdp": GPT + ["parallel=fsdp", "data.val_size=17"],
-    "gpt_fsdp_tp_loss_seq": GPT
-    + [
-        "parallel=fsdp",
-        "parallel.tp=2",
-        "parallel.tensor_parallel.loss_parallel=true",
-        "parallel.tensor_parallel.sequence_parallel=true",
-        "data.val_size=17",
-    ],
+    "gpt_fsdp_tp_loss_seq": GPT + FSDP_TP_LOSS_SEQ + ["data.val_size=17"],
 }
 VAL_REMAINDER_REF = "gpt_ref_val_remainder"
 
@@ -173,7 +174,9 @@ WORLD2 = {
     # two per rank (a V: the first and the last on one rank), and the backward split into input
     # and weight gradients (through convolutions and BatchNorm). One stage per rank:
     # resnet_fsdp_pp, resnet_pp_saved.
-    "resnet_pp_ZBVZeroBubble": RESNET + _pipeline("ZBVZeroBubble", 4) + RESNET_SPLITS[2],
+    "resnet_pp_ZBVZeroBubble": RESNET
+    + _pipeline("ZBVZeroBubble", 4)
+    + RESNET_SPLITS[SCHEDULES["ZBVZeroBubble"]],
     # Written here, read back by one process without the layout (cross-layout checkpoints).
     "gpt_fsdp2_saved": GPT + ["parallel=fsdp"] + SAVE,
     "gpt_pp_saved": GPT + _pipeline("1F1B", 2) + SAVE,
@@ -198,12 +201,7 @@ CHAT_LAYOUTS = {
     4: {
         "chat_hsdp": ["parallel=fsdp", "parallel.dp_replicate=2", "parallel.dp_shard=2"],
         "chat_ddp_accum": ["loop.grad_accum_steps=2"],
-        "chat_fsdp_tp_loss_seq": [
-            "parallel=fsdp",
-            "parallel.tp=2",
-            "parallel.tensor_parallel.loss_parallel=true",
-            "parallel.tensor_parallel.sequence_parallel=true",
-        ],
+        "chat_fsdp_tp_loss_seq": FSDP_TP_LOSS_SEQ,
     },
 }
 
@@ -314,10 +312,7 @@ def _hf_load_case(out) -> dict[str, list[str]]:
         "model.ema.enabled=false",  # a copy of the weights would count in the set-up's memory
         "data.vocab_size=32000",
         "data.train_size=64",
-        "parallel=fsdp",
-        "parallel.tp=2",
-        "parallel.tensor_parallel.loss_parallel=true",
-        "parallel.tensor_parallel.sequence_parallel=true",
+        *FSDP_TP_LOSS_SEQ,
     ]
     return {HF_LOAD: overrides}
 
