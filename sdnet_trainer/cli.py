@@ -69,7 +69,7 @@ def run(cfg: DictConfig, trainer_cls: type[Trainer] | None = None) -> dict[str, 
         with distributed_session(
             config.dist, output_dir=output_dir, cpu_collectives=cpu_collectives
         ) as env:
-            _check_same_output_dir(output_dir)
+            _check_same_run(output_dir, config.run.id)
             trainer = cls(config, output_dir=output_dir, env=env)
             try:
                 return trainer.fit()
@@ -140,12 +140,16 @@ def _validated(cfg: DictConfig) -> Config:
     return config
 
 
-def _check_same_output_dir(output_dir: Path) -> None:
-    dirs = all_gather_objects(str(output_dir))
-    if len(set(dirs)) > 1:
+def _check_same_run(output_dir: Path, run_id: str) -> None:
+    """Every rank composed its config alone: the run directory and run.id (the checkpoint
+    directory's claim, the metrics' identity) must have come out the same on all of them."""
+    seen = sorted(set(all_gather_objects((str(output_dir), run_id))))
+    if len(seen) > 1:
         raise ConfigError(
-            f"ranks resolved different run directories ({sorted(set(dirs))}); on several "
-            f"nodes pass the same run.id (or SDNET_RUN_ID) to every node"
+            "ranks resolved different run directories or run.id values ("
+            + "; ".join(f"{d} with run.id {i!r}" for d, i in seen)
+            + "); pass the same run.id (or SDNET_RUN_ID) to every rank: a launch without "
+            "torchrun or a scheduler's job id names each rank's run after its own clock"
         )
 
 

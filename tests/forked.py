@@ -8,10 +8,10 @@ than most tests' training. The tests whose subject is not the launcher (a layout
 fault inside the training loop) start their processes here instead: Python's forkserver, with
 ``tests.support`` and the CLI preloaded, forks each rank already imported. Each rank gets the
 variables a scheduler that starts processes without torchrun sets (RANK, WORLD_SIZE,
-LOCAL_RANK, LOCAL_WORLD_SIZE, MASTER_ADDR, MASTER_PORT: ``srun`` and submitit do the same), runs
-the command's ``__main__`` as the interpreter would, and exits with its code. What torchrun's
-agent does for a failed world, this does too: when one rank exits non-zero, the others get
-SIGTERM, then SIGKILL 30 s later.
+LOCAL_RANK, LOCAL_WORLD_SIZE, MASTER_ADDR, MASTER_PORT, and SDNET_RUN_ID, which the project
+derives from ``srun``'s and submitit's job ids), runs the command's ``__main__`` as the
+interpreter would, and exits with its code. What torchrun's agent does for a failed world, this
+does too: when one rank exits non-zero, the others get SIGTERM, then SIGKILL 30 s later.
 
 What a fork shares that fresh interpreters would not: the seed of ``str`` hashes (every rank,
 and every launch of a pytest worker, has the server's); and a rank leaves without the
@@ -27,6 +27,7 @@ from __future__ import annotations
 import atexit
 import contextlib
 import io
+import itertools
 import multiprocessing
 import os
 import runpy
@@ -66,6 +67,8 @@ _SERVER = multiprocessing.get_context("forkserver")
 _SERVER.set_forkserver_preload(
     ["tests.support", "sdnet_trainer.cli", "torch._dynamo", "torchvision", "transformers"]
 )
+
+_WORLDS = itertools.count()  # numbers this process's N-process launches for their run ids
 
 # Launches still running: killed when this process exits (an interrupted pytest), before
 # multiprocessing's own exit handler would wait for them to finish.
@@ -175,6 +178,9 @@ class ForkedLaunch:
         ranks: list[dict[str, str]] = [{}]
         if nproc is not None:
             port = str(free_port())
+            # What srun's job id gives every task (sdnet_trainer.distributed.launchers): one run
+            # id for the world, which each rank would otherwise take from its own clock.
+            base.setdefault("SDNET_RUN_ID", f"forked-{os.getpid()}-{next(_WORLDS)}")
             ranks = [
                 {
                     "RANK": str(rank),

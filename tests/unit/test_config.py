@@ -197,6 +197,23 @@ def test_run_id_is_shared_by_ranks(monkeypatch):
     assert run_id() == run_id() and run_id() != "rdzv-7"
 
 
+def test_ranks_that_resolved_different_runs_stop_before_training(monkeypatch, tmp_path):
+    """The check after the process group is up: one directory and one run.id on every rank, or a
+    ConfigError naming both and SDNET_RUN_ID (ranks started without torchrun or a job id each
+    take run.id from their own clock)."""
+    from sdnet_trainer import cli
+
+    same = (str(tmp_path), "2026-11-28_01-50-56")
+    monkeypatch.setattr(cli, "all_gather_objects", lambda mine: [mine, same])
+    cli._check_same_run(tmp_path, same[1])  # every rank alike: passes
+    with pytest.raises(ConfigError, match="SDNET_RUN_ID") as excinfo:
+        cli._check_same_run(tmp_path, "2026-11-28_01-50-57")  # the same directory, another id
+    assert "'2026-11-28_01-50-56'" in str(excinfo.value)
+    assert "'2026-11-28_01-50-57'" in str(excinfo.value)
+    with pytest.raises(ConfigError, match="different run directories"):
+        cli._check_same_run(tmp_path / "elsewhere", same[1])
+
+
 def test_rank0_only(monkeypatch):
     monkeypatch.setenv("RANK", "0")
     assert rank0_only(".hydra") == ".hydra"
