@@ -112,8 +112,12 @@ class ChatRenderer:
             )
         )
 
-    def pieces(self, messages: list[dict[str, str]], *, where: str) -> list[tuple[str, bool]]:
-        """The conversation as (text, trained) pieces whose concatenation is its rendering."""
+    def pieces(
+        self, messages: list[dict[str, str]], *, where: str, add_generation_prompt: bool = False
+    ) -> list[tuple[str, bool]]:
+        """The conversation as (text, trained) pieces whose concatenation is its rendering; with
+        ``add_generation_prompt``, the header that opens the assistant's reply last (a served
+        chat's prompt: the pieces training tokenized, so the reply starts where it learned to)."""
         pieces: list[tuple[str, bool]] = []
         done = ""
 
@@ -136,6 +140,8 @@ class ChatRenderer:
                 if assistant:  # the header that opens the assistant's turn is prompt
                     add(self.render(messages[:k], add_generation_prompt=True), False)
                 add(self.render(messages[: k + 1], add_generation_prompt=False), assistant)
+            if add_generation_prompt:
+                add(self.render(messages, add_generation_prompt=True), False)
         except self._template_error as err:
             raise ConfigError(f"{where}: {self.source} refuses this conversation: {err}") from err
         return pieces

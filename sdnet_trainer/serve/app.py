@@ -43,15 +43,31 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from sdnet_trainer.serve.args import ServeArgs
 from sdnet_trainer.serve.batching import Batcher, QueueFull, Stopped
-from sdnet_trainer.serve.errors import InputError, first_line
+from sdnet_trainer.serve.decoding import LENGTH, STOP, splittable
+from sdnet_trainer.serve.engine import Engine, EngineMetrics
+from sdnet_trainer.serve.errors import InputError, first_line, one_line
 from sdnet_trainer.serve.images import ImageModel
 from sdnet_trainer.serve.language import Job, LanguageModel
+from sdnet_trainer.serve.openai_api import ROUTES as OPENAI_ROUTES
+from sdnet_trainer.serve.openai_api import add_openai_routes, error_response
 
 logger = logging.getLogger(__name__)
 
 PREDICT = "/v1/predict"
-ROUTES = frozenset(
-    {PREDICT, "/v1/model", "/healthz", "/readyz", "/metrics", "/docs", "/redoc", "/openapi.json"}
+ROUTES = (
+    frozenset(
+        {
+            PREDICT,
+            "/v1/model",
+            "/healthz",
+            "/readyz",
+            "/metrics",
+            "/docs",
+            "/redoc",
+            "/openapi.json",
+        }
+    )
+    | OPENAI_ROUTES
 )
 LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
 
@@ -172,6 +188,7 @@ class ServeMetrics:
         self.ready = Gauge(
             "sdnet_serve_ready", "1 while the model takes requests", registry=self.registry
         )
+        self.engine = EngineMetrics(self.registry)  # a language model's decoding
 
     def record(self, route: str, status: int, seconds: float) -> None:
         self.requests.labels(route, str(status)).inc()
@@ -250,18 +267,6 @@ class BodyLimit:
 # ---------------------------------------------------------------------- errors
 
 
-def one_line(errors: list[Any]) -> tuple[int, str]:
-    """A pydantic / FastAPI validation failure as (status, one line): malformed JSON is 400,
-    JSON of the wrong form 422, naming the first field at fault."""
-    first = errors[0] if errors else {}
-    if first.get("type") == "json_invalid":
-        error = (first.get("ctx") or {}).get("error", "")
-        return 400, f"the body is not valid JSON{f' ({error})' if error else ''}"
-    where = ".".join(str(part) for part in first.get("loc", ()) if part != "body") or "body"
-    more = f" (and {len(errors) - 1} more)" if len(errors) > 1 else ""
-    return 422, f"{where}: {first.get('msg', 'invalid')}{more}"
-
-
 def _detail(status: int, reason: str, headers: dict[str, str] | None = None) -> JSONResponse:
     return JSONResponse({"detail": reason}, status_code=status, headers=headers)
 
@@ -280,12 +285,15 @@ def create_app(model: Union[ImageModel, LanguageModel], args: ServeArgs, *, sour
         max_queue=args.max_queue,
         observe=metrics.batch_size.observe,
     )
-    metrics.queue.set_function(lambda: batcher.waiting)
+    engine = _engine(model, args, metrics.engine) if isinstance(model, LanguageModel) else None
+    metrics.queue.set_function(lambda: batcher.waiting + (engine.waiting if engine else 0))
     ready = {"now": False}
 
     @asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
         batcher.start()
+        if engine is not None:
+            engine.start()
         ready["now"] = True
         metrics.ready.set(1)
         try:
@@ -294,6 +302,8 @@ def create_app(model: Union[ImageModel, LanguageModel], args: ServeArgs, *, sour
             ready["now"] = False
             metrics.ready.set(0)
             await batcher.stop()
+            if engine is not None:
+                await engine.stop()
 
     app = FastAPI(
         title="sdnet_trainer serve",
@@ -303,21 +313,32 @@ def create_app(model: Union[ImageModel, LanguageModel], args: ServeArgs, *, sour
     app.add_middleware(BodyLimit, max_bytes=int(args.max_body_mb * 2**20))
     app.add_middleware(MetricsMiddleware, metrics=metrics)
 
+    def refusal(request: Request, status: int, reason: str, **headers: str) -> JSONResponse:
+        # The OpenAI routes answer in the shape OpenAI's clients read.
+        if request.url.path in OPENAI_ROUTES:
+            return error_response(status, reason, headers or None)
+        return _detail(status, reason, headers or None)
+
     @app.exception_handler(InputError)
-    async def refused(_: Request, err: InputError) -> JSONResponse:
-        return _detail(err.status, err.reason)
+    async def refused(request: Request, err: InputError) -> JSONResponse:
+        return refusal(request, err.status, err.reason)
 
     @app.exception_handler(RequestValidationError)
-    async def invalid(_: Request, err: RequestValidationError) -> JSONResponse:
-        return _detail(*one_line(list(err.errors())))
+    async def invalid(request: Request, err: RequestValidationError) -> JSONResponse:
+        return refusal(request, *one_line(list(err.errors())))
+
+    @app.exception_handler(HTTPException)
+    async def failed(request: Request, err: HTTPException) -> JSONResponse:
+        return refusal(request, err.status_code, str(err.detail), **(err.headers or {}))
 
     @app.exception_handler(QueueFull)
-    async def busy(_: Request, err: QueueFull) -> JSONResponse:
-        return _detail(503, f"the server is busy: {err}; retry later", {"Retry-After": "1"})
+    async def busy(request: Request, err: QueueFull) -> JSONResponse:
+        reason = f"the server is busy: {err}; retry later"
+        return refusal(request, 503, reason, **{"Retry-After": "1"})
 
     @app.exception_handler(Stopped)
-    async def stopped(_: Request, err: Stopped) -> JSONResponse:
-        return _detail(503, str(err))
+    async def stopped(request: Request, err: Stopped) -> JSONResponse:
+        return refusal(request, 503, str(err))
 
     async def submit(item: Any) -> Any:
         if not ready["now"]:
@@ -355,6 +376,7 @@ def create_app(model: Union[ImageModel, LanguageModel], args: ServeArgs, *, sour
             "max_batch_size": args.max_batch_size,
             "max_wait_ms": args.max_wait_ms,
             "batching": args.batching,
+            "continuous_batching": engine is not None and engine.continuous,
         }
 
     # Request bodies are parsed, decoded and preprocessed in threads, off the event loop that
@@ -368,9 +390,68 @@ def create_app(model: Union[ImageModel, LanguageModel], args: ServeArgs, *, sour
 
     if isinstance(model, ImageModel):
         _image_route(app, model, submit, prepare)
-    else:
-        _language_route(app, model, submit, prepare)
+        return app
+
+    async def generate(job: Job) -> Any:
+        """The job's tokens as they come: from the engine, or a batch's whole result."""
+        if not ready["now"]:
+            raise Stopped("the model is not ready")
+        if engine is not None:
+            return engine.submit(job)
+        return Whole(asyncio.ensure_future(submit(job)), {*model.stop_ids, *job.stop})
+
+    _language_route(app, model, generate, prepare)
+    add_openai_routes(
+        app,
+        model,
+        name=args.served_model_name or args.checkpoint,
+        generate=generate,
+        prepare=prepare,
+    )
     return app
+
+
+def _engine(model: LanguageModel, args: ServeArgs, metrics: EngineMetrics) -> Engine | None:
+    """The continuous-batching engine of a model with a KV cache whose rows can join and leave
+    between steps; None otherwise (its requests run as whole batches)."""
+    if model.decoder is None:
+        return None
+    why_not = splittable(model.decoder)
+    if why_not is not None:
+        logger.warning("requests run as whole batches: %s", why_not)
+        return None
+    return Engine(
+        model.decoder,
+        stop_ids=model.stop_ids,
+        max_batch_size=args.max_batch_size,
+        max_queue=args.max_queue,
+        context=model.context,
+        continuous=args.continuous_batching,
+        max_wait_ms=args.max_wait_ms,
+        metrics=metrics,
+    )
+
+
+class Whole:
+    """A batch's whole result as a stream (a model without a KV cache): the tokens once they
+    all came; ``finish_reason`` stop when the last is a stop token, else length."""
+
+    def __init__(self, result: asyncio.Future[list[int]], stops: set[int]) -> None:
+        self.result = result
+        self.stops = stops
+        self.finish_reason: str | None = None
+
+    async def __aiter__(self) -> AsyncIterator[int]:
+        tokens = await self.result
+        for token in tokens:
+            yield token
+        self.finish_reason = STOP if tokens and tokens[-1] in self.stops else LENGTH
+
+    async def tokens(self) -> list[int]:
+        return [token async for token in self]
+
+    def abort(self) -> None:
+        self.result.cancel()  # a batch not yet formed skips it
 
 
 def _cpu_count() -> int:
@@ -470,7 +551,7 @@ def _base64(text: str) -> bytes:
 
 
 def _language_route(
-    app: FastAPI, model: LanguageModel, submit: Callable[[Any], Awaitable[Any]], prepare: Prepare
+    app: FastAPI, model: LanguageModel, generate: Callable[[Job], Awaitable[Any]], prepare: Prepare
 ) -> None:
     request_body = {
         "required": True,
@@ -492,7 +573,21 @@ def _language_route(
         if media and not _is_json(media):
             raise InputError(415, f"content type {media}: send application/json")
         job = await prepare(_job, model, await request.body())
-        tokens = await submit(job) if job.max_new_tokens else []
+        tokens: list[int] = []
+        if job.max_new_tokens:
+            stream = await generate(job)
+            try:
+                tokens = await stream.tokens()
+            except (InputError, QueueFull, Stopped):
+                raise
+            except Exception as err:
+                logger.exception("the model failed on a request")
+                raise HTTPException(
+                    500, f"the model failed: {type(err).__name__}: {first_line(err)}"
+                ) from None
+            finally:
+                if stream.finish_reason is None:
+                    stream.abort()
         return {"tokens": tokens, "text": model.text(tokens), "prompt_tokens": len(job.tokens)}
 
 

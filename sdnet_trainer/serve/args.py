@@ -33,6 +33,13 @@ class ServeArgs:
     # most max_batch_size; max_batch_size=1 or max_wait_ms=0 runs every request by itself.
     max_batch_size: int = 32
     max_wait_ms: float = 5.0
+    # A language model with a KV cache: requests join the decoding batch at the next step and
+    # leave when they end (at most max_batch_size decode together); false: a batch forms, as
+    # above, and runs until its last request ends before the next starts.
+    continuous_batching: bool = True
+    # The model's name in the OpenAI API (/v1/models, a request's "model"); null: checkpoint as
+    # given.
+    served_model_name: Optional[str] = None
     # Server processes, each with its own copy of the model (and its own /metrics).
     workers: int = 1
     # Requests with a larger body are refused with 413 (before the body is read when the client

@@ -30,7 +30,7 @@ from sdnet_trainer.models.hf_causal_lm import (
 from sdnet_trainer.serve.args import ServeArgs
 from sdnet_trainer.serve.decoding import CausalLMDecoder
 from sdnet_trainer.serve.errors import first_line
-from sdnet_trainer.serve.language import Codec, LanguageModel
+from sdnet_trainer.serve.language import Codec, LanguageModel, chat_renderer
 
 logger = logging.getLogger(__name__)
 
@@ -71,14 +71,16 @@ def load_hf_folder(args: ServeArgs, folder: Path, device: torch.device) -> Langu
     context = context_length(config)
     if context is None:
         raise ConfigError(f"{key}: {CONFIG_JSON} gives no context length (max_position_embeddings)")
+    codec = _codec(folder)
     model = LanguageModel(
         HFCausalLM(lm).to(device).eval(),
         context=context,
         vocab_size=int(config["vocab_size"]),
-        codec=_codec(folder),
+        codec=codec,
         max_new_tokens=args.max_new_tokens,
         decoder=CausalLMDecoder(lm, device),
         stop_ids=eos_ids(lm),
+        chat=chat_renderer(codec.tokenizer),
     )
     logger.info("serving %s: context %d, stop ids %s", key, context, list(model.stop_ids))
     return model

@@ -28,7 +28,9 @@ from typing import Any, Union
 import torch
 
 from sdnet_trainer.config.schema import DataConfig
+from sdnet_trainer.data.chat import TEMPLATES, ChatRenderer
 from sdnet_trainer.data.tokenizer import TextTokenizer, load_tokenizer
+from sdnet_trainer.errors import ConfigError
 from sdnet_trainer.serve.decoding import Decoder, Job, generate, pick, until_stop
 from sdnet_trainer.serve.errors import InputError
 
@@ -88,6 +90,19 @@ def codec(data: DataConfig) -> Codec:
     return Codec("ids")
 
 
+def chat_renderer(tokenizer: TextTokenizer | None, named: str | None = None) -> ChatRenderer | None:
+    """The chat template a served model's conversations are rendered with: the one its training
+    named (``data.chat_template``), else its tokenizer's own (``tokenizer_config.json``); None
+    without either."""
+    if tokenizer is None:
+        return None
+    template = TEMPLATES.get(named) if named is not None else tokenizer.chat_template
+    if template is None:
+        return None
+    source = f"data.chat_template={named}" if named else "the tokenizer's chat template"
+    return ChatRenderer(template, tokenizer=tokenizer, source=source)
+
+
 class LanguageModel:
     """A causal language model: prompts become jobs (:meth:`job`), a batch of jobs becomes the
     new tokens of each (:meth:`run`)."""
@@ -104,6 +119,7 @@ class LanguageModel:
         max_new_tokens: int,
         decoder: Decoder | None = None,
         stop_ids: Sequence[int] = (),
+        chat: ChatRenderer | None = None,
     ) -> None:
         self.runner = runner
         self.context = context
@@ -112,6 +128,7 @@ class LanguageModel:
         self.max_new_tokens = max_new_tokens
         self.decoder = decoder  # None: the runner, no cache (see the module docstring)
         self.stop_ids = tuple(stop_ids)  # the model's end-of-sequence ids
+        self.chat = chat  # renders /v1/chat/completions' messages; None: no chat template
 
     def job(
         self,
@@ -122,10 +139,12 @@ class LanguageModel:
         seed: int | None,
         top_p: float = 1.0,
         stop: Sequence[int] = (),
+        top_k: int = 0,
+        default_new_tokens: int = DEFAULT_NEW_TOKENS,
     ) -> Job:
         """The request as a job, or an InputError (422) naming what does not fit;
-        ``max_new_tokens`` None: DEFAULT_NEW_TOKENS, or this server's limit if lower (and, with
-        a decoder, what the context leaves after the prompt)."""
+        ``max_new_tokens`` None: ``default_new_tokens``, or this server's limit if lower (and,
+        with a decoder, what the context leaves after the prompt)."""
         if isinstance(prompt, str):
             if self.codec.kind != "ids" and len(prompt) > self.codec.max_chars(self.context):
                 raise InputError(
@@ -159,7 +178,7 @@ class LanguageModel:
         room = self.context - len(tokens) if self.decoder is not None else None
         if max_new_tokens is None:
             max_new_tokens = min(
-                DEFAULT_NEW_TOKENS, self.max_new_tokens, *([room] if room is not None else [])
+                default_new_tokens, self.max_new_tokens, *([room] if room is not None else [])
             )
         if max_new_tokens > self.max_new_tokens:
             raise InputError(
@@ -175,7 +194,33 @@ class LanguageModel:
             )
         if temperature > 0 and seed is None:
             seed = secrets.randbits(63)
-        return Job(tokens, max_new_tokens, float(temperature), seed, float(top_p), tuple(stop))
+        return Job(
+            tokens, max_new_tokens, float(temperature), seed, float(top_p), tuple(stop), top_k
+        )
+
+    def chat_prompt(self, messages: list[dict[str, str]]) -> list[int]:
+        """A conversation's prompt tokens: its pieces, rendered by the chat template and
+        tokenized one by one as training tokenized them, up to the assistant's opened reply."""
+        if self.chat is None or self.codec.tokenizer is None:
+            raise InputError(
+                400,
+                "messages: this model has no chat template (none in its tokenizer's "
+                "tokenizer_config.json, and it did not train with data.chat_template): send "
+                "text to /v1/completions",
+            )
+        chars = sum(len(message["content"]) for message in messages)
+        if chars > self.codec.max_chars(self.context):
+            raise InputError(
+                422,
+                f"messages: {chars} characters is longer than the model's context of "
+                f"{self.context} tokens can hold",
+            )
+        try:
+            pieces = self.chat.pieces(messages, where="messages", add_generation_prompt=True)
+        except ConfigError as err:
+            raise InputError(422, str(err)) from None
+        encoded = self.codec.tokenizer.encode([text for text, _ in pieces])
+        return [token for ids in encoded for token in ids]
 
     def run(self, jobs: list[Job]) -> list[list[int]]:
         """The new tokens of every job, in order: all together with a decoder; else jobs whose
@@ -221,4 +266,5 @@ class LanguageModel:
             "max_new_tokens": self.max_new_tokens,
             "kv_cache": self.decoder is not None,
             "stop_ids": list(self.stop_ids),
+            "chat_template": self.chat is not None,
         }

@@ -43,7 +43,7 @@ from sdnet_trainer.serve.decoding import CausalLMDecoder
 from sdnet_trainer.serve.errors import first_line
 from sdnet_trainer.serve.hf_folder import eos_ids, is_hf_folder, load_hf_folder
 from sdnet_trainer.serve.images import ImageModel, class_names, eval_transform
-from sdnet_trainer.serve.language import LanguageModel, codec
+from sdnet_trainer.serve.language import LanguageModel, chat_renderer, codec
 from sdnet_trainer.training.trainer import Trainer
 
 logger = logging.getLogger(__name__)
@@ -174,6 +174,7 @@ def load(args: ServeArgs, source: Source) -> Served:
             max_new_tokens=args.max_new_tokens,
             decoder=CausalLMDecoder(cached, device) if cached is not None else None,
             stop_ids=stop_ids,
+            chat=chat_renderer(tokens.tokenizer, data.chat_template),
         )
     if output.dim() != 2:
         raise ConfigError(

@@ -1,6 +1,7 @@
 """The Prometheus exporter in one process: what a scrape shows after each kind of write, ports,
-the Pushgateway, hardware figures, validation, and the deploy/monitoring files (the dashboard
-refers only to metrics the exporter emits; the configs are valid where promtool is installed)."""
+the Pushgateway, hardware figures, validation, and the deploy/monitoring files (the dashboards
+refer only to metrics the exporter and the model server emit; the configs are valid where promtool
+is installed)."""
 
 from __future__ import annotations
 
@@ -43,6 +44,7 @@ from tests.support import REPO, free_port, wait_until  # noqa: E402
 
 MONITORING = REPO / "deploy" / "monitoring"
 DASHBOARD = MONITORING / "grafana" / "dashboards" / "sdnet_training.json"
+SERVING_DASHBOARD = MONITORING / "grafana" / "dashboards" / "sdnet_serving.json"
 CPU = torch.device("cpu")
 RUN = {"run": "quickstart", "run_id": "2024-01-01_00-00-00", "node": "host-a"}
 
@@ -614,6 +616,93 @@ def test_the_dashboard_refers_only_to_metrics_the_exporter_emits(served):
     for panel in dashboard["panels"]:
         if panel["type"] != "row":
             assert panel["description"] and panel["targets"], panel["title"]
+
+
+# The sample names prometheus_client writes for a family of each type: a labelled family has no
+# samples until its first labels(...), so the names come from the type, not only the samples.
+_SAMPLE_SUFFIXES = {
+    "counter": ("_total", "_created"),
+    "histogram": ("_bucket", "_sum", "_count", "_created"),
+    "summary": ("", "_sum", "_count", "_created"),
+    "info": ("_info",),
+}
+
+
+def test_the_serving_dashboard_refers_only_to_metrics_the_server_emits():
+    pytest.importorskip("fastapi", reason="the serve extra is not installed")
+    from sdnet_trainer.serve.app import ServeMetrics
+    from sdnet_trainer.serve.args import ServeArgs
+
+    emitted: set[str] = set()
+    sampled: set[str] = set()
+    for family in ServeMetrics(max_batch_size=4).registry.collect():
+        emitted |= {family.name + s for s in _SAMPLE_SUFFIXES.get(family.type, ("",))}
+        sampled |= {sample.name for sample in family.samples}
+    assert sampled <= emitted, sampled - emitted  # the suffixes above are prometheus_client's
+
+    dashboard = json.loads(SERVING_DASHBOARD.read_text())
+    training = json.loads(DASHBOARD.read_text())
+    # Provisioned from one folder: a uid or title of the training dashboard's would clash.
+    assert dashboard["uid"] != training["uid"] and dashboard["title"] != training["title"]
+    assert dashboard["tags"] == training["tags"]
+    source = {"type": "prometheus", "uid": "${datasource}"}
+    variables = dashboard["templating"]["list"]
+    assert variables[0] == training["templating"]["list"][0]  # the data source variable
+    for variable in variables[1:]:
+        assert variable["datasource"] == source, variable["name"]
+
+    ids = [panel["id"] for panel in dashboard["panels"]]
+    assert len(ids) == len(set(ids))
+    for panel in dashboard["panels"]:
+        assert panel["title"], panel["id"]
+        if panel["type"] == "row":
+            continue
+        assert panel["description"] and panel["targets"], panel["title"]
+        assert panel["datasource"] == source, panel["title"]
+        for target in panel["targets"]:
+            assert target["datasource"] == source, panel["title"]
+        if any("kv_cache_usage_perc" in target["expr"] for target in panel["targets"]):
+            assert panel["fieldConfig"]["defaults"]["unit"] == "percentunit", panel["title"]
+
+    # Prometheus scrapes the server where it listens by default.
+    jobs = yaml.safe_load((MONITORING / "prometheus.yml").read_text())["scrape_configs"]
+    (job,) = [job for job in jobs if job["job_name"] == "sdnet_serve"]
+    ports = {int(t.rsplit(":", 1)[1]) for g in job["static_configs"] for t in g["targets"]}
+    assert ports == {ServeArgs.port}
+
+    unknown: dict[str, list[str]] = {}
+    used: set[str] = set()
+    expressions = _expressions(dashboard)
+    assert len(expressions) > 20
+    for expression in expressions:
+        referred = _metric_names(expression)
+        assert referred, f"no sdnet_ metric in {expression!r}"
+        for name in referred - emitted:
+            unknown.setdefault(name, []).append(expression)
+        if "histogram_quantile" in expression:
+            assert all(name.endswith("_bucket") for name in referred), expression
+            assert re.search(r"by \([^)]*\ble\b", expression), expression
+        used |= referred
+    # The panels the issue asks for are there: HTTP, then the language model's.
+    assert {
+        "sdnet_serve_requests_total",
+        "sdnet_serve_errors_total",
+        "sdnet_serve_request_duration_seconds_bucket",
+        "sdnet_serve_queue_depth",
+        "sdnet_serve_ready",
+        "sdnet_serve_time_to_first_token_seconds_bucket",
+        "sdnet_serve_inter_token_latency_seconds_bucket",
+        "sdnet_serve_prompt_tokens_total",
+        "sdnet_serve_generation_tokens_total",
+        "sdnet_serve_num_requests_running",
+        "sdnet_serve_num_requests_waiting",
+        "sdnet_serve_kv_cache_usage_perc",
+        "sdnet_serve_decode_steps_total",
+        "sdnet_serve_requests_finished_total",
+        "sdnet_serve_request_abort_steps_bucket",
+    } <= used
+    # Last, so that the checks above run while ServeMetrics still lacks a name.
+    assert not unknown, f"metrics ServeMetrics does not register: {sorted(unknown)}"
 
 
 def test_a_scrape_passes_promtools_lint(served):

@@ -1,0 +1,336 @@
+"""Continuous batching: requests join the decoding batch at the next step and leave when they end.
+
+One thread runs the model (torch's own threads parallelize inside each step). It loops while
+there is work: the requests waiting join the batch (:class:`~sdnet_trainer.serve.decoding.
+RunningBatch`: prefilled together, each picks its first token), then every row of the batch
+generates one token (a decode step). A row leaves as soon as it ends: a stop token, its
+``max_new_tokens``, or its caller aborted (a streaming client that disconnected: it leaves at
+the next step). At most ``max_batch_size`` rows run; more requests wait, and beyond
+``max_queue`` waiting a request is refused (QueueFull: 503 with Retry-After).
+
+``continuous=False`` is static batching, the reference the benchmark compares against: requests
+join only an empty batch (the first waits up to ``max_wait_ms`` for others), which then runs
+until its last row ends.
+
+Each request is a :class:`Stream`: an async iterator of its token ids, on the event loop that
+submitted it; :attr:`Stream.finish_reason` says how it ended. The model's errors reach every
+request of the batch that failed.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import threading
+import time
+from collections import deque
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+from sdnet_trainer.serve.batching import QueueFull, Stopped
+from sdnet_trainer.serve.decoding import ABORT, Decoder, Job, Row, RunningBatch
+
+logger = logging.getLogger(__name__)
+
+TOKEN_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 1, 2.5, 5)
+FIRST_TOKEN_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
+ABORT_STEP_BUCKETS = (0, 1, 2, 4, 8, 16)
+
+
+class EngineMetrics:
+    """The engine's figures, named as vLLM's dashboards read them (``vllm:`` there,
+    ``sdnet_serve_`` here)."""
+
+    def __init__(self, registry: CollectorRegistry) -> None:
+        self.first_token = Histogram(
+            "sdnet_serve_time_to_first_token_seconds",
+            "From a request's arrival to its first generated token",
+            buckets=FIRST_TOKEN_BUCKETS,
+            registry=registry,
+        )
+        self.inter_token = Histogram(
+            "sdnet_serve_inter_token_latency_seconds",
+            "Between two tokens of one request",
+            buckets=TOKEN_BUCKETS,
+            registry=registry,
+        )
+        self.prompt_tokens = Counter(
+            "sdnet_serve_prompt_tokens", "Prompt tokens prefilled", registry=registry
+        )
+        self.generation_tokens = Counter(
+            "sdnet_serve_generation_tokens", "Tokens generated", registry=registry
+        )
+        self.steps = Counter(
+            "sdnet_serve_decode_steps",
+            "Decode steps (one token for every running request)",
+            registry=registry,
+        )
+        self.finished = Counter(
+            "sdnet_serve_requests_finished",
+            "Requests that ended, by why: stop (a stop token or text), length, abort",
+            ["finish_reason"],
+            registry=registry,
+        )
+        self.abort_steps = Histogram(
+            "sdnet_serve_request_abort_steps",
+            "Decode steps between a request's abort (its client left) and its slot freed",
+            buckets=ABORT_STEP_BUCKETS,
+            registry=registry,
+        )
+        self.running = Gauge(
+            "sdnet_serve_num_requests_running", "Requests in the decoding batch", registry=registry
+        )
+        self.waiting = Gauge(
+            "sdnet_serve_num_requests_waiting",
+            "Requests waiting to join the decoding batch",
+            registry=registry,
+        )
+        self.kv_cache = Gauge(
+            "sdnet_serve_kv_cache_usage_perc",
+            "The KV cache's columns held (rows x longest sequence) over its most "
+            "(max_batch_size x context), 0 to 1",
+            registry=registry,
+        )
+
+
+class _Finished:
+    """The last item of a request's queue."""
+
+    def __init__(self, reason: str) -> None:
+        self.reason = reason
+
+
+@dataclass(eq=False)
+class _Request:
+    job: Job
+    loop: asyncio.AbstractEventLoop
+    queue: asyncio.Queue[Any]
+    arrived: float = field(default_factory=time.monotonic)
+    last_token: float | None = None
+    sent: int = 0  # tokens handed to the caller
+    aborted_at: int | None = None  # the engine's step count when the caller aborted
+    row: Row | None = None
+
+    def put(self, item: Any) -> None:
+        try:
+            self.loop.call_soon_threadsafe(self.queue.put_nowait, item)
+        except RuntimeError:  # its event loop has closed: nobody is listening any more
+            pass
+
+
+class Stream:
+    """One request's generated token ids, as they come (``async for``); then
+    :attr:`finish_reason`: ``stop``, ``length`` (or ``abort`` after :meth:`abort`)."""
+
+    def __init__(self, engine: Engine, request: _Request) -> None:
+        self._engine = engine
+        self._request = request
+        self.finish_reason: str | None = None
+
+    @property
+    def prompt_tokens(self) -> int:
+        return len(self._request.job.tokens)
+
+    def __aiter__(self) -> Stream:
+        return self
+
+    async def __anext__(self) -> int:
+        if self.finish_reason is not None:
+            raise StopAsyncIteration
+        item = await self._request.queue.get()
+        if isinstance(item, _Finished):
+            self.finish_reason = item.reason
+            raise StopAsyncIteration
+        if isinstance(item, BaseException):
+            self.finish_reason = ABORT
+            raise item
+        return int(item)
+
+    async def tokens(self) -> list[int]:
+        """Every token, once the request ended."""
+        return [token async for token in self]
+
+    def abort(self) -> None:
+        """The caller is gone: the request leaves the batch at the next step (or never joins)."""
+        self._engine.abort(self._request)
+
+
+class Engine:
+    def __init__(
+        self,
+        decoder: Decoder,
+        *,
+        stop_ids: Sequence[int] = (),
+        max_batch_size: int,
+        max_queue: int,
+        context: int,
+        continuous: bool = True,
+        max_wait_ms: float = 0.0,
+        metrics: EngineMetrics | None = None,
+    ) -> None:
+        self.batch = RunningBatch(decoder, stop_ids=stop_ids)
+        self.max_batch_size = max_batch_size
+        self.max_queue = max_queue
+        self.context = context
+        self.continuous = continuous
+        self.max_wait = max_wait_ms / 1000
+        self.metrics = metrics
+        self.steps = 0  # decode steps so far
+        self._waiting: deque[_Request] = deque()
+        self._running: dict[int, _Request] = {}  # id(row) -> its request
+        self._cond = threading.Condition()
+        self._stopping = False
+        self._thread: threading.Thread | None = None
+
+    # ------------------------------------------------------------------ the event loop's side
+
+    def start(self) -> None:
+        self._stopping = False
+        self._thread = threading.Thread(target=self._serve, name="sdnet-serve-engine", daemon=True)
+        self._thread.start()
+
+    async def stop(self) -> None:
+        """Finish the step in flight; every request still waiting or running gets Stopped."""
+        thread = self._thread
+        self._thread = None
+        with self._cond:
+            self._stopping = True
+            self._cond.notify_all()
+        if thread is not None:
+            await asyncio.get_running_loop().run_in_executor(None, thread.join)
+
+    @property
+    def waiting(self) -> int:
+        return len(self._waiting)
+
+    @property
+    def running(self) -> int:
+        return len(self._running)
+
+    def submit(self, job: Job) -> Stream:
+        """Queue ``job``; its tokens come through the returned stream (on this event loop)."""
+        request = _Request(job, asyncio.get_running_loop(), asyncio.Queue())
+        with self._cond:
+            if self._thread is None or self._stopping:
+                raise Stopped("the model is not serving")
+            if len(self._waiting) >= self.max_queue:
+                raise QueueFull(f"{len(self._waiting)} requests are waiting (max_queue)")
+            self._waiting.append(request)
+            self._cond.notify_all()
+        self._gauges()
+        return Stream(self, request)
+
+    def abort(self, request: _Request) -> None:
+        with self._cond:
+            if request.aborted_at is None:
+                request.aborted_at = self.steps
+            self._cond.notify_all()
+
+    # ------------------------------------------------------------------ the model thread's side
+
+    def _serve(self) -> None:
+        while True:
+            with self._cond:
+                while not self._stopping and not self._waiting and not self._running:
+                    self._cond.wait()
+                if self._stopping:
+                    break
+                joining = self._joining()
+            try:
+                self._iterate(joining)
+            except Exception as err:  # the model failed: every request of the batch hears it
+                logger.exception("the model failed in a decode step")
+                for request in [*joining, *self._running.values()]:
+                    request.put(err)
+                self._running.clear()
+                self.batch.drop(list(self.batch.rows))
+            self._gauges()
+        stopped = Stopped("the server is shutting down")
+        with self._cond:
+            for request in [*self._waiting, *self._running.values()]:
+                request.put(stopped)
+            self._waiting.clear()
+            self._running.clear()
+        self._gauges()
+
+    def _joining(self) -> list[_Request]:
+        """The waiting requests that join the batch now (under the lock)."""
+        if not self.continuous and self._running:
+            return []
+        if not self.continuous and self.max_wait > 0 and self._waiting:
+            # Static batching: the first request waits for others, as a dynamic batcher does.
+            deadline = self._waiting[0].arrived + self.max_wait
+            while len(self._waiting) < self.max_batch_size and not self._stopping:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    break
+                self._cond.wait(left)
+        joining: list[_Request] = []
+        while self._waiting and len(self._running) + len(joining) < self.max_batch_size:
+            request = self._waiting.popleft()
+            if request.aborted_at is not None:  # left before it started
+                self._finish(request, ABORT)
+                continue
+            joining.append(request)
+        return joining
+
+    def _iterate(self, joining: list[_Request]) -> None:
+        """One round: aborted rows leave, the batch steps, the joining requests prefill."""
+        aborted = [r for r in self._running.values() if r.aborted_at is not None]
+        if aborted:
+            rows = [r.row for r in aborted if r.row is not None]
+            self.batch.drop(rows)
+            if self.metrics is not None:
+                for request in aborted:
+                    self.metrics.abort_steps.observe(self.steps - (request.aborted_at or 0))
+            self._emit(rows)
+        if self.batch.rows:
+            self._emit(self.batch.step())
+            self.steps += 1
+            if self.metrics is not None:
+                self.metrics.steps.inc()
+        if joining:
+            rows = self.batch.add([request.job for request in joining])
+            for request, row in zip(joining, rows):
+                request.row = row
+                self._running[id(row)] = request
+                if self.metrics is not None:
+                    self.metrics.prompt_tokens.inc(len(request.job.tokens))
+            self._emit(rows)
+
+    def _emit(self, rows: list[Row]) -> None:
+        """Hand each row's new tokens to its request; end the requests whose rows ended."""
+        now = time.monotonic()
+        for row in rows:
+            request = self._running.get(id(row))
+            if request is None:
+                continue
+            for token in row.tokens[request.sent :]:
+                request.put(token)
+                if self.metrics is not None:
+                    self.metrics.generation_tokens.inc()
+                    if request.last_token is None:
+                        self.metrics.first_token.observe(now - request.arrived)
+                    else:
+                        self.metrics.inter_token.observe(now - request.last_token)
+                request.last_token = now
+            request.sent = len(row.tokens)
+            if row.finish_reason is not None:
+                del self._running[id(row)]
+                self._finish(request, row.finish_reason)
+
+    def _finish(self, request: _Request, reason: str) -> None:
+        request.put(_Finished(reason))
+        if self.metrics is not None:
+            self.metrics.finished.labels(reason).inc()
+
+    def _gauges(self) -> None:
+        if self.metrics is None:
+            return
+        self.metrics.running.set(len(self._running))
+        self.metrics.waiting.set(len(self._waiting))
+        held = len(self.batch.rows) * self.batch.columns
+        self.metrics.kv_cache.set(held / (self.max_batch_size * self.context))
