@@ -27,7 +27,10 @@ Exit status 0 with the table printed.
 from __future__ import annotations
 
 import argparse
+import asyncio
+import contextlib
 import io
+import json
 import os
 import statistics
 import sys
@@ -52,6 +55,25 @@ TRAIN = {
 COMMON = ["dist.device=cpu", "checkpoint.every_n_steps=10", "loop.eval_at_epoch_end=false"]
 MODES = {"off": ["max_batch_size=1"], "on": ["max_batch_size=32", "max_wait_ms=5"]}
 WARMUP = 4
+SECTIONS = ("predict", "llm")
+
+# The language-model section: a Llama of transformers (random weights) with a byte-level BPE of
+# 300 tokens, served twice with max_batch_size=32 (max_wait_ms as the server's default).
+LLM_NAME = "bench-llama"
+LLM_SIZES = {
+    "hidden_size": 128,
+    "intermediate_size": 256,
+    "num_hidden_layers": 4,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "max_position_embeddings": 512,
+}
+LLM_MODES = {
+    "off": ["max_batch_size=32", "continuous_batching=false"],
+    "on": ["max_batch_size=32", "continuous_batching=true"],
+}
+SENTENCE = "the cat sat on a mat while dogs ran far away from home and birds sang loud"
+WORDS = SENTENCE.split()
 
 
 @dataclass(frozen=True)
@@ -59,6 +81,16 @@ class Level:
     rate: float  # requests per second
     p50_ms: float
     p99_ms: float
+
+
+@dataclass(frozen=True)
+class Streamed:
+    """One level of the language-model section in one round."""
+
+    tokens_per_s: float
+    ttft_p50_ms: float
+    tokens: int
+    texts: dict[int, str]  # request index -> its completion
 
 
 def parse_args() -> argparse.Namespace:
@@ -73,6 +105,22 @@ def parse_args() -> argparse.Namespace:
         "--new-tokens", type=int, default=16, help="tokens the GPT generates per request"
     )
     p.add_argument("--models", default="quickstart,gpt_tiny", help="which of the two to run")
+    p.add_argument(
+        "--only",
+        choices=SECTIONS,
+        default=None,
+        help="one section: predict (the CNN and GPT on /v1/predict) or llm (streamed "
+        "completions, continuous batching on and off); default both",
+    )
+    p.add_argument(
+        "--llm-rounds", type=int, default=3, help="LLM section: rounds, medians over them"
+    )
+    p.add_argument(
+        "--llm-turns",
+        type=int,
+        default=4,
+        help="LLM section: requests per stream and level (N streams send N times this)",
+    )
     p.add_argument("--workdir", default=None, help="where the runs go (default: a temp folder)")
     return p.parse_args()
 
@@ -153,6 +201,195 @@ def bench_model(
     return results
 
 
+# ---------------------------------------------------------------------- the language-model section
+
+
+def line_of_words(i: int) -> str:
+    """Line ``i`` of the tokenizer's corpus and the prompts: 4 to 8 of WORDS."""
+    return " ".join(WORDS[(i * 7 + k * 3) % len(WORDS)] for k in range(4 + i % 5))
+
+
+def llm_requests(count: int) -> list[tuple[str, int]]:
+    """``count`` requests (prompt, max_tokens): prompts of 1 to 16 lines (about 6 to 120
+    tokens) and max_tokens of 16 to 64, varied independently (the same for both servers)."""
+    return [
+        (" ".join(line_of_words(i + k) for k in range(1 + (i * 5) % 16)), 16 + (i * 19) % 49)
+        for i in range(count)
+    ]
+
+
+def llm_folder(out: Path) -> Path:
+    """A Hugging Face folder, as tests/unit/test_serve_openai.py makes one (nothing is
+    downloaded): a transformers Llama of random weights (seed 0, peaked logits) without an EOS
+    id, so that every stream runs to its max_tokens (vLLM's ignore_eos), and a byte-level BPE of
+    300 tokens trained on the prompts' words, with the ChatML template."""
+    import torch
+    import transformers
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    from sdnet_trainer.data.chat import TEMPLATES
+
+    special = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+    tokenizer = Tokenizer(models.BPE())
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tokenizer.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=300,
+        special_tokens=special,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+    )
+    tokenizer.train_from_iterator([line_of_words(i) for i in range(200)], trainer=trainer)
+    out.mkdir(parents=True, exist_ok=True)
+    tokenizer.save(str(out / "tokenizer.json"))
+    config = {"eos_token": special[0], "bos_token": None, "chat_template": TEMPLATES["chatml"]}
+    (out / "tokenizer_config.json").write_text(json.dumps(config))
+    torch.manual_seed(0)
+    lm = transformers.LlamaForCausalLM(
+        transformers.LlamaConfig(vocab_size=300, eos_token_id=None, bos_token_id=None, **LLM_SIZES)
+    )
+    with torch.no_grad():  # no near-ties for a batch's float rounding to flip
+        lm.lm_head.weight.mul_(20)
+    lm.save_pretrained(out)
+    return out
+
+
+async def stream_level(
+    client: Any, requests: list[tuple[str, int]], streams: int, problems: list[str]
+) -> Streamed:
+    """``requests`` from ``streams`` clients at once, each streaming the next when its last one
+    ended; what went wrong (an error, a stream short of its max_tokens) goes to ``problems``."""
+    pending = list(enumerate(requests))[::-1]
+    ttfts: list[float] = []
+    tokens: list[int] = []
+    texts: dict[int, str] = {}
+
+    async def worker() -> None:
+        while pending:
+            i, (prompt, max_tokens) = pending.pop()
+            started = time.perf_counter()
+            first: float | None = None
+            parts: list[str] = []
+            finish, done = None, None
+            stream = await client.completions.create(
+                model=LLM_NAME,
+                prompt=prompt,
+                max_tokens=max_tokens,
+                temperature=0,
+                stream=True,
+                stream_options={"include_usage": True},
+            )
+            async for chunk in stream:
+                if chunk.choices:
+                    choice = chunk.choices[0]
+                    if first is None and (choice.text or choice.finish_reason):
+                        first = time.perf_counter() - started
+                    parts.append(choice.text)
+                    finish = choice.finish_reason or finish
+                if chunk.usage is not None:
+                    done = chunk.usage.completion_tokens
+            if done != max_tokens or finish != "length" or first is None:
+                problems.append(
+                    f"request {i} (max_tokens {max_tokens}): {done} tokens, finish_reason {finish}"
+                )
+            ttfts.append(first or 0.0)
+            tokens.append(done or 0)
+            texts[i] = "".join(parts)
+
+    started = time.perf_counter()
+    await asyncio.gather(*(worker() for _ in range(streams)))
+    wall = time.perf_counter() - started
+    return Streamed(sum(tokens) / wall, statistics.median(ttfts) * 1000, sum(tokens), texts)
+
+
+async def llm_rounds(
+    urls: dict[str, str], args: argparse.Namespace, levels: list[int], problems: list[str]
+) -> dict[str, dict[int, list[Streamed]]]:
+    """Every level against both servers, round after round, the servers' order alternating."""
+    import openai
+
+    clients = {
+        mode: openai.AsyncOpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0, timeout=300)
+        for mode, url in urls.items()
+    }
+    try:
+        warm = llm_requests(8)
+        for client in clients.values():  # the first batches of a process are slow
+            await stream_level(client, warm[:1], 1, problems)
+            await stream_level(client, warm, 8, problems)
+        results: dict[str, dict[int, list[Streamed]]] = {m: {c: [] for c in levels} for m in urls}
+        for r in range(args.llm_rounds):
+            order = list(urls) if r % 2 == 0 else list(urls)[::-1]
+            for mode in order:
+                for c in levels:
+                    level = stream_level(
+                        clients[mode], llm_requests(c * args.llm_turns), c, problems
+                    )
+                    results[mode][c].append(await asyncio.wait_for(level, timeout=600))
+            print(f"  llm: round {r + 1} of {args.llm_rounds} done", flush=True)
+        return results
+    finally:
+        for client in clients.values():
+            await client.close()
+
+
+def bench_llm(
+    workdir: Path, args: argparse.Namespace, levels: list[int]
+) -> dict[str, dict[int, list[Streamed]]]:
+    """Both servers up at once (one idles while the other is measured), each level of each
+    round against one then the other."""
+    folder = llm_folder(workdir / "llama")
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(REPO))
+    problems: list[str] = []
+    with contextlib.ExitStack() as stack:
+        servers = {
+            mode: stack.enter_context(
+                ServerProcess(
+                    [
+                        f"checkpoint={folder}",
+                        "device=cpu",
+                        f"served_model_name={LLM_NAME}",
+                        *options,
+                    ],
+                    env=env,
+                    cwd=REPO,
+                )
+            )
+            for mode, options in LLM_MODES.items()
+        }
+        try:
+            results = asyncio.run(
+                llm_rounds({m: s.url for m, s in servers.items()}, args, levels, problems)
+            )
+        except BaseException:
+            for mode, server in servers.items():
+                print(f"--- the {mode} server's last output:\n{server.output[-4000:]}")
+            raise
+    if problems:
+        print(f"{len(problems)} streams went wrong, e.g.:", *problems[:5], sep="\n  ")
+    for c in levels:  # greedy: each request's text the same from both servers, every round
+        runs = [run.texts for mode in results for run in results[mode][c]]
+        differ = sum(len({texts[i] for texts in runs}) > 1 for i in runs[0])
+        if differ:
+            print(f"{c} streams: {differ} of {len(runs[0])} completions differ between runs")
+    return results
+
+
+def llm_table(results: dict[str, dict[int, list[Streamed]]], levels: list[int]) -> str:
+    head = (
+        "| streams | off tokens/s | off TTFT p50 ms | on tokens/s | on TTFT p50 ms | "
+        "on/off tokens/s |"
+    )
+    rows = [head, "|" + "---|" * 6]
+    for c in levels:
+        rate = {m: statistics.median(r.tokens_per_s for r in results[m][c]) for m in results}
+        ttft = {m: statistics.median(r.ttft_p50_ms for r in results[m][c]) for m in results}
+        rows.append(
+            f"| {c} | {rate['off']:.0f} | {ttft['off']:.1f} | {rate['on']:.0f} | "
+            f"{ttft['on']:.1f} | {rate['on'] / rate['off']:.2f} |"
+        )
+    return "\n".join(rows)
+
+
 def table(all_results: dict[str, dict[str, dict[int, Level]]], levels: list[int]) -> str:
     head = (
         "| model | clients | off req/s | off p50 ms | off p99 ms | on req/s | on p50 ms | "
@@ -177,18 +414,37 @@ def main() -> int:
     if unknown:
         print(f"--models: unknown {', '.join(unknown)}; choose from {', '.join(TRAIN)}")
         return 2
+    sections = [args.only] if args.only else list(SECTIONS)
     load_before = os.getloadavg()[0]
+    results: dict[str, Any] = {}
+    llm: dict[str, dict[int, list[Streamed]]] = {}
     with tempfile.TemporaryDirectory(prefix="bench_serve_", dir=args.workdir) as tmp:
-        results: dict[str, Any] = {}
-        for name in models:
-            print(f"training {name} for a few steps ...", flush=True)
-            checkpoint = train(name, Path(tmp))
-            results[name] = bench_model(name, checkpoint, args, levels)
-    print(
-        f"\n{args.requests} requests per level; GPT: 8-token prompts, {args.new_tokens} new "
-        f"tokens; batching on: max_batch_size=32 max_wait_ms=5; off: max_batch_size=1\n"
-    )
-    print(table(results, levels))
+        if "predict" in sections:
+            for name in models:
+                print(f"training {name} for a few steps ...", flush=True)
+                checkpoint = train(name, Path(tmp))
+                results[name] = bench_model(name, checkpoint, args, levels)
+        if "llm" in sections:
+            print("LLM: streamed completions, continuous batching on and off ...", flush=True)
+            llm = bench_llm(Path(tmp), args, levels)
+    if results:
+        print(
+            f"\n/v1/predict: {args.requests} requests per level; GPT: 8-token prompts, "
+            f"{args.new_tokens} new tokens; batching on: max_batch_size=32 max_wait_ms=5; off: "
+            f"max_batch_size=1\n"
+        )
+        print(table(results, levels))
+    if llm:
+        sizes = LLM_SIZES
+        print(
+            f"\n/v1/completions, streamed: Llama (hidden {sizes['hidden_size']}, "
+            f"{sizes['num_hidden_layers']} layers, context {sizes['max_position_embeddings']}, "
+            f"vocabulary 300), greedy; N streams send {args.llm_turns}N requests per level "
+            f"(prompts of about 6-120 tokens, max_tokens 16-64, every stream to its max_tokens); "
+            f"max_batch_size=32, continuous_batching on / off (static); medians of "
+            f"{args.llm_rounds} rounds\n"
+        )
+        print(llm_table(llm, levels))
     print(f"\nload average (1 min) before {load_before:.2f}, after {os.getloadavg()[0]:.2f}")
     return 0
 

@@ -1,16 +1,18 @@
 """The FastAPI application: ``POST /v1/predict``, ``GET /v1/model``, ``/healthz``, ``/readyz``
-and ``/metrics``; its OpenAPI page is ``/docs``.
+and ``/metrics`` (:mod:`~sdnet_trainer.serve.metrics`), and for a language model the OpenAI API
+(:mod:`~sdnet_trainer.serve.openai_api`); its OpenAPI page is ``/docs``.
 
-Every request the model cannot take is answered with a 4xx and ``{"detail": "<one line>"}``:
-an image that does not decode (400) or is not PNG/JPEG (415), a tensor of the wrong shape (422),
-malformed JSON (400), JSON of the wrong form (422), a prompt longer than the context (422), a body
-larger than ``max_body_mb`` (413, before it is read when the client sends Content-Length). The
-server goes on serving the next request as before. 503 means not ready, shutting down or too many
-requests waiting (``max_queue``); 500 only a failure of the model itself.
+Every request the model cannot take is answered with a 4xx and ``{"detail": "<one line>"}`` (on
+the OpenAI routes, the OpenAI API's error shape): an image that does not decode (400) or is not
+PNG/JPEG (415), a tensor of the wrong shape (422), malformed JSON (400), JSON of the wrong form
+(422), a prompt longer than the context (422), a body larger than ``max_body_mb`` (413, before it
+is read when the client sends Content-Length). The server goes on serving the next request as
+before. 503 means not ready, shutting down or too many requests waiting (``max_queue``); 500 only
+a failure of the model itself.
 
-/metrics (Prometheus text format) comes from a registry of this application's own, not
-prometheus_client's global one: requests by route and status, latency, batch sizes, errors,
-the queue and readiness. With ``workers`` > 1 each worker process counts its own requests.
+A language model with a KV cache generates in the continuous-batching engine
+(:mod:`~sdnet_trainer.serve.engine`); other models' requests run in the dynamic batcher
+(:mod:`~sdnet_trainer.serve.batching`).
 """
 
 from __future__ import annotations
@@ -20,7 +22,6 @@ import base64
 import binascii
 import logging
 import os
-import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
 from typing import Any, Optional, Union
@@ -30,10 +31,6 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
 from prometheus_client import (
     CONTENT_TYPE_LATEST,
-    CollectorRegistry,
-    Counter,
-    Gauge,
-    Histogram,
     generate_latest,
 )
 from pydantic import BaseModel, ConfigDict, Field, StrictInt, StrictStr, ValidationError
@@ -43,11 +40,11 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from sdnet_trainer.serve.args import ServeArgs
 from sdnet_trainer.serve.batching import Batcher, QueueFull, Stopped
-from sdnet_trainer.serve.decoding import LENGTH, STOP, splittable
-from sdnet_trainer.serve.engine import Engine, EngineMetrics
+from sdnet_trainer.serve.engine import Whole, engine_for
 from sdnet_trainer.serve.errors import InputError, first_line, one_line
 from sdnet_trainer.serve.images import ImageModel
 from sdnet_trainer.serve.language import Job, LanguageModel
+from sdnet_trainer.serve.metrics import MetricsMiddleware, ServeMetrics
 from sdnet_trainer.serve.openai_api import ROUTES as OPENAI_ROUTES
 from sdnet_trainer.serve.openai_api import add_openai_routes, error_response
 
@@ -69,7 +66,6 @@ ROUTES = (
     )
     | OPENAI_ROUTES
 )
-LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
 
 
 # ---------------------------------------------------------------------- request and response bodies
@@ -148,82 +144,6 @@ _MULTIPART_BODY = {
 }
 
 
-# ---------------------------------------------------------------------- metrics
-
-
-class ServeMetrics:
-    """The application's Prometheus metrics, in a registry of its own."""
-
-    def __init__(self, max_batch_size: int) -> None:
-        self.registry = CollectorRegistry()
-        self.requests = Counter(
-            "sdnet_serve_requests",
-            "HTTP requests answered, by route and status code",
-            ["route", "status"],
-            registry=self.registry,
-        )
-        self.errors = Counter(
-            "sdnet_serve_errors",
-            "Requests answered with an error: client (4xx) or server (5xx)",
-            ["route", "kind"],
-            registry=self.registry,
-        )
-        self.latency = Histogram(
-            "sdnet_serve_request_duration_seconds",
-            "Time from a request's arrival to its response, by route",
-            ["route"],
-            buckets=LATENCY_BUCKETS,
-            registry=self.registry,
-        )
-        buckets = sorted({2**i for i in range(max_batch_size.bit_length())} | {max_batch_size})
-        self.batch_size = Histogram(
-            "sdnet_serve_batch_size",
-            "Requests per model batch",
-            buckets=buckets,
-            registry=self.registry,
-        )
-        self.queue = Gauge(
-            "sdnet_serve_queue_depth", "Requests waiting for the model", registry=self.registry
-        )
-        self.ready = Gauge(
-            "sdnet_serve_ready", "1 while the model takes requests", registry=self.registry
-        )
-        self.engine = EngineMetrics(self.registry)  # a language model's decoding
-
-    def record(self, route: str, status: int, seconds: float) -> None:
-        self.requests.labels(route, str(status)).inc()
-        self.latency.labels(route).observe(seconds)
-        if status >= 400:
-            self.errors.labels(route, "client" if status < 500 else "server").inc()
-
-
-class MetricsMiddleware:
-    """Counts every HTTP request with its final status and latency (limit refusals included)."""
-
-    def __init__(self, app: ASGIApp, metrics: ServeMetrics) -> None:
-        self.app = app
-        self.metrics = metrics
-
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] != "http":
-            await self.app(scope, receive, send)
-            return
-        route = scope["path"] if scope["path"] in ROUTES else "other"
-        started = time.perf_counter()
-        status = 500  # unless a response starts: an exception that escapes becomes a 500
-
-        async def capture(message: Message) -> None:
-            nonlocal status
-            if message["type"] == "http.response.start":
-                status = message["status"]
-            await send(message)
-
-        try:
-            await self.app(scope, receive, capture)
-        finally:
-            self.metrics.record(route, status, time.perf_counter() - started)
-
-
 class BodyLimit:
     """413 for a request body over ``max_bytes``: at once when Content-Length says so, else as
     soon as the bytes received pass it (the handler reading the body gets an HTTPException)."""
@@ -285,7 +205,7 @@ def create_app(model: Union[ImageModel, LanguageModel], args: ServeArgs, *, sour
         max_queue=args.max_queue,
         observe=metrics.batch_size.observe,
     )
-    engine = _engine(model, args, metrics.engine) if isinstance(model, LanguageModel) else None
+    engine = engine_for(model, args, metrics.engine) if isinstance(model, LanguageModel) else None
     metrics.queue.set_function(lambda: batcher.waiting + (engine.waiting if engine else 0))
     ready = {"now": False}
 
@@ -311,7 +231,7 @@ def create_app(model: Union[ImageModel, LanguageModel], args: ServeArgs, *, sour
         lifespan=lifespan,
     )
     app.add_middleware(BodyLimit, max_bytes=int(args.max_body_mb * 2**20))
-    app.add_middleware(MetricsMiddleware, metrics=metrics)
+    app.add_middleware(MetricsMiddleware, metrics=metrics, routes=ROUTES)
 
     def refusal(request: Request, status: int, reason: str, **headers: str) -> JSONResponse:
         # The OpenAI routes answer in the shape OpenAI's clients read.
@@ -409,49 +329,6 @@ def create_app(model: Union[ImageModel, LanguageModel], args: ServeArgs, *, sour
         prepare=prepare,
     )
     return app
-
-
-def _engine(model: LanguageModel, args: ServeArgs, metrics: EngineMetrics) -> Engine | None:
-    """The continuous-batching engine of a model with a KV cache whose rows can join and leave
-    between steps; None otherwise (its requests run as whole batches)."""
-    if model.decoder is None:
-        return None
-    why_not = splittable(model.decoder)
-    if why_not is not None:
-        logger.warning("requests run as whole batches: %s", why_not)
-        return None
-    return Engine(
-        model.decoder,
-        stop_ids=model.stop_ids,
-        max_batch_size=args.max_batch_size,
-        max_queue=args.max_queue,
-        context=model.context,
-        continuous=args.continuous_batching,
-        max_wait_ms=args.max_wait_ms,
-        metrics=metrics,
-    )
-
-
-class Whole:
-    """A batch's whole result as a stream (a model without a KV cache): the tokens once they
-    all came; ``finish_reason`` stop when the last is a stop token, else length."""
-
-    def __init__(self, result: asyncio.Future[list[int]], stops: set[int]) -> None:
-        self.result = result
-        self.stops = stops
-        self.finish_reason: str | None = None
-
-    async def __aiter__(self) -> AsyncIterator[int]:
-        tokens = await self.result
-        for token in tokens:
-            yield token
-        self.finish_reason = STOP if tokens and tokens[-1] in self.stops else LENGTH
-
-    async def tokens(self) -> list[int]:
-        return [token async for token in self]
-
-    def abort(self) -> None:
-        self.result.cancel()  # a batch not yet formed skips it
 
 
 def _cpu_count() -> int:

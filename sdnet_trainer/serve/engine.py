@@ -24,76 +24,26 @@ import logging
 import threading
 import time
 from collections import deque
-from collections.abc import Sequence
+from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
-
+from sdnet_trainer.serve.args import ServeArgs
 from sdnet_trainer.serve.batching import QueueFull, Stopped
-from sdnet_trainer.serve.decoding import ABORT, Decoder, Job, Row, RunningBatch
+from sdnet_trainer.serve.decoding import (
+    ABORT,
+    LENGTH,
+    STOP,
+    Decoder,
+    Job,
+    Row,
+    RunningBatch,
+    splittable,
+)
+from sdnet_trainer.serve.language import LanguageModel
+from sdnet_trainer.serve.metrics import EngineMetrics
 
 logger = logging.getLogger(__name__)
-
-TOKEN_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 1, 2.5, 5)
-FIRST_TOKEN_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
-ABORT_STEP_BUCKETS = (0, 1, 2, 4, 8, 16)
-
-
-class EngineMetrics:
-    """The engine's figures, named as vLLM's dashboards read them (``vllm:`` there,
-    ``sdnet_serve_`` here)."""
-
-    def __init__(self, registry: CollectorRegistry) -> None:
-        self.first_token = Histogram(
-            "sdnet_serve_time_to_first_token_seconds",
-            "From a request's arrival to its first generated token",
-            buckets=FIRST_TOKEN_BUCKETS,
-            registry=registry,
-        )
-        self.inter_token = Histogram(
-            "sdnet_serve_inter_token_latency_seconds",
-            "Between two tokens of one request",
-            buckets=TOKEN_BUCKETS,
-            registry=registry,
-        )
-        self.prompt_tokens = Counter(
-            "sdnet_serve_prompt_tokens", "Prompt tokens prefilled", registry=registry
-        )
-        self.generation_tokens = Counter(
-            "sdnet_serve_generation_tokens", "Tokens generated", registry=registry
-        )
-        self.steps = Counter(
-            "sdnet_serve_decode_steps",
-            "Decode steps (one token for every running request)",
-            registry=registry,
-        )
-        self.finished = Counter(
-            "sdnet_serve_requests_finished",
-            "Requests that ended, by why: stop (a stop token or text), length, abort",
-            ["finish_reason"],
-            registry=registry,
-        )
-        self.abort_steps = Histogram(
-            "sdnet_serve_request_abort_steps",
-            "Decode steps between a request's abort (its client left) and its slot freed",
-            buckets=ABORT_STEP_BUCKETS,
-            registry=registry,
-        )
-        self.running = Gauge(
-            "sdnet_serve_num_requests_running", "Requests in the decoding batch", registry=registry
-        )
-        self.waiting = Gauge(
-            "sdnet_serve_num_requests_waiting",
-            "Requests waiting to join the decoding batch",
-            registry=registry,
-        )
-        self.kv_cache = Gauge(
-            "sdnet_serve_kv_cache_usage_perc",
-            "The KV cache's columns held (rows x longest sequence) over its most "
-            "(max_batch_size x context), 0 to 1",
-            registry=registry,
-        )
 
 
 class _Finished:
@@ -334,3 +284,46 @@ class Engine:
         self.metrics.waiting.set(len(self._waiting))
         held = len(self.batch.rows) * self.batch.columns
         self.metrics.kv_cache.set(held / (self.max_batch_size * self.context))
+
+
+def engine_for(model: LanguageModel, args: ServeArgs, metrics: EngineMetrics) -> Engine | None:
+    """The continuous-batching engine of a model with a KV cache whose rows can join and leave
+    between steps; None otherwise (its requests run as whole batches)."""
+    if model.decoder is None:
+        return None
+    why_not = splittable(model.decoder)
+    if why_not is not None:
+        logger.warning("requests run as whole batches: %s", why_not)
+        return None
+    return Engine(
+        model.decoder,
+        stop_ids=model.stop_ids,
+        max_batch_size=args.max_batch_size,
+        max_queue=args.max_queue,
+        context=model.context,
+        continuous=args.continuous_batching,
+        max_wait_ms=args.max_wait_ms,
+        metrics=metrics,
+    )
+
+
+class Whole:
+    """A batch's whole result as a stream (a model without a KV cache): the tokens once they
+    all came; ``finish_reason`` stop when the last is a stop token, else length."""
+
+    def __init__(self, result: asyncio.Future[list[int]], stops: set[int]) -> None:
+        self.result = result
+        self.stops = stops
+        self.finish_reason: str | None = None
+
+    async def __aiter__(self) -> AsyncIterator[int]:
+        tokens = await self.result
+        for token in tokens:
+            yield token
+        self.finish_reason = STOP if tokens and tokens[-1] in self.stops else LENGTH
+
+    async def tokens(self) -> list[int]:
+        return [token async for token in self]
+
+    def abort(self) -> None:
+        self.result.cancel()  # a batch not yet formed skips it

@@ -630,7 +630,7 @@ _SAMPLE_SUFFIXES = {
 
 def test_the_serving_dashboard_refers_only_to_metrics_the_server_emits():
     pytest.importorskip("fastapi", reason="the serve extra is not installed")
-    from sdnet_trainer.serve.app import ServeMetrics
+    from sdnet_trainer.serve.metrics import ServeMetrics
     from sdnet_trainer.serve.args import ServeArgs
 
     emitted: set[str] = set()

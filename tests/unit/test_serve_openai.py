@@ -27,6 +27,7 @@ uvicorn = pytest.importorskip("uvicorn")
 from sdnet_trainer.data.chat import TEMPLATES, ChatRenderer, encode_conversations  # noqa: E402
 from sdnet_trainer.serve.app import create_app  # noqa: E402
 from sdnet_trainer.serve.args import ServeArgs  # noqa: E402
+from sdnet_trainer.serve.batching import QueueFull  # noqa: E402
 from sdnet_trainer.serve.decoding import Job, RunningBatch, generate  # noqa: E402
 from sdnet_trainer.serve.engine import Engine  # noqa: E402
 from sdnet_trainer.serve.model import load_served  # noqa: E402
@@ -240,6 +241,27 @@ def test_a_request_joins_the_running_batch_only_with_continuous_batching(served,
     assert ended == (["short", "long"] if continuous else ["long", "short"])
 
 
+def test_requests_beyond_the_queue_are_refused_and_an_aborted_waiter_never_runs(served):
+    decoder = served[0].decoder
+
+    async def run() -> None:
+        engine = Engine(decoder, max_batch_size=1, max_queue=1, context=CONTEXT)
+        engine.start()
+        try:
+            running = engine.submit(Job([5, 6, 7], 60, 0.0, None))
+            await running.__anext__()  # it runs: the one slot is taken
+            waiting = engine.submit(Job([8, 9], 5, 0.0, None))
+            with pytest.raises(QueueFull):
+                engine.submit(Job([8, 9], 5, 0.0, None))
+            waiting.abort()
+            assert await waiting.tokens() == [] and waiting.finish_reason == "abort"
+            assert len(await running.tokens()) == 59 or running.finish_reason == "stop"
+        finally:
+            await engine.stop()
+
+    asyncio.run(run())
+
+
 def test_32_concurrent_streams_share_decode_steps_and_each_is_its_request_alone(served, url):
     model = served[0]
     prompts = [("the cat sat on a mat while dogs ran " * 3)[: 4 + 3 * i] for i in range(32)]
@@ -306,6 +328,35 @@ def test_a_client_that_disconnects_frees_its_slot_at_the_next_step(served, url, 
     # Far fewer steps than the 90 tokens it asked for.
     steps = after["sdnet_serve_decode_steps_total"] - before["sdnet_serve_decode_steps_total"]
     assert steps < 45
+
+
+def test_a_model_without_a_cache_answers_the_same_api_in_whole_batches():
+    """The project's GPT and ONNX graphs keep no cache: their requests run as whole batches and
+    a stream sends the result when it is done, framed as any stream."""
+    from fastapi.testclient import TestClient
+
+    from sdnet_trainer.serve.language import Codec, LanguageModel
+
+    def next_byte_is_plus_one(ids: torch.Tensor) -> torch.Tensor:
+        return torch.nn.functional.one_hot((ids + 1) % 256, 256).float()
+
+    model = LanguageModel(
+        next_byte_is_plus_one, context=32, vocab_size=256, codec=Codec("bytes"), max_new_tokens=8
+    )
+    app = create_app(model, ServeArgs(checkpoint="plus-one"), source="test")
+    body = {"model": "plus-one", "prompt": "ab", "max_tokens": 4, "temperature": 0}
+    with TestClient(app) as client:
+        assert client.get("/v1/model").json()["continuous_batching"] is False
+        whole = client.post("/v1/completions", json=body).json()
+        assert whole["choices"][0]["text"] == "cdef"
+        assert whole["choices"][0]["finish_reason"] == "length"
+        assert whole["usage"] == {"prompt_tokens": 2, "completion_tokens": 4, "total_tokens": 6}
+        lines = client.post("/v1/completions", json={**body, "stream": True}).text.split("\n\n")
+    events = [line.removeprefix("data: ") for line in lines if line]
+    assert events[-1] == "[DONE]"
+    chunks = [json.loads(event) for event in events[:-1]]
+    assert "".join(c["choices"][0]["text"] for c in chunks) == "cdef"
+    assert [c["choices"][0]["finish_reason"] for c in chunks][-1] == "length"
 
 
 # ---------------------------------------------------------------------- text and refusals
