@@ -32,6 +32,7 @@ import json
 import secrets
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
+from functools import partial
 from typing import Any, Literal, Optional, Union
 
 from fastapi import FastAPI, Request
@@ -235,15 +236,15 @@ def add_openai_routes(
     @app.post("/v1/completions", summary="Continue prompts (OpenAI API)")
     async def completions(request: Request) -> Any:
         body = await _parse(request, CompletionRequest, name)
-        prompts = await prepare(_completion_prompts, model, body)
-        return await _answer(request, model, body, prompts, generate, name, chat=False)
+        prompts = _completion_prompts(body)
+        return await _answer(model, body, prompts, generate, prepare, name, chat=False)
 
     @app.post("/v1/chat/completions", summary="Answer a conversation (OpenAI API)")
     async def chat(request: Request) -> Any:
         body = await _parse(request, ChatRequest, name)
         messages = [{"role": m.role, "content": m.text()} for m in body.messages]
         prompt = await prepare(model.chat_prompt, messages)
-        return await _answer(request, model, body, [prompt], generate, name, chat=True)
+        return await _answer(model, body, [prompt], generate, prepare, name, chat=True)
 
 
 async def _parse(request: Request, kind: type[Sampling], name: str) -> Any:
@@ -261,13 +262,14 @@ async def _parse(request: Request, kind: type[Sampling], name: str) -> Any:
         raise InputError(
             404, f"model: the model {body.model!r} does not exist; this server serves {name!r}"
         )
-    stops = [body.stop] if isinstance(body.stop, str) else list(body.stop or [])
+    stops = _stop_strings(body)
     if len(stops) > MAX_STOP_STRINGS or any(not stop for stop in stops):
         raise InputError(422, f"stop: up to {MAX_STOP_STRINGS} non-empty strings")
     return body
 
 
-def _completion_prompts(model: LanguageModel, body: CompletionRequest) -> list[Any]:
+def _completion_prompts(body: CompletionRequest) -> list[Any]:
+    """The request's prompts: one, or each of a list of texts or of token-id lists."""
     prompt = body.prompt
     if isinstance(prompt, str) or (prompt and isinstance(prompt[0], int)):
         return [prompt]
@@ -276,16 +278,13 @@ def _completion_prompts(model: LanguageModel, body: CompletionRequest) -> list[A
     return list(prompt)
 
 
-async def _answer(
-    request: Request,
-    model: LanguageModel,
-    body: Any,
-    prompts: list[Any],
-    generate: Generate,
-    name: str,
-    *,
-    chat: bool,
-) -> Any:
+def _stop_strings(body: Sampling) -> list[str]:
+    return [body.stop] if isinstance(body.stop, str) else list(body.stop or [])
+
+
+def _jobs(model: LanguageModel, body: Any, prompts: list[Any], *, chat: bool) -> list[Job]:
+    """Each prompt's ``n`` jobs, in the order of the choices (prompts tokenized here, off the
+    event loop)."""
     if model.codec.kind == "ids":
         raise InputError(
             400, "prompt: this model's data has no text form (data=tokens): use /v1/predict"
@@ -293,28 +292,38 @@ async def _answer(
     limit = body.max_tokens
     if chat and body.max_completion_tokens is not None:
         limit = body.max_completion_tokens
-    default = model.max_new_tokens if chat else COMPLETION_DEFAULT_TOKENS
     temperature = 1.0 if body.temperature is None else body.temperature
     seed = body.seed
     if seed is None and temperature > 0:
         seed = secrets.randbits(62)
-    jobs = []
-    for prompt in prompts:
-        for i in range(body.n):
-            jobs.append(
-                _job(
-                    model,
-                    prompt,
-                    max_new_tokens=limit,
-                    temperature=temperature,
-                    seed=None if seed is None else seed + i,
-                    top_p=1.0 if body.top_p is None else body.top_p,
-                    stop=body.stop_token_ids,
-                    top_k=max(body.top_k or 0, 0),
-                    default_new_tokens=default,
-                )
-            )
-    stops = [body.stop] if isinstance(body.stop, str) else list(body.stop or [])
+    return [
+        _job(
+            model,
+            prompt,
+            max_new_tokens=limit,
+            temperature=temperature,
+            seed=None if seed is None else seed + i,
+            top_p=1.0 if body.top_p is None else body.top_p,
+            stop=body.stop_token_ids,
+            top_k=max(body.top_k or 0, 0),
+            default_new_tokens=model.max_new_tokens if chat else COMPLETION_DEFAULT_TOKENS,
+        )
+        for prompt in prompts
+        for i in range(body.n)
+    ]
+
+
+async def _answer(
+    model: LanguageModel,
+    body: Any,
+    prompts: list[Any],
+    generate: Generate,
+    prepare: Prepare,
+    name: str,
+    *,
+    chat: bool,
+) -> Any:
+    jobs = await prepare(partial(_jobs, chat=chat), model, body, prompts)
     prompt_tokens = sum(len(jobs[p * body.n].tokens) for p in range(len(prompts)))
     started: list[Any] = []
     try:
@@ -324,6 +333,7 @@ async def _answer(
         for stream in started:  # a full queue refuses the whole request
             stream.abort()
         raise
+    stops = _stop_strings(body)
     choices = [_Choice(i, stream, TextCut(model, stops)) for i, stream in enumerate(started)]
     reply = _Reply(name, chat=chat, prompt_tokens=prompt_tokens)
     if body.stream:
