@@ -1,10 +1,11 @@
-"""Serving throughput and latency, with dynamic batching on and off, on loopback.
+"""Serving throughput and latency on loopback: /v1/predict with dynamic batching on and off, and
+streamed OpenAI completions with continuous batching on and off.
 
 What it measures
-    Two models, each trained for a few steps first (the figures do not depend on how well they
-    predict): the quickstart recipe's CNN (32x32 images, 10 classes) and ``model=gpt_tiny`` on
-    ``data=tokens`` (context 32, vocabulary 64). Each is served by ``python -m
-    sdnet_trainer.serve`` twice, one process at a time on the CPU: batching off
+    predict: two models, each trained for a few steps first (the figures do not depend on how
+    well they predict): the quickstart recipe's CNN (32x32 images, 10 classes) and
+    ``model=gpt_tiny`` on ``data=tokens`` (context 32, vocabulary 64). Each is served by
+    ``python -m sdnet_trainer.serve`` twice, one process at a time on the CPU: batching off
     (``max_batch_size=1``) and on (``max_batch_size=32 max_wait_ms=5``). Against each server,
     a fixed number of requests (--requests) is sent at each concurrency (1, 8, 32 clients, each
     a thread with its own keep-alive connection, taking the next request when its last one is
@@ -14,14 +15,42 @@ What it measures
     req/s: requests over the wall time of the whole level; p50 / p99: per-request latency (the
     client's time from sending to the full response). on/off: batching on over off, for req/s.
 
-    The server and the clients share the machine's cores (both run one torch thread,
+    llm: a transformers Llama of random weights (hidden 128, 4 layers, context 512) with a
+    byte-level BPE of 300 tokens, saved as a Hugging Face folder made here (nothing is
+    downloaded), served on the CPU by two servers up at once, both ``max_batch_size=32``:
+    ``continuous_batching=true`` (on: requests join the decoding batch at the next step and
+    leave when they end) and ``continuous_batching=false`` (off, static batching: a batch forms,
+    waiting up to the default max_wait_ms, and runs until its last request ends). The official
+    ``openai`` client (AsyncOpenAI) streams /v1/completions from N streams at once (1, 8, 32),
+    each taking the next request when its last one ended, N x --llm-turns requests a level
+    (at least LLM_LEAST_REQUESTS, 16, so that one stream's level is not over in a second):
+    prompts of 5 to 151 tokens and max_tokens of 16 to 64, varied independently, greedy
+    (temperature 0). The model has no EOS id, so every stream runs to its max_tokens (checked
+    with the usage chunk, stream_options.include_usage) and both servers do the same work. Each
+    round measures every level against one server, then the other (their order alternating
+    round by round); the table gives the medians over --llm-rounds rounds, and each round's
+    tokens/s follow it (on a shared machine, how far they spread says what the medians are
+    worth).
+
+    tokens/s: generated tokens (the usage chunks' completion_tokens) over the wall time of the
+    whole level; TTFT p50: the median time from sending a request to its first chunk with text
+    (the first token the server could turn into text); rows/step: tokens per decode step (the
+    server's sdnet_serve_decode_steps on /metrics; a request's first token comes from its
+    prefill), the decoding batch's mean size; on/off: continuous over static, for tokens/s. A
+    request whose text differs between the servers or rounds (greedy: it should not), or a
+    stream short of its max_tokens, is printed above the table.
+
+    The servers and the clients share the machine's cores (the servers run one torch thread,
     OMP_NUM_THREADS=1); on a shared machine the figures move with its load, printed at the end.
 
 Run (from the repository root)
-    python scripts/bench/bench_serve.py                       # about two minutes on 2 CPU cores
+    python scripts/bench/bench_serve.py                 # both: about four minutes on 2 CPU cores
+    python scripts/bench/bench_serve.py --only predict  # about two minutes
+    python scripts/bench/bench_serve.py --only llm      # about two minutes
     python scripts/bench/bench_serve.py --requests 256 --concurrency 1,8,32,64
+    python scripts/bench/bench_serve.py --only llm --llm-rounds 5 --llm-turns 8
 
-Exit status 0 with the table printed.
+Exit status 0 with the tables printed.
 """
 
 from __future__ import annotations
@@ -29,6 +58,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import dataclasses
 import io
 import json
 import os
@@ -60,7 +90,7 @@ SECTIONS = ("predict", "llm")
 # The language-model section: a Llama of transformers (random weights) with a byte-level BPE of
 # 300 tokens, served twice with max_batch_size=32 (max_wait_ms as the server's default).
 LLM_NAME = "bench-llama"
-LLM_SIZES = {
+LLM_SIZES: dict[str, Any] = {
     "hidden_size": 128,
     "intermediate_size": 256,
     "num_hidden_layers": 4,
@@ -74,6 +104,7 @@ LLM_MODES = {
 }
 SENTENCE = "the cat sat on a mat while dogs ran far away from home and birds sang loud"
 WORDS = SENTENCE.split()
+LLM_LEAST_REQUESTS = 16  # a level's requests at the least
 
 
 @dataclass(frozen=True)
@@ -91,6 +122,15 @@ class Streamed:
     ttft_p50_ms: float
     tokens: int
     texts: dict[int, str]  # request index -> its completion
+    steps: float | None = None  # the server's decode steps (its /metrics), None if not found
+
+    @property
+    def rows_per_step(self) -> float | None:
+        """Tokens per decode step: the batch's mean size (a request's first token comes from
+        its prefill, not a step)."""
+        if not self.steps:
+            return None
+        return (self.tokens - len(self.texts)) / self.steps
 
 
 def parse_args() -> argparse.Namespace:
@@ -99,12 +139,16 @@ def parse_args() -> argparse.Namespace:
     )
     p.add_argument("--requests", type=int, default=96, help="requests per level (default 96)")
     p.add_argument(
-        "--concurrency", default="1,8,32", help="clients at once, comma-separated (default 1,8,32)"
+        "--concurrency",
+        default="1,8,32",
+        help="clients (predict) and streams (llm) at once, comma-separated (default 1,8,32)",
     )
     p.add_argument(
         "--new-tokens", type=int, default=16, help="tokens the GPT generates per request"
     )
-    p.add_argument("--models", default="quickstart,gpt_tiny", help="which of the two to run")
+    p.add_argument(
+        "--models", default="quickstart,gpt_tiny", help="predict: which of the two to run"
+    )
     p.add_argument(
         "--only",
         choices=SECTIONS,
@@ -210,8 +254,8 @@ def line_of_words(i: int) -> str:
 
 
 def llm_requests(count: int) -> list[tuple[str, int]]:
-    """``count`` requests (prompt, max_tokens): prompts of 1 to 16 lines (about 6 to 120
-    tokens) and max_tokens of 16 to 64, varied independently (the same for both servers)."""
+    """``count`` requests (prompt, max_tokens): prompts of 1 to 16 lines (5 to 151 tokens)
+    and max_tokens of 16 to 64, varied independently (the same for both servers)."""
     return [
         (" ".join(line_of_words(i + k) for k in range(1 + (i * 5) % 16)), 16 + (i * 19) % 49)
         for i in range(count)
@@ -237,12 +281,14 @@ def llm_folder(out: Path) -> Path:
         vocab_size=300,
         special_tokens=special,
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
     )
     tokenizer.train_from_iterator([line_of_words(i) for i in range(200)], trainer=trainer)
     out.mkdir(parents=True, exist_ok=True)
     tokenizer.save(str(out / "tokenizer.json"))
     config = {"eos_token": special[0], "bos_token": None, "chat_template": TEMPLATES["chatml"]}
     (out / "tokenizer_config.json").write_text(json.dumps(config))
+    transformers.utils.logging.disable_progress_bar()
     torch.manual_seed(0)
     lm = transformers.LlamaForCausalLM(
         transformers.LlamaConfig(vocab_size=300, eos_token_id=None, bos_token_id=None, **LLM_SIZES)
@@ -301,6 +347,19 @@ async def stream_level(
     return Streamed(sum(tokens) / wall, statistics.median(ttfts) * 1000, sum(tokens), texts)
 
 
+def decode_steps(url: str) -> float | None:
+    """The server's decode steps so far (sdnet_serve_decode_steps on /metrics)."""
+    client = Client(url)
+    try:
+        reply = client.get("/metrics")
+    finally:
+        client.close()
+    for line in reply.body.decode().splitlines():
+        if line.startswith("sdnet_serve_decode_steps_total "):
+            return float(line.split()[1])
+    return None
+
+
 async def llm_rounds(
     urls: dict[str, str], args: argparse.Namespace, levels: list[int], problems: list[str]
 ) -> dict[str, dict[int, list[Streamed]]]:
@@ -321,10 +380,17 @@ async def llm_rounds(
             order = list(urls) if r % 2 == 0 else list(urls)[::-1]
             for mode in order:
                 for c in levels:
+                    before = decode_steps(urls[mode])
                     level = stream_level(
-                        clients[mode], llm_requests(c * args.llm_turns), c, problems
+                        clients[mode],
+                        llm_requests(max(c * args.llm_turns, LLM_LEAST_REQUESTS)),
+                        c,
+                        problems,
                     )
-                    results[mode][c].append(await asyncio.wait_for(level, timeout=600))
+                    run = await asyncio.wait_for(level, timeout=600)
+                    after = decode_steps(urls[mode])
+                    steps = None if before is None or after is None else after - before
+                    results[mode][c].append(dataclasses.replace(run, steps=steps))
             print(f"  llm: round {r + 1} of {args.llm_rounds} done", flush=True)
         return results
     finally:
@@ -376,17 +442,24 @@ def bench_llm(
 
 def llm_table(results: dict[str, dict[int, list[Streamed]]], levels: list[int]) -> str:
     head = (
-        "| streams | off tokens/s | off TTFT p50 ms | on tokens/s | on TTFT p50 ms | "
-        "on/off tokens/s |"
+        "| streams | off tokens/s | off TTFT p50 ms | off rows/step | on tokens/s | "
+        "on TTFT p50 ms | on rows/step | on/off tokens/s |"
     )
-    rows = [head, "|" + "---|" * 6]
+    rows = [head, "|" + "---|" * 8]
     for c in levels:
         rate = {m: statistics.median(r.tokens_per_s for r in results[m][c]) for m in results}
-        ttft = {m: statistics.median(r.ttft_p50_ms for r in results[m][c]) for m in results}
-        rows.append(
-            f"| {c} | {rate['off']:.0f} | {ttft['off']:.1f} | {rate['on']:.0f} | "
-            f"{ttft['on']:.1f} | {rate['on'] / rate['off']:.2f} |"
-        )
+        cells = [str(c)]
+        for mode in ("off", "on"):
+            runs = results[mode][c]
+            sizes = [r.rows_per_step for r in runs]
+            known = [size for size in sizes if size is not None]
+            cells += [
+                f"{rate[mode]:.0f}",
+                f"{statistics.median(r.ttft_p50_ms for r in runs):.1f}",
+                f"{statistics.median(known):.1f}" if len(known) == len(sizes) else "-",
+            ]
+        cells.append(f"{rate['on'] / rate['off']:.2f}")
+        rows.append("| " + " | ".join(cells) + " |")
     return "\n".join(rows)
 
 
@@ -415,6 +488,9 @@ def main() -> int:
         print(f"--models: unknown {', '.join(unknown)}; choose from {', '.join(TRAIN)}")
         return 2
     sections = [args.only] if args.only else list(SECTIONS)
+    if args.llm_rounds < 1 or args.llm_turns < 1:
+        print("--llm-rounds and --llm-turns: 1 or more")
+        return 2
     load_before = os.getloadavg()[0]
     results: dict[str, Any] = {}
     llm: dict[str, dict[int, list[Streamed]]] = {}
@@ -440,11 +516,16 @@ def main() -> int:
             f"\n/v1/completions, streamed: Llama (hidden {sizes['hidden_size']}, "
             f"{sizes['num_hidden_layers']} layers, context {sizes['max_position_embeddings']}, "
             f"vocabulary 300), greedy; N streams send {args.llm_turns}N requests per level "
-            f"(prompts of about 6-120 tokens, max_tokens 16-64, every stream to its max_tokens); "
+            f"(at least {LLM_LEAST_REQUESTS}) "
+            f"(prompts of 5-151 tokens, max_tokens 16-64, every stream to its max_tokens); "
             f"max_batch_size=32, continuous_batching on / off (static); medians of "
             f"{args.llm_rounds} rounds\n"
         )
         print(llm_table(llm, levels))
+        print("\ntokens/s of each round, off | on:")
+        for c in levels:
+            rounds = {m: ", ".join(f"{r.tokens_per_s:.0f}" for r in llm[m][c]) for m in llm}
+            print(f"  {c} streams: {rounds['off']} | {rounds['on']}")
     print(f"\nload average (1 min) before {load_before:.2f}, after {os.getloadavg()[0]:.2f}")
     return 0
 

@@ -630,8 +630,8 @@ _SAMPLE_SUFFIXES = {
 
 def test_the_serving_dashboard_refers_only_to_metrics_the_server_emits():
     pytest.importorskip("fastapi", reason="the serve extra is not installed")
-    from sdnet_trainer.serve.metrics import ServeMetrics
     from sdnet_trainer.serve.args import ServeArgs
+    from sdnet_trainer.serve.metrics import ServeMetrics
 
     emitted: set[str] = set()
     sampled: set[str] = set()
