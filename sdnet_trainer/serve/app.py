@@ -41,7 +41,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from sdnet_trainer.serve.args import ServeArgs
 from sdnet_trainer.serve.batching import Batcher, QueueFull, Stopped
 from sdnet_trainer.serve.engine import Whole, engine_for
-from sdnet_trainer.serve.errors import InputError, first_line, one_line
+from sdnet_trainer.serve.errors import InputError, ModelError, one_line
 from sdnet_trainer.serve.images import ImageModel
 from sdnet_trainer.serve.language import Job, LanguageModel
 from sdnet_trainer.serve.metrics import MetricsMiddleware, ServeMetrics
@@ -260,6 +260,10 @@ def create_app(model: Union[ImageModel, LanguageModel], args: ServeArgs, *, sour
     async def stopped(request: Request, err: Stopped) -> JSONResponse:
         return refusal(request, 503, str(err))
 
+    @app.exception_handler(ModelError)
+    async def model_failed(request: Request, err: ModelError) -> JSONResponse:
+        return refusal(request, 500, str(err))
+
     async def submit(item: Any) -> Any:
         if not ready["now"]:
             raise Stopped("the model is not ready")
@@ -269,9 +273,7 @@ def create_app(model: Union[ImageModel, LanguageModel], args: ServeArgs, *, sour
             raise
         except Exception as err:
             logger.exception("the model failed on a batch")
-            raise HTTPException(
-                500, f"the model failed: {type(err).__name__}: {first_line(err)}"
-            ) from None
+            raise ModelError.of(err) from None
 
     @app.get("/healthz", summary="Alive: the process answers")
     async def healthz() -> dict[str, str]:
@@ -455,13 +457,6 @@ def _language_route(
             stream = await generate(job)
             try:
                 tokens = await stream.tokens()
-            except (InputError, QueueFull, Stopped):
-                raise
-            except Exception as err:
-                logger.exception("the model failed on a request")
-                raise HTTPException(
-                    500, f"the model failed: {type(err).__name__}: {first_line(err)}"
-                ) from None
             finally:
                 if stream.finish_reason is None:
                     stream.abort()

@@ -40,6 +40,7 @@ from sdnet_trainer.serve.decoding import (
     RunningBatch,
     splittable,
 )
+from sdnet_trainer.serve.errors import ModelError
 from sdnet_trainer.serve.language import LanguageModel
 from sdnet_trainer.serve.metrics import EngineMetrics
 
@@ -209,8 +210,9 @@ class Engine:
                 self._iterate(joining)
             except Exception as err:  # the model failed: every request of the batch hears it
                 logger.exception("the model failed in a decode step")
+                failure = ModelError.of(err)
                 for request in [*joining, *self._running.values()]:
-                    request.put(err)
+                    request.put(failure)
                 self._running.clear()
                 self.batch.drop(list(self.batch.rows))
             self._gauges()

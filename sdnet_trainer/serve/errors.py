@@ -15,6 +15,15 @@ class InputError(ValueError):
         self.reason = reason
 
 
+class ModelError(RuntimeError):
+    """The model itself failed on a request: answered with 500 and this one line (the
+    traceback goes to the log where it is caught)."""
+
+    @classmethod
+    def of(cls, err: BaseException) -> ModelError:
+        return cls(f"the model failed: {type(err).__name__}: {first_line(err)}")
+
+
 def first_line(err: BaseException) -> str:
     """An exception's message cut to its first line (its type's name when it has none)."""
     text = str(err).strip()

@@ -41,7 +41,7 @@ from fastapi.responses import JSONResponse, StreamingResponse
 from pydantic import BaseModel, ConfigDict, Field, StrictInt, StrictStr, ValidationError
 
 from sdnet_trainer.serve.decoding import STOP, Job
-from sdnet_trainer.serve.errors import InputError, one_line
+from sdnet_trainer.serve.errors import InputError, first_line, one_line
 from sdnet_trainer.serve.language import LanguageModel
 
 ROUTES = frozenset({"/v1/models", "/v1/completions", "/v1/chat/completions"})
@@ -476,9 +476,8 @@ class _Reply:
             ended = 0
             while ended < len(choices):
                 index, text, error, done = await queue.get()
-                if error is not None:
-                    message = f"the model failed: {type(error).__name__}: {error}"
-                    yield _event({"error": {"message": message, "type": "server_error"}})
+                if error is not None:  # a ModelError's line, or the server stopping
+                    yield _event({"error": {"message": first_line(error), "type": "server_error"}})
                     return
                 if done:
                     ended += 1

@@ -358,6 +358,42 @@ def test_a_model_without_a_cache_answers_the_same_api_in_whole_batches():
     assert "".join(c["choices"][0]["text"] for c in chunks) == "cdef"
     assert [c["choices"][0]["finish_reason"] for c in chunks][-1] == "length"
 
+    def broken(ids: torch.Tensor) -> torch.Tensor:
+        raise RuntimeError("no memory left")
+
+    model.runner = broken  # its failure is said once, in one line, on every route
+    failed = "the model failed: RuntimeError: no memory left"
+    with TestClient(app) as client:
+        predict = client.post("/v1/predict", json={"prompt": "ab", "max_new_tokens": 2})
+        assert (predict.status_code, predict.json()) == (500, {"detail": failed})
+        whole = client.post("/v1/completions", json=body)
+        assert (whole.status_code, whole.json()["error"]["message"]) == (500, failed)
+        streamed = client.post("/v1/completions", json={**body, "stream": True}).text
+    assert json.loads(streamed.removeprefix("data: "))["error"]["message"] == failed
+
+
+def test_a_model_that_fails_is_a_500_in_one_line_and_the_server_goes_on(served, url, monkeypatch):
+    """A failure in a decode step reaches the request as one line (500; a stream's error event),
+    said once, and the next request is served."""
+    model = served[0]
+    decoder_step = model.decoder.step
+
+    def failing_step(*args):
+        raise RuntimeError("no memory left\nsecond line")
+
+    monkeypatch.setattr(model.decoder, "step", failing_step)
+    body = {"model": NAME, "prompt": [5, 6, 7], "max_tokens": 5, "temperature": 0}
+    code, reply = _post(f"{url}/v1/completions", json.dumps(body).encode())
+    assert code == 500
+    assert reply["error"]["message"] == "the model failed: RuntimeError: no memory left"
+    code, reply = _post(
+        f"{url}/v1/predict", json.dumps({"prompt": [5, 6], "max_new_tokens": 3}).encode()
+    )
+    assert (code, reply) == (500, {"detail": "the model failed: RuntimeError: no memory left"})
+    monkeypatch.setattr(model.decoder, "step", decoder_step)
+    code, reply = _post(f"{url}/v1/completions", json.dumps(body).encode())
+    assert code == 200 and reply["usage"]["completion_tokens"] >= 1
+
 
 # ---------------------------------------------------------------------- text and refusals
 
