@@ -162,7 +162,6 @@ class RunningBatch:
         self.rows: list[Row] = []
         self._state: Any = None  # the decoder's: a KV cache, or the ids themselves
         self._mask = torch.zeros((0, 0), dtype=torch.int64)  # (rows, columns); 0: padding
-        self._next: list[int] = []  # each row's newest token, not yet in the state
 
     @property
     def columns(self) -> int:
@@ -188,8 +187,7 @@ class RunningBatch:
         else:
             self._state, self._mask = state, mask
         self.rows += live
-        self._next += [0] * len(live)
-        self._picked(live, logits, first=len(self.rows) - len(live))
+        self._picked(live, logits)
         return rows
 
     def step(self) -> list[Row]:
@@ -197,9 +195,10 @@ class RunningBatch:
         if not self.rows:
             return []
         self._mask = torch.cat([self._mask, torch.ones((len(self.rows), 1), dtype=torch.int64)], 1)
-        next_tokens = torch.tensor(self._next, dtype=torch.int64)
+        # Each row's newest token: the one token of it not in the state yet.
+        next_tokens = torch.tensor([row.tokens[-1] for row in self.rows], dtype=torch.int64)
         logits, self._state = self.decoder.step(self._state, next_tokens, self._mask)
-        return self._picked(list(self.rows), logits, first=0)
+        return self._picked(list(self.rows), logits)
 
     def drop(self, rows: Sequence[Row], reason: str = ABORT) -> None:
         """Take ``rows`` out of the batch before the next step."""
@@ -207,14 +206,13 @@ class RunningBatch:
             row.finish_reason = row.finish_reason or reason
         self._keep([i for i, row in enumerate(self.rows) if row.finish_reason is None])
 
-    def _picked(self, rows: list[Row], logits: torch.Tensor, *, first: int) -> list[Row]:
-        """Each of ``rows`` (the batch's rows ``first``.. on, in order) picks its next token; those
-        that end leave the batch."""
-        for offset, row in enumerate(rows):
+    def _picked(self, rows: list[Row], logits: torch.Tensor) -> list[Row]:
+        """Each of ``rows`` (the rows of ``logits``, in order) picks its next token; those that end
+        leave the batch."""
+        for i, row in enumerate(rows):
             job = row.job
-            token = pick(logits[offset], job.temperature, job.top_p, row.generator, job.top_k)
+            token = pick(logits[i], job.temperature, job.top_p, row.generator, job.top_k)
             row.tokens.append(token)
-            self._next[first + offset] = token
             if token in row.stops:
                 row.finish_reason = STOP
             elif len(row.tokens) >= job.max_new_tokens:
@@ -228,7 +226,6 @@ class RunningBatch:
         if len(index) == len(self.rows):
             return
         self.rows = [self.rows[i] for i in index]
-        self._next = [self._next[i] for i in index]
         if not self.rows:
             self._state, self._mask = None, torch.zeros((0, 0), dtype=torch.int64)
             return

@@ -28,6 +28,8 @@ from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from prometheus_client import CollectorRegistry
+
 from sdnet_trainer.serve.args import ServeArgs
 from sdnet_trainer.serve.batching import QueueFull, Stopped
 from sdnet_trainer.serve.decoding import (
@@ -81,10 +83,6 @@ class Stream:
         self._request = request
         self._next: Any = None  # the end (or an error) that ready() took off the queue
         self.finish_reason: str | None = None
-
-    @property
-    def prompt_tokens(self) -> int:
-        return len(self._request.job.tokens)
 
     def __aiter__(self) -> Stream:
         return self
@@ -144,7 +142,8 @@ class Engine:
         self.context = context
         self.continuous = continuous
         self.max_wait = max_wait_ms / 1000
-        self.metrics = metrics
+        # Without the server's: a registry of its own, read by nobody (tests, benchmarks).
+        self.metrics = metrics or EngineMetrics(CollectorRegistry())
         self.steps = 0  # decode steps so far
         self._waiting: deque[_Request] = deque()
         self._running: dict[int, _Request] = {}  # id(row) -> its request
@@ -172,10 +171,6 @@ class Engine:
     @property
     def waiting(self) -> int:
         return len(self._waiting)
-
-    @property
-    def running(self) -> int:
-        return len(self._running)
 
     def submit(self, job: Job) -> Stream:
         """Queue ``job``; its tokens come through the returned stream (on this event loop)."""
@@ -251,22 +246,19 @@ class Engine:
         if aborted:
             rows = [r.row for r in aborted if r.row is not None]
             self.batch.drop(rows)
-            if self.metrics is not None:
-                for request in aborted:
-                    self.metrics.abort_steps.observe(self.steps - (request.aborted_at or 0))
+            for request in aborted:
+                self.metrics.abort_steps.observe(self.steps - (request.aborted_at or 0))
             self._emit(rows)
         if self.batch.rows:
             self._emit(self.batch.step())
             self.steps += 1
-            if self.metrics is not None:
-                self.metrics.steps.inc()
+            self.metrics.steps.inc()
         if joining:
             rows = self.batch.add([request.job for request in joining])
             for request, row in zip(joining, rows):
                 request.row = row
                 self._running[id(row)] = request
-                if self.metrics is not None:
-                    self.metrics.prompt_tokens.inc(len(request.job.tokens))
+                self.metrics.prompt_tokens.inc(len(request.job.tokens))
             self._emit(rows)
 
     def _emit(self, rows: list[Row]) -> None:
@@ -278,12 +270,11 @@ class Engine:
                 continue
             for token in row.tokens[request.sent :]:
                 request.put(token)
-                if self.metrics is not None:
-                    self.metrics.generation_tokens.inc()
-                    if request.last_token is None:
-                        self.metrics.first_token.observe(now - request.arrived)
-                    else:
-                        self.metrics.inter_token.observe(now - request.last_token)
+                self.metrics.generation_tokens.inc()
+                if request.last_token is None:
+                    self.metrics.first_token.observe(now - request.arrived)
+                else:
+                    self.metrics.inter_token.observe(now - request.last_token)
                 request.last_token = now
             request.sent = len(row.tokens)
             if row.finish_reason is not None:
@@ -292,12 +283,9 @@ class Engine:
 
     def _finish(self, request: _Request, reason: str) -> None:
         request.put(_Finished(reason))
-        if self.metrics is not None:
-            self.metrics.finished.labels(reason).inc()
+        self.metrics.finished.labels(reason).inc()
 
     def _gauges(self) -> None:
-        if self.metrics is None:
-            return
         self.metrics.running.set(len(self._running))
         self.metrics.waiting.set(len(self._waiting))
         held = len(self.batch.rows) * self.batch.columns
