@@ -141,10 +141,12 @@ class LanguageModel:
         stop: Sequence[int] = (),
         top_k: int = 0,
         default_new_tokens: int = DEFAULT_NEW_TOKENS,
+        limit_key: str = "max_new_tokens",
     ) -> Job:
         """The request as a job, or an InputError (422) naming what does not fit;
         ``max_new_tokens`` None: ``default_new_tokens``, or this server's limit if lower (and,
-        with a decoder, what the context leaves after the prompt)."""
+        with a decoder, what the context leaves after the prompt); ``limit_key``: the request's
+        name for it, which a refusal names."""
         if isinstance(prompt, str):
             if self.codec.kind != "ids" and len(prompt) > self.codec.max_chars(self.context):
                 raise InputError(
@@ -183,13 +185,13 @@ class LanguageModel:
         if max_new_tokens > self.max_new_tokens:
             raise InputError(
                 422,
-                f"max_new_tokens: {max_new_tokens} is more than this server generates per "
+                f"{limit_key}: {max_new_tokens} is more than this server generates per "
                 f"request ({self.max_new_tokens})",
             )
         if room is not None and max_new_tokens > room:
             raise InputError(
                 422,
-                f"max_new_tokens: {max_new_tokens} new tokens after a prompt of {len(tokens)} "
+                f"{limit_key}: {max_new_tokens} new tokens after a prompt of {len(tokens)} "
                 f"tokens is more than the model's context of {self.context} tokens holds",
             )
         if temperature > 0 and seed is None:

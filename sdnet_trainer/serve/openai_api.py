@@ -290,16 +290,15 @@ def _jobs(model: LanguageModel, body: Any, prompts: list[Any], *, chat: bool) ->
         raise InputError(
             400, "prompt: this model's data has no text form (data=tokens): use /v1/predict"
         )
-    limit = body.max_tokens
+    key, limit = "max_tokens", body.max_tokens
     if chat and body.max_completion_tokens is not None:
-        limit = body.max_completion_tokens
+        key, limit = "max_completion_tokens", body.max_completion_tokens
     temperature = 1.0 if body.temperature is None else body.temperature
     seed = body.seed
     if seed is None and temperature > 0:
         seed = secrets.randbits(62)
     return [
-        _job(
-            model,
+        model.job(
             prompt,
             max_new_tokens=limit,
             temperature=temperature,
@@ -308,6 +307,7 @@ def _jobs(model: LanguageModel, body: Any, prompts: list[Any], *, chat: bool) ->
             stop=body.stop_token_ids,
             top_k=max(body.top_k or 0, 0),
             default_new_tokens=model.max_new_tokens if chat else COMPLETION_DEFAULT_TOKENS,
+            limit_key=key,
         )
         for prompt in prompts
         for i in range(body.n)
@@ -350,16 +350,6 @@ async def _answer(
         for choice in choices:
             choice.abort()
     return reply.whole(choices)
-
-
-def _job(model: LanguageModel, prompt: Any, **options: Any) -> Job:
-    """The model's job, its refusals naming the API's field (max_tokens)."""
-    try:
-        return model.job(prompt, **options)
-    except InputError as err:
-        if err.reason.startswith("max_new_tokens:"):
-            raise InputError(err.status, "max_tokens:" + err.reason.split(":", 1)[1]) from None
-        raise
 
 
 class _Choice:
