@@ -30,6 +30,7 @@ from omegaconf.errors import MissingMandatoryValue, OmegaConfBaseException
 from sdnet_trainer.checkpoint import CheckpointError
 from sdnet_trainer.config import CONFIG_MODULE, Config, to_config
 from sdnet_trainer.distributed import distributed_session, launched_world_size
+from sdnet_trainer.distributed.env import resolve_device
 from sdnet_trainer.distributed.launchers import export_scheduler_env
 from sdnet_trainer.distributed.ops import all_gather_objects
 from sdnet_trainer.errors import EXIT_CONFIG_ERROR, ConfigError
@@ -62,14 +63,14 @@ def run(cfg: DictConfig, trainer_cls: type[Trainer] | None = None) -> dict[str, 
         output_dir, rank=rank, level=level if level.upper() in logging._nameToLevel else "INFO"
     )
     try:
-        config = _validated(cfg)
+        config = _validated(cfg, output_dir)
         cls = trainer_cls or resolve_trainer_class(config.trainer._target_)
         # FSDP's CPU offload leaves CPU gradients: their norm needs a CPU backend beside NCCL.
         cpu_collectives = config.parallel.fsdp.cpu_offload
         with distributed_session(
             config.dist, output_dir=output_dir, cpu_collectives=cpu_collectives
         ) as env:
-            _check_same_run(output_dir, config.run.id)
+            _check_same_run(output_dir, config.run.id, _layout_keys(config))
             trainer = cls(config, output_dir=output_dir, env=env)
             try:
                 return trainer.fit()
@@ -125,7 +126,7 @@ def _export_scheduler_env() -> None:
         sys.exit(EXIT_CONFIG_ERROR)
 
 
-def _validated(cfg: DictConfig) -> Config:
+def _validated(cfg: DictConfig, output_dir: Path) -> Config:
     try:
         config = to_config(cfg)
     except MissingMandatoryValue as err:
@@ -136,20 +137,56 @@ def _validated(cfg: DictConfig) -> Config:
         raise ConfigError(
             str(err).splitlines()[0] + f" (key {getattr(err, 'full_key', '?')})"
         ) from None
-    validate(config, world_size=launched_world_size())
+    world_size = launched_world_size()
+    if config.parallel.strategy == "auto":
+        # The planner (and the dry run it uses) is imported by the runs that ask for it.
+        from sdnet_trainer.plan.auto import resolve_auto
+
+        local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+        config = resolve_auto(
+            config,
+            world_size,
+            checkpoint_dir=Path(config.checkpoint.dir or output_dir / "checkpoints"),
+            device=resolve_device(config.dist, local_rank),
+        )
+    validate(config, world_size=world_size)
     return config
 
 
-def _check_same_run(output_dir: Path, run_id: str) -> None:
+def _layout_keys(config: Config) -> tuple[object, ...]:
+    """What parallel=auto chooses, as the ranks compare it."""
+    p = config.parallel
+    return (
+        p.strategy,
+        p.dp_replicate,
+        p.dp_shard,
+        p.tp,
+        p.pp,
+        p.pipeline.schedule,
+        p.pipeline.microbatches,
+        config.model.activation_checkpointing,
+        config.loop.grad_accum_steps,
+    )
+
+
+def _check_same_run(output_dir: Path, run_id: str, layout: tuple[object, ...]) -> None:
     """Every rank composed its config alone: the run directory and run.id (the checkpoint
-    directory's claim, the metrics' identity) must have come out the same on all of them."""
-    seen = sorted(set(all_gather_objects((str(output_dir), run_id))))
+    directory's claim, the metrics' identity) must have come out the same on all of them, and so
+    must the layout (parallel=auto plans on each rank, from figures a node's ranks read alike)."""
+    gathered = all_gather_objects((str(output_dir), run_id, layout))
+    seen = sorted({(d, i) for d, i, _ in gathered})
     if len(seen) > 1:
         raise ConfigError(
             "ranks resolved different run directories or run.id values ("
             + "; ".join(f"{d} with run.id {i!r}" for d, i in seen)
             + "); pass the same run.id (or SDNET_RUN_ID) to every rank: a launch without "
             "torchrun or a scheduler's job id names each rank's run after its own clock"
+        )
+    layouts = sorted({repr(lay) for _, _, lay in gathered})
+    if len(layouts) > 1:
+        raise ConfigError(
+            f"ranks chose different layouts ({'; '.join(layouts)}): parallel=auto read "
+            f"different memory on different nodes; set parallel.memory_per_rank_gib"
         )
 
 
@@ -159,11 +196,13 @@ def _main(cfg: DictConfig) -> dict[str, float]:
 
 
 def main() -> None:
-    if "--dry-run" in sys.argv[1:]:
-        # Plans a launch on this machine instead of running it (see sdnet_trainer/plan.py).
-        from sdnet_trainer.plan import main as dry_run
+    for command in ("--dry-run", "--plan"):
+        if command in sys.argv[1:]:
+            # Plans a launch on this machine instead of running it (sdnet_trainer/plan/cli.py).
+            from sdnet_trainer.plan import cli
 
-        sys.exit(dry_run([a for a in sys.argv[1:] if a != "--dry-run"]))
+            entry = cli.dry_run if command == "--dry-run" else cli.plan
+            sys.exit(entry([a for a in sys.argv[1:] if a != command]))
     _start_process()
     _interruptible(_main)
 

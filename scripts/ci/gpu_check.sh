@@ -9,8 +9,9 @@
 # wheel folder made beforehand by scripts/ci/gpu_wheels.sh (pip never reads an index), and the
 # project installed in place without dependencies. Then it shows the machine (nvidia-smi, torch,
 # CUDA, cuDNN, NCCL, /dev/shm, the host name), runs the CUDA tests (tests/cuda, -m cuda; the
-# cold-compile tests last), runs scripts/bench/bench_gpu.py (a bf16 matmul first: the practical peak
-# the table compares every throughput with), and prints one table, last.
+# cold-compile tests last), measures parallel=auto's constants (sdnet_trainer.plan.calibrate:
+# calibration.json in the archive), runs scripts/bench/bench_gpu.py (a bf16 matmul first: the
+# practical peak the table compares every throughput with), and prints one table, last.
 #   bash scripts/ci/gpu_wheels.sh gpu_wheels          # beforehand, where the package index is reached
 #   GPU_CHECK_OUT=$PWD/out bash scripts/ci/gpu_check.sh   # on the node: at most GPU_CHECK_BUDGET_S
 #   bash scripts/ci/gpu_check.sh -k fit               # extra arguments go to pytest
@@ -421,6 +422,15 @@ else
     pytest_rc=$part_rc
 fi
 TESTS_S=$((SECONDS - tests_started))
+
+if [ "$cuda" = "1" ] && [ "$(left)" -gt $((60 + 2 * GRACE)) ]; then
+    # parallel=auto's constants measured on this GPU (docs/parallel.md): a minute at most; the
+    # file goes back in the archive.
+    echo
+    echo "== python -m sdnet_trainer.plan.calibrate (60 s at most)"
+    run_part calibrate 60 "$WORK/calibrate.log" "$VPY" -m sdnet_trainer.plan.calibrate \
+        out="$WORK/calibration.json"
+fi
 
 if [ "${GPU_CHECK_BENCH:-1}" != "0" ] && [ "$cuda" = "1" ]; then
     BENCH_SHARE=$(($(left) - GRACE))

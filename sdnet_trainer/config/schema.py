@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 from typing import Any, Dict, List, Optional
 
 # fault_tolerance, logging, model.gpt and model.llama are defined beside this module.
+from sdnet_trainer.config.auto_layout import AutoLayoutConfig
 from sdnet_trainer.config.fault_tolerance import FaultToleranceConfig
 from sdnet_trainer.config.language_models import GPTConfig, LlamaConfig
 from sdnet_trainer.config.observability import LoggingConfig
@@ -254,7 +255,9 @@ class PipelineConfig:
 @dataclass
 class ParallelConfig:
     # ddp: DistributedDataParallel; fsdp: FSDP2 fully_shard per block (HSDP when dp_replicate > 1
-    # too); zero1: DDP with ZeroRedundancyOptimizer (optimizer state sharded). A single process
+    # too); zero1: DDP with ZeroRedundancyOptimizer (optimizer state sharded); auto: chosen at
+    # launch from the model, the world size and the memory (sdnet_trainer/plan/auto.py), with the
+    # degrees, pipeline schedule, activation checkpointing and accumulation. A single process
     # without tp/pp runs the bare model.
     strategy: str = "ddp"
     # The DeviceMesh: dp_replicate x dp_shard x tp x pp = world size. -1 takes what the others
@@ -268,12 +271,14 @@ class ParallelConfig:
     # The memory one rank may fill, in GiB: before allocating, each rank's training state
     # (parameters, gradients, optimizer state) is compared with it, and a layout that cannot fit
     # is refused. null: measured (a GPU's free memory; on the CPU, and for what FSDP's CPU offload
-    # keeps on the host, the host's available memory shared by the node's ranks).
+    # keeps on the host, the host's available memory shared by the node's ranks). parallel=auto
+    # plans with it too (null there: the GPU's total memory, the host's total over its ranks).
     memory_per_rank_gib: Optional[float] = None
     ddp: DDPConfig = field(default_factory=DDPConfig)
     fsdp: FSDPConfig = field(default_factory=FSDPConfig)
     tensor_parallel: TensorParallelConfig = field(default_factory=TensorParallelConfig)
     pipeline: PipelineConfig = field(default_factory=PipelineConfig)
+    auto: AutoLayoutConfig = field(default_factory=AutoLayoutConfig)
 
 
 @dataclass

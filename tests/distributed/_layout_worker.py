@@ -17,6 +17,7 @@ and the whole tensor its file tensor, and the peak resident memory the set-up ad
 from __future__ import annotations
 
 import json
+import os
 import re
 import sys
 from pathlib import Path
@@ -36,6 +37,7 @@ from sdnet_trainer.lazy import freeze_imports
 from sdnet_trainer.models.hf_folder import hf_weights_folder, weight_files
 from sdnet_trainer.models.llama.hf import to_hf_name
 from sdnet_trainer.observability.memory import training_state_bytes
+from sdnet_trainer.plan.auto import resolve_auto
 from sdnet_trainer.preflight import validate
 
 
@@ -118,6 +120,10 @@ class LayoutRecorder(Trainer):
             "grad_norms": self.grad_norms,
             "metrics": metrics,
             "params": params,
+            "layout": {
+                k: getattr(self.cfg.parallel, k)
+                for k in ("strategy", "dp_replicate", "dp_shard", "tp", "pp")
+            },
             "state_bytes": all_gather_objects(training_state_bytes(self.model, self.optimizer)),
         }
 
@@ -163,11 +169,14 @@ def run_cases(out: Path, cases: dict[str, list[str]], recorder: type[Trainer]) -
     ``record(fit_result)`` says what to keep); rank 0 saves each record as ``out/<case>.pt``.
 
     Rank 0 composes each case's config and sends it to the others: every rank would compose the
-    same config from the same overrides (most of a second each, times ranks, times cases)."""
+    same config from the same overrides (most of a second each, times ranks, times cases).
+    A ``parallel=auto`` case is planned by every rank before the process group starts, as the
+    command line plans it (the planner's dry run runs on a fake process group of its own)."""
     out.mkdir(parents=True, exist_ok=True)
+    planned = {name: _planned(o, out / name) for name, o in cases.items() if "parallel=auto" in o}
     with distributed_session(DistConfig()) as env:
         for name, overrides in cases.items():
-            cfg = _composed_on_main(overrides, env)
+            cfg = planned[name] if name in planned else _composed_on_main(overrides, env)
             validate(cfg, world_size=env.world_size)
             trainer = recorder(cfg, output_dir=out / name, env=env)
             try:
@@ -176,6 +185,16 @@ def run_cases(out: Path, cases: dict[str, list[str]], recorder: type[Trainer]) -
                 trainer.close()
             if env.is_main:
                 torch.save(record, out / f"{name}.pt")
+
+
+def _planned(overrides: list[str], run_dir: Path) -> Config:
+    world_size = int(os.environ.get("WORLD_SIZE", "1"))
+    return resolve_auto(
+        compose(overrides),
+        world_size,
+        checkpoint_dir=run_dir / "checkpoints",
+        device=torch.device("cpu"),
+    )
 
 
 def _composed_on_main(overrides: list[str], env: DistEnv) -> Config:

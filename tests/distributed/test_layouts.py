@@ -21,7 +21,7 @@ import pytest
 import torch
 
 from sdnet_trainer.export.cli import main as export_main
-from sdnet_trainer.plan import main as plan_main
+from sdnet_trainer.plan import dry_run as plan_main
 from tests.support import REPO, corpus_line, run_cli, tiny_llama_config, write_bpe_tokenizer
 
 WORKER = REPO / "tests" / "distributed" / "_layout_worker.py"
@@ -124,6 +124,18 @@ VAL_REMAINDER = {
 }
 VAL_REMAINDER_REF = "gpt_ref_val_remainder"
 
+# 1.5 MiB per rank (0.85 of 1.76): the GPT's SGD state sharded 4 ways with its gathered blocks
+# fits, one replica of it per rank (DDP: 2.4 MiB, ZeRO-1: 1.8 MiB) does not. Off pipeline stages
+# (on cores shared by the ranks no bubble is idle time, and 4 stages of one block would win),
+# and the cores named shared, as on the 2-core machines, so that every machine plans alike.
+AUTO_FSDP = [
+    "parallel=auto",
+    "parallel.memory_per_rank_gib=0.00172",
+    "parallel.auto.ranks_per_node=4",
+    "parallel.auto.max_pp=1",
+    "parallel.auto.shared_cores=true",
+]
+
 # name -> (world size, overrides, reference). Every GPT layout is compared with one process on
 # the whole batch; ResNet layouts with one process over the same 4 micro-batches of 4.
 WORLD4 = {
@@ -138,6 +150,9 @@ WORLD4 = {
         "loop.grad_accum_steps=2",
     ],
     "gpt_zero1": GPT + ["parallel=zero1"] + SAVE,  # its optimizer state is saved by parameter name
+    # parallel=auto with memory for FSDP over the 4 ranks but not for a replica of the model on
+    # each (DDP, ZeRO-1): the planner chooses and the run trains as one process does.
+    "gpt_auto": GPT + AUTO_FSDP,
     "gpt_tp": GPT + ["parallel.tp=4"],
     "gpt_ddp_pp": GPT + _pipeline("1F1B", 2),
     "gpt_fsdp_pp": GPT + ["parallel=fsdp"] + _pipeline("1F1B", 2),
@@ -395,6 +410,20 @@ def test_layout_matches_single_process(runs, name):
             ref["metrics"]["val_ema/loss"], rel=1e-4
         )
         assert run["metrics"]["val_ema/loss"] != run["metrics"]["val/loss"]
+
+
+def test_parallel_auto_chose_fsdp_where_a_replica_per_rank_does_not_fit(runs):
+    """The layout the planner chose on each rank before the group started (the run itself is
+    compared with one process above, as gpt_auto): FSDP over the 4 ranks. Planning runs the dry
+    run in the training process; DTensor's caches keep nothing of its fake meshes (before they
+    were emptied, every rank wrote rank 0's slice of each initial weight)."""
+    assert runs["gpt_auto"]["layout"] == {
+        "strategy": "fsdp",
+        "dp_replicate": 1,
+        "dp_shard": 4,
+        "tp": 1,
+        "pp": 1,
+    }
 
 
 @pytest.mark.parametrize("name", sorted(VAL_REMAINDER))

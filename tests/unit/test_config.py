@@ -198,20 +198,25 @@ def test_run_id_is_shared_by_ranks(monkeypatch):
 
 
 def test_ranks_that_resolved_different_runs_stop_before_training(monkeypatch, tmp_path):
-    """The check after the process group is up: one directory and one run.id on every rank, or a
-    ConfigError naming both and SDNET_RUN_ID (ranks started without torchrun or a job id each
-    take run.id from their own clock)."""
+    """The check after the process group is up: one directory, one run.id and one layout on every
+    rank, or a ConfigError naming both values and what makes them agree (ranks started without
+    torchrun or a job id each take run.id from their own clock; parallel=auto on nodes that read
+    different memory may choose differently)."""
     from sdnet_trainer import cli
 
-    same = (str(tmp_path), "2026-11-28_01-50-56")
+    layout = ("fsdp", 1, 4, 1, 1, "1F1B", 4, False, 1)
+    same = (str(tmp_path), "2026-11-28_01-50-56", layout)
     monkeypatch.setattr(cli, "all_gather_objects", lambda mine: [mine, same])
-    cli._check_same_run(tmp_path, same[1])  # every rank alike: passes
+    cli._check_same_run(tmp_path, same[1], layout)  # every rank alike: passes
     with pytest.raises(ConfigError, match="SDNET_RUN_ID") as excinfo:
-        cli._check_same_run(tmp_path, "2026-11-28_01-50-57")  # the same directory, another id
+        cli._check_same_run(tmp_path, "2026-11-28_01-50-57", layout)  # another id
     assert "'2026-11-28_01-50-56'" in str(excinfo.value)
     assert "'2026-11-28_01-50-57'" in str(excinfo.value)
     with pytest.raises(ConfigError, match="different run directories"):
-        cli._check_same_run(tmp_path / "elsewhere", same[1])
+        cli._check_same_run(tmp_path / "elsewhere", same[1], layout)
+    with pytest.raises(ConfigError, match="parallel.memory_per_rank_gib") as excinfo:
+        cli._check_same_run(tmp_path, same[1], ("ddp", 4, 1, 1, 1, "1F1B", 4, False, 1))
+    assert "'ddp'" in str(excinfo.value) and "'fsdp'" in str(excinfo.value)
 
 
 def test_rank0_only(monkeypatch):

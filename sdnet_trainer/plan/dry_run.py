@@ -16,7 +16,8 @@ Per rank it prints:
   ``observability.memory.training_state_bytes`` counts them in a real run (the optimizer takes
   one step on meta tensors so its state exists);
 - an activation estimate: the bytes autograd saves in one forward of one micro-batch of the
-  whole model (meta tensors, fp32, with activation checkpointing if enabled), scaled to this
+  whole model (meta tensors, fp32, with activation checkpointing if enabled; the parameters it
+  keeps a view of are counted once, as parameters), scaled to this
   rank's pipeline stage by its share of the parameters, divided by tensor parallelism and
   multiplied by the micro-batches the stage keeps in flight;
 - the collectives of one optimizer step and the bytes each moves (data parallel from the shards,
@@ -28,14 +29,10 @@ launch prints it, with exit code 2.
 
 from __future__ import annotations
 
-import json
 import math
-import sys
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from contextlib import contextmanager
-from dataclasses import asdict, dataclass, field
-from pathlib import Path
-from typing import TypeVar
+from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
@@ -43,21 +40,17 @@ from torch import nn
 from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
 
-from sdnet_trainer.config import Config, compose
-from sdnet_trainer.data import is_language_model_data, resolve_num_classes
+from sdnet_trainer.config import Config
 from sdnet_trainer.distributed.batching import batch_layout
 from sdnet_trainer.distributed.env import DistEnv
 from sdnet_trainer.distributed.mesh import ParallelDims, build_mesh, parallel_dims
-from sdnet_trainer.distributed.parallelize import _uses_fsdp, checkpoint_block, parallelize
-from sdnet_trainer.errors import EXIT_CONFIG_ERROR, ConfigError
-from sdnet_trainer.lazy import freeze_imports
+from sdnet_trainer.distributed.parallelize import _uses_fsdp, parallelize
 from sdnet_trainer.models.parallel_spec import parallel_blocks
 from sdnet_trainer.models.registry import decoder_sizes
 from sdnet_trainer.observability.memory import step_on_meta, training_state_bytes
-from sdnet_trainer.preflight import validate
+from sdnet_trainer.plan.model_stats import saved_activations
 from sdnet_trainer.runtime.precision import DTYPES
 from sdnet_trainer.training.classes import resolve_trainer_class
-from sdnet_trainer.training.trainer import Trainer
 
 
 @dataclass
@@ -93,6 +86,29 @@ def fake_group(rank: int, world_size: int) -> Iterator[None]:
         yield
     finally:
         dist.destroy_process_group()
+        forget_dtensor_caches()
+
+
+def forget_dtensor_caches() -> None:
+    """Empty DTensor's caches of sharding decisions and redistribution plans.
+
+    They key on device meshes, and two meshes of one shape compare equal whatever their process
+    group and rank: after a dry run, a real run of the same layout in this process would be
+    served specs holding the fake group's mesh, whose coordinates are the planned rank's, and
+    every rank would, for one, write rank 0's slice of each initial weight (``parallel=auto``
+    plans in the process that then trains)."""
+    from torch.distributed.tensor import DTensor, _redistribute
+
+    propagator = DTensor._op_dispatcher.sharding_propagator
+    # Each where this torch release has it: the C++ dispatch's cache, the Python one (this
+    # thread's), the redistribution planners.
+    for clear in (
+        getattr(torch._C, "_clear_DTensor_sharding_propagator_cache", None),
+        getattr(propagator.propagate_op_sharding, "cache_clear", None),
+        getattr(_redistribute, "clear_redistribute_planner_cache", None),
+    ):
+        if clear is not None:
+            clear()
 
 
 def plan_rank(cfg: Config, rank: int, world_size: int) -> RankPlan:
@@ -139,18 +155,18 @@ def plan_rank(cfg: Config, rank: int, world_size: int) -> RankPlan:
         params=sizes["params"],
         grads=sizes["grads"],
         optim=sizes["optim"],
-        activations=_activation_estimate(cfg, trainer, dims, stage_numel, stage),
-        collectives=collectives + _model_parallel_collectives(cfg, dims, trainer, stage),
+        activations=_activation_estimate(cfg, dims, stage_numel, stage),
+        collectives=collectives + model_parallel_collectives(cfg, dims, stage),
     )
 
 
-def _gpu_dtype(cfg: Config) -> str:
+def gpu_dtype(cfg: Config) -> str:
     """The compute dtype on the launch's GPUs: ``precision.dtype=auto`` picks bf16 on GPUs with
     native bf16 (A100, H100 and later), assumed here since this machine may have none."""
     return "bf16" if cfg.precision.dtype == "auto" else cfg.precision.dtype
 
 
-def _dtype_bytes(name: str) -> int:
+def dtype_bytes(name: str) -> int:
     return torch.empty((), dtype=DTYPES[name]).element_size()
 
 
@@ -172,7 +188,7 @@ def _data_parallel_collectives(
         fsdp = cfg.parallel.fsdp
         param_dtype = fsdp.param_dtype
         if param_dtype == "auto":
-            param_dtype = _gpu_dtype(cfg)
+            param_dtype = gpu_dtype(cfg)
         out = []
         for unit in units.values():
             # This rank's shard times the shard group: the unit's parameters as the group
@@ -190,7 +206,7 @@ def _data_parallel_collectives(
                         f"all_gather ({name})",
                         "dp_shard",
                         gathers * micro,
-                        full * _dtype_bytes(param_dtype),
+                        full * dtype_bytes(param_dtype),
                     )
                 )
                 out.append(
@@ -198,7 +214,7 @@ def _data_parallel_collectives(
                         f"reduce_scatter ({name})",
                         "dp_shard",
                         1,
-                        full * _dtype_bytes(fsdp.reduce_dtype),
+                        full * dtype_bytes(fsdp.reduce_dtype),
                     )
                 )
             if dims.dp_replicate > 1:  # HSDP, or replication under pipeline parallelism
@@ -207,7 +223,7 @@ def _data_parallel_collectives(
                         f"all_reduce ({name})",
                         "dp_replicate",
                         1,
-                        local * _dtype_bytes(fsdp.reduce_dtype),
+                        local * dtype_bytes(fsdp.reduce_dtype),
                     )
                 )
         return out
@@ -238,53 +254,24 @@ def _micro_batch(cfg: Config, dims: ParallelDims) -> int:
     return max(1, size // cfg.parallel.pipeline.microbatches) if dims.pp > 1 else size
 
 
-def _sample_input(cfg: Config, batch: int) -> torch.Tensor:
-    data = cfg.data
-    if is_language_model_data(data):
-        return torch.zeros(batch, data.seq_len, dtype=torch.long, device="meta")
-    return torch.zeros(batch, 3, data.image_size, data.image_size, device="meta")
-
-
-T = TypeVar("T")
-
-
-def saved_for_backward(forward: Callable[[], T]) -> tuple[int, T]:
-    """Bytes autograd keeps for backward while ``forward`` runs (on the meta device too), and
-    what ``forward`` returned."""
-    saved = 0
-
-    def pack(t: torch.Tensor) -> torch.Tensor:
-        nonlocal saved
-        saved += t.numel() * t.element_size()
-        return t
-
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        result = forward()
-    return saved, result
-
-
-def _activation_estimate(
-    cfg: Config, trainer: Trainer, dims: ParallelDims, stage_numel: int, stage: int
-) -> int:
+def _activation_estimate(cfg: Config, dims: ParallelDims, stage_numel: int, stage: int) -> int:
     """Bytes saved for backward (see the module docstring): an estimate, not a measurement."""
-    with torch.device("meta"):
-        model = trainer.build_model()
-    if cfg.model.activation_checkpointing:
-        for block in parallel_blocks(model):
-            checkpoint_block(block)  # as parallelize applies it
-    saved, _ = saved_for_backward(lambda: model(_sample_input(cfg, _micro_batch(cfg, dims))))
-    in_flight = min(cfg.parallel.pipeline.microbatches, dims.pp - stage) if dims.pp > 1 else 1
+    saved = saved_activations(cfg, cfg.model.activation_checkpointing)
+    pipe = cfg.parallel.pipeline
+    in_flight = 1
+    if dims.pp > 1:  # GPipe runs every forward before any backward; 1F1B keeps pp - stage
+        gpipe = pipe.schedule == "GPipe"
+        in_flight = pipe.microbatches if gpipe else min(pipe.microbatches, dims.pp - stage)
     # A stage's share of the activations taken as its share of the parameters.
-    stage_fraction = stage_numel / max(1, sum(p.numel() for p in model.parameters()))
-    return int(saved * stage_fraction / dims.tp * in_flight)
+    stage_fraction = stage_numel / max(1, saved.params)
+    return int(saved.at(_micro_batch(cfg, dims)) * stage_fraction / dims.tp * in_flight)
 
 
-def _model_parallel_collectives(
-    cfg: Config, dims: ParallelDims, trainer: Trainer, stage: int
-) -> list[Collective]:
+def model_parallel_collectives(cfg: Config, dims: ParallelDims, stage: int) -> list[Collective]:
     """Tensor parallel (GPT, Llama): per block two all-reduces of the (micro-batch, seq, dim)
-    stream in forward and two in backward (with sequence parallel: a reduce-scatter and an
-    all-gather in their place). Pipeline: per micro-batch one send forward and one backward at
+    stream in forward and two in backward, and the forward's two again where activation
+    checkpointing recomputes it (with sequence parallel: a reduce-scatter and an all-gather in
+    place of each all-reduce). Pipeline: per micro-batch one send forward and one backward at
     each stage boundary this rank has."""
     out: list[Collective] = []
     sizes = decoder_sizes(cfg.model)
@@ -294,103 +281,20 @@ def _model_parallel_collectives(
     micro = batch_layout(cfg, dims.pp * dims.dp * dims.tp).grad_accum_steps
     if dims.pp > 1:
         micro = cfg.parallel.pipeline.microbatches
-    dtype = _gpu_dtype(cfg)
-    stream = _micro_batch(cfg, dims) * cfg.data.seq_len * dim * _dtype_bytes(dtype)
+    dtype = gpu_dtype(cfg)
+    stream = _micro_batch(cfg, dims) * cfg.data.seq_len * dim * dtype_bytes(dtype)
     layers = math.ceil(n_layers / dims.pp)
+    per_layer = 6 if cfg.model.activation_checkpointing else 4
     if dims.tp > 1:
+        count = per_layer * layers * micro
         if cfg.parallel.tensor_parallel.sequence_parallel:
             for kind in ("reduce_scatter", "all_gather"):
-                out.append(Collective(f"{kind} (TP stream)", "tp", 4 * layers * micro, stream))
+                out.append(Collective(f"{kind} (TP stream)", "tp", count, stream))
         else:
-            out.append(Collective("all_reduce (TP stream)", "tp", 4 * layers * micro, stream))
+            out.append(Collective("all_reduce (TP stream)", "tp", count, stream))
     if dims.pp > 1:
         boundaries = (stage > 0) + (stage < dims.pp - 1)
         out.append(
             Collective("send/recv (pipeline activations)", "pp", 2 * boundaries * micro, stream)
         )
     return out
-
-
-def parse_args(argv: list[str]) -> tuple[int, str | None, Path | None, list[str]]:
-    """``world_size=N``, ``ranks=...`` and ``json=PATH`` are the dry run's; the rest is config."""
-    world_size, ranks, out, overrides = None, None, None, []
-    for arg in argv:
-        key, _, value = arg.partition("=")
-        if key == "world_size":
-            world_size = int(value)
-        elif key == "ranks":
-            ranks = value
-        elif key == "json":
-            out = Path(value)
-        else:
-            overrides.append(arg)
-    if world_size is None or world_size < 1:
-        raise ConfigError("--dry-run needs world_size=N (N >= 1): the launch's number of ranks")
-    return world_size, ranks, out, overrides
-
-
-def chosen_ranks(spec: str | None, dims: ParallelDims, world_size: int) -> list[int]:
-    if spec == "all":
-        return list(range(world_size))
-    if spec:
-        ranks = [int(r) for r in spec.split(",")]
-        bad = [r for r in ranks if not 0 <= r < world_size]
-        if bad:
-            raise ConfigError(f"ranks={spec}: {bad} not in 0..{world_size - 1}")
-        return ranks
-    # Row-major over (pp, dp_replicate, dp_shard, tp): the first rank of each stage.
-    return [s * (world_size // dims.pp) for s in range(dims.pp)]
-
-
-def merged(collectives: list[Collective]) -> list[Collective]:
-    """Identical collectives (one per block) counted together, in order of first appearance."""
-    out: dict[tuple[str, str, int], Collective] = {}
-    for c in collectives:
-        key = (c.kind, c.over, c.bytes_each)
-        if key in out:
-            out[key].count += c.count
-        else:
-            out[key] = Collective(c.kind, c.over, c.count, c.bytes_each)
-    return list(out.values())
-
-
-def _mb(n: int) -> str:
-    return f"{n / 2**20:,.1f} MiB"
-
-
-def report(plan: RankPlan) -> str:
-    lines = [
-        f"rank {plan.rank} {plan.coordinates}",
-        f"  parameters {_mb(plan.params)}  gradients {_mb(plan.grads)}  "
-        f"optimizer {_mb(plan.optim)}  activations ~{_mb(plan.activations)}",
-    ]
-    for c in merged(plan.collectives):
-        lines.append(f"  {c.kind:<40} over {c.over:<22} x{c.count:<5} {_mb(c.bytes_each)} each")
-    return "\n".join(lines)
-
-
-def main(argv: list[str] | None = None) -> int:
-    try:
-        world_size, spec, out, overrides = parse_args(sys.argv[1:] if argv is None else argv)
-        cfg = compose(overrides)
-        validate(cfg, world_size=world_size)
-        dims = parallel_dims(cfg.parallel, world_size)
-        # The data decides the class count the model is built with, as in Trainer.setup (and a
-        # missing data folder is an error a launch would hit).
-        probe = resolve_trainer_class(cfg.trainer._target_)(cfg, env=DistEnv())
-        resolve_num_classes(cfg, probe.build_datasets()[0])
-        print(f"world size {world_size}: {dims.describe()} ({cfg.parallel.strategy})")
-        plans = [plan_rank(cfg, r, world_size) for r in chosen_ranks(spec, dims, world_size)]
-    except ConfigError as err:
-        print(f"config error: {err}", file=sys.stderr)
-        return EXIT_CONFIG_ERROR
-    for p in plans:
-        print(report(p))
-    if out is not None:
-        out.write_text(json.dumps([asdict(p) for p in plans], indent=1))
-    return 0
-
-
-if __name__ == "__main__":
-    freeze_imports()  # a process of its own: see sdnet_trainer/lazy.py
-    sys.exit(main())

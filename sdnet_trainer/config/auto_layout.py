@@ -1,0 +1,53 @@
+"""``parallel.auto.*``: what the planner of ``parallel=auto`` assumes (sdnet_trainer/plan/).
+
+Kept beside schema.py, which holds every other group; ``ParallelConfig`` includes it from here."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+
+@dataclass
+class AutoLayoutConfig:
+    """parallel=auto: what the planner (sdnet_trainer/plan/auto.py) assumes of the machines. The
+    defaults describe nodes of 8 H100/H200 SXM GPUs on 400 Gb/s InfiniBand; on other machines
+    measure them (python -m sdnet_trainer.plan.calibrate) and pass the file as calibration."""
+
+    # What the planned ranks run on: auto (the launch's device; --plan: this machine's), cpu, or
+    # cuda (GPUs planned from a machine without them: set parallel.memory_per_rank_gib and
+    # parallel.auto.peak_tflops).
+    device: str = "auto"
+    # Ranks that share a node's fast links (NVLink); null: the launch's LOCAL_WORLD_SIZE.
+    ranks_per_node: Optional[int] = None
+    # CPU ranks that outnumber the node's cores take turns on them (no pipeline bubble is idle
+    # time, no communication hides behind compute); null: whether they outnumber this machine's.
+    shared_cores: Optional[bool] = None
+    # The share of each rank's memory (parallel.memory_per_rank_gib, else the device's total) a
+    # layout may fill with its counted bytes; the rest is the allocator's slack, communication
+    # buffers and workspaces the count does not see.
+    memory_fraction: float = 0.85
+    # Dense peak TFLOPs of one device for the run's dtype; null: the device's spec sheet figure
+    # (observability/flops.py), or the calibration's measurement.
+    peak_tflops: Optional[float] = None
+    # The share of the peak the model's matmuls reach (MFU before bubbles and communication).
+    efficiency: float = 0.4
+    # Bandwidth per rank, GB/s, in each direction: within a node (NVLink 4: 450) and between
+    # nodes (one 400 Gb/s NIC per GPU: 50).
+    intra_node_gbps: float = 450.0
+    inter_node_gbps: float = 50.0
+    # Latency of one hop of a collective, microseconds (a ring of n ranks pays n - 1 of them).
+    latency_us: float = 10.0
+    # Time one block's forward and backward cost beyond its FLOPs, microseconds per micro-step
+    # (kernel launches, the framework's own work): what makes many small micro-batches slower
+    # than a few large ones. null: 100 on GPUs, 1000 on the CPU.
+    block_overhead_us: Optional[float] = None
+    # A JSON file of measured constants (python -m sdnet_trainer.plan.calibrate): its figures
+    # replace the keys above.
+    calibration: Optional[str] = None
+    # Bounds on the degrees the planner tries (null: whatever the world and the model allow):
+    # max_pp=1 keeps a model off pipeline stages, max_tp=8 tensor parallelism within a node.
+    max_tp: Optional[int] = None
+    max_pp: Optional[int] = None
+    # Candidates shown in the plan's table.
+    show: int = 5

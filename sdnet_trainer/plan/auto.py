@@ -1,0 +1,473 @@
+"""``parallel=auto``: the layout chosen from the model, the world size, the memory and the links.
+
+    python -m sdnet_trainer --plan world_size=64 +recipe=llama3_8b parallel=auto \\
+        parallel.memory_per_rank_gib=80        # the table and the choice, nothing launched
+    torchrun --nproc_per_node=8 -m sdnet_trainer +recipe=llama3_8b parallel=auto
+
+1. Enumerate what the model allows on ``world_size`` ranks: DDP, ZeRO-1, FSDP and HSDP (a shard
+   group of one node) over the data-parallel ranks, every tensor and pipeline degree that divides
+   the world (pipeline schedules 1F1B and, with two blocks per stage or more, Interleaved1F1B),
+   activation checkpointing off and on, and every micro-batch that splits the global batch.
+2. Count each one's bytes per rank and estimate its step time (``plan/estimate.py``) from the
+   model's stats (``plan/model_stats.py``) and the machines' figures (``plan/hardware.py``).
+3. Keep those whose bytes fit the memory a layout may fill (``memory_fraction`` of the rank's),
+   fastest first; the validator of a launch (``preflight.validate``) refuses what it would
+   refuse, and the dry run (``plan/dry_run.py``) builds the best one's first and last stage as a
+   launch would and must count bytes that fit too, or the next is taken.
+4. The choice is set in the run's config (the checkpoints record it): a resume on the same world
+   size takes the layout of the checkpoint it resumes; on another world size it plans again.
+
+Every rank plans alone, before the process group exists, from figures all ranks read alike; the
+planning is deterministic, so they choose the same layout (``cli`` checks it once the group is up).
+"""
+
+from __future__ import annotations
+
+import copy
+import functools
+import logging
+import math
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from sdnet_trainer.checkpoint import CheckpointError, read_checkpoint
+from sdnet_trainer.checkpoint.files import step_dirs
+from sdnet_trainer.config import Config
+from sdnet_trainer.config.checks import check_choice, check_positive
+from sdnet_trainer.data import is_language_model_data, resolve_num_classes
+from sdnet_trainer.distributed.env import DistEnv
+from sdnet_trainer.distributed.parallelize import STRATEGIES
+from sdnet_trainer.errors import ConfigError
+from sdnet_trainer.models.registry import model_family
+from sdnet_trainer.plan.dry_run import RankPlan, plan_rank
+from sdnet_trainer.plan.estimate import TIME_PARTS, Estimate, Hardware, Layout, estimate
+from sdnet_trainer.plan.hardware import hardware
+from sdnet_trainer.plan.model_stats import ModelStats, model_stats
+from sdnet_trainer.preflight import validate
+from sdnet_trainer.training.classes import resolve_trainer_class
+from sdnet_trainer.training.fits import in_units
+
+logger = logging.getLogger(__name__)
+
+INTERLEAVED = "Interleaved1F1B"
+# Layouts the validator may refuse before the plan gives up with the commonest refusal (what the
+# model's own validator refuses is left out before: see _model_allows).
+_MAX_REFUSALS = 64
+
+
+@dataclass
+class Plan:
+    world_size: int
+    hardware: Hardware
+    considered: int
+    fitting: int
+    shown: list[Estimate]  # the fastest valid layouts that fit, the chosen first
+    refused: list[tuple[Layout, str]] = field(default_factory=list)
+    checked: list[RankPlan] = field(default_factory=list)  # the dry run of the chosen layout
+
+    @property
+    def chosen(self) -> Estimate:
+        return self.shown[0]
+
+    @property
+    def layout(self) -> Layout:
+        return self.chosen.layout
+
+
+def resolve_auto(
+    cfg: Config, world_size: int, *, checkpoint_dir: Path | None, device: torch.device
+) -> Config:
+    """``cfg`` with ``parallel=auto`` replaced by a layout: the resumed checkpoint's on the same
+    world size, else the plan's (its table logged)."""
+    check_auto_keys(cfg)
+    recorded = recorded_layout(cfg, checkpoint_dir, world_size)
+    if recorded is not None:
+        layout, source = recorded
+        logger.info("parallel=auto: %s, the layout of %s", layout.describe(), source)
+        return with_layout(cfg, layout)
+    plan = plan_layout(cfg, world_size, hardware(cfg, device))
+    logger.info("%s", table(plan, cfg))
+    return with_layout(cfg, plan.chosen.layout)
+
+
+def check_auto_keys(cfg: Config) -> None:
+    """``parallel.auto.*`` and the memory key, before the figures are read."""
+    auto = cfg.parallel.auto
+    check_positive(
+        "parallel.memory_per_rank_gib", cfg.parallel.memory_per_rank_gib, allow_none=True
+    )
+    for key in ("peak_tflops", "block_overhead_us", "ranks_per_node", "max_tp", "max_pp"):
+        check_positive(f"parallel.auto.{key}", getattr(auto, key), allow_none=True)
+    for key in (
+        "memory_fraction",
+        "efficiency",
+        "intra_node_gbps",
+        "inter_node_gbps",
+        "latency_us",
+        "show",
+    ):
+        check_positive(f"parallel.auto.{key}", getattr(auto, key))
+    check_choice("parallel.auto.device", auto.device, ("auto", "cpu", "cuda"))
+    for key in ("memory_fraction", "efficiency"):
+        if getattr(auto, key) > 1:
+            raise ConfigError(f"parallel.auto.{key}={getattr(auto, key)} must be at most 1")
+
+
+def plan_layout(cfg: Config, world_size: int, hw: Hardware) -> Plan:
+    """The plan of ``cfg``'s model on ``world_size`` ranks with ``hw``; a ConfigError saying what
+    would fit when nothing does."""
+    _resolve_classes(cfg)
+    stats = model_stats(cfg)
+    estimates = _estimates(cfg, stats, world_size, hw)
+    fitting = sorted(
+        (e for e in estimates if e.total_bytes <= hw.memory),
+        key=lambda e: (round(e.step_seconds, 9), e.total_bytes, _complexity(e.layout)),
+    )
+    plan = Plan(world_size, hw, considered=len(estimates), fitting=len(fitting), shown=[])
+    for candidate in fitting:
+        if len(plan.shown) >= max(cfg.parallel.auto.show, 1) or len(plan.refused) >= _MAX_REFUSALS:
+            break
+        resolved = with_layout(cfg, candidate.layout)
+        try:
+            validate(resolved, world_size=world_size)
+            if not plan.shown:
+                plan.checked = _dry_run(resolved, candidate, world_size, hw)
+        except ConfigError as err:
+            plan.refused.append((candidate.layout, str(err)))
+            continue
+        plan.shown.append(candidate)
+    if not plan.shown:
+        raise ConfigError(_nothing_fits(cfg, stats, estimates, world_size, hw, plan.refused))
+    return plan
+
+
+def _resolve_classes(cfg: Config) -> None:
+    """The class count a classifier is built with comes from the data, as in Trainer.setup (a
+    language model's vocabulary is in its config: its data, maybe a corpus, is not read here)."""
+    if cfg.model.num_classes is None and not is_language_model_data(cfg.data):
+        probe = resolve_trainer_class(cfg.trainer._target_)(cfg, env=DistEnv())
+        resolve_num_classes(cfg, probe.build_datasets()[0])
+
+
+def _estimates(cfg: Config, stats: ModelStats, world_size: int, hw: Hardware) -> list[Estimate]:
+    scratch = copy.deepcopy(cfg)
+    out = []
+    allows = functools.partial(_degrees_allowed, cfg)
+    for layout in candidates(stats, world_size, cfg.loop.global_batch_size, allows):
+        _set_layout(scratch, layout)
+        out.append(estimate(scratch, stats, layout, hw))
+    return out
+
+
+def _degrees_allowed(cfg: Config, tp: int, pp: int) -> bool:
+    """Whether ``parallel.auto.max_tp`` / ``max_pp`` and the model's own validator take these
+    degrees (whole attention heads per tensor-parallel rank, blocks enough for the stages)."""
+    auto = cfg.parallel.auto
+    if (auto.max_tp is not None and tp > auto.max_tp) or (
+        auto.max_pp is not None and pp > auto.max_pp
+    ):
+        return False
+    family = model_family(cfg.model.name)
+    if family is None or family.validate is None:
+        return True
+    try:
+        family.validate(cfg, tp=tp, pp=pp)
+    except ConfigError:
+        return False
+    return True
+
+
+def candidates(
+    stats: ModelStats,
+    world_size: int,
+    global_batch: int,
+    allowed: Callable[[int, int], bool] = lambda tp, pp: True,
+) -> Iterator[Layout]:
+    """Every layout the batch and ``allowed(tp, pp)`` allow on ``world_size`` ranks (module
+    docstring)."""
+    checkpointing = (False, True) if stats.checkpointed is not None else (False,)
+    for tp in _divisors(world_size):
+        for pp in _divisors(world_size // tp):
+            if pp > 1 and pp > stats.n_blocks or not allowed(tp, pp):
+                continue
+            dp = world_size // (tp * pp)
+            if global_batch % dp:
+                continue
+            per_rank = global_batch // dp
+            for strategy, replicate, shard in _data_parallel(dp, tp, pp):
+                for ac in checkpointing:
+                    yield from _batch_splits(
+                        Layout(strategy, replicate, shard, tp, pp, ac, 1, 1), per_rank, stats
+                    )
+
+
+def _data_parallel(dp: int, tp: int, pp: int) -> Iterator[tuple[str, int, int]]:
+    """(strategy, dp_replicate, dp_shard) over ``dp`` ranks."""
+    if dp == 1:
+        yield ("fsdp" if tp * pp > 1 else "ddp"), 1, 1
+        return
+    yield "fsdp", 1, dp
+    if tp == 1:  # DDP takes no tensor-parallel parameters; ZeRO-1 runs plain data parallel
+        yield "ddp", dp, 1
+        if pp == 1:
+            yield "zero1", dp, 1
+    for shard in _divisors(dp):
+        if 1 < shard < dp:  # HSDP: shard within a group, replicate across groups
+            yield "fsdp", dp // shard, shard
+
+
+def _batch_splits(base: Layout, per_rank: int, stats: ModelStats) -> Iterator[Layout]:
+    for steps in _divisors(per_rank):
+        micro = per_rank // steps
+        if base.pp == 1:
+            yield _replace(base, micro_batch=micro, micro_steps=steps)
+            continue
+        # torch's 1F1B needs a micro-batch per stage at least; GPipe runs fewer (stages idle).
+        single = "1F1B" if steps >= base.pp else "GPipe"
+        yield _replace(base, micro_batch=micro, micro_steps=steps, schedule=single)
+        rounds = max(1, steps // base.pp)  # torch's Interleaved1F1B: whole rounds of micro-batches
+        if stats.n_blocks >= 2 * base.pp and steps % rounds == 0:
+            yield _replace(
+                base, micro_batch=micro, micro_steps=steps, schedule=INTERLEAVED, stages_per_rank=2
+            )
+
+
+def _replace(layout: Layout, **changes: Any) -> Layout:
+    return Layout(**{**layout.__dict__, **changes})
+
+
+def _divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def _complexity(layout: Layout) -> int:
+    """Between equal times and bytes, the layout with fewer dimensions in play."""
+    return sum(d > 1 for d in (layout.dp_replicate, layout.dp_shard, layout.tp, layout.pp))
+
+
+def with_layout(cfg: Config, layout: Layout) -> Config:
+    """A copy of ``cfg`` set to ``layout``."""
+    out = copy.deepcopy(cfg)
+    _set_layout(out, layout)
+    return out
+
+
+def _set_layout(cfg: Config, layout: Layout) -> None:
+    parallel = cfg.parallel
+    parallel.strategy = layout.strategy
+    parallel.dp_replicate, parallel.dp_shard = layout.dp_replicate, layout.dp_shard
+    parallel.tp, parallel.pp = layout.tp, layout.pp
+    if layout.tp == 1:  # the tensor-parallel options are the user's where tensor parallelism runs
+        parallel.tensor_parallel.loss_parallel = False
+        parallel.tensor_parallel.sequence_parallel = False
+    if layout.pp > 1:
+        parallel.pipeline.schedule = layout.schedule
+        parallel.pipeline.stages_per_rank = layout.stages_per_rank
+        parallel.pipeline.microbatches = layout.micro_steps
+        parallel.pipeline.split_points = []  # the even split: points given were for another
+    cfg.model.activation_checkpointing = layout.checkpointing
+    cfg.loop.grad_accum_steps = 1 if layout.pp > 1 else layout.micro_steps
+    cfg.loop.micro_batch_size = None
+
+
+def layout_overrides(layout: Layout) -> list[str]:
+    """The command-line keys that launch ``layout`` without the planner."""
+    keys = [
+        f"parallel={layout.strategy}",
+        f"parallel.dp_replicate={layout.dp_replicate}",
+        f"parallel.dp_shard={layout.dp_shard}",
+        f"parallel.tp={layout.tp}",
+        f"parallel.pp={layout.pp}",
+    ]
+    if layout.pp > 1:
+        keys += [
+            f"parallel.pipeline.schedule={layout.schedule}",
+            f"parallel.pipeline.stages_per_rank={layout.stages_per_rank}",
+            f"parallel.pipeline.microbatches={layout.micro_steps}",
+        ]
+    keys.append(f"model.activation_checkpointing={str(layout.checkpointing).lower()}")
+    keys.append(f"loop.grad_accum_steps={1 if layout.pp > 1 else layout.micro_steps}")
+    return keys
+
+
+def _dry_run(cfg: Config, candidate: Estimate, world_size: int, hw: Hardware) -> list[RankPlan]:
+    """The dry run of the first and last pipeline stage's first rank; a ConfigError if what it
+    counts (and FSDP's gathered blocks, which it does not) exceeds the memory."""
+    stride = world_size // candidate.layout.pp
+    ranks = sorted({0, (candidate.layout.pp - 1) * stride})
+    plans = [plan_rank(cfg, rank, world_size) for rank in ranks]
+    for p in plans:
+        counted = p.params + p.grads + p.optim + p.activations + candidate.bytes["gathered"]
+        if counted > hw.memory:
+            raise ConfigError(
+                f"the dry run of {candidate.layout.describe()} counts {in_units(counted)} on rank "
+                f"{p.rank}, more than {in_units(hw.memory)}"
+            )
+    return plans
+
+
+def _nothing_fits(
+    cfg: Config,
+    stats: ModelStats,
+    estimates: list[Estimate],
+    world_size: int,
+    hw: Hardware,
+    refused: list[tuple[Layout, str]],
+) -> str:
+    head = (
+        f"parallel=auto: no layout of model {cfg.model.name} on {world_size} ranks fits "
+        f"{in_units(hw.memory)} per rank ({hw.memory_source})"
+    )
+    if not estimates:
+        return (
+            f"{head}: loop.global_batch_size={cfg.loop.global_batch_size} splits over none of "
+            f"the data-parallel widths the world allows; use a multiple of the world size"
+        )
+    if refused:
+        reasons = [reason for _, reason in refused]
+        commonest = max(set(reasons), key=reasons.count)
+        return (
+            f"{head}: the validator refused the {len(refused)} fastest layouts that fit; "
+            f"{reasons.count(commonest)} of them: {commonest}"
+        )
+    leanest = min(estimates, key=lambda e: e.total_bytes)
+    parts = ", ".join(f"{k} {in_units(v)}" for k, v in leanest.bytes.items() if v)
+    text = (
+        f"{head}: the leanest, {leanest.layout.describe()} with activation checkpointing "
+        f"{'on' if leanest.layout.checkpointing else 'off'} and micro-batch "
+        f"{leanest.layout.micro_batch}, needs {in_units(leanest.total_bytes)} ({parts})."
+    )
+    ways = []
+    for factor in (2, 4, 8, 16, 32, 64):
+        more = world_size * factor
+        fits = any(e.total_bytes <= hw.memory for e in _estimates(cfg, stats, more, hw))
+        if fits:
+            ways.append(f"{more} ranks")
+            break
+    state = leanest.total_bytes - leanest.bytes["activations"]
+    if state < hw.memory and leanest.bytes["activations"]:
+        room = (hw.memory - state) / leanest.bytes["activations"]
+        seq_len = 2 ** int(math.log2(max(room * cfg.data.seq_len, 1)))
+        if seq_len < cfg.data.seq_len:
+            ways.append(f"data.seq_len={seq_len} (sequences shorter than {cfg.data.seq_len})")
+    if leanest.layout.micro_batch > 1:
+        ways.append("a smaller micro-batch (a global batch with more factors)")
+    ways.append("more memory (parallel.memory_per_rank_gib, parallel.auto.memory_fraction)")
+    return text + " It would fit with " + "; or ".join(ways)
+
+
+def recorded_layout(
+    cfg: Config, checkpoint_dir: Path | None, world_size: int
+) -> tuple[Layout, str] | None:
+    """The layout of the checkpoint a resume would load, if it was written by ``world_size``
+    ranks (a resume on another world size plans again). The manifest is untrusted: a layout it
+    cannot give whole is no layout, and the resume itself reports the checkpoint's faults."""
+    resume = cfg.checkpoint.resume
+    if resume == "none" or checkpoint_dir is None:
+        return None
+    paths = (
+        [Path(resume)]
+        if resume != "auto"
+        else [p for _, p in sorted(step_dirs(checkpoint_dir), reverse=True)]
+    )
+    for path in paths:
+        try:
+            checkpoint = read_checkpoint(path)
+        except CheckpointError:
+            continue
+        if checkpoint.world_size != world_size:
+            return None
+        layout = _layout_of(checkpoint.meta)
+        return (layout, f"checkpoint {path}") if layout is not None else None
+    return None
+
+
+def _layout_of(meta: Any) -> Layout | None:
+    try:
+        config = meta["config"]
+        parallel, pipeline = config["parallel"], config["parallel"]["pipeline"]
+        degrees = [parallel[k] for k in ("dp_replicate", "dp_shard", "tp", "pp")]
+        accum = config["loop"]["grad_accum_steps"]
+        steps = pipeline["microbatches"] if degrees[3] > 1 else accum
+        numbers = [*degrees, steps, pipeline["stages_per_rank"]]
+        if not all(type(n) is int and n >= 1 for n in numbers):
+            return None
+        if parallel["strategy"] not in STRATEGIES or not isinstance(pipeline["schedule"], str):
+            return None
+        checkpointing = config["model"]["activation_checkpointing"]
+        if not isinstance(checkpointing, bool):
+            return None
+        batch = meta["global_batch_size"] // (degrees[0] * degrees[1])
+        replicate, shard, tp, pp = degrees
+        return Layout(
+            parallel["strategy"],
+            replicate,
+            shard,
+            tp,
+            pp,
+            checkpointing=checkpointing,
+            micro_batch=max(batch // steps, 1),
+            micro_steps=steps,
+            schedule=pipeline["schedule"],
+            stages_per_rank=pipeline["stages_per_rank"],
+        )
+    except (KeyError, TypeError, ZeroDivisionError):
+        return None
+
+
+def table(plan: Plan, cfg: Config) -> str:
+    """The plan as a user reads it: what was assumed, the candidates and why the others lost."""
+    hw = plan.hardware
+    lines = [
+        f"parallel=auto: model {cfg.model.name}, {plan.world_size} ranks ({hw.ranks_per_node} per "
+        f"node), global batch {cfg.loop.global_batch_size}, sequence {cfg.data.seq_len}",
+        f"  memory {in_units(hw.memory)} per rank: {hw.memory_source}; "
+        f"{hw.flops / 1e12:.3g} TFLOP/s per rank: {hw.flops_source}; links "
+        f"{hw.intra / 1e9:g} GB/s in a node, {hw.inter / 1e9:g} GB/s between nodes",
+        f"  {plan.considered} layouts, {plan.fitting} fit; the fastest "
+        f"{len(plan.shown)} the validator accepts:",
+        f"  {'#':>2} {'layout':<30} {'ckpt':<4} {'micro-batch':<16} {'per rank':>10} "
+        f"{'step s':>9} " + " ".join(f"{k:>9}" for k in TIME_PARTS) + "  why not first",
+    ]
+    best = plan.chosen
+    for i, e in enumerate(plan.shown, 1):
+        lines.append(
+            f"  {i:>2} {e.layout.describe():<30} {'on' if e.layout.checkpointing else 'off':<4} "
+            f"{e.layout.batch():<16} {in_units(e.total_bytes):>10} {e.step_seconds:>9.4g} "
+            + " ".join(f"{e.seconds[k]:>9.3g}" for k in TIME_PARTS)
+            + ("  " + _why_not(e, best) if i > 1 else "  chosen")
+        )
+    for layout, reason in plan.refused[:3]:
+        lines.append(f"  refused: {layout.describe()}: {reason}")
+    for p in plan.checked:
+        lines.append(
+            f"  dry run of the choice, rank {p.rank}: parameters {in_units(p.params)}, gradients "
+            f"{in_units(p.grads)}, optimizer {in_units(p.optim)}, activations "
+            f"~{in_units(p.activations)}"
+        )
+    lines.append("  as keys: " + " ".join(layout_overrides(best.layout)))
+    return "\n".join(lines)
+
+
+def _why_not(e: Estimate, best: Estimate) -> str:
+    worse = {k: e.seconds[k] - best.seconds[k] for k in TIME_PARTS}
+    part = max(worse, key=lambda k: worse[k])
+    if worse[part] > 1e-9 * max(best.step_seconds, 1e-9):
+        return f"+{worse[part]:.3g} s {TIME_PARTS[part]}"
+    return f"as fast, {in_units(e.total_bytes - best.total_bytes)} more per rank"
+
+
+__all__ = [
+    "Plan",
+    "candidates",
+    "layout_overrides",
+    "plan_layout",
+    "recorded_layout",
+    "resolve_auto",
+    "table",
+    "with_layout",
+]

@@ -1,0 +1,279 @@
+"""One layout's bytes per rank and step time, from the model's stats and the machines' figures.
+
+Bytes follow the dry run's counting (``plan/dry_run.py``), divided per layout instead of built:
+the parameters, gradients and optimizer state of the heaviest pipeline stage's shard, FSDP's two
+gathered blocks (the one computing and the one prefetched), and the activations the stage keeps
+(the saved bytes of one forward, by micro-batch, scaled to the stage, split by tensor
+parallelism, times the micro-batches in flight).
+
+The step time adds:
+
+- compute: the model's FLOPs for the global batch (a forward again under activation
+  checkpointing) over the world, at the achieved FLOP/s of a rank (peak x efficiency);
+- overhead: each block's fixed cost per micro-step (launches, the framework's work), so that
+  many small micro-batches cost more than a few large ones;
+- the pipeline bubble: compute x (pp - 1) / (micro-batches x stages per rank), as in 1F1B and
+  its interleaved form;
+- tensor- and pipeline-parallel communication, which waits for its result (the dry run's own
+  collectives: ``model_parallel_collectives``);
+- data-parallel communication, less what hides behind compute: FSDP's gathers and reductions
+  prefetch under the micro-steps' compute, DDP's all-reduce under the last backward (two thirds
+  of a micro-step).
+
+Where a node has more ranks than processors (CPU ranks over fewer cores, ``Hardware.time_shared``)
+the ranks take turns on the cores: a stage waiting in the pipeline's bubble lends its core to
+another rank (no bubble is counted), and the collectives run on the cores the model computes on
+(none hides behind compute); the calibration's FLOP/s is then a rank's share of the cores.
+
+Each collective is a ring: a gather or a reduction of ``X`` bytes over ``n`` ranks moves
+``(n - 1) / n x X`` per rank and pays ``n - 1`` hops of latency; an all-reduce twice that. A group
+whose ranks all sit on one node uses the node's bandwidth, any other the network's.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from sdnet_trainer.config import Config
+from sdnet_trainer.distributed.mesh import ParallelDims
+from sdnet_trainer.plan.dry_run import dtype_bytes, gpu_dtype, model_parallel_collectives
+from sdnet_trainer.plan.model_stats import ModelStats
+
+
+@dataclass(frozen=True)
+class Layout:
+    """One candidate: a strategy, the mesh degrees, checkpointing and the batch split."""
+
+    strategy: str  # ddp | zero1 | fsdp (HSDP: fsdp with dp_replicate > 1)
+    dp_replicate: int
+    dp_shard: int
+    tp: int
+    pp: int
+    checkpointing: bool
+    micro_batch: int  # samples in one forward of a rank
+    micro_steps: int  # accumulation steps (pp 1) or the pipeline's micro-batches (pp > 1)
+    schedule: str = "1F1B"  # pp > 1
+    stages_per_rank: int = 1
+
+    @property
+    def dims(self) -> ParallelDims:
+        return ParallelDims(
+            pp=self.pp, dp_replicate=self.dp_replicate, dp_shard=self.dp_shard, tp=self.tp
+        )
+
+    @property
+    def dp(self) -> int:
+        return self.dp_replicate * self.dp_shard
+
+    def describe(self) -> str:
+        """``fsdp 8 x tp 8``, ``hsdp 4x8``, ``ddp 2 x pp 4 (Interleaved1F1B)``..."""
+        if self.strategy == "fsdp" and self.dp_replicate > 1:
+            parts = [f"hsdp {self.dp_replicate}x{self.dp_shard}"]
+        elif self.dp > 1:
+            parts = [f"{self.strategy} {self.dp}"]
+        else:
+            parts = []
+        parts += [f"tp {self.tp}"] if self.tp > 1 else []
+        parts += [f"pp {self.pp} ({self.schedule})"] if self.pp > 1 else []
+        return " x ".join(parts) or "1 rank"
+
+    def batch(self) -> str:
+        if self.pp > 1:
+            return f"{self.micro_batch} x {self.micro_steps} in flight"
+        return f"{self.micro_batch} x {self.micro_steps} accum"
+
+
+@dataclass(frozen=True)
+class Hardware:
+    """What one rank has: memory for the layout, FLOP/s achieved, and the links."""
+
+    memory: int  # bytes a layout may count (memory_fraction of the rank's)
+    memory_source: str
+    flops: float  # FLOP/s a rank achieves in the model's matmuls
+    flops_source: str
+    intra: float  # bytes/s per rank within a node
+    inter: float  # bytes/s per rank across nodes
+    latency: float  # seconds per hop
+    block_overhead: float  # seconds per block and micro-step beyond the FLOPs
+    ranks_per_node: int
+    # More ranks than processors (CPU ranks over fewer cores): they take turns on the cores.
+    time_shared: bool = False
+
+
+@dataclass
+class Estimate:
+    layout: Layout
+    bytes: dict[str, int] = field(default_factory=dict)
+    seconds: dict[str, float] = field(default_factory=dict)
+
+    @property
+    def total_bytes(self) -> int:
+        return sum(self.bytes.values())
+
+    @property
+    def step_seconds(self) -> float:
+        return sum(self.seconds.values())
+
+
+# The parts of a step, in the order a table shows them, with the words a comparison uses.
+TIME_PARTS = {
+    "compute": "compute",
+    "overhead": "more micro-steps (each block's fixed cost per micro-step)",
+    "recompute": "recomputation (activation checkpointing)",
+    "bubble": "pipeline bubble",
+    "tp": "tensor-parallel communication",
+    "pp": "pipeline sends",
+    "dp": "data-parallel communication not hidden by compute",
+}
+
+
+def estimate(cfg: Config, stats: ModelStats, layout: Layout, hw: Hardware) -> Estimate:
+    """``cfg`` already carries ``layout`` (``plan.auto.with_layout``): the dry run's collectives
+    read the degrees, the batch split and the dtypes from it."""
+    out = Estimate(layout)
+    out.bytes = max(
+        (_stage_bytes(cfg, stats, layout, stage) for stage in _stages(layout.pp)),
+        key=lambda b: sum(b.values()),
+    )
+    out.seconds = _step_seconds(cfg, stats, layout, hw)
+    return out
+
+
+def _stages(pp: int) -> tuple[int, ...]:
+    """The stages whose bytes differ most: the first (embeddings, every micro-batch in flight)
+    and the last (the output layer); the middle ones hold blocks alone."""
+    return (0,) if pp == 1 else (0, pp - 1)
+
+
+def _stage_elements(stats: ModelStats, layout: Layout, stage: int) -> int:
+    if layout.pp == 1:
+        return stats.params
+    per_rank = -(-stats.n_blocks // layout.pp)  # as the even split by block count gives
+    outside = (stats.head if stage == 0 else 0) + (stats.tail if stage == layout.pp - 1 else 0)
+    blocks = stats.blocks[:per_rank] if stage == 0 else stats.blocks[-per_rank:]
+    return outside + sum(blocks)
+
+
+def _stage_bytes(cfg: Config, stats: ModelStats, layout: Layout, stage: int) -> dict[str, int]:
+    elements = _stage_elements(stats, layout, stage)
+    share = elements / max(stats.params, 1)
+    unsplit = stats.unsplit * share
+    local = (elements - unsplit) / layout.tp + unsplit  # tensor parallelism keeps 1-D whole
+    if layout.strategy == "fsdp":
+        local /= layout.dp_shard
+    optim = local * stats.optim_per_param
+    if layout.strategy == "zero1":
+        optim /= layout.dp
+    gathered = 0
+    if layout.strategy == "fsdp" and layout.dp_shard > 1 and stats.blocks:
+        param_dtype = cfg.parallel.fsdp.param_dtype
+        width = dtype_bytes(gpu_dtype(cfg) if param_dtype == "auto" else param_dtype)
+        gathered = 2 * max(stats.blocks) // layout.tp * width
+    saved = stats.checkpointed if layout.checkpointing else stats.activations
+    assert saved is not None  # no checkpointing candidates without blocks (plan/auto.py)
+    in_flight = 1
+    if layout.pp > 1:  # GPipe runs every forward before any backward; 1F1B keeps pp - stage
+        gpipe = layout.schedule == "GPipe"
+        in_flight = layout.micro_steps if gpipe else min(layout.micro_steps, layout.pp - stage)
+    activations = saved.at(layout.micro_batch) * share / layout.tp * in_flight
+    return {
+        "params": int(local * stats.bytes_per_param),
+        "grads": int(local * stats.bytes_per_param),
+        "optim": int(optim),
+        "gathered": int(gathered),
+        "activations": int(activations),
+    }
+
+
+def _step_seconds(cfg: Config, stats: ModelStats, layout: Layout, hw: Hardware) -> dict[str, float]:
+    world = layout.dp * layout.tp * layout.pp
+    batch = cfg.loop.global_batch_size
+    compute = batch * stats.train_flops / world / hw.flops
+    recompute = batch * stats.forward_flops / world / hw.flops if layout.checkpointing else 0.0
+    blocks = -(-max(stats.n_blocks, 1) // layout.pp)
+    overhead = (
+        layout.micro_steps * blocks * hw.block_overhead * (4 / 3 if layout.checkpointing else 1)
+    )
+    bubble = 0.0
+    if layout.pp > 1 and not hw.time_shared:  # shared cores: a waiting stage lends its core
+        bubble = (compute + recompute + overhead) * (layout.pp - 1)
+        bubble /= layout.micro_steps * layout.stages_per_rank
+    tp = pp = 0.0
+    for c in model_parallel_collectives(cfg, layout.dims, stage=0):
+        group = layout.tp if c.over == "tp" else layout.pp
+        if c.over == "tp":
+            ring = 2 if c.kind.startswith("all_reduce") else 1
+            tp += c.count * ring * _ring(c.bytes_each, group, _bandwidth(layout, "tp", hw), hw)
+        else:  # a send: one hop over the pipeline's links
+            pp += c.count * (c.bytes_each / _bandwidth(layout, "pp", hw) + hw.latency)
+    return {
+        "compute": compute,
+        "overhead": overhead,
+        "recompute": recompute,
+        "bubble": bubble,
+        "tp": tp,
+        "pp": pp,
+        # Shared cores: the collectives (gloo's) compute on the cores the model needs, so
+        # nothing hides behind it.
+        "dp": _data_parallel_exposed(
+            cfg, stats, layout, hw, 0.0 if hw.time_shared else compute + recompute
+        ),
+    }
+
+
+def _data_parallel_exposed(
+    cfg: Config, stats: ModelStats, layout: Layout, hw: Hardware, busy: float
+) -> float:
+    if layout.dp == 1:
+        return 0.0
+    # The stage's parameters as a data-parallel group sees them (a tensor-parallel rank's part).
+    elements = _stage_elements(stats, layout, 0) / layout.tp
+    micro_steps = layout.micro_steps
+    window = busy / micro_steps * 2 / 3  # the last micro-step's backward
+    if layout.strategy != "fsdp":
+        grads = elements * stats.bytes_per_param
+        seconds = 2 * _ring(grads, layout.dp, _bandwidth(layout, "dp_replicate", hw), hw)
+        exposed = max(0.0, seconds - window)
+        if layout.strategy == "zero1":  # the updated parameters, after the optimizer step
+            exposed += _ring(grads, layout.dp, _bandwidth(layout, "dp_replicate", hw), hw)
+        return exposed
+    fsdp = cfg.parallel.fsdp
+    param_dtype = gpu_dtype(cfg) if fsdp.param_dtype == "auto" else fsdp.param_dtype
+    units = max(1, stats.n_blocks // layout.pp + 1)  # a unit per block, and the root
+    shard_bw = _bandwidth(layout, "dp_shard", hw)
+    gathers = (2 if fsdp.reshard_after_forward else 1) * micro_steps
+    reductions = micro_steps if fsdp.grad_sync == "every_microstep" else 1
+    n = layout.dp_shard
+    seconds = gathers * _ring(elements * dtype_bytes(param_dtype), n, shard_bw, hw, hops=units)
+    seconds += reductions * _ring(
+        elements * dtype_bytes(fsdp.reduce_dtype), n, shard_bw, hw, hops=units
+    )
+    exposed = max(0.0, seconds - busy)
+    if layout.dp_replicate > 1:  # HSDP: the shards' all-reduce across replicas, once per step
+        shard = elements / n * dtype_bytes(fsdp.reduce_dtype)
+        across = 2 * _ring(shard, layout.dp_replicate, _bandwidth(layout, "dp_replicate", hw), hw)
+        exposed += max(0.0, across - window)
+    return exposed
+
+
+def _ring(nbytes: float, n: int, bandwidth: float, hw: Hardware, *, hops: int = 1) -> float:
+    """Seconds of a ring all-gather or reduce-scatter of ``nbytes`` over ``n`` ranks, split into
+    ``hops`` collectives (each pays the ring's latency)."""
+    if n <= 1:
+        return 0.0
+    return (n - 1) / n * nbytes / bandwidth + hops * (n - 1) * hw.latency
+
+
+def _bandwidth(layout: Layout, dim: str, hw: Hardware) -> float:
+    """The node's links if the ``dim`` group's ranks sit on one node (the mesh is row-major over
+    pp, dp_replicate, dp_shard, tp: a group spans its own size times the degrees inside it)."""
+    span = {
+        "tp": layout.tp,
+        "dp_shard": layout.dp_shard * layout.tp,
+        "dp_replicate": layout.dp * layout.tp,
+        "pp": layout.dp * layout.tp * layout.pp,
+    }[dim]
+    return hw.intra if span <= hw.ranks_per_node else hw.inter
+
+
+__all__ = ["TIME_PARTS", "Estimate", "Hardware", "Layout", "estimate"]
