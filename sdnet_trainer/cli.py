@@ -185,8 +185,10 @@ def _check_same_run(output_dir: Path, run_id: str, layout: tuple[object, ...]) -
     layouts = sorted({repr(lay) for _, _, lay in gathered})
     if len(layouts) > 1:
         raise ConfigError(
-            f"ranks chose different layouts ({'; '.join(layouts)}): parallel=auto read "
-            f"different memory on different nodes; set parallel.memory_per_rank_gib"
+            f"ranks chose different layouts ({'; '.join(layouts)}): parallel=auto planned from "
+            f"figures that differ between nodes (memory, cores, LOCAL_WORLD_SIZE, the "
+            f"calibration file, the checkpoints they see); set parallel.memory_per_rank_gib, "
+            f"parallel.auto.ranks_per_node and parallel.auto.shared_cores"
         )
 
 

@@ -32,18 +32,19 @@ class AutoLayoutConfig:
     peak_tflops: Optional[float] = None
     # The share of the peak the model's matmuls reach (MFU before bubbles and communication).
     efficiency: float = 0.4
-    # Bandwidth per rank, GB/s, in each direction: within a node (NVLink 4: 450) and between
-    # nodes (one 400 Gb/s NIC per GPU: 50).
-    intra_node_gbps: float = 450.0
-    inter_node_gbps: float = 50.0
-    # Latency of one hop of a collective, microseconds (a ring of n ranks pays n - 1 of them).
-    latency_us: float = 10.0
+    # Bandwidth per rank, GB/s, in each direction: within a node and between nodes; null: the
+    # calibration's, else NVLink 4's 450 and one 400 Gb/s NIC per GPU's 50.
+    intra_node_gbps: Optional[float] = None
+    inter_node_gbps: Optional[float] = None
+    # Latency of one hop of a collective, microseconds (a ring of n ranks pays n - 1 of them);
+    # null: the calibration's, else 10.
+    latency_us: Optional[float] = None
     # Time one block's forward and backward cost beyond its FLOPs, microseconds per micro-step
     # (kernel launches, the framework's own work): what makes many small micro-batches slower
     # than a few large ones. null: 100 on GPUs, 1000 on the CPU.
     block_overhead_us: Optional[float] = None
     # A JSON file of measured constants (python -m sdnet_trainer.plan.calibrate): its figures
-    # replace the keys above.
+    # stand where the keys above are null.
     calibration: Optional[str] = None
     # Bounds on the degrees the planner tries (null: whatever the world and the model allow):
     # max_pp=1 keeps a model off pipeline stages, max_tp=8 tensor parallelism within a node.

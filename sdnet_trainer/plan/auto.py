@@ -1,7 +1,7 @@
 """``parallel=auto``: the layout chosen from the model, the world size, the memory and the links.
 
-    python -m sdnet_trainer --plan world_size=64 +recipe=llama3_8b parallel=auto \\
-        parallel.memory_per_rank_gib=80        # the table and the choice, nothing launched
+    python -m sdnet_trainer --plan world_size=64 +recipe=llama3_8b parallel.auto.device=cuda \\
+        parallel.memory_per_rank_gib=80 parallel.auto.peak_tflops=989   # the table, no launch
     torchrun --nproc_per_node=8 -m sdnet_trainer +recipe=llama3_8b parallel=auto
 
 1. Enumerate what the model allows on ``world_size`` ranks: DDP, ZeRO-1, FSDP and HSDP (a shard
@@ -41,6 +41,7 @@ from sdnet_trainer.config.checks import check_choice, check_positive
 from sdnet_trainer.data import is_language_model_data, resolve_num_classes
 from sdnet_trainer.distributed.env import DistEnv
 from sdnet_trainer.distributed.parallelize import STRATEGIES
+from sdnet_trainer.distributed.pipeline import PIPELINE_SCHEDULES
 from sdnet_trainer.errors import ConfigError
 from sdnet_trainer.models.registry import model_family
 from sdnet_trainer.plan.dry_run import RankPlan, plan_rank
@@ -54,9 +55,10 @@ from sdnet_trainer.training.fits import in_units
 logger = logging.getLogger(__name__)
 
 INTERLEAVED = "Interleaved1F1B"
-# Layouts the validator may refuse before the plan gives up with the commonest refusal (what the
-# model's own validator refuses is left out before: see _model_allows).
-_MAX_REFUSALS = 64
+# A kind of layout (strategy, replicas, tensor and pipeline parallelism, checkpointing) the
+# validator refused this often is refused for the rest of the plan: some settings rule a kind out
+# whatever its numbers (fp16 outside plain DDP, a DDP comm hook, sync_batchnorm).
+_REFUSALS_PER_KIND = 3
 
 
 @dataclass
@@ -87,8 +89,14 @@ def resolve_auto(
     recorded = recorded_layout(cfg, checkpoint_dir, world_size)
     if recorded is not None:
         layout, source = recorded
-        logger.info("parallel=auto: %s, the layout of %s", layout.describe(), source)
-        return with_layout(cfg, layout)
+        resumed = with_layout(cfg, layout)
+        try:
+            validate(resumed, world_size=world_size)
+        except ConfigError as err:
+            logger.warning("parallel=auto: the layout of %s is refused (%s): planning", source, err)
+        else:
+            logger.info("parallel=auto: %s, the layout of %s", layout.describe(), source)
+            return resumed
     plan = plan_layout(cfg, world_size, hardware(cfg, device))
     logger.info("%s", table(plan, cfg))
     return with_layout(cfg, plan.chosen.layout)
@@ -100,16 +108,11 @@ def check_auto_keys(cfg: Config) -> None:
     check_positive(
         "parallel.memory_per_rank_gib", cfg.parallel.memory_per_rank_gib, allow_none=True
     )
-    for key in ("peak_tflops", "block_overhead_us", "ranks_per_node", "max_tp", "max_pp"):
+    optional = ("peak_tflops", "block_overhead_us", "ranks_per_node", "max_tp", "max_pp")
+    links = ("intra_node_gbps", "inter_node_gbps", "latency_us")
+    for key in (*optional, *links):
         check_positive(f"parallel.auto.{key}", getattr(auto, key), allow_none=True)
-    for key in (
-        "memory_fraction",
-        "efficiency",
-        "intra_node_gbps",
-        "inter_node_gbps",
-        "latency_us",
-        "show",
-    ):
+    for key in ("memory_fraction", "efficiency", "show"):
         check_positive(f"parallel.auto.{key}", getattr(auto, key))
     check_choice("parallel.auto.device", auto.device, ("auto", "cpu", "cuda"))
     for key in ("memory_fraction", "efficiency"):
@@ -121,6 +124,9 @@ def plan_layout(cfg: Config, world_size: int, hw: Hardware) -> Plan:
     """The plan of ``cfg``'s model on ``world_size`` ranks with ``hw``; a ConfigError saying what
     would fit when nothing does."""
     _resolve_classes(cfg)
+    family = model_family(cfg.model.name)
+    if family is not None and family.validate is not None:
+        family.validate(cfg, tp=1, pp=1)  # what is wrong whatever the layout, said as such
     stats = model_stats(cfg)
     estimates = _estimates(cfg, stats, world_size, hw)
     fitting = sorted(
@@ -128,9 +134,13 @@ def plan_layout(cfg: Config, world_size: int, hw: Hardware) -> Plan:
         key=lambda e: (round(e.step_seconds, 9), e.total_bytes, _complexity(e.layout)),
     )
     plan = Plan(world_size, hw, considered=len(estimates), fitting=len(fitting), shown=[])
+    refusals: dict[tuple[object, ...], int] = {}
     for candidate in fitting:
-        if len(plan.shown) >= max(cfg.parallel.auto.show, 1) or len(plan.refused) >= _MAX_REFUSALS:
+        if len(plan.shown) >= cfg.parallel.auto.show:
             break
+        kind = _kind(candidate.layout)
+        if refusals.get(kind, 0) >= _REFUSALS_PER_KIND:
+            continue
         resolved = with_layout(cfg, candidate.layout)
         try:
             validate(resolved, world_size=world_size)
@@ -138,11 +148,23 @@ def plan_layout(cfg: Config, world_size: int, hw: Hardware) -> Plan:
                 plan.checked = _dry_run(resolved, candidate, world_size, hw)
         except ConfigError as err:
             plan.refused.append((candidate.layout, str(err)))
+            refusals[kind] = refusals.get(kind, 0) + 1
             continue
         plan.shown.append(candidate)
     if not plan.shown:
         raise ConfigError(_nothing_fits(cfg, stats, estimates, world_size, hw, plan.refused))
     return plan
+
+
+def _kind(layout: Layout) -> tuple[object, ...]:
+    return (
+        layout.strategy,
+        layout.dp_replicate > 1,
+        layout.tp > 1,
+        layout.pp > 1,
+        layout.schedule if layout.pp > 1 else "",
+        layout.checkpointing,
+    )
 
 
 def _resolve_classes(cfg: Config) -> None:
@@ -156,20 +178,23 @@ def _resolve_classes(cfg: Config) -> None:
 def _estimates(cfg: Config, stats: ModelStats, world_size: int, hw: Hardware) -> list[Estimate]:
     scratch = copy.deepcopy(cfg)
     out = []
-    allows = functools.partial(_degrees_allowed, cfg)
+    allows = functools.partial(_degrees_allowed, cfg, stats)
     for layout in candidates(stats, world_size, cfg.loop.global_batch_size, allows):
         _set_layout(scratch, layout)
         out.append(estimate(scratch, stats, layout, hw))
     return out
 
 
-def _degrees_allowed(cfg: Config, tp: int, pp: int) -> bool:
-    """Whether ``parallel.auto.max_tp`` / ``max_pp`` and the model's own validator take these
-    degrees (whole attention heads per tensor-parallel rank, blocks enough for the stages)."""
+def _degrees_allowed(cfg: Config, stats: ModelStats, tp: int, pp: int) -> bool:
+    """Whether ``parallel.auto.max_tp`` / ``max_pp``, the model's tensor-parallel plan (if any)
+    and its own validator take these degrees (whole attention heads per tensor-parallel rank,
+    blocks enough for the stages)."""
     auto = cfg.parallel.auto
     if (auto.max_tp is not None and tp > auto.max_tp) or (
         auto.max_pp is not None and pp > auto.max_pp
     ):
+        return False
+    if tp > 1 and not stats.tensor_parallel:
         return False
     family = model_family(cfg.model.name)
     if family is None or family.validate is None:
@@ -275,7 +300,8 @@ def _set_layout(cfg: Config, layout: Layout) -> None:
 
 
 def layout_overrides(layout: Layout) -> list[str]:
-    """The command-line keys that launch ``layout`` without the planner."""
+    """The command-line keys that launch ``layout`` without the planner: what ``_set_layout``
+    sets, key by key."""
     keys = [
         f"parallel={layout.strategy}",
         f"parallel.dp_replicate={layout.dp_replicate}",
@@ -283,25 +309,36 @@ def layout_overrides(layout: Layout) -> list[str]:
         f"parallel.tp={layout.tp}",
         f"parallel.pp={layout.pp}",
     ]
+    if layout.tp == 1:
+        keys += [
+            "parallel.tensor_parallel.loss_parallel=false",
+            "parallel.tensor_parallel.sequence_parallel=false",
+        ]
     if layout.pp > 1:
         keys += [
             f"parallel.pipeline.schedule={layout.schedule}",
             f"parallel.pipeline.stages_per_rank={layout.stages_per_rank}",
             f"parallel.pipeline.microbatches={layout.micro_steps}",
+            "parallel.pipeline.split_points=[]",
         ]
     keys.append(f"model.activation_checkpointing={str(layout.checkpointing).lower()}")
     keys.append(f"loop.grad_accum_steps={1 if layout.pp > 1 else layout.micro_steps}")
+    keys.append("loop.micro_batch_size=null")
     return keys
 
 
 def _dry_run(cfg: Config, candidate: Estimate, world_size: int, hw: Hardware) -> list[RankPlan]:
     """The dry run of the first and last pipeline stage's first rank; a ConfigError if what it
-    counts (and FSDP's gathered blocks, which it does not) exceeds the memory."""
+    counts, with what it does not, exceeds the memory."""
     stride = world_size // candidate.layout.pp
     ranks = sorted({0, (candidate.layout.pp - 1) * stride})
     plans = [plan_rank(cfg, rank, world_size) for rank in ranks]
+    # What the dry run does not count, from the estimate: FSDP's gathered parameters, DDP's
+    # buckets, gradients left unsharded until the last micro-step.
+    unseen = candidate.bytes["gathered"] + candidate.bytes["buckets"]
     for p in plans:
-        counted = p.params + p.grads + p.optim + p.activations + candidate.bytes["gathered"]
+        grads = max(p.grads, candidate.bytes["grads"])
+        counted = p.params + grads + p.optim + p.activations + unseen
         if counted > hw.memory:
             raise ConfigError(
                 f"the dry run of {candidate.layout.describe()} counts {in_units(counted)} on rank "
@@ -331,8 +368,8 @@ def _nothing_fits(
         reasons = [reason for _, reason in refused]
         commonest = max(set(reasons), key=reasons.count)
         return (
-            f"{head}: the validator refused the {len(refused)} fastest layouts that fit; "
-            f"{reasons.count(commonest)} of them: {commonest}"
+            f"{head}: the validator refused every layout that fits ({len(refused)} tried; "
+            f"{reasons.count(commonest)} of them: {commonest})"
         )
     leanest = min(estimates, key=lambda e: e.total_bytes)
     parts = ", ".join(f"{k} {in_units(v)}" for k, v in leanest.bytes.items() if v)
@@ -349,7 +386,7 @@ def _nothing_fits(
             ways.append(f"{more} ranks")
             break
     state = leanest.total_bytes - leanest.bytes["activations"]
-    if state < hw.memory and leanest.bytes["activations"]:
+    if state < hw.memory and leanest.bytes["activations"] and is_language_model_data(cfg.data):
         room = (hw.memory - state) / leanest.bytes["activations"]
         seq_len = 2 ** int(math.log2(max(room * cfg.data.seq_len, 1)))
         if seq_len < cfg.data.seq_len:
@@ -364,58 +401,59 @@ def recorded_layout(
     cfg: Config, checkpoint_dir: Path | None, world_size: int
 ) -> tuple[Layout, str] | None:
     """The layout of the checkpoint a resume would load, if it was written by ``world_size``
-    ranks (a resume on another world size plans again). The manifest is untrusted: a layout it
-    cannot give whole is no layout, and the resume itself reports the checkpoint's faults."""
+    ranks with explicit degrees (a ``parallel=auto`` run's; a resume on another world size plans
+    again). The manifest is untrusted: a layout it cannot give whole is no layout, and the resume
+    itself reports the checkpoint's faults."""
     resume = cfg.checkpoint.resume
     if resume == "none" or checkpoint_dir is None:
         return None
-    paths = (
-        [Path(resume)]
-        if resume != "auto"
-        else [p for _, p in sorted(step_dirs(checkpoint_dir), reverse=True)]
-    )
+    if resume == "auto":
+        paths = [p for _, p in sorted(step_dirs(checkpoint_dir), reverse=True)]
+    else:
+        paths = [Path(resume).expanduser()]
     for path in paths:
         try:
             checkpoint = read_checkpoint(path)
-        except CheckpointError:
+        except (CheckpointError, RecursionError):  # RecursionError: a manifest nested too deep
             continue
         if checkpoint.world_size != world_size:
             return None
-        layout = _layout_of(checkpoint.meta)
+        layout = _layout_of(checkpoint.meta, world_size)
         return (layout, f"checkpoint {path}") if layout is not None else None
     return None
 
 
-def _layout_of(meta: Any) -> Layout | None:
+def _layout_of(meta: Any, world_size: int) -> Layout | None:
     try:
         config = meta["config"]
         parallel, pipeline = config["parallel"], config["parallel"]["pipeline"]
-        degrees = [parallel[k] for k in ("dp_replicate", "dp_shard", "tp", "pp")]
-        accum = config["loop"]["grad_accum_steps"]
-        steps = pipeline["microbatches"] if degrees[3] > 1 else accum
-        numbers = [*degrees, steps, pipeline["stages_per_rank"]]
+        replicate, shard, tp, pp = (parallel[k] for k in ("dp_replicate", "dp_shard", "tp", "pp"))
+        steps = pipeline["microbatches"] if pp > 1 else config["loop"]["grad_accum_steps"]
+        numbers = [replicate, shard, tp, pp, steps, pipeline["stages_per_rank"]]
+        numbers.append(meta["global_batch_size"])
         if not all(type(n) is int and n >= 1 for n in numbers):
             return None
-        if parallel["strategy"] not in STRATEGIES or not isinstance(pipeline["schedule"], str):
+        if replicate * shard * tp * pp != world_size:
+            return None
+        strategy, schedule = parallel["strategy"], pipeline["schedule"]
+        if strategy not in STRATEGIES or schedule not in PIPELINE_SCHEDULES:
             return None
         checkpointing = config["model"]["activation_checkpointing"]
         if not isinstance(checkpointing, bool):
             return None
-        batch = meta["global_batch_size"] // (degrees[0] * degrees[1])
-        replicate, shard, tp, pp = degrees
         return Layout(
-            parallel["strategy"],
+            strategy,
             replicate,
             shard,
             tp,
             pp,
             checkpointing=checkpointing,
-            micro_batch=max(batch // steps, 1),
+            micro_batch=max(meta["global_batch_size"] // (replicate * shard) // steps, 1),
             micro_steps=steps,
-            schedule=pipeline["schedule"],
+            schedule=schedule,
             stages_per_rank=pipeline["stages_per_rank"],
         )
-    except (KeyError, TypeError, ZeroDivisionError):
+    except (KeyError, TypeError, ValueError, ArithmeticError):
         return None
 
 

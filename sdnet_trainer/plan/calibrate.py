@@ -10,8 +10,8 @@
 - ``block_overhead_us``: what one block's forward and backward cost beyond their FLOPs, from the
   same model at two batch sizes (a straight line through the times: its slope is the FLOPs'
   cost, its intercept the fixed cost);
-- under torchrun, ``intra_node_gbps`` and ``latency_us`` of the launch's ranks, which must share
-  one node: an all-reduce's bus bandwidth (``2 (n - 1) / n x bytes / seconds``), and a one-element
+- under torchrun on one node, ``intra_node_gbps`` and ``latency_us`` of its ranks: an
+  all-reduce's bus bandwidth (``2 (n - 1) / n x bytes / seconds``), and a one-element
   all-reduce's time over its ``2 (n - 1)`` hops. Between nodes nothing is measured: set
   ``parallel.auto.inter_node_gbps``.
 
@@ -35,6 +35,7 @@ import torch.distributed as dist
 from sdnet_trainer.config import compose
 from sdnet_trainer.config.schema import DistConfig
 from sdnet_trainer.distributed import distributed_session
+from sdnet_trainer.distributed.env import local_world_size_from_env
 from sdnet_trainer.distributed.ops import all_gather_objects
 from sdnet_trainer.lazy import freeze_imports
 from sdnet_trainer.models import build_model
@@ -43,6 +44,7 @@ from sdnet_trainer.observability.flops import count_flops
 # The model measured: the GPT of configs/model/gpt_small.yaml's width, long enough sequences
 # that its matmuls are the ones training runs; larger on a GPU.
 _SHAPES = {"cpu": (256, 4, 128), "cuda": (2048, 8, 1024)}  # width, blocks, sequence
+_HEAD_DIM = 128  # heads of a size the fused attention kernels take
 _BATCHES = {"cpu": (2, 8), "cuda": (2, 8)}
 _ROUNDS = 5
 
@@ -59,7 +61,10 @@ def main(argv: list[str] | None = None) -> int:
         }
         record.update(_compute(device))
         if env.world_size > 1:
-            record.update(_links(device, env.world_size))
+            if local_world_size_from_env() == env.world_size:  # one node: its own links
+                record.update(_links(device, env.world_size))
+            elif env.is_main:
+                print("several nodes: links not measured (set parallel.auto.*_gbps)")
             record["flops"] = min(all_gather_objects(record["flops"]))  # a step waits for it
         if env.is_main:
             out.write_text(json.dumps(record, indent=1) + "\n")
@@ -92,6 +97,7 @@ def _compute(device: torch.device) -> dict[str, float]:
             f"model.gpt.dim={width}",
             f"model.gpt.n_layers={blocks}",
             f"model.gpt.seq_len={seq}",
+            f"model.gpt.n_heads={max(1, width // _HEAD_DIM)}",
         ]
     )
     model = build_model(cfg.model).to(device)
@@ -107,7 +113,9 @@ def _compute(device: torch.device) -> dict[str, float]:
         flops = count_flops(step)
         points.append((flops, _median_seconds(step, device)))
     (f1, t1), (f2, t2) = points
-    rate = (f2 - f1) / max(t2 - t1, 1e-9)  # the slope: FLOPs' cost
+    if t2 <= t1:  # timing noise larger than 4x the work: no slope to read, the plain rate
+        return {"flops": f2 / t2, "block_overhead_us": 1.0}
+    rate = (f2 - f1) / (t2 - t1)  # the slope: FLOPs' cost
     fixed = max(t1 - f1 / rate, 0.0)  # the intercept: what a micro-step costs beyond them
     return {"flops": rate, "block_overhead_us": max(fixed / blocks * 1e6, 1.0)}
 

@@ -174,7 +174,8 @@ def _data_parallel_collectives(
     cfg: Config, roots: list[nn.Module], blocks: set[int], dims: ParallelDims
 ) -> list[Collective]:
     """FSDP: per unit an all-gather of its parameters in forward (again in backward when it
-    reshards) and a reduce-scatter of its gradients, every micro-step. Replicated parameters
+    reshards) and a reduce-scatter of its gradients, every micro-step (with
+    ``parallel.fsdp.grad_sync=last_microstep``: once per step). Replicated parameters
     (DDP, ZeRO-1): one all-reduce of the gradients per step (ZeRO-1: then a broadcast of the
     updated parameters)."""
     if dims.dp == 1:
@@ -209,11 +210,12 @@ def _data_parallel_collectives(
                         full * dtype_bytes(param_dtype),
                     )
                 )
+                reductions = micro if fsdp.grad_sync == "every_microstep" else 1
                 out.append(
                     Collective(
                         f"reduce_scatter ({name})",
                         "dp_shard",
-                        1,
+                        reductions,
                         full * dtype_bytes(fsdp.reduce_dtype),
                     )
                 )

@@ -1,10 +1,11 @@
 """One layout's bytes per rank and step time, from the model's stats and the machines' figures.
 
 Bytes follow the dry run's counting (``plan/dry_run.py``), divided per layout instead of built:
-the parameters, gradients and optimizer state of the heaviest pipeline stage's shard, FSDP's two
-gathered blocks (the one computing and the one prefetched), and the activations the stage keeps
-(the saved bytes of one forward, by micro-batch, scaled to the stage, split by tensor
-parallelism, times the micro-batches in flight).
+the parameters, gradients and optimizer state of the heaviest pipeline stage's shard, and the
+activations the stage keeps (the saved bytes of one forward, by micro-batch, scaled to the stage,
+split by tensor parallelism, times the micro-batches in flight); and what the dry run does not
+count: FSDP's unsharded parameters at their peak (``_gathered``), DDP's gradient buckets, and
+the unsharded gradients ``parallel.fsdp.grad_sync=last_microstep`` accumulates.
 
 The step time adds:
 
@@ -158,31 +159,64 @@ def _stage_bytes(cfg: Config, stats: ModelStats, layout: Layout, stage: int) -> 
     elements = _stage_elements(stats, layout, stage)
     share = elements / max(stats.params, 1)
     unsplit = stats.unsplit * share
-    local = (elements - unsplit) / layout.tp + unsplit  # tensor parallelism keeps 1-D whole
-    if layout.strategy == "fsdp":
-        local /= layout.dp_shard
+    whole = (elements - unsplit) / layout.tp + unsplit  # tensor parallelism keeps 1-D whole
+    fsdp = layout.strategy == "fsdp"
+    local = whole / layout.dp_shard if fsdp else whole
     optim = local * stats.optim_per_param
     if layout.strategy == "zero1":
         optim /= layout.dp
-    gathered = 0
-    if layout.strategy == "fsdp" and layout.dp_shard > 1 and stats.blocks:
-        param_dtype = cfg.parallel.fsdp.param_dtype
-        width = dtype_bytes(gpu_dtype(cfg) if param_dtype == "auto" else param_dtype)
-        gathered = 2 * max(stats.blocks) // layout.tp * width
+    grads = local
+    if fsdp and layout.micro_steps > 1 and cfg.parallel.fsdp.grad_sync == "last_microstep":
+        grads = whole  # unsharded, accumulated until the last micro-step reduces them
     saved = stats.checkpointed if layout.checkpointing else stats.activations
     assert saved is not None  # no checkpointing candidates without blocks (plan/auto.py)
-    in_flight = 1
-    if layout.pp > 1:  # GPipe runs every forward before any backward; 1F1B keeps pp - stage
-        gpipe = layout.schedule == "GPipe"
-        in_flight = layout.micro_steps if gpipe else min(layout.micro_steps, layout.pp - stage)
-    activations = saved.at(layout.micro_batch) * share / layout.tp * in_flight
+    in_flight = _in_flight(layout, stage)
     return {
         "params": int(local * stats.bytes_per_param),
-        "grads": int(local * stats.bytes_per_param),
+        "grads": int(grads * stats.bytes_per_param),
         "optim": int(optim),
-        "gathered": int(gathered),
-        "activations": int(activations),
+        "gathered": _gathered(cfg, stats, layout, elements),
+        # DDP's gradient buckets: a second copy of the gradients unless they are views of them.
+        "buckets": int(whole * stats.bytes_per_param)
+        if layout.strategy != "fsdp"
+        and layout.dp > 1
+        and layout.pp == 1
+        and not cfg.parallel.ddp.gradient_as_bucket_view
+        else 0,
+        "activations": int(saved.at(layout.micro_batch) * share / layout.tp * in_flight),
     }
+
+
+def _gathered(cfg: Config, stats: ModelStats, layout: Layout, elements: int) -> int:
+    """FSDP's unsharded parameters at their peak: the root's (embeddings, output layer: kept
+    from forward to backward), and two blocks (the one computing, the one prefetched) or, with
+    ``reshard_after_forward=false``, every block of the stage."""
+    if layout.strategy != "fsdp" or layout.dp_shard == 1:
+        return 0
+    fsdp = cfg.parallel.fsdp
+    width = dtype_bytes(gpu_dtype(cfg) if fsdp.param_dtype == "auto" else fsdp.param_dtype)
+    per_rank = -(-stats.n_blocks // layout.pp) if stats.blocks else 0
+    blocks = sum(stats.blocks[:per_rank])
+    root = elements - blocks
+    if stats.blocks and fsdp.reshard_after_forward:
+        blocks = 2 * max(stats.blocks)
+    return int((root + blocks) / layout.tp * width)
+
+
+def _in_flight(layout: Layout, stage: int) -> float:
+    """Micro-batches whose activations a stage holds at once: GPipe all of them (every forward
+    before any backward); 1F1B those still to come back, ``pp - stage``; interleaved 1F1B its
+    warm-up, ``(v - 1) x m_round + 2 (pp - 1 - stage) + 1`` chunks of ``1 / v`` of the rank's
+    activations each (torch's schedule, ``m_round`` the micro-batches of one round)."""
+    if layout.pp == 1:
+        return 1.0
+    m, pp, v = layout.micro_steps, layout.pp, layout.stages_per_rank
+    if layout.schedule == "GPipe":
+        return float(m)
+    if v == 1:
+        return float(min(m, pp - stage))
+    per_round = m // max(1, m // pp)
+    return min(m * v, (v - 1) * per_round + 2 * (pp - 1 - stage) + 1) / v
 
 
 def _step_seconds(cfg: Config, stats: ModelStats, layout: Layout, hw: Hardware) -> dict[str, float]:

@@ -32,6 +32,9 @@ CPU_FLOPS = 5e10
 # Seconds a block's forward and backward take beyond their FLOPs, per micro-step, where neither
 # parallel.auto.block_overhead_us nor a calibration says.
 BLOCK_OVERHEAD = {"cuda": 100e-6, "cpu": 1e-3}
+# Links where neither a key nor a calibration says: NVLink 4 (900 GB/s both ways), one
+# 400 Gb/s NIC per GPU, 10 us per hop of a ring.
+LINK_DEFAULTS = {"intra_node_gbps": 450.0, "inter_node_gbps": 50.0, "latency_us": 10.0}
 # --plan without a launch: a node of 8 GPUs.
 DEFAULT_RANKS_PER_NODE = 8
 # The fields a calibration file may hold, and the keys of parallel.auto they stand for.
@@ -56,8 +59,10 @@ def hardware(cfg: Config, device: torch.device, *, ranks_per_node: int | None = 
     shared = auto.shared_cores
     if shared is None:
         shared = target == "cpu" and node > _cores()
-    intra = calibration.get("intra_node_gbps", auto.intra_node_gbps)
-    inter = calibration.get("inter_node_gbps", auto.inter_node_gbps)
+    intra, inter, latency = (
+        _figure(cfg, key, calibration)
+        for key in ("intra_node_gbps", "inter_node_gbps", "latency_us")
+    )
     return Hardware(
         memory=int(memory * auto.memory_fraction),
         memory_source=f"{auto.memory_fraction:g} x {memory / GIB:.3g} GiB ({memory_source})",
@@ -65,7 +70,7 @@ def hardware(cfg: Config, device: torch.device, *, ranks_per_node: int | None = 
         flops_source=flops_source,
         intra=intra * 1e9,
         inter=inter * 1e9,
-        latency=calibration.get("latency_us", auto.latency_us) * 1e-6,
+        latency=latency * 1e-6,
         block_overhead=_block_overhead(cfg, target, calibration),
         ranks_per_node=node,
         time_shared=shared,
@@ -73,11 +78,18 @@ def hardware(cfg: Config, device: torch.device, *, ranks_per_node: int | None = 
 
 
 def _cores() -> int:
-    """The processors this process may run on (its affinity, as torch's threads see them)."""
-    try:
-        return len(os.sched_getaffinity(0))
-    except AttributeError:  # not Linux
-        return os.cpu_count() or 1
+    """The node's processors (not this rank's affinity: a launcher that pins each rank to a few
+    cores gives them the node's cores between them)."""
+    return os.cpu_count() or 1
+
+
+def _figure(cfg: Config, key: str, calibration: dict[str, float]) -> float:
+    """``parallel.auto.KEY`` where set, else the calibration's, else the default (nodes of 8
+    H100/H200 SXM GPUs)."""
+    given = getattr(cfg.parallel.auto, key)
+    if given is not None:
+        return float(given)
+    return calibration.get(key, LINK_DEFAULTS[key])
 
 
 def _block_overhead(cfg: Config, target: str, calibration: dict[str, float]) -> float:
@@ -151,7 +163,7 @@ def read_calibration(path: str) -> dict[str, float]:
     """A calibration file, read as untrusted input: known fields, positive finite numbers."""
     try:
         data: Any = json.loads(Path(path).read_text())
-    except (OSError, ValueError) as err:
+    except (OSError, ValueError, RecursionError) as err:
         raise ConfigError(f"parallel.auto.calibration={path}: cannot read it ({err})") from None
     if not isinstance(data, dict):
         raise ConfigError(f"parallel.auto.calibration={path}: expected a JSON object")
@@ -159,14 +171,19 @@ def read_calibration(path: str) -> dict[str, float]:
     for name, value in data.items():
         if name not in CALIBRATION_FIELDS:
             continue  # what the calibration records besides (the device, its commands)
-        if not isinstance(value, (int, float)) or isinstance(value, bool) or not value > 0:
+        number = None
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            try:
+                number = float(value)
+            except OverflowError:  # an integer past any float
+                number = None
+        if number is None or not math.isfinite(number) or number <= 0:
             raise ConfigError(
-                f"parallel.auto.calibration={path}: {name} must be a positive number, not {value!r}"
+                f"parallel.auto.calibration={path}: {name} must be a positive finite number, "
+                f"not {str(value)[:40]!r}"
             )
-        if not math.isfinite(value):
-            raise ConfigError(f"parallel.auto.calibration={path}: {name} is not finite")
-        out[name] = float(value)
+        out[name] = number
     return out
 
 
-__all__ = ["CALIBRATION_FIELDS", "CPU_FLOPS", "hardware", "read_calibration"]
+__all__ = ["CALIBRATION_FIELDS", "CPU_FLOPS", "LINK_DEFAULTS", "hardware", "read_calibration"]

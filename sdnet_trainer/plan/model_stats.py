@@ -21,7 +21,7 @@ from sdnet_trainer.config import Config
 from sdnet_trainer.data import is_language_model_data
 from sdnet_trainer.distributed.env import DistEnv
 from sdnet_trainer.distributed.parallelize import checkpoint_block
-from sdnet_trainer.models.parallel_spec import parallel_blocks
+from sdnet_trainer.models.parallel_spec import parallel_blocks, supports_tensor_parallel
 from sdnet_trainer.models.registry import decoder_sizes
 from sdnet_trainer.observability.flops import count_flops
 from sdnet_trainer.training.classes import resolve_trainer_class
@@ -55,6 +55,7 @@ class ModelStats:
     train_flops: float  # forward + backward of one sample
     forward_flops: float  # forward of one sample (what checkpointing recomputes)
     width: int | None  # a decoder's hidden size (the tensor- and pipeline-parallel stream)
+    tensor_parallel: bool  # whether the model has a tensor-parallel plan
 
     @property
     def n_blocks(self) -> int:
@@ -116,6 +117,7 @@ def _measure(cfg: Config) -> ModelStats:
         train_flops=train,
         forward_flops=forward,
         width=sizes[0] if sizes is not None else None,
+        tensor_parallel=supports_tensor_parallel(model),
     )
 
 

@@ -12,11 +12,13 @@ from pathlib import Path
 import pytest
 import torch
 
+from sdnet_trainer.cli import _layout_keys
 from sdnet_trainer.config import compose
 from sdnet_trainer.errors import ConfigError
 from sdnet_trainer.plan import auto
-from sdnet_trainer.plan.auto import plan_layout, resolve_auto, table
+from sdnet_trainer.plan.auto import layout_overrides, plan_layout, resolve_auto, table, with_layout
 from sdnet_trainer.plan.hardware import hardware, read_calibration
+from sdnet_trainer.preflight import validate
 from sdnet_trainer.training.fits import GIB
 from tests.distributed.test_layouts import AUTO_FSDP, GPT
 from tests.support import main_in_process
@@ -56,6 +58,11 @@ def test_llama3_8b_follows_the_rules_users_know_at_8_64_and_1024_ranks():
         assert "chosen" in text and f"{world_size} ranks (8 per node)" in text
         assert text.count(" s ") >= 1 or "more per rank" in text  # each loser's reason
         assert "as keys: parallel=fsdp" in text
+        # The keys the table prints launch the same layout without the planner (the recipe's
+        # tensor-parallel options are turned off where the choice has none).
+        keys = compose(["+recipe=llama3_8b", *layout_overrides(layout)])
+        validate(keys, world_size=world_size)
+        assert _layout_keys(keys) == _layout_keys(with_layout(cfg, layout))
     eight, sixty_four, thousand = chosen[8], chosen[64], chosen[1024]
     assert (eight.strategy, eight.dp_shard, eight.tp, eight.pp) == ("fsdp", 8, 1, 1)
     assert sixty_four.strategy == "fsdp" and sixty_four.pp == 1
@@ -87,6 +94,11 @@ def test_fsdp_with_tensor_parallel_where_fsdp_alone_does_not_fit():
     assert (layout.strategy, layout.dp_shard, layout.tp, layout.pp) == ("fsdp", 2, 2, 1)
     assert all(e.layout.tp > 1 for e in plan.shown)
     assert "tensor-parallel communication" in table(plan, cfg)  # why TP 4 came second
+
+
+def test_a_model_without_a_tensor_parallel_plan_gets_no_tensor_parallel_layout():
+    cfg, plan = _plan(["model=simple_cnn", "data.image_size=16", "parallel=auto"], 4)
+    assert plan.shown and all(e.layout.tp == 1 for e in plan.shown)
 
 
 def test_nothing_fits_says_what_would():
@@ -166,6 +178,12 @@ def test_a_resume_keeps_its_checkpoints_layout_and_another_world_size_plans_agai
     meta["config"]["parallel"]["tp"] = "8; rm -rf"
     _write_checkpoint(tmp_path / "bad", 4, meta)
     assert auto.recorded_layout(cfg, tmp_path / "bad", 4) is None
+    for field, value in (("tp", 10**400), ("dp_replicate", 2)):  # past any float; 2 x 1 != 4
+        meta = run_meta(written, Trainer, 16, 4)
+        meta["config"]["parallel"][field] = value
+        meta["global_batch_size"] = 1.0
+        _write_checkpoint(tmp_path / f"lies_{field}", 4, meta)
+        assert auto.recorded_layout(cfg, tmp_path / f"lies_{field}", 4) is None
 
 
 def test_a_calibration_file_is_untrusted_input(tmp_path):
@@ -175,7 +193,11 @@ def test_a_calibration_file_is_untrusted_input(tmp_path):
     cfg = compose(GPT + AUTO_FSDP + [f"parallel.auto.calibration={path}"])
     hw = hardware(cfg, CPU)
     assert hw.flops == 2e13 and hw.intra == 300e9 and "measured" in hw.flops_source
-    for bad, field in (({"flops": -1}, "flops"), ({"latency_us": "1e-3"}, "latency_us")):
+    for bad, field in (
+        ({"flops": -1}, "flops"),
+        ({"latency_us": "1e-3"}, "latency_us"),
+        ({"flops": 10**400}, "flops"),  # an integer past any float
+    ):
         path.write_text(json.dumps(bad))
         with pytest.raises(ConfigError, match=f"parallel.auto.calibration=.*{field}"):
             read_calibration(str(path))
