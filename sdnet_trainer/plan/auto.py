@@ -281,50 +281,49 @@ def with_layout(cfg: Config, layout: Layout) -> Config:
     return out
 
 
-def _set_layout(cfg: Config, layout: Layout) -> None:
-    parallel = cfg.parallel
-    parallel.strategy = layout.strategy
-    parallel.dp_replicate, parallel.dp_shard = layout.dp_replicate, layout.dp_shard
-    parallel.tp, parallel.pp = layout.tp, layout.pp
+def _layout_values(layout: Layout) -> dict[str, Any]:
+    """The config keys ``layout`` sets, and their values: what ``_set_layout`` writes and
+    ``layout_overrides`` prints, from this one list."""
+    values: dict[str, Any] = {
+        "parallel.strategy": layout.strategy,
+        "parallel.dp_replicate": layout.dp_replicate,
+        "parallel.dp_shard": layout.dp_shard,
+        "parallel.tp": layout.tp,
+        "parallel.pp": layout.pp,
+    }
     if layout.tp == 1:  # the tensor-parallel options are the user's where tensor parallelism runs
-        parallel.tensor_parallel.loss_parallel = False
-        parallel.tensor_parallel.sequence_parallel = False
+        values["parallel.tensor_parallel.loss_parallel"] = False
+        values["parallel.tensor_parallel.sequence_parallel"] = False
     if layout.pp > 1:
-        parallel.pipeline.schedule = layout.schedule
-        parallel.pipeline.stages_per_rank = layout.stages_per_rank
-        parallel.pipeline.microbatches = layout.micro_steps
-        parallel.pipeline.split_points = []  # the even split: points given were for another
-    cfg.model.activation_checkpointing = layout.checkpointing
-    cfg.loop.grad_accum_steps = 1 if layout.pp > 1 else layout.micro_steps
-    cfg.loop.micro_batch_size = None
+        values["parallel.pipeline.schedule"] = layout.schedule
+        values["parallel.pipeline.stages_per_rank"] = layout.stages_per_rank
+        values["parallel.pipeline.microbatches"] = layout.micro_steps
+        # The even split: split points given were for another stage count.
+        values["parallel.pipeline.split_points"] = []
+    values["model.activation_checkpointing"] = layout.checkpointing
+    values["loop.grad_accum_steps"] = 1 if layout.pp > 1 else layout.micro_steps
+    values["loop.micro_batch_size"] = None
+    return values
+
+
+def _set_layout(cfg: Config, layout: Layout) -> None:
+    for key, value in _layout_values(layout).items():
+        *path, name = key.split(".")
+        setattr(functools.reduce(getattr, path, cfg), name, value)
 
 
 def layout_overrides(layout: Layout) -> list[str]:
-    """The command-line keys that launch ``layout`` without the planner: what ``_set_layout``
-    sets, key by key."""
-    keys = [
-        f"parallel={layout.strategy}",
-        f"parallel.dp_replicate={layout.dp_replicate}",
-        f"parallel.dp_shard={layout.dp_shard}",
-        f"parallel.tp={layout.tp}",
-        f"parallel.pp={layout.pp}",
-    ]
-    if layout.tp == 1:
-        keys += [
-            "parallel.tensor_parallel.loss_parallel=false",
-            "parallel.tensor_parallel.sequence_parallel=false",
-        ]
-    if layout.pp > 1:
-        keys += [
-            f"parallel.pipeline.schedule={layout.schedule}",
-            f"parallel.pipeline.stages_per_rank={layout.stages_per_rank}",
-            f"parallel.pipeline.microbatches={layout.micro_steps}",
-            "parallel.pipeline.split_points=[]",
-        ]
-    keys.append(f"model.activation_checkpointing={str(layout.checkpointing).lower()}")
-    keys.append(f"loop.grad_accum_steps={1 if layout.pp > 1 else layout.micro_steps}")
-    keys.append("loop.micro_batch_size=null")
-    return keys
+    """The command-line keys that launch ``layout`` without the planner (the strategy as its
+    ``parallel=`` group)."""
+    return [_override(key, value) for key, value in _layout_values(layout).items()]
+
+
+def _override(key: str, value: Any) -> str:
+    if key == "parallel.strategy":
+        return f"parallel={value}"
+    if isinstance(value, bool):
+        return f"{key}={str(value).lower()}"
+    return f"{key}={'null' if value is None else value}"
 
 
 def _dry_run(cfg: Config, candidate: Estimate, world_size: int, hw: Hardware) -> list[RankPlan]:

@@ -166,6 +166,13 @@ def gpu_dtype(cfg: Config) -> str:
     return "bf16" if cfg.precision.dtype == "auto" else cfg.precision.dtype
 
 
+def fsdp_param_dtype(cfg: Config) -> str:
+    """The dtype FSDP gathers parameters in: ``parallel.fsdp.param_dtype``, ``auto`` following
+    the compute dtype."""
+    param_dtype = cfg.parallel.fsdp.param_dtype
+    return gpu_dtype(cfg) if param_dtype == "auto" else param_dtype
+
+
 def dtype_bytes(name: str) -> int:
     return torch.empty((), dtype=DTYPES[name]).element_size()
 
@@ -180,16 +187,12 @@ def _data_parallel_collectives(
     updated parameters)."""
     if dims.dp == 1:
         return []
-    micro = batch_layout(cfg, dims.pp * dims.dp * dims.tp).grad_accum_steps
-    if dims.pp > 1:
-        micro = cfg.parallel.pipeline.microbatches
+    micro = _micro_steps(cfg, dims)
     over = "dp_replicate x dp_shard" if dims.dp_replicate > 1 else "dp"
     units = {id(m): m for r in roots for m in r.modules() if isinstance(m, FSDPModule)}
     if units:
         fsdp = cfg.parallel.fsdp
-        param_dtype = fsdp.param_dtype
-        if param_dtype == "auto":
-            param_dtype = gpu_dtype(cfg)
+        param_dtype = fsdp_param_dtype(cfg)
         out = []
         for unit in units.values():
             # This rank's shard times the shard group: the unit's parameters as the group
@@ -251,6 +254,14 @@ def _owner(unit: nn.Module, param: nn.Parameter) -> bool:
     return True
 
 
+def _micro_steps(cfg: Config, dims: ParallelDims) -> int:
+    """Forwards and backwards a rank runs per optimizer step: the accumulation steps, or the
+    pipeline's micro-batches."""
+    if dims.pp > 1:
+        return cfg.parallel.pipeline.microbatches
+    return batch_layout(cfg, dims.pp * dims.dp * dims.tp).grad_accum_steps
+
+
 def _micro_batch(cfg: Config, dims: ParallelDims) -> int:
     size = batch_layout(cfg, dims.pp * dims.dp * dims.tp).micro_batch_size
     return max(1, size // cfg.parallel.pipeline.microbatches) if dims.pp > 1 else size
@@ -280,9 +291,7 @@ def model_parallel_collectives(cfg: Config, dims: ParallelDims, stage: int) -> l
     if sizes is None or (dims.tp == 1 and dims.pp == 1):
         return out
     dim, n_layers = sizes
-    micro = batch_layout(cfg, dims.pp * dims.dp * dims.tp).grad_accum_steps
-    if dims.pp > 1:
-        micro = cfg.parallel.pipeline.microbatches
+    micro = _micro_steps(cfg, dims)
     dtype = gpu_dtype(cfg)
     stream = _micro_batch(cfg, dims) * cfg.data.seq_len * dim * dtype_bytes(dtype)
     layers = math.ceil(n_layers / dims.pp)

@@ -37,7 +37,7 @@ from dataclasses import dataclass, field
 
 from sdnet_trainer.config import Config
 from sdnet_trainer.distributed.mesh import ParallelDims
-from sdnet_trainer.plan.dry_run import dtype_bytes, gpu_dtype, model_parallel_collectives
+from sdnet_trainer.plan.dry_run import dtype_bytes, fsdp_param_dtype, model_parallel_collectives
 from sdnet_trainer.plan.model_stats import ModelStats
 
 
@@ -149,10 +149,15 @@ def _stages(pp: int) -> tuple[int, ...]:
 def _stage_elements(stats: ModelStats, layout: Layout, stage: int) -> int:
     if layout.pp == 1:
         return stats.params
-    per_rank = -(-stats.n_blocks // layout.pp)  # as the even split by block count gives
+    per_rank = _blocks_per_rank(stats, layout)
     outside = (stats.head if stage == 0 else 0) + (stats.tail if stage == layout.pp - 1 else 0)
     blocks = stats.blocks[:per_rank] if stage == 0 else stats.blocks[-per_rank:]
     return outside + sum(blocks)
+
+
+def _blocks_per_rank(stats: ModelStats, layout: Layout) -> int:
+    """The blocks a pipeline rank holds, as the even split by block count gives them."""
+    return -(-stats.n_blocks // layout.pp)
 
 
 def _stage_bytes(cfg: Config, stats: ModelStats, layout: Layout, stage: int) -> dict[str, int]:
@@ -193,12 +198,10 @@ def _gathered(cfg: Config, stats: ModelStats, layout: Layout, elements: int) -> 
     ``reshard_after_forward=false``, every block of the stage."""
     if layout.strategy != "fsdp" or layout.dp_shard == 1:
         return 0
-    fsdp = cfg.parallel.fsdp
-    width = dtype_bytes(gpu_dtype(cfg) if fsdp.param_dtype == "auto" else fsdp.param_dtype)
-    per_rank = -(-stats.n_blocks // layout.pp) if stats.blocks else 0
-    blocks = sum(stats.blocks[:per_rank])
+    width = dtype_bytes(fsdp_param_dtype(cfg))
+    blocks = sum(stats.blocks[: _blocks_per_rank(stats, layout)])
     root = elements - blocks
-    if stats.blocks and fsdp.reshard_after_forward:
+    if stats.blocks and cfg.parallel.fsdp.reshard_after_forward:
         blocks = 2 * max(stats.blocks)
     return int((root + blocks) / layout.tp * width)
 
@@ -224,7 +227,7 @@ def _step_seconds(cfg: Config, stats: ModelStats, layout: Layout, hw: Hardware) 
     batch = cfg.loop.global_batch_size
     compute = batch * stats.train_flops / world / hw.flops
     recompute = batch * stats.forward_flops / world / hw.flops if layout.checkpointing else 0.0
-    blocks = -(-max(stats.n_blocks, 1) // layout.pp)
+    blocks = max(_blocks_per_rank(stats, layout), 1)  # a model without blocks: one unit
     overhead = (
         layout.micro_steps * blocks * hw.block_overhead * (4 / 3 if layout.checkpointing else 1)
     )
@@ -234,10 +237,9 @@ def _step_seconds(cfg: Config, stats: ModelStats, layout: Layout, hw: Hardware) 
         bubble /= layout.micro_steps * layout.stages_per_rank
     tp = pp = 0.0
     for c in model_parallel_collectives(cfg, layout.dims, stage=0):
-        group = layout.tp if c.over == "tp" else layout.pp
         if c.over == "tp":
             ring = 2 if c.kind.startswith("all_reduce") else 1
-            tp += c.count * ring * _ring(c.bytes_each, group, _bandwidth(layout, "tp", hw), hw)
+            tp += c.count * ring * _ring(c.bytes_each, layout.tp, _bandwidth(layout, "tp", hw), hw)
         else:  # a send: one hop over the pipeline's links
             pp += c.count * (c.bytes_each / _bandwidth(layout, "pp", hw) + hw.latency)
     return {
@@ -264,16 +266,16 @@ def _data_parallel_exposed(
     elements = _stage_elements(stats, layout, 0) / layout.tp
     micro_steps = layout.micro_steps
     window = busy / micro_steps * 2 / 3  # the last micro-step's backward
+    replicas_bw = _bandwidth(layout, "dp_replicate", hw)
     if layout.strategy != "fsdp":
-        grads = elements * stats.bytes_per_param
-        seconds = 2 * _ring(grads, layout.dp, _bandwidth(layout, "dp_replicate", hw), hw)
-        exposed = max(0.0, seconds - window)
+        gather = _ring(elements * stats.bytes_per_param, layout.dp, replicas_bw, hw)
+        exposed = max(0.0, 2 * gather - window)  # an all-reduce: a reduce-scatter and a gather
         if layout.strategy == "zero1":  # the updated parameters, after the optimizer step
-            exposed += _ring(grads, layout.dp, _bandwidth(layout, "dp_replicate", hw), hw)
+            exposed += gather
         return exposed
     fsdp = cfg.parallel.fsdp
-    param_dtype = gpu_dtype(cfg) if fsdp.param_dtype == "auto" else fsdp.param_dtype
-    units = max(1, stats.n_blocks // layout.pp + 1)  # a unit per block, and the root
+    param_dtype = fsdp_param_dtype(cfg)
+    units = _blocks_per_rank(stats, layout) + 1  # a unit per block, and the root
     shard_bw = _bandwidth(layout, "dp_shard", hw)
     gathers = (2 if fsdp.reshard_after_forward else 1) * micro_steps
     reductions = micro_steps if fsdp.grad_sync == "every_microstep" else 1
@@ -285,7 +287,7 @@ def _data_parallel_exposed(
     exposed = max(0.0, seconds - busy)
     if layout.dp_replicate > 1:  # HSDP: the shards' all-reduce across replicas, once per step
         shard = elements / n * dtype_bytes(fsdp.reduce_dtype)
-        across = 2 * _ring(shard, layout.dp_replicate, _bandwidth(layout, "dp_replicate", hw), hw)
+        across = 2 * _ring(shard, layout.dp_replicate, replicas_bw, hw)
         exposed += max(0.0, across - window)
     return exposed
 
