@@ -28,6 +28,7 @@ from omegaconf import DictConfig
 from omegaconf.errors import MissingMandatoryValue, OmegaConfBaseException
 
 from sdnet_trainer.checkpoint import CheckpointError
+from sdnet_trainer.checkpoint.files import folder_of
 from sdnet_trainer.config import CONFIG_MODULE, Config, to_config
 from sdnet_trainer.distributed import distributed_session, launched_world_size
 from sdnet_trainer.distributed.env import resolve_device
@@ -146,7 +147,10 @@ def _validated(cfg: DictConfig, output_dir: Path) -> Config:
         config = resolve_auto(
             config,
             world_size,
-            checkpoint_dir=Path(config.checkpoint.dir or output_dir / "checkpoints"),
+            checkpoint_dir=folder_of(
+                config.checkpoint.dir or output_dir / "checkpoints",
+                dict(config.checkpoint.storage_options),
+            ),
             device=resolve_device(config.dist, local_rank),
         )
     validate(config, world_size=world_size)

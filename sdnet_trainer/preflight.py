@@ -10,6 +10,7 @@ devices, and the bookkeeping options last.
 from __future__ import annotations
 
 from sdnet_trainer.checkpoint import validate_checkpoint
+from sdnet_trainer.checkpoint.objects import is_url
 from sdnet_trainer.config.paths import check_creatable_folder, is_local_path, local_path
 from sdnet_trainer.config.schema import Config
 from sdnet_trainer.data import validate_data
@@ -64,7 +65,7 @@ def _validate_paths(cfg: Config) -> None:
     reported with what it should hold; except a folder CIFAR-10 is to be downloaded into."""
     if cfg.data.name == "cifar10" and cfg.data.download and cfg.data.root is not None:
         check_creatable_folder("data.root", cfg.data.root)
-    if cfg.checkpoint.dir is not None:
+    if cfg.checkpoint.dir is not None and not is_url(cfg.checkpoint.dir):
         check_creatable_folder("checkpoint.dir", cfg.checkpoint.dir)
     if cfg.data.cache_dir is not None:  # the token cache of data=text / data=chat
         check_creatable_folder("data.cache_dir", cfg.data.cache_dir)

@@ -134,3 +134,40 @@ def no_worker_processes_left() -> Generator[None, None, None]:
     yield
     left = multiprocessing.active_children()
     assert not left, f"the test left worker processes running: {[p.name for p in left]}"
+
+
+@pytest.fixture(scope="session")
+def s3_endpoint() -> Generator[str, None, None]:
+    """One local S3 server per pytest worker (tests.support.s3_server), started by its first test
+    that asks for a bucket."""
+    pytest.importorskip("moto.server", reason="moto[server] (a test dependency) is not installed")
+    pytest.importorskip("s3fs", reason="s3fs (the s3 extra) is not installed")
+    from tests.support import s3_server
+
+    with s3_server() as endpoint:
+        yield endpoint
+
+
+@pytest.fixture
+def s3(s3_endpoint: str, monkeypatch: pytest.MonkeyPatch):
+    """A fresh bucket on the worker's S3 server (tests.support.S3Bucket). This process reaches it
+    through its environment (credentials, AWS_ENDPOINT_URL), as do the processes the test starts,
+    which inherit it."""
+    import s3fs
+
+    from tests.support import new_bucket
+
+    bucket = new_bucket(s3_endpoint)
+    for key, value in bucket.env.items():
+        monkeypatch.setenv(key, value)
+    s3fs.S3FileSystem.clear_instance_cache()  # none made before this environment
+    return bucket
+
+
+@pytest.fixture(scope="module")
+def s3_module(s3_endpoint: str):
+    """A bucket for a module's fixtures; this process's environment is left as it is: the
+    processes that use the bucket get ``.env``."""
+    from tests.support import new_bucket
+
+    return new_bucket(s3_endpoint)

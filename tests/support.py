@@ -343,6 +343,9 @@ class FaultTrainer(RecordingTrainer):
 
     - ``SDNET_TEST_KILL``: SIGKILL that rank right after that step, on torchrun's first attempt
       only;
+    - ``SDNET_TEST_KILL_IN_UPLOAD``: SIGKILL that rank in the middle of the save of that step,
+      once its own shard is written and before the save's last collective (under async_save, in
+      the background while the loop goes on), on torchrun's first attempt only;
     - ``SDNET_TEST_SIGTERM``: deliver SIGTERM to that rank during that step;
     - ``SDNET_TEST_NAN``: make that rank's loss NaN on that step;
     - ``SDNET_TEST_SLEEP``: that rank sleeps 600 s inside that step (a hang).
@@ -363,6 +366,24 @@ class FaultTrainer(RecordingTrainer):
     def __init__(self, *args, **kwargs) -> None:
         super().__init__(*args, **kwargs)
         self.seen: list[int] = []
+
+    def setup(self) -> None:
+        super().setup()
+        step = _fault("SDNET_TEST_KILL_IN_UPLOAD", self.env.rank)
+        if step is None or os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") != "0":
+            return
+        from sdnet_trainer.checkpoint.files import step_name
+
+        writer = self.checkpointer.manager._writer
+        write_data = writer.write_data
+
+        def killed_after_writing(plan, planner):
+            written = write_data(plan, planner)
+            if step_name(step) in str(writer.path):
+                os.kill(os.getpid(), signal.SIGKILL)
+            return written
+
+        writer.write_data = killed_after_writing
 
     def compute_loss(self, batch):
         inputs, targets, indices = batch
@@ -569,6 +590,69 @@ def checkpoint_names(directory: Path) -> set[str]:
     if not directory.is_dir():
         return set()
     return {path.name for path in directory.iterdir() if path.name.startswith("step_")}
+
+
+# ---------------------------------------------------------------------- object storage
+
+# What a process needs to reach the local S3 server (with AWS_ENDPOINT_URL): moto accepts any
+# credentials; the SDK needs some.
+S3_CREDENTIALS = {
+    "AWS_ACCESS_KEY_ID": "testing-key-id",
+    "AWS_SECRET_ACCESS_KEY": "testing-secret-key",
+    "AWS_DEFAULT_REGION": "us-east-1",
+}
+
+
+@dataclass(frozen=True)
+class S3Bucket:
+    """A fresh bucket on the local S3 server (``url``: ``s3://NAME``); ``env`` reaches it from any
+    process (credentials and AWS_ENDPOINT_URL, as a user's environment would), ``fs`` from this
+    one (s3fs, as a run does)."""
+
+    url: str
+    endpoint: str
+    env: dict[str, str]
+    fs: Any
+
+    def key(self, url: str) -> str:
+        """The s3fs path of a URL in this bucket."""
+        return url.removeprefix("s3://")
+
+
+def new_bucket(endpoint: str) -> S3Bucket:
+    """A bucket of a random name on the S3 server at ``endpoint``."""
+    import uuid
+
+    import s3fs
+
+    fs = s3fs.S3FileSystem(
+        endpoint_url=endpoint,
+        key=S3_CREDENTIALS["AWS_ACCESS_KEY_ID"],
+        secret=S3_CREDENTIALS["AWS_SECRET_ACCESS_KEY"],
+        skip_instance_cache=True,
+    )
+    name = f"bucket-{uuid.uuid4().hex[:12]}"
+    fs.mkdir(name)
+    env = {**S3_CREDENTIALS, "AWS_ENDPOINT_URL": endpoint}
+    return S3Bucket(url=f"s3://{name}", endpoint=endpoint, env=env, fs=fs)
+
+
+@contextlib.contextmanager
+def s3_server() -> Iterator[str]:
+    """A real S3 API on 127.0.0.1 at a free port (moto's server, in a thread of this process):
+    its endpoint URL. Its request log is left out of the test's output."""
+    import logging
+
+    from moto.server import ThreadedMotoServer
+
+    logging.getLogger("werkzeug").setLevel(logging.ERROR)
+    server = ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
+    server.start()
+    try:
+        host, port = server.get_host_and_port()
+        yield f"http://{host}:{port}"
+    finally:
+        server.stop()
 
 
 # ---------------------------------------------------------------------- what a run was built as

@@ -1,5 +1,5 @@
 """How long a checkpoint save blocks the training loop, async against sync, and how fast
-checkpoints are written and read back.
+checkpoints are written and read back, on the local disk and in object storage (S3).
 
 What it measures
     One process, no process group (DCP's single-process path), the product's own
@@ -26,13 +26,21 @@ What it measures
     planner, restricted unpickling), after the round; from the page cache, as the checkpoint was
     just written.
 
-    Each round runs both modes, each with a fresh manager and folder, in alternating order
-    (sync then async, then async then sync, ...), so a drift in the machine's load hits both. The
+    Stores (--stores): disk, a temporary folder; s3, a prefix in an S3 bucket (--s3-url), by
+    default on a local S3 server this script starts in a process of its own (moto's
+    ``moto_server``, a test dependency) on 127.0.0.1: the protocol's cost (HTTP, one object per
+    shard, the manifest's PUT as the commit) without a network's. --endpoint points --s3-url at
+    another S3 API (MinIO, R2); credentials come from the environment.
+
+    Each round runs every store and mode, each with a fresh manager and folder, in an order
+    rotated from round to round, so a drift in the machine's load hits all of them. The
     machine's load average before and after is printed: on a shared machine figures move with it.
 
 Run (from the repository root)
     python scripts/bench/bench_checkpoint.py                      # small smoke size, about a minute
     python scripts/bench/bench_checkpoint.py --params 100e6 --gap 10 --saves 4 --rounds 2
+    python scripts/bench/bench_checkpoint.py --params 100e6 --gap 10 --saves 3 --rounds 2 \
+        --stores disk,s3                           # the disk against a local S3 server
     python scripts/bench/bench_checkpoint.py --params 1e9 --gap 30 --device cuda   # on a GPU
 
 Exit status 0 with the table printed.
@@ -41,14 +49,20 @@ Exit status 0 with the table printed.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import logging
 import math
 import os
+import shutil
+import socket
 import statistics
+import subprocess
 import sys
 import tempfile
 import time
+import uuid
 import warnings
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import cast
@@ -60,6 +74,8 @@ from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_op
 
 import sdnet_trainer.checkpoint as checkpoint_module
 from sdnet_trainer.checkpoint import CheckpointManager
+from sdnet_trainer.checkpoint.files import Folder, folder_of
+from sdnet_trainer.checkpoint.objects import ObjectFolder
 
 MB = 1e6
 
@@ -89,7 +105,17 @@ def parse_args() -> argparse.Namespace:
     p.add_argument(
         "--dir", type=Path, default=None, help="where checkpoints go (default: a new temp dir)"
     )
+    p.add_argument("--stores", default="disk", help="comma-separated: disk, s3 (default disk)")
+    p.add_argument(
+        "--s3-url",
+        default=None,
+        help="s3://bucket/prefix for the s3 store (default: a bucket on a local S3 server)",
+    )
+    p.add_argument("--endpoint", default=None, help="the S3 API of --s3-url (MinIO, R2, ...)")
     args = p.parse_args()
+    args.stores = args.stores.split(",")
+    if not args.stores or not set(args.stores) <= {"disk", "s3"}:
+        p.error("--stores takes disk and s3")
     if args.params < args.width:
         p.error("--params must be at least --width")
     if args.saves < 2:
@@ -159,7 +185,7 @@ def state(model: nn.Module, optimizer: torch.optim.Optimizer) -> dict:
 
 def run_mode(
     async_save: bool,
-    folder: Path,
+    folder: Folder,
     model: Model,
     optimizer: torch.optim.Optimizer,
     args: argparse.Namespace,
@@ -187,7 +213,10 @@ def run_mode(
         run.committed = [seconds for _, seconds in sorted(commits.seen)]
         latest = manager.latest()
         assert latest is not None and latest.step == step, "the last save was not committed"
-        run.nbytes = sum(p.stat().st_size for p in latest.path.iterdir())
+        if isinstance(latest.path, ObjectFolder):
+            run.nbytes = sum(latest.path.listing()[0].values())
+        else:
+            run.nbytes = sum(p.stat().st_size for p in latest.path.iterdir())
         target = state(model, optimizer)
         started = time.perf_counter()
         manager.load(latest, target)
@@ -201,14 +230,13 @@ def fmt_s(values: list[float]) -> str:
     return f"{statistics.median(values):7.3f}" if values else "    n/a"
 
 
-def table(runs: dict[str, list[Run]], args: argparse.Namespace) -> str:
+def table(runs: dict[tuple[str, str], list[Run]], args: argparse.Namespace) -> str:
     header = (
-        f"{'mode':<6} {'saves':>5} {'first s':>8} {'median s':>9} {'min s':>7} {'max s':>7} "
-        f"{'waited s':>8} {'write MB/s':>10} {'read MB/s':>9} {'MB':>7}"
+        f"{'store':<5} {'mode':<6} {'saves':>5} {'first s':>8} {'median s':>9} {'min s':>7} "
+        f"{'max s':>7} {'waited s':>8} {'write MB/s':>10} {'read MB/s':>9} {'MB':>7}"
     )
     lines = [header, "-" * len(header)]
-    for mode in ("sync", "async"):
-        rs = runs[mode]
+    for (store, mode), rs in runs.items():
         first = [r.blocked[0] for r in rs]
         rest = [b for r in rs for b in r.blocked[1:]]
         waited = [w for r in rs for w in r.waited[1:]]
@@ -216,13 +244,54 @@ def table(runs: dict[str, list[Run]], args: argparse.Namespace) -> str:
         write = [nbytes / MB / s for r in rs for s in r.committed if s > 0]
         read = [r.nbytes / MB / r.load_s for r in rs if r.load_s > 0]
         lines.append(
-            f"{mode:<6} {len(rs) * args.saves:>5} {statistics.median(first):8.3f} "
+            f"{store:<5} {mode:<6} {len(rs) * args.saves:>5} {statistics.median(first):8.3f} "
             f"{statistics.median(rest):9.3f} {min(rest):7.3f} {max(rest):7.3f} "
             f"{statistics.median(waited):8.3f} "
             f"{statistics.median(write) if write else math.nan:10.1f} "
             f"{statistics.median(read) if read else math.nan:9.1f} {nbytes / MB:7.1f}"
         )
     return "\n".join(lines)
+
+
+@contextlib.contextmanager
+def s3_prefix(args: argparse.Namespace) -> Iterator[str]:
+    """Where the s3 store's checkpoints go: --s3-url, or a new bucket on a local S3 server started
+    here (``moto_server``, in its own process: the server's work does not share this process's
+    interpreter), stopped at the end; --endpoint is set to it."""
+    if args.s3_url:
+        yield args.s3_url.rstrip("/")
+        return
+    beside = Path(sys.executable).parent / "moto_server"  # this environment's, first
+    server = str(beside) if beside.exists() else shutil.which("moto_server")
+    if server is None:
+        sys.exit("bench_checkpoint: --stores s3 without --s3-url needs moto[server] installed")
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    proc = subprocess.Popen(
+        [server, "-H", "127.0.0.1", "-p", str(port)],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+    try:
+        args.endpoint = f"http://127.0.0.1:{port}"
+        # The local server takes any credentials; the SDK needs some.
+        os.environ.setdefault("AWS_ACCESS_KEY_ID", "bench")
+        os.environ.setdefault("AWS_SECRET_ACCESS_KEY", "bench")
+        deadline = time.monotonic() + 30
+        while True:
+            with contextlib.suppress(OSError), socket.create_connection(("127.0.0.1", port), 1):
+                break
+            if proc.poll() is not None or time.monotonic() > deadline:
+                sys.exit(f"bench_checkpoint: the local S3 server did not start ({server})")
+            time.sleep(0.1)
+        bucket = f"bench-{uuid.uuid4().hex[:12]}"
+        ObjectFolder.of(f"s3://{bucket}", {"endpoint_url": args.endpoint}).fs.mkdir(bucket)
+        print(f"s3 store: a local S3 server (moto_server) at {args.endpoint}, bucket {bucket}")
+        yield f"s3://{bucket}"
+    finally:
+        proc.terminate()
+        proc.wait(timeout=30)
 
 
 def main() -> int:
@@ -246,22 +315,30 @@ def main() -> int:
         f"{torch.get_num_threads()}; {checkpoint_module.__file__}",
         flush=True,
     )
-    runs: dict[str, list[Run]] = {"sync": [], "async": []}
-    with tempfile.TemporaryDirectory(dir=args.dir, prefix="bench_checkpoint_") as tmp:
+    combos = [(store, mode) for store in args.stores for mode in ("sync", "async")]
+    runs: dict[tuple[str, str], list[Run]] = {combo: [] for combo in combos}
+    with contextlib.ExitStack() as stack:
+        tmp = stack.enter_context(
+            tempfile.TemporaryDirectory(dir=args.dir, prefix="bench_checkpoint_")
+        )
+        s3 = stack.enter_context(s3_prefix(args)) if "s3" in args.stores else None
         for round_ in range(args.rounds):
-            order = ("sync", "async") if round_ % 2 == 0 else ("async", "sync")
-            for mode in order:
+            # A rotated order each round: sync/async and the stores each go first in turn.
+            shift = round_ % len(combos)
+            for store, mode in combos[shift:] + combos[:shift]:
+                where = f"r{round_}_{mode}"
+                folder = Path(tmp) / where if store == "disk" else f"{s3}/{where}"
                 run = run_mode(
                     mode == "async",
-                    Path(tmp) / f"r{round_}_{mode}",
+                    folder_of(folder, {"endpoint_url": args.endpoint} if args.endpoint else {}),
                     model,
                     optimizer,
                     args,
                     commits,
                 )
-                runs[mode].append(run)
+                runs[store, mode].append(run)
                 print(
-                    f"round {round_ + 1} {mode:>5}: blocked "
+                    f"round {round_ + 1} {store:>4} {mode:>5}: blocked "
                     + " ".join(f"{b:.3f}" for b in run.blocked)
                     + " s; waited "
                     + " ".join(f"{w:.3f}" for w in run.waited)

@@ -7,6 +7,9 @@ file (``_ChecksummingFileSystem``), and hands it to rank 0 with its write result
 gathers on rank 0 anyway; rank 0's ``finish`` collects them (``file_checksums``) for the manifest.
 So no rank reads a shard back to commit a checkpoint, and rank 0 never reads the other ranks'.
 
+The same writer saves into an object store's prefix (``objects``): the checksumming wraps DCP's
+fsspec streams there instead of its local files.
+
 A full disk: DCP gathers every rank's failure to rank 0 pickled, without its chain, and torch's zip
 writer reports a lost write as "unexpected pos"; so ``StagingWriter`` re-raises a full disk as its
 OSError, and ``is_disk_full`` looks through the whole failure.
@@ -36,6 +39,8 @@ from torch.distributed.tensor import DTensor
 from torch.futures import Future as TorchFuture
 
 from sdnet_trainer.checkpoint import files
+from sdnet_trainer.checkpoint.files import Folder
+from sdnet_trainer.checkpoint.objects import ObjectFolder, dcp_file_system
 from sdnet_trainer.checkpoint.untrusted import CheckpointError, crc32
 
 logger = logging.getLogger(__name__)
@@ -61,12 +66,17 @@ class StagingWriter(FileSystemWriter):
 
     Disk full: DCP gathers each rank's exception pickled, which drops its chain; and torch's zip
     writer reports a failed write of a tensor as "RuntimeError: ... unexpected pos", the OSError
-    (ENOSPC) only in its ``__context__``. So a full disk is re-raised here as the OSError itself."""
+    (ENOSPC) only in its ``__context__``. So a full disk is re-raised here as the OSError itself.
 
-    def __init__(self, path: str | os.PathLike, **kwargs: Any) -> None:
-        super().__init__(path, **kwargs)
-        self._files = _ChecksummingFileSystem()
+    ``directory``: a local folder, or an object store's prefix (DCP's fsspec streams; each object
+    is durable once its upload completes, so nothing is fsynced there)."""
+
+    def __init__(self, directory: Folder, *, sync_files: bool) -> None:
+        remote = directory if isinstance(directory, ObjectFolder) else None
+        super().__init__(str(directory), sync_files=sync_files and remote is None)
+        self._files = _ChecksummingFileSystem(remote)
         self.fs = self._files
+        self.path = self._files.init_path(directory)
         self.file_checksums: dict[str, tuple[int, int]] = {}
 
     def reset(self, checkpoint_id: str | os.PathLike | None = None) -> None:
@@ -86,7 +96,7 @@ class StagingWriter(FileSystemWriter):
         if (record := self._files.written.get(name)) is None:
             # The file was not written front to back (a seek): read it back, on this rank.
             logger.debug("checksumming %s by reading it back", name)
-            record = self._files.written[name] = read_checksum(Path(self.path) / name)
+            record = self._files.written[name] = read_checksum(self._files.folder(self.path), name)
         return ChecksummedWriteResult(
             index=result.index,
             size_in_bytes=result.size_in_bytes,
@@ -116,27 +126,65 @@ class StagingWriter(FileSystemWriter):
 
 
 class _ChecksummingFileSystem(FileSystem):
-    """DCP's local file system, keeping the size and crc32 of each file written through it
-    (``written``: {file name: (bytes, crc32)}, None for a file not written front to back). A
-    rename carries the record to the new name (DCP writes ``.metadata`` under a temporary name)."""
+    """DCP's file system (local, or fsspec's on the object store of ``remote``), keeping the size
+    and crc32 of each file written through it (``written``: {file name: (bytes, crc32)}, None for
+    a file not written front to back). A rename carries the record to the new name (DCP writes
+    ``.metadata`` under a temporary name)."""
 
-    def __init__(self) -> None:
+    def __init__(self, remote: ObjectFolder | None = None) -> None:
+        self.remote = remote
+        self.inner = FileSystem() if remote is None else dcp_file_system(remote)
         self.written: dict[str, tuple[int, int] | None] = {}
+
+    def folder(self, path: str | os.PathLike) -> Folder:
+        """The save's folder (``path``: what ``init_path`` returned) for reading files back."""
+        if self.remote is not None:
+            return ObjectFolder(str(path), self.remote.options)
+        return Path(path)
 
     @contextmanager
     def create_stream(self, path: str | os.PathLike, mode: str) -> Generator[io.IOBase, None, None]:
-        with super().create_stream(path, mode) as raw:
+        with self.inner.create_stream(path, mode) as raw:
             if mode != "wb":
                 yield raw
                 return
             stream = _ChecksummedStream(raw)
             yield stream  # type: ignore[misc]
-        self.written[Path(path).name] = stream.record()
+        self.written[_name(path)] = stream.record()
 
     def rename(self, path: str | os.PathLike, new_path: str | os.PathLike) -> None:
-        super().rename(path, new_path)
-        if Path(path).name in self.written:
-            self.written[Path(new_path).name] = self.written.pop(Path(path).name)
+        self.inner.rename(path, new_path)
+        if _name(path) in self.written:
+            self.written[_name(new_path)] = self.written.pop(_name(path))
+
+    def init_path(self, path: str | os.PathLike | ObjectFolder) -> str | os.PathLike:
+        if self.remote is not None:
+            return str(path)  # a URL: the store is open already (fsspec's init_path reopens it)
+        return self.inner.init_path(path)  # type: ignore[arg-type]  # a local path
+
+    def concat_path(self, path: str | os.PathLike, suffix: str) -> str | os.PathLike:
+        return self.inner.concat_path(path, suffix)
+
+    def mkdir(self, path: str | os.PathLike) -> None:
+        self.inner.mkdir(path)
+
+    def exists(self, path: str | os.PathLike) -> bool:
+        return self.inner.exists(path)
+
+    def rm_file(self, path: str | os.PathLike) -> None:
+        self.inner.rm_file(path)
+
+    def ls(self, path: str | os.PathLike) -> list[str]:
+        return self.inner.ls(path)  # type: ignore[attr-defined]  # both file systems have it
+
+    @classmethod
+    def validate_checkpoint_id(cls, checkpoint_id: str | os.PathLike) -> bool:
+        return True
+
+
+def _name(path: str | os.PathLike) -> str:
+    """The file name in a local path or an object's URL."""
+    return os.fspath(path).rstrip("/").rsplit("/", 1)[-1]
 
 
 class _ChecksummedStream:
@@ -172,9 +220,20 @@ class _ChecksummedStream:
         return getattr(self._raw, name)
 
 
-def read_checksum(path: Path) -> tuple[int, int]:
+def read_checksum(folder: Folder, name: str) -> tuple[int, int]:
     """(bytes, crc32) of a file this process wrote, read back."""
-    return path.stat().st_size, crc32(path)
+    return sizes(folder, [name])[name], crc32(folder / name)
+
+
+def sizes(folder: Folder, names: list[str]) -> dict[str, int]:
+    """{name: bytes} of files in ``folder`` (FileNotFoundError naming the first missing one); an
+    object store's prefix is listed once for all of them."""
+    if isinstance(folder, ObjectFolder):
+        present = folder.listing()[0]
+        if missing := [name for name in names if name not in present]:
+            raise FileNotFoundError(f"{folder / missing[0]}")
+        return {name: present[name] for name in names}
+    return {name: (folder / name).stat().st_size for name in names}
 
 
 @contextmanager
@@ -213,10 +272,12 @@ def _exception_chain(exc: BaseException) -> Iterator[BaseException]:
         stack += [current.__cause__, current.__context__]
 
 
-def is_disk_full(exc: BaseException, *, directory: Path, needed: int) -> bool:
+def is_disk_full(exc: BaseException, *, directory: Folder, needed: int) -> bool:
     """Whether a save failed for lack of space: an ENOSPC/EDQUOT anywhere in the failure, or torch's
     zip writer's "unexpected pos" (a lost write, its OSError gone) while the filesystem has less
-    room left than the save needs."""
+    room left than the save needs. An object store's failures are its own (never a disk's)."""
+    if isinstance(directory, ObjectFolder):
+        return False
     chain = list(_exception_chain(exc))
     if any(isinstance(e, OSError) and e.errno in _DISK_FULL for e in chain):
         return True
@@ -224,10 +285,10 @@ def is_disk_full(exc: BaseException, *, directory: Path, needed: int) -> bool:
     return short_write and free_bytes(directory) < needed
 
 
-def free_bytes(directory: Path) -> int:
+def free_bytes(directory: Folder) -> int:
     try:
-        return shutil.disk_usage(directory).free
-    except OSError:
+        return shutil.disk_usage(directory).free  # type: ignore[arg-type]  # an ObjectFolder: 0
+    except (OSError, TypeError):
         return 0
 
 
@@ -263,7 +324,7 @@ def amount(n: int) -> str:
     return f"{value:.1f} {unit} ({n} bytes)"
 
 
-def written_files(staging: Path, metadata: Metadata) -> dict[str, int]:
+def written_files(staging: Folder, metadata: Metadata) -> dict[str, int]:
     """{name: bytes} of every file of a finished save: DCP's .metadata and the shard files it points
     into, each checked to hold the byte ranges DCP recorded for it. Taken from DCP's metadata rather
     than a directory listing, which a network filesystem may serve stale to rank 0."""
@@ -272,22 +333,21 @@ def written_files(staging: Path, metadata: Metadata) -> dict[str, int]:
         needed[info.relative_path] = max(
             needed.get(info.relative_path, 0), info.offset + info.length
         )
-    sizes = {}
+    try:
+        found = sizes(staging, sorted(needed))
+    except FileNotFoundError as exc:
+        raise CheckpointError(f"DCP's save finished but {exc.filename or exc} is missing") from None
     for name, minimum in needed.items():
-        try:
-            sizes[name] = (staging / name).stat().st_size
-        except FileNotFoundError:
-            raise CheckpointError(f"DCP's save finished but {staging / name} is missing") from None
-        if sizes[name] < minimum:
+        if found[name] < minimum:
             raise CheckpointError(
-                f"DCP's save finished but {staging / name} holds {sizes[name]} "
+                f"DCP's save finished but {staging / name} holds {found[name]} "
                 f"bytes, fewer than the {minimum} it wrote there"
             )
-    return sizes
+    return found
 
 
 def recorded_checksums(
-    staging: Path, written: dict[str, int], recorded: dict[str, tuple[int, int]]
+    staging: Folder, written: dict[str, int], recorded: dict[str, tuple[int, int]]
 ) -> dict[str, int]:
     """{name: crc32} of the files of a finished save, from what the ranks recorded while writing
     them (``disk.StagingWriter``): nothing is read back. A file none recorded (a storage writer
@@ -305,3 +365,13 @@ def recorded_checksums(
                 f"{staging / name} holds {size} bytes, but {recorded_size} were written to it"
             )
     return checksums
+
+
+def describe_failure(exc: BaseException) -> str:
+    """One line per failed rank instead of DCP's CheckpointException, which lists tracebacks (they
+    stay available through ``raise ... from``)."""
+    if isinstance(exc, CheckpointException):
+        return "; ".join(
+            f"rank {rank}: {type(e).__name__}: {e}" for rank, (e, _) in exc.failures.items()
+        )
+    return f"{type(exc).__name__}: {exc}"

@@ -1,6 +1,7 @@
 """The files of a checkpoint directory: their names, and the file-system steps the commit protocol
 (``manager``) and the lock (``lock``) are built of, each durable or atomic where the protocol
-needs it to be.
+needs it to be. A directory is a local folder (``Path``) or a prefix in an object store
+(``objects.ObjectFolder``, where the same steps are made of objects: see ``objects``).
 
 Names in the directory (``manager``'s docstring shows the layout): ``step_<8 digits>`` for a
 committed checkpoint, ``.staging_step_<8 digits>.<run token>`` for a save in progress, ``.trash_*``
@@ -18,7 +19,10 @@ import shutil
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeAlias
+
+from sdnet_trainer.checkpoint.objects import ObjectFolder, is_url
+from sdnet_trainer.errors import ConfigError
 
 logger = logging.getLogger(__name__)
 
@@ -33,11 +37,29 @@ _TRASH_PREFIX = ".trash_"
 _STAGING_DIR = re.compile(r"^\.staging_step_(\d+)\.(.+)$")
 
 
+# Where a checkpoint directory, or one checkpoint, is: a local folder or an object store's prefix.
+Folder: TypeAlias = Path | ObjectFolder
+
+
+def folder_of(value: str | Path, storage_options: dict[str, Any] | None = None) -> Folder:
+    """``checkpoint.dir`` (or any checkpoint location) as a Folder: a URL names an object store
+    (opened with ``storage_options``), anything else a local path, made absolute."""
+    if is_url(value):
+        return ObjectFolder.of(str(value), storage_options)
+    return Path(value).expanduser().absolute()
+
+
 def step_name(step: int) -> str:
     return f"step_{step:08d}"
 
 
-def step_dirs(directory: Path) -> Iterator[tuple[int, Path]]:
+def step_dirs(directory: Folder) -> Iterator[tuple[int, Folder]]:
+    """The ``step_*`` folders (prefixes) in ``directory``, committed or not."""
+    if isinstance(directory, ObjectFolder):
+        for name in directory.listing()[1]:
+            if m := STEP_DIR.match(name):
+                yield int(m[1]), directory / name
+        return
     if not directory.is_dir():
         return
     for path in directory.iterdir():
@@ -45,10 +67,32 @@ def step_dirs(directory: Path) -> Iterator[tuple[int, Path]]:
             yield int(m[1]), path
 
 
+def subfolders(directory: Folder) -> list[Folder]:
+    """Every folder (prefix) directly in ``directory``: what pruning looks through."""
+    if isinstance(directory, ObjectFolder):
+        return [directory / name for name in directory.listing()[1]]
+    return [path for path in sorted(directory.iterdir()) if path.is_dir()]
+
+
 def invalid_field(record: dict[str, Any], kinds: dict[str, type | tuple[type, ...]]) -> str | None:
     """The first key of ``kinds`` that the JSON object ``record`` lacks or holds a value of another
     type under; None when every one is there with its type."""
     return next((key for key, kind in kinds.items() if not isinstance(record.get(key), kind)), None)
+
+
+def commit(staging: Folder, final: Folder, manifest: dict[str, Any]) -> None:
+    """Make the save in ``staging`` the checkpoint ``final`` by writing its manifest, last.
+    A folder: the manifest written and fsynced, the folder renamed into place and the rename made
+    durable. A prefix (where ``staging`` is ``final``: no rename in a store): the manifest's one
+    PUT is the commit."""
+    if isinstance(staging, ObjectFolder):
+        assert staging == final, "an object store's save is written where it is committed"
+        staging.write_bytes(MANIFEST, json.dumps(manifest, indent=2).encode())
+        return
+    assert isinstance(final, Path)
+    write_json_atomic(staging / MANIFEST, manifest)
+    replace_dir(staging, final)
+    fsync_dir(final.parent)
 
 
 def write_json_atomic(path: Path, obj: Any) -> None:
@@ -93,9 +137,15 @@ def is_stale(name: str, *, oldest_kept: int, token: str) -> bool:
     return name.startswith(_TRASH_PREFIX)  # an interrupted deletion
 
 
-def remove_tree(path: Path) -> None:
+def remove_tree(path: Folder) -> None:
     """Delete a folder, best effort. A checkpoint is renamed aside first, so that it is never seen
-    half deleted (e.g. shards gone, manifest still there)."""
+    half deleted (e.g. shards gone, manifest still there); a prefix loses its manifest first."""
+    if isinstance(path, ObjectFolder):
+        try:
+            path.remove_all(first=MANIFEST)
+        except OSError as exc:
+            logger.warning("could not delete %s: %s", path, exc)
+        return
     try:
         if not path.exists():
             return
@@ -108,10 +158,18 @@ def remove_tree(path: Path) -> None:
         logger.warning("could not delete %s: %s", path, exc)
 
 
-def move_aside(path: Path) -> Path | None:
+def move_aside(path: Folder) -> Folder | None:
     """Rename a folder to be deleted to a name no listing shows (``.trash_*`` folders keep theirs);
     the new path, or None if it is gone or cannot be renamed (logged). Deleting it is then
-    ``remove_tree``'s, at leisure: one rename is all a listing or a new save can see."""
+    ``remove_tree``'s, at leisure: one rename is all a listing or a new save can see. A prefix
+    has no rename: its manifest is deleted here (the step no longer counts), the rest later."""
+    if isinstance(path, ObjectFolder):
+        try:
+            path.remove(MANIFEST)
+        except OSError as exc:
+            logger.warning("could not delete %s: %s", path, exc)
+            return None
+        return path
     try:
         if not path.exists():
             return None
@@ -128,3 +186,18 @@ def move_aside(path: Path) -> Path | None:
 def _trash_path(path: Path) -> Path:
     """Where ``path`` is renamed to be deleted: a name no listing shows, unique per deletion."""
     return path.with_name(f"{_TRASH_PREFIX}{path.name}.{uuid.uuid4().hex[:8]}")
+
+
+def make_directory(directory: Folder) -> None:
+    """Create the checkpoint directory; a ConfigError naming checkpoint.dir when it cannot be (the
+    preflight check says so before launch; this is for a folder that became uncreatable since).
+    An object store's prefix needs no creating."""
+    if isinstance(directory, ObjectFolder):
+        return
+    try:
+        directory.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise ConfigError(
+            f"checkpoint.dir: cannot create the checkpoint directory {directory} "
+            f"({exc.strerror or exc})"
+        ) from None

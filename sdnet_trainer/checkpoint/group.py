@@ -3,6 +3,9 @@ save and load, its own broadcasts) and rank 0's decisions handed to every rank."
 
 from __future__ import annotations
 
+import warnings
+from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import Any, cast
 
 import torch.distributed as dist
@@ -81,3 +84,17 @@ def sendable(obj: Any) -> Any:
     if isinstance(obj, Exception) and not isinstance(obj, (ConfigError, CheckpointError)):
         return CheckpointError(f"{type(obj).__name__}: {obj}")
     return obj
+
+
+@contextmanager
+def single_process_quiet() -> Iterator[None]:
+    """DCP warns on every single-process save and load that it "assumes" a single process; that
+    is exactly the no_dist case a group of one process (``CheckpointGroup.no_dist``) selects on
+    purpose."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings(
+            "ignore",
+            message="torch.distributed is disabled, unavailable or uninitialized",
+            category=UserWarning,
+        )
+        yield

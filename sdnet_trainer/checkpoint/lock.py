@@ -1,5 +1,8 @@
 """The lock of a checkpoint directory: ``checkpoint.lock``, which names the one run that saves
 into the directory (see ``FolderLock``), and the run's token that names its staging folders.
+
+The lock is a file in a local folder (``_LockFile``) or an object under a store's prefix
+(``_LockObject``); ``FolderLock`` decides who holds it the same way for both.
 """
 
 from __future__ import annotations
@@ -17,7 +20,8 @@ import weakref
 from pathlib import Path
 from typing import Any
 
-from sdnet_trainer.checkpoint.files import fsync_dir, invalid_field
+from sdnet_trainer.checkpoint.files import Folder, fsync_dir, invalid_field
+from sdnet_trainer.checkpoint.objects import ObjectFolder
 from sdnet_trainer.errors import ConfigError
 
 logger = logging.getLogger(__name__)
@@ -32,10 +36,89 @@ _LOCK_FIELDS: dict[str, type | tuple[type, ...]] = {
 }
 
 
+class _LockFile:
+    """The lock as a file: created with O_CREAT|O_EXCL, which is atomic on local filesystems and
+    NFSv3+ alike."""
+
+    def __init__(self, directory: Path) -> None:
+        self.path = directory / LOCK
+
+    def create(self, text: str) -> bool:
+        """Create the lock holding ``text`` if there is none; False if there is one."""
+        try:
+            fd = os.open(self.path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+        except FileExistsError:
+            return False
+        with os.fdopen(fd, "w") as f:
+            f.write(text)
+            f.flush()
+            os.fsync(f.fileno())
+        fsync_dir(self.path.parent)
+        return True
+
+    def read(self) -> str | None:
+        """The lock's text; None if there is no lock (an OSError if it cannot be read)."""
+        try:
+            return self.path.read_text()
+        except FileNotFoundError:
+            return None
+
+    def remove_if_unchanged(self, raw: str, token: str) -> bool:
+        """Remove the lock file if it still holds ``raw``. Renamed aside first, so that of several
+        runs replacing the same stale lock only one removes it; a lock that changed in between is
+        put back (unless yet another run created one meanwhile: three runs starting in the same
+        instant over a stale lock)."""
+        aside = self.path.with_name(f".{LOCK}.{token}")
+        try:
+            os.rename(self.path, aside)
+        except FileNotFoundError:
+            return False
+        if aside.read_text() == raw:
+            aside.unlink()
+            return True
+        try:
+            os.link(aside, self.path)
+        except FileExistsError:
+            pass
+        aside.unlink()
+        return False
+
+    def remove(self) -> None:
+        os.unlink(self.path)
+
+
+class _LockObject:
+    """The lock as an object: created with a conditional PUT (``If-None-Match``), which S3, GCS
+    and Azure make atomic, so of two runs starting at once exactly one gets it. A store has no
+    rename: a stale lock is removed after reading it again, which two runs replacing the same
+    stale lock in the same instant could both do (the conditional create still lets one of them
+    in)."""
+
+    def __init__(self, directory: ObjectFolder) -> None:
+        self.directory = directory
+        self.path = directory / LOCK
+
+    def create(self, text: str) -> bool:
+        return self.directory.create(LOCK, text.encode())
+
+    def read(self) -> str | None:
+        data = self.directory.read_bytes(LOCK)
+        return None if data is None else data.decode(errors="replace")
+
+    def remove_if_unchanged(self, raw: str, token: str) -> bool:
+        if self.read() != raw:
+            return False
+        self.directory.remove(LOCK)
+        return True
+
+    def remove(self) -> None:
+        self.directory.remove(LOCK)
+
+
 class FolderLock:
     """``checkpoint.lock`` in a checkpoint directory: JSON naming the run that saves into it (run
-    id, host, pid, created). Rank 0 of that run creates it with O_CREAT|O_EXCL, which is atomic on
-    local filesystems and NFSv3+ alike, so of two runs starting at once exactly one gets it.
+    id, host, pid, created). Rank 0 of that run creates it only if there is none (``_LockFile``,
+    ``_LockObject``), so of two runs starting at once exactly one gets it.
 
     An existing lock is taken over when it names the same run id *and* the same torchrun launch
     (``TORCHELASTIC_RUN_ID``: torchrun restarted this run's workers; a new launch with the same
@@ -47,8 +130,11 @@ class FolderLock:
     A lock whose manager is garbage collected, or still held when the interpreter exits, is
     released then (``weakref.finalize``)."""
 
-    def __init__(self, directory: Path, run_id: str) -> None:
-        self.path = directory / LOCK
+    def __init__(self, directory: Folder, run_id: str) -> None:
+        self.lock = (
+            _LockObject(directory) if isinstance(directory, ObjectFolder) else _LockFile(directory)
+        )
+        self.path = self.lock.path
         self.run_id = run_id
         # The torchrun launch (its rendezvous id: a fresh uuid under --standalone, the job's id
         # when a scheduler passes --rdzv-id); None in a plain single process.
@@ -67,9 +153,7 @@ class FolderLock:
                 "created": time.time(),
                 "token": self.token,
             }
-            try:
-                fd = os.open(self.path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
-            except FileExistsError:
+            if not self.lock.create(json.dumps(content)):
                 raw = self._read()
                 if raw is None:  # released meanwhile
                     continue
@@ -77,7 +161,7 @@ class FolderLock:
                 why = self._replaceable(holder)
                 if why is None:
                     raise ConfigError(self._refusal(holder, raw)) from None
-                if self._remove_if_unchanged(raw):
+                if self.lock.remove_if_unchanged(raw, self.token):
                     # A restart of this run is routine; replacing a crashed run's lock is news.
                     same_run = (
                         holder["run_id"] == self.run_id and holder.get("launch") == self.launch
@@ -85,14 +169,9 @@ class FolderLock:
                     log = logger.info if same_run else logger.warning
                     log("checkpoint lock %s: taking it over, %s", self.path, why)
                 continue
-            with os.fdopen(fd, "w") as f:
-                json.dump(content, f)
-                f.flush()
-                os.fsync(f.fileno())
-            fsync_dir(self.path.parent)
             self.held = True
             _HELD_HERE[self.token] = self
-            self._release = weakref.finalize(self, _release_lock_file, self.path, self.token)
+            self._release = weakref.finalize(self, _release_lock, self.lock, self.token)
             return
         raise ConfigError(
             f"could not take the checkpoint lock {self.path}: it kept changing hands (several runs "
@@ -112,11 +191,12 @@ class FolderLock:
         text = ""
         for _ in range(20):
             try:
-                text = self.path.read_text()
-            except FileNotFoundError:
-                return None
+                read = self.lock.read()
             except OSError as exc:
                 return f"<unreadable: {exc}>"
+            if read is None:
+                return None
+            text = read
             if _parse_lock(text):
                 return text
             time.sleep(0.1)
@@ -146,26 +226,6 @@ class FolderLock:
             )
         return None
 
-    def _remove_if_unchanged(self, raw: str) -> bool:
-        """Remove the lock file if it still holds ``raw``. Renamed aside first, so that of several
-        runs replacing the same stale lock only one removes it; a lock that changed in between is
-        put back (unless yet another run created one meanwhile: three runs starting in the same
-        instant over a stale lock)."""
-        aside = self.path.with_name(f".{LOCK}.{self.token}")
-        try:
-            os.rename(self.path, aside)
-        except FileNotFoundError:
-            return False
-        if aside.read_text() == raw:
-            aside.unlink()
-            return True
-        try:
-            os.link(aside, self.path)
-        except FileExistsError:
-            pass
-        aside.unlink()
-        return False
-
     def _refusal(self, holder: dict[str, Any], raw: str) -> str:
         where = f"checkpoint.dir={self.path.parent}"
         if not holder:
@@ -193,12 +253,12 @@ class FolderLock:
 _HELD_HERE: weakref.WeakValueDictionary[str, FolderLock] = weakref.WeakValueDictionary()
 
 
-def _release_lock_file(path: Path, token: str) -> None:
-    """Delete the lock file at ``path`` if it still holds ``token``. Also runs at interpreter exit
-    (from weakref.finalize), so it does not rely on logging."""
+def _release_lock(lock: _LockFile | _LockObject, token: str) -> None:
+    """Delete the lock if it still holds ``token``. Also runs at interpreter exit (from
+    weakref.finalize), so it does not rely on logging."""
     try:
-        if _parse_lock(path.read_text()).get("token") == token:
-            os.unlink(path)
+        if _parse_lock(lock.read() or "").get("token") == token:
+            lock.remove()
     except OSError:
         pass
 

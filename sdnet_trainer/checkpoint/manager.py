@@ -44,6 +44,11 @@ Loading goes through DCP as well, which reshards to the current world size. A ch
 untrusted input: every read of one (listing, resuming, export, the load itself) goes through
 ``untrusted``, whose docstring says what a hostile checkpoint can and cannot do.
 
+In an object store (``checkpoint.dir=s3://...``: ``objects``), where there is no rename, each
+save is written straight under ``step_<n>/`` and the manifest's one PUT, last, is the commit; a
+step is deleted manifest first. The staging, checksums, pruning, lock and verified reads above
+hold there as well.
+
 The parts: ``files`` (names in the folder, atomic and durable file steps), ``lock`` (the folder's
 lock), ``group`` (the ranks' process group), ``disk`` (writing, checksums, a full disk),
 ``host_copy`` (an async save's host copy), ``verify`` (checksums checked by every rank),
@@ -56,11 +61,8 @@ import json
 import logging
 import time
 import uuid
-import warnings
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable
 from concurrent.futures import Future, ThreadPoolExecutor
-from contextlib import contextmanager
-from pathlib import Path
 from typing import Any
 
 import torch.distributed as dist
@@ -71,32 +73,21 @@ from torch.distributed.checkpoint.staging import DefaultStager
 from torch.distributed.checkpoint.state_dict_saver import AsyncSaveResponse
 
 from sdnet_trainer.checkpoint import disk, files, host_copy, verify
-from sdnet_trainer.checkpoint.group import CheckpointGroup, sendable
+from sdnet_trainer.checkpoint.files import Folder
+from sdnet_trainer.checkpoint.group import CheckpointGroup, sendable, single_process_quiet
 from sdnet_trainer.checkpoint.lock import FolderLock, run_token
+from sdnet_trainer.checkpoint.objects import ObjectFolder
 from sdnet_trainer.checkpoint.untrusted import (
     Checkpoint,
     CheckpointError,
     SafeFileSystemReader,
     SafeLoadPlanner,
+    Uncommitted,
     find_checkpoint,
     read_checkpoint,
 )
-from sdnet_trainer.errors import ConfigError
 
 logger = logging.getLogger(__name__)
-
-
-@contextmanager
-def _single_process_quiet() -> Iterator[None]:
-    """DCP warns on every single-process save and load that it "assumes" a single process; that
-    is exactly the no_dist case this manager selects on purpose."""
-    with warnings.catch_warnings():
-        warnings.filterwarnings(
-            "ignore",
-            message="torch.distributed is disabled, unavailable or uninitialized",
-            category=UserWarning,
-        )
-        yield
 
 
 class CheckpointManager:
@@ -106,11 +97,13 @@ class CheckpointManager:
     ``run_id``: the id of the run that saves into the directory (identical on every rank and across
     torchrun's restarts of the same run). The directory is then this run's until ``close``: rank 0
     takes its lock file, and a directory held by another live run is a ConfigError on every rank.
-    None: no lock (loading only, as export does); saves then stage under a random name."""
+    None: no lock (loading only, as export does); saves then stage under a random name.
+
+    ``directory``: a local folder, or an object store's URL (opened with ``storage_options``)."""
 
     def __init__(
         self,
-        directory: str | Path,
+        directory: str | Folder,
         *,
         keep_last: int,
         async_save: bool,
@@ -118,10 +111,16 @@ class CheckpointManager:
         world_size: int,
         process_group: dist.ProcessGroup | None = None,
         run_id: str | None = None,
+        storage_options: dict[str, Any] | None = None,
     ) -> None:
         assert keep_last >= 1, "checkpoint.keep_last is checked before launch"
-        self.directory = Path(directory).absolute()
+        self.directory = (
+            directory
+            if isinstance(directory, ObjectFolder)
+            else files.folder_of(directory, storage_options)
+        )
         self.keep_last = keep_last
+        self.storage_options = storage_options
         self.async_save = async_save
         self.rank = rank
         self.world_size = world_size
@@ -140,7 +139,7 @@ class CheckpointManager:
         outcome: str | Exception | None = None
         if rank == 0:
             try:
-                _make_directory(self.directory)
+                files.make_directory(self.directory)
                 if self._lock is not None:
                     self._lock.acquire()
                 outcome = run_token(run_id) if run_id is not None else uuid.uuid4().hex[:12]
@@ -155,10 +154,13 @@ class CheckpointManager:
         if rank != 0:
             # Rank 0 made it; on a filesystem that other nodes do not share (unsupported: their
             # shards would be out of rank 0's reach), each node needs its own.
-            _make_directory(self.directory)
+            files.make_directory(self.directory)
 
-    def staging_dir(self, step: int) -> Path:
-        """The folder this manager writes the save of ``step`` into before committing it."""
+    def staging_dir(self, step: int) -> Folder:
+        """The folder this manager writes the save of ``step`` into before committing it (in an
+        object store, the step's own prefix: there is no rename)."""
+        if isinstance(self.directory, ObjectFolder):
+            return self.directory / files.step_name(step)
         return self.directory / f"{files.STAGING_PREFIX}{files.step_name(step)}.{self._token}"
 
     # ------------------------------------------------------------------ saving
@@ -186,13 +188,13 @@ class CheckpointManager:
             )
         needed = disk.state_nbytes(state_dict)
         if self.rank == 0:
-            # Leftover of a crashed save of this same step by this run. Safe before the collective:
-            # other ranks write their shards only after rank 0 has joined the save and re-created
-            # the folder.
+            # Leftover of a crashed save of this same step by this run (in a store: any objects
+            # under the step's prefix, manifest first). Safe before the collective: other ranks
+            # write their shards only after rank 0 has joined the save and re-created the folder.
             files.remove_tree(staging)
         started = time.monotonic()
         try:
-            with _single_process_quiet():
+            with single_process_quiet():
                 if self.async_save:
                     self._stager = host_copy.stager_for(self._stager, state_dict)
                     # async_save copies every tensor into the stager's host buffers before it
@@ -200,7 +202,7 @@ class CheckpointManager:
                     # free again: wait() above joined the previous save, the last one to read them.
                     response = dcp.async_save(
                         state_dict,
-                        checkpoint_id=staging,
+                        checkpoint_id=staging,  # type: ignore[arg-type]  # the writer takes it
                         storage_writer=self._writer,
                         async_stager=self._stager,
                         process_group=self._ranks.group,
@@ -235,7 +237,7 @@ class CheckpointManager:
         self,
         exc: BaseException,
         step: int,
-        staging: Path,
+        staging: Folder,
         needed: int,
         *,
         staging_only: bool = False,
@@ -246,9 +248,10 @@ class CheckpointManager:
         if isinstance(exc, CheckpointError):
             return exc
         if not disk.is_disk_full(exc, directory=self.directory, needed=needed):
+            why = disk.describe_failure(exc)
             if staging_only:
-                return CheckpointError(f"cannot stage step {step} for saving: {_describe(exc)}")
-            return CheckpointError(f"cannot save step {step} to {staging}: {_describe(exc)}")
+                return CheckpointError(f"cannot stage step {step} for saving: {why}")
+            return CheckpointError(f"cannot save step {step} to {staging}: {why}")
         if self.rank == 0:
             files.remove_tree(staging)
         free = disk.amount(disk.free_bytes(self.directory))
@@ -264,7 +267,7 @@ class CheckpointManager:
         self,
         upload: Future,
         step: int,
-        staging: Path,
+        staging: Folder,
         *,
         meta: dict[str, Any],
         started: float,
@@ -302,9 +305,16 @@ class CheckpointManager:
             pending.result()
 
     def _commit(
-        self, step: int, staging: Path, metadata: Metadata, *, meta: dict[str, Any], started: float
+        self,
+        step: int,
+        staging: Folder,
+        metadata: Metadata,
+        *,
+        meta: dict[str, Any],
+        started: float,
     ) -> Checkpoint:
-        """Rank 0, after DCP's save returned: manifest, atomic rename, then pruning."""
+        """Rank 0, after DCP's save returned: manifest, atomic rename (``files.commit``), then
+        pruning."""
         written = disk.written_files(staging, metadata)
         checksums = disk.recorded_checksums(staging, written, self._writer.file_checksums)
         manifest = {
@@ -318,10 +328,8 @@ class CheckpointManager:
                 for name, size in sorted(written.items())
             ],
         }
-        files.write_json_atomic(staging / files.MANIFEST, manifest)
         final = self.directory / files.step_name(step)
-        files.replace_dir(staging, final)
-        files.fsync_dir(self.directory)
+        files.commit(staging, final, manifest)
         logger.info(
             "checkpoint step %d saved to %s (%.1f MB, %.2f s)",
             step,
@@ -353,14 +361,12 @@ class CheckpointManager:
                 newer,
                 committed,
             )
-        for path in sorted(self.directory.iterdir()):
-            if path.is_dir() and files.is_stale(
-                path.name, oldest_kept=oldest_kept, token=self._token
-            ):
+        for path in files.subfolders(self.directory):
+            if files.is_stale(path.name, oldest_kept=oldest_kept, token=self._token):
                 logger.info("deleting old checkpoint folder %s", path)
                 self._delete_in_background(path)
 
-    def _delete_in_background(self, path: Path) -> None:
+    def _delete_in_background(self, path: Folder) -> None:
         aside = files.move_aside(path)
         if aside is None:
             return
@@ -372,13 +378,18 @@ class CheckpointManager:
 
     def checkpoints(self) -> list[Checkpoint]:
         """Committed, valid checkpoints, oldest first; invalid ones are skipped with a warning.
-        Checks manifests and sizes only (cheap); ``resolve_resume`` verifies what it picks."""
+        Checks manifests and sizes only (cheap); ``resolve_resume`` verifies what it picks.
+        In an object store a step without its manifest is routine (a step being deleted, a save
+        cut short that the next save or pruning removes): skipped without a warning."""
         found = []
         for _step, path in sorted(files.step_dirs(self.directory)):
             try:
                 found.append(read_checkpoint(path))
             except CheckpointError as exc:
-                logger.warning("skipping checkpoint %s: %s", path, exc)
+                routine = isinstance(exc, Uncommitted) and isinstance(path, ObjectFolder)
+                (logger.debug if routine else logger.warning)(
+                    "skipping checkpoint %s: %s", path, exc
+                )
         return found
 
     def latest(self) -> Checkpoint | None:
@@ -408,7 +419,7 @@ class CheckpointManager:
             raise outcome
         return outcome
 
-    def _shared_checksums(self, folder: Path, expected: dict[str, tuple[int, int]]) -> None:
+    def _shared_checksums(self, folder: Folder, expected: dict[str, tuple[int, int]]) -> None:
         """Rank 0, while resolving: the checksums of ``folder``'s files checked by every rank,
         the files divided by size; a CheckpointError naming the first file that fails."""
         verify.check_on_every_rank(self._ranks, folder, expected, self.world_size)
@@ -428,7 +439,12 @@ class CheckpointManager:
                         exc,
                     )
             return None
-        return find_checkpoint(resume, key="checkpoint.resume", checksums=self._shared_checksums)
+        return find_checkpoint(
+            resume,
+            key="checkpoint.resume",
+            checksums=self._shared_checksums,
+            storage_options=self.storage_options,
+        )
 
     # ------------------------------------------------------------------ loading
 
@@ -454,7 +470,7 @@ class CheckpointManager:
         try:
             # Missing keys fail inside DCP's planning step, which reports them on every rank: a
             # check here that raised on one rank only would leave the others waiting.
-            with _single_process_quiet():
+            with single_process_quiet():
                 dcp.load(
                     request,
                     storage_reader=SafeFileSystemReader(checkpoint.path),
@@ -464,7 +480,7 @@ class CheckpointManager:
                 )
         except (Exception, CheckpointException) as exc:
             raise CheckpointError(
-                f"cannot load checkpoint {checkpoint.path}: {_describe(exc)}"
+                f"cannot load checkpoint {checkpoint.path}: {disk.describe_failure(exc)}"
             ) from exc
         # DCP replaces non-tensor top-level values in the dict it was given: copy them back.
         state_dict.update(request)
@@ -484,28 +500,6 @@ class CheckpointManager:
             if self._lock is not None:
                 self._lock.release()
             self._ranks.release()
-
-
-def _make_directory(directory: Path) -> None:
-    """Create the checkpoint directory; a ConfigError naming checkpoint.dir when it cannot be (the
-    preflight check says so before launch; this is for a folder that became uncreatable since)."""
-    try:
-        directory.mkdir(parents=True, exist_ok=True)
-    except OSError as exc:
-        raise ConfigError(
-            f"checkpoint.dir: cannot create the checkpoint directory {directory} "
-            f"({exc.strerror or exc})"
-        ) from None
-
-
-def _describe(exc: BaseException) -> str:
-    """One line per failed rank instead of DCP's CheckpointException, which lists tracebacks (they
-    stay available through ``raise ... from``)."""
-    if isinstance(exc, CheckpointException):
-        return "; ".join(
-            f"rank {rank}: {type(e).__name__}: {e}" for rank, (e, _) in exc.failures.items()
-        )
-    return f"{type(exc).__name__}: {exc}"
 
 
 def _json_round_trip(meta: dict[str, Any]) -> dict[str, Any]:

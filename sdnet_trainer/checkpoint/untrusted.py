@@ -28,6 +28,9 @@ For a crafted one, this module guarantees:
   share these reads, each file read by one of them; any rank's mismatch fails the checkpoint,
   naming the file) and checks ``.metadata`` as a load would.
 
+In an object store (``objects.ObjectFolder``) the same rules hold where they apply: objects opened
+by plain names under the checkpoint's prefix only, for reading, each of the listed size.
+
 Not guaranteed: that the values are what the run saved. crc32 catches accidental damage; a forger
 rewrites the manifest too. Nor that the files stay as verified while they are read: whoever can
 write into the folder during a load can change what is read, though still only regular files inside
@@ -65,9 +68,12 @@ from sdnet_trainer.checkpoint.files import (
     MANIFEST,
     READABLE_FORMATS,
     STEP_DIR,
+    Folder,
+    folder_of,
     invalid_field,
     step_dirs,
 )
+from sdnet_trainer.checkpoint.objects import ObjectFolder
 from sdnet_trainer.errors import ConfigError
 
 logger = logging.getLogger(__name__)
@@ -91,11 +97,16 @@ class CheckpointError(RuntimeError):
     """A checkpoint that cannot be written, read or validated; the message names its path."""
 
 
+class Uncommitted(CheckpointError):
+    """A step folder (prefix) without a manifest: a save that did not finish, or, in an object
+    store, one in progress or a step being deleted."""
+
+
 @dataclass(frozen=True)
 class Checkpoint:
-    """A committed, validated checkpoint folder."""
+    """A committed, validated checkpoint folder (or object store prefix)."""
 
-    path: Path
+    path: Folder
     step: int
     world_size: int  # of the run that saved it
     meta: dict[str, Any] = field(hash=False)  # the dict passed to save(), JSON round-tripped
@@ -116,17 +127,17 @@ class Checkpoint:
 # lists them (names already checked to be plain file names of regular files there); raises a
 # CheckpointError naming the first file that fails. ``check_checksums`` reads them all here; a
 # manager spreads the reads over its ranks.
-ChecksumCheck = Callable[[Path, dict[str, tuple[int, int]]], None]
+ChecksumCheck = Callable[[Folder, dict[str, tuple[int, int]]], None]
 
 
-def check_checksums(folder: Path, expected: dict[str, tuple[int, int]]) -> None:
+def check_checksums(folder: Folder, expected: dict[str, tuple[int, int]]) -> None:
     """Read every file in ``expected`` and compare its crc32 (``.metadata`` first: small)."""
     for name in sorted(expected, key=lambda n: n != DCP_METADATA):
         if (error := checksum_error(folder, name, expected[name][1])) is not None:
             raise CheckpointError(error)
 
 
-def checksum_error(folder: Path, name: str, expected: int) -> str | None:
+def checksum_error(folder: Folder, name: str, expected: int) -> str | None:
     """Why ``folder/name`` fails its checksum (it differs, or cannot be read), or None."""
     try:
         actual = crc32(folder / name)
@@ -141,7 +152,7 @@ def checksum_error(folder: Path, name: str, expected: int) -> str | None:
 
 
 def read_checkpoint(
-    path: str | Path, *, verify: bool = False, checksums: ChecksumCheck = check_checksums
+    path: str | Folder, *, verify: bool = False, checksums: ChecksumCheck = check_checksums
 ) -> Checkpoint:
     """The checkpoint in ``path`` if its manifest is valid and every listed file is a regular file
     in the folder with the listed size; else CheckpointError saying why.
@@ -150,7 +161,7 @@ def read_checkpoint(
     does it), and check that DCP's ``.metadata`` is readable and points only to files the manifest
     lists. This reads the whole checkpoint once: done when a checkpoint is picked for loading, not
     when listing."""
-    path = Path(path)
+    path = Path(path) if isinstance(path, str) else path
     manifest = _read_manifest(path)
     name_step = STEP_DIR.match(path.name)
     if name_step and int(name_step[1]) != manifest["step"]:
@@ -175,17 +186,30 @@ def read_checkpoint(
 
 
 def find_checkpoint(
-    value: str | Path, *, key: str, checksums: ChecksumCheck = check_checksums
+    value: str | Path,
+    *,
+    key: str,
+    checksums: ChecksumCheck = check_checksums,
+    storage_options: dict[str, Any] | None = None,
 ) -> Checkpoint:
-    """The checkpoint a user named by path (``key`` says where: checkpoint.resume, export's
+    """The checkpoint a user named by path or URL (``key`` says where: checkpoint.resume, export's
     checkpoint=), for resume and export alike, verified (``read_checkpoint(verify=True)``, with
     ``checksums``): a step_* folder must pass; a checkpoint directory stands for its newest
-    checkpoint that passes, failing ones skipped with the reason."""
-    path = Path(value).expanduser().resolve()
-    if not path.exists():
-        raise ConfigError(f"{key}={str(value)!r}: {path} does not exist")
+    checkpoint that passes, failing ones skipped with the reason. A URL's store is opened with
+    ``storage_options``."""
+    path: Folder = folder_of(value, storage_options)
+    if isinstance(path, Path):
+        path = path.resolve()
+        if not path.exists():
+            raise ConfigError(f"{key}={str(value)!r}: {path} does not exist")
+        has_manifest = (path / MANIFEST).exists()
+    else:
+        objects, prefixes = path.listing()
+        if not objects and not prefixes:
+            raise ConfigError(f"{key}={str(value)!r}: {path} holds no objects")
+        has_manifest = MANIFEST in objects
     steps = sorted(step_dirs(path), reverse=True)
-    if steps and not (path / MANIFEST).exists():
+    if steps and not has_manifest:
         reasons = []
         for _, candidate in steps:
             try:
@@ -209,7 +233,7 @@ def find_checkpoint(
     except CheckpointError as err:
         hint = (
             f"; a run's checkpoints are in {path / 'checkpoints'}"
-            if (path / "checkpoints").is_dir()
+            if isinstance(path, Path) and (path / "checkpoints").is_dir()
             else ""
         )
         raise ConfigError(
@@ -217,14 +241,14 @@ def find_checkpoint(
         ) from None
 
 
-def _read_manifest(path: Path) -> dict[str, Any]:
-    if not path.is_dir():
+def _read_manifest(path: Folder) -> dict[str, Any]:
+    if isinstance(path, Path) and not path.is_dir():
         raise CheckpointError("not a folder")
     try:
         with _open_inside(path, MANIFEST) as f:
             manifest = json.loads(f.read())
     except FileNotFoundError:
-        raise CheckpointError(f"no {MANIFEST}: the save did not complete") from None
+        raise Uncommitted(f"no {MANIFEST}: the save did not complete") from None
     except (OSError, ValueError) as exc:
         raise CheckpointError(f"unreadable {MANIFEST}: {exc}") from None
     if not isinstance(manifest, dict):
@@ -250,9 +274,9 @@ def _is_file_name(name: Any) -> bool:
     )
 
 
-def _check_files(path: Path, files: list[Any], *, checksums: bool) -> dict[str, dict[str, Any]]:
+def _check_files(path: Folder, files: list[Any], *, checksums: bool) -> dict[str, dict[str, Any]]:
     """{name: entry} of the manifest's files, each checked to be a regular file (not a symbolic
-    link) directly in ``path`` with the listed size."""
+    link) directly in ``path`` with the listed size (an object directly under the prefix)."""
     listed = {}
     for entry in files:
         if not (
@@ -268,6 +292,13 @@ def _check_files(path: Path, files: list[Any], *, checksums: bool) -> dict[str, 
         listed[entry["name"]] = entry
     if DCP_METADATA not in listed:
         raise CheckpointError(f"{MANIFEST} does not list DCP's {DCP_METADATA}")
+    if isinstance(path, ObjectFolder):
+        present = path.listing()[0]
+        for name, entry in listed.items():
+            if name not in present:
+                raise CheckpointError(f"{name} is missing")
+            _check_size(name, present[name], entry["bytes"])
+        return listed
     for name, entry in listed.items():
         try:
             info = os.lstat(path / name)
@@ -280,12 +311,15 @@ def _check_files(path: Path, files: list[Any], *, checksums: bool) -> dict[str, 
             )
         if not stat.S_ISREG(info.st_mode):
             raise CheckpointError(f"{name} is not a regular file")
-        if info.st_size != entry["bytes"]:
-            raise CheckpointError(
-                f"{name} is {info.st_size} bytes, {MANIFEST} says {entry['bytes']} (truncated or "
-                f"overwritten)"
-            )
+        _check_size(name, info.st_size, entry["bytes"])
     return listed
+
+
+def _check_size(name: str, actual: int, listed: int) -> None:
+    if actual != listed:
+        raise CheckpointError(
+            f"{name} is {actual} bytes, {MANIFEST} says {listed} (truncated or overwritten)"
+        )
 
 
 def _check_storage_paths(metadata: Metadata, listed: set[str]) -> None:
@@ -310,7 +344,7 @@ def _check_storage_paths(metadata: Metadata, listed: set[str]) -> None:
             )
 
 
-def crc32(path: Path) -> int:
+def crc32(path: Folder) -> int:
     """crc32 of a file, read in 4 MiB chunks. crc32 because it catches what it is for, accidental
     damage (zeroed, truncated or flipped bytes), at a few GB/s from the standard library; it is no
     defence against a forger, who can rewrite the manifest too: containment and the restricted
@@ -325,12 +359,16 @@ def crc32(path: Path) -> int:
 
 
 @contextmanager
-def _open_inside(folder: Path, name: str) -> Iterator[io.BufferedReader]:
+def _open_inside(folder: Folder, name: str) -> Iterator[io.BufferedReader]:
     """``folder/name`` opened for reading if it is a regular file there: never through a symbolic
     link (O_NOFOLLOW), never outside ``folder``, never blocking on a FIFO (O_NONBLOCK, which
-    regular files ignore)."""
+    regular files ignore). In an object store: the object of that plain name under the prefix."""
     if not _is_file_name(name):
         raise CheckpointError(f"refusing to read {name!r}: not a file name inside {folder}")
+    if isinstance(folder, ObjectFolder):
+        with folder.open(name) as stream:
+            yield cast(io.BufferedReader, stream)
+        return
     try:
         fd = os.open(folder / name, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
     except OSError as exc:
@@ -403,15 +441,22 @@ class _MetadataUnpickler(pickle.Unpickler):
 
 
 class _ContainedFileSystem(FileSystem):
-    """DCP's local filesystem for reading one checkpoint: it opens only regular files directly
-    inside the checkpoint folder, never through a symbolic link, and writes nothing."""
+    """DCP's file system for reading one checkpoint: it opens only regular files directly inside
+    the checkpoint folder (objects directly under its prefix), never through a symbolic link, and
+    writes nothing."""
 
-    def __init__(self, root: Path) -> None:
+    def __init__(self, root: Folder) -> None:
         self.root = root
 
+    def init_path(self, path: str | os.PathLike | ObjectFolder) -> Folder:  # type: ignore[override]
+        return path if isinstance(path, ObjectFolder) else Path(path)
+
+    def concat_path(self, path: Any, suffix: str) -> Folder:  # type: ignore[override]
+        return self.init_path(path) / suffix
+
     @contextmanager
-    def create_stream(self, path: str | os.PathLike, mode: str) -> Generator[io.IOBase, None, None]:
-        path = Path(path)
+    def create_stream(self, path: Any, mode: str) -> Generator[io.IOBase, None, None]:
+        path = self.init_path(path)
         if mode != "rb":
             raise CheckpointError(f"refusing to open {path} with mode {mode!r}: reading only")
         if path.parent != self.root:
@@ -425,18 +470,21 @@ class SafeFileSystemReader(FileSystemReader):
     entries must point to files the manifest lists, and which opens only regular files inside the
     checkpoint folder."""
 
-    def __init__(self, path: str | os.PathLike) -> None:
-        super().__init__(path)
-        self.fs = _ContainedFileSystem(Path(self.path))
+    def __init__(self, path: Folder) -> None:
+        super().__init__(str(path))
+        self.contained = _ContainedFileSystem(path)
+        self.fs = self.contained
+        self.path = path  # type: ignore[assignment]  # DCP joins names onto it with concat_path
 
     def reset(self, checkpoint_id: str | os.PathLike | None = None) -> None:
         super().reset(checkpoint_id)
-        self.fs = _ContainedFileSystem(Path(self.path))
+        self.contained = _ContainedFileSystem(self.contained.init_path(self.path))
+        self.fs = self.contained
 
     def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
         if kwargs.get("rank") is not None:  # per-rank metadata: only written without collectives
             raise CheckpointError(f"{self.path} has no {DCP_METADATA}")
-        metadata = _read_dcp_metadata(Path(self.path))
+        metadata = _read_dcp_metadata(self.contained.root)
         assert metadata.storage_meta is not None  # _read_dcp_metadata fills it in
         metadata.storage_meta.load_id = self.load_id
         return metadata
@@ -446,7 +494,7 @@ class SafeFileSystemReader(FileSystemReader):
     ) -> None:
         # Every rank, with the metadata its reads will follow: the files it names are checked
         # against the manifest before DCP opens any of them.
-        manifest = _read_manifest(Path(self.path))
+        manifest = _read_manifest(self.contained.root)
         listed: set[str] = {
             e["name"]
             for e in manifest["files"]
@@ -456,7 +504,7 @@ class SafeFileSystemReader(FileSystemReader):
         super().set_up_storage_reader(metadata, is_coordinator, *args, **kwargs)
 
 
-def _read_dcp_metadata(path: Path) -> Metadata:
+def _read_dcp_metadata(path: Folder) -> Metadata:
     try:
         with _open_inside(path, DCP_METADATA) as f:
             metadata = _MetadataUnpickler(f).load()

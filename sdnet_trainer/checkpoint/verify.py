@@ -6,8 +6,8 @@ check theirs and report back until rank 0 sends its decision (:class:`Decided`).
 from __future__ import annotations
 
 import dataclasses
-from pathlib import Path
 
+from sdnet_trainer.checkpoint.files import Folder
 from sdnet_trainer.checkpoint.group import CheckpointGroup
 from sdnet_trainer.checkpoint.untrusted import Checkpoint, CheckpointError, checksum_error
 
@@ -31,7 +31,7 @@ def divide(expected: dict[str, tuple[int, int]], parts: int) -> list[dict[str, i
     return shares
 
 
-def check_share(folder: Path, share: dict[str, int]) -> str | None:
+def check_share(folder: Folder, share: dict[str, int]) -> str | None:
     """The first failure among this rank's share of the files, or None. Never raises: every rank
     must reach the gather that follows, or the others would wait there."""
     for name in sorted(share):
@@ -45,7 +45,7 @@ def check_share(folder: Path, share: dict[str, int]) -> str | None:
 
 
 def check_on_every_rank(
-    ranks: CheckpointGroup, folder: Path, expected: dict[str, tuple[int, int]], world_size: int
+    ranks: CheckpointGroup, folder: Folder, expected: dict[str, tuple[int, int]], world_size: int
 ) -> None:
     """Rank 0: the checksums of ``folder``'s files checked by every rank; a CheckpointError
     naming the first file that fails."""

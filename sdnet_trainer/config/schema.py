@@ -383,8 +383,12 @@ class LoopConfig:
 @dataclass
 class CheckpointConfig:
     # Where checkpoints go; null: <run dir>/checkpoints. Every rank writes its own shard here, so
-    # on several nodes it must be a shared filesystem.
+    # on several nodes it must be a shared filesystem, or an object store's URL (s3://bucket/run,
+    # gs://, az://: any fsspec URL; docs/checkpoints.md).
     dir: Optional[str] = None
+    # fsspec options of that store, e.g. {endpoint_url: http://minio:9000} or {profile: NAME};
+    # credentials are refused here (the config is saved with every checkpoint): the environment.
+    storage_options: Dict[str, Any] = field(default_factory=dict)
     every_n_steps: Optional[int] = None
     every_n_minutes: Optional[float] = None
     # Committed checkpoints kept; older ones are deleted only after a newer one is committed.

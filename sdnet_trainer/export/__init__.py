@@ -74,6 +74,7 @@ half-written files behind.
 from __future__ import annotations
 
 import logging
+import tempfile
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -81,7 +82,8 @@ from typing import Optional
 
 from omegaconf import MISSING
 
-from sdnet_trainer.checkpoint import find_checkpoint
+from sdnet_trainer.checkpoint import Checkpoint, find_checkpoint
+from sdnet_trainer.checkpoint.files import Folder
 from sdnet_trainer.config.arguments import parse_key_values
 from sdnet_trainer.config.paths import check_creatable_folder
 from sdnet_trainer.errors import ConfigError
@@ -106,6 +108,7 @@ from sdnet_trainer.export.rebuild import (
     trainer_hint,
     training_config,
 )
+from sdnet_trainer.export.remote import check_prefix, output_prefix, upload
 from sdnet_trainer.export.writers import (
     ALL_FORMATS,
     EXTRA_HINT,
@@ -179,8 +182,8 @@ class ExportArgs:
 class Exported:
     """What one export wrote, and how close the exported programs are to PyTorch."""
 
-    out: Path
-    files: list[Path]
+    out: Folder  # a local folder, or an object store's prefix (export.remote)
+    files: list[Folder]
     max_abs_diff: dict[str, float]  # per checked format (onnx, torch_export)
 
 
@@ -226,14 +229,28 @@ def export(args: ExportArgs) -> Exported:
     names = formats(args.format)
     require_modules(names)
     checkpoint = find_checkpoint(args.checkpoint, key="checkpoint")
+    written = [FILES[fmt] for fmt in names] + [CONFIG_FILE]
+    written += hf_file_names() if "hf" in names else []
+    prefix = output_prefix(args.out, checkpoint)
+    if prefix is None:
+        return _export(args, names, checkpoint, output_folder(args.out, checkpoint), written)
+    # Into a store: written locally as any export, then uploaded (export.remote).
+    check_prefix(prefix, written)  # before the slow work
+    with tempfile.TemporaryDirectory(prefix="sdnet_export_") as local:
+        done = _export(args, names, checkpoint, Path(local) / "export", written)
+        assert isinstance(done.out, Path)
+        files = upload(done.out, [f for f in done.files if isinstance(f, Path)], prefix)
+    return Exported(out=prefix, files=list(files), max_abs_diff=done.max_abs_diff)
+
+
+def _export(
+    args: ExportArgs, names: list[str], checkpoint: Checkpoint, out: Path, written: list[str]
+) -> Exported:
+    """The export of ``checkpoint`` as ``names`` into the local folder ``out``."""
     cfg = training_config(checkpoint)
     cls = trainer_class(checkpoint, cfg, args.trainer)
-    out = output_folder(args.out, checkpoint)
     # Refuse an output folder export will not write into before the slow work.
-    check_output(
-        out,
-        [FILES[fmt] for fmt in names] + [CONFIG_FILE] + (hf_file_names() if "hf" in names else []),
-    )
+    check_output(out, written)
     check_creatable_folder("out", out)
     try:
         # A Trainer that is never set up (no process group, data or optimizer): build_model and
@@ -280,4 +297,4 @@ def export(args: ExportArgs) -> Exported:
             f"weights.\n" + config_yaml(cfg)
         )
         files = publish(folder, out, staging, checkpoint)
-    return Exported(out=out, files=files, max_abs_diff=diffs)
+    return Exported(out=out, files=list(files), max_abs_diff=diffs)

@@ -8,6 +8,7 @@ import sys
 from collections.abc import Sequence
 
 import sdnet_trainer.export as package
+from sdnet_trainer.checkpoint.objects import ObjectFolder
 from sdnet_trainer.errors import ConfigError
 from sdnet_trainer.export import EXIT_BAD_INPUT, EXIT_EXPORT_FAILED, ExportError, export, parse_args
 
@@ -30,8 +31,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     except ExportError as err:
         print(f"export failed: {err}", file=sys.stderr)
         return EXIT_EXPORT_FAILED
+    uploaded = result.out.listing()[0] if isinstance(result.out, ObjectFolder) else {}
     for path in result.files:
-        print(f"wrote {path} ({path.stat().st_size / 2**20:.2f} MB)")
+        size = uploaded[path.name] if isinstance(path, ObjectFolder) else path.stat().st_size
+        print(f"wrote {path} ({size / 2**20:.2f} MB)")
     for fmt, diff in result.max_abs_diff.items():
         print(f"{fmt}: outputs match PyTorch, max abs difference {diff:.3g}")
     return 0

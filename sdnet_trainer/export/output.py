@@ -21,7 +21,7 @@ from sdnet_trainer.export.writers import ExportError
 # Lists the files exports wrote into their output folder: the only files a later export replaces.
 EXPORT_MANIFEST = "export_manifest.json"
 MANIFEST_WRITER = "sdnet_trainer.export"
-_MANIFEST_MAX_BYTES = 1 << 20
+MANIFEST_MAX_BYTES = 1 << 20
 _STAGING_PREFIX = ".staging_export_"
 
 
@@ -30,6 +30,7 @@ def output_folder(out: str | None, checkpoint: Checkpoint) -> Path:
     followed), else ``<checkpoint>/export``."""
     if out:
         return Path(os.path.abspath(Path(out).expanduser()))
+    assert isinstance(checkpoint.path, Path), "a checkpoint in a store exports to one (remote)"
     return checkpoint.path / "export"
 
 
@@ -106,32 +107,51 @@ def _previous_exports(folder: int, out: Path) -> dict[str, Any]:
     """The files earlier exports wrote into ``out``, by name, from its EXPORT_MANIFEST; refuses a
     manifest that export did not write."""
     path = out / EXPORT_MANIFEST
-    foreign = (
-        f"{path} was not written by {MANIFEST_WRITER}: export does not replace it; move it "
-        f"away or pass out=<another folder>"
-    )
     try:
         info = os.lstat(EXPORT_MANIFEST, dir_fd=folder)
     except FileNotFoundError:
         return {}
-    if not stat.S_ISREG(info.st_mode) or info.st_size > _MANIFEST_MAX_BYTES:
-        raise ConfigError(foreign)
+    if not stat.S_ISREG(info.st_mode) or info.st_size > MANIFEST_MAX_BYTES:
+        raise ConfigError(_foreign(str(path)))
     try:
         fd = os.open(EXPORT_MANIFEST, os.O_RDONLY | os.O_NOFOLLOW, dir_fd=folder)
         with os.fdopen(fd, "rb") as file:
-            manifest = json.loads(file.read(_MANIFEST_MAX_BYTES + 1))
-    except (OSError, ValueError):
-        raise ConfigError(foreign) from None
+            data = file.read(MANIFEST_MAX_BYTES + 1)
+    except OSError:
+        raise ConfigError(_foreign(str(path))) from None
+    return parse_export_manifest(data, str(path))
+
+
+def parse_export_manifest(data: bytes, where: str) -> dict[str, Any]:
+    """The files an EXPORT_MANIFEST's bytes list, by plain name; a ConfigError naming ``where``
+    when export did not write it."""
+    try:
+        manifest = json.loads(data)
+    except ValueError:
+        raise ConfigError(_foreign(where)) from None
     if not isinstance(manifest, dict) or manifest.get("written_by") != MANIFEST_WRITER:
-        raise ConfigError(foreign)
+        raise ConfigError(_foreign(where))
     files = manifest.get("files")
     if not isinstance(files, dict):
-        raise ConfigError(foreign)
+        raise ConfigError(_foreign(where))
     return {
         name: entry
         for name, entry in files.items()
         if isinstance(name, str) and _plain_name(name) and isinstance(entry, dict)
     }
+
+
+def manifest_text(entries: dict[str, Any]) -> str:
+    """An EXPORT_MANIFEST listing ``entries`` (file name: where it came from)."""
+    manifest = {"written_by": MANIFEST_WRITER, "files": dict(sorted(entries.items()))}
+    return json.dumps(manifest, indent=2) + "\n"
+
+
+def _foreign(where: str) -> str:
+    return (
+        f"{where} was not written by {MANIFEST_WRITER}: export does not replace it; move it "
+        f"away or pass out=<another folder>"
+    )
 
 
 def _plain_name(name: str) -> bool:
@@ -204,8 +224,7 @@ def publish(folder: int, out: Path, staging: Path, checkpoint: Checkpoint) -> li
     entries = dict(previous)
     for name in names:
         entries[name] = {"checkpoint": str(checkpoint.path), "step": checkpoint.step}
-    manifest = {"written_by": MANIFEST_WRITER, "files": dict(sorted(entries.items()))}
-    (staging / EXPORT_MANIFEST).write_text(json.dumps(manifest, indent=2) + "\n")
+    (staging / EXPORT_MANIFEST).write_text(manifest_text(entries))
     umask = os.umask(0)
     os.umask(umask)
     for name in [EXPORT_MANIFEST, *names]:

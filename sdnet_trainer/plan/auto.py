@@ -29,13 +29,12 @@ import logging
 import math
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
 import torch
 
 from sdnet_trainer.checkpoint import CheckpointError, read_checkpoint
-from sdnet_trainer.checkpoint.files import step_dirs
+from sdnet_trainer.checkpoint.files import Folder, folder_of, step_dirs
 from sdnet_trainer.config import Config
 from sdnet_trainer.config.checks import check_choice, check_positive
 from sdnet_trainer.data import is_language_model_data, resolve_num_classes
@@ -81,7 +80,7 @@ class Plan:
 
 
 def resolve_auto(
-    cfg: Config, world_size: int, *, checkpoint_dir: Path | None, device: torch.device
+    cfg: Config, world_size: int, *, checkpoint_dir: Folder | None, device: torch.device
 ) -> Config:
     """``cfg`` with ``parallel=auto`` replaced by a layout: the resumed checkpoint's on the same
     world size, else the plan's (its table logged)."""
@@ -397,7 +396,7 @@ def _nothing_fits(
 
 
 def recorded_layout(
-    cfg: Config, checkpoint_dir: Path | None, world_size: int
+    cfg: Config, checkpoint_dir: Folder | None, world_size: int
 ) -> tuple[Layout, str] | None:
     """The layout of the checkpoint a resume would load, if it was written by ``world_size``
     ranks with explicit degrees (a ``parallel=auto`` run's; a resume on another world size plans
@@ -409,7 +408,7 @@ def recorded_layout(
     if resume == "auto":
         paths = [p for _, p in sorted(step_dirs(checkpoint_dir), reverse=True)]
     else:
-        paths = [Path(resume).expanduser()]
+        paths = [folder_of(resume, dict(cfg.checkpoint.storage_options))]
     for path in paths:
         try:
             checkpoint = read_checkpoint(path)

@@ -82,6 +82,7 @@ class Checkpointer(HookBase):
             rank=rank,
             world_size=world_size,
             run_id=run_id,
+            storage_options=dict(cfg.storage_options),
         )
         self._last_save_time = time.monotonic()
 

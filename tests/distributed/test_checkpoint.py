@@ -241,7 +241,7 @@ def test_checksum_of_a_file_not_written_front_to_back_is_read_back(tmp_path):
         stream.seek(0)
         stream.write(b"X")
     assert written.written == {"appended": (6, zlib.crc32(b"abcdef")), "patched": None}
-    assert disk.read_checksum(tmp_path / "patched") == (6, zlib.crc32(b"Xbcdef"))
+    assert disk.read_checksum(tmp_path, "patched") == (6, zlib.crc32(b"Xbcdef"))
     written.rename(tmp_path / "appended", tmp_path / "renamed")
     assert written.written["renamed"] == (6, zlib.crc32(b"abcdef"))
 

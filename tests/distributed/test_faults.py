@@ -2,10 +2,15 @@
 non-finite losses, a hung rank, a killed torchrun agent, a backend without its device, a checkpoint
 that cannot be written. FaultTrainer and SignalTrainer (tests/support.py) inject them. The faults
 inside the training loop run forked ready-imported (tests/forked.py); a restart after a killed
-rank and a killed agent are torchrun's, under torchrun."""
+rank and a killed agent are torchrun's, under torchrun.
+
+The killed rank's run and one of the resumes on another world size keep their checkpoints in
+object storage (a local S3 server, the ``s3`` fixture of tests/conftest.py), the others on disk:
+the same guarantees, from either."""
 
 from __future__ import annotations
 
+import logging
 import os
 import signal
 import sys
@@ -14,9 +19,11 @@ import time
 import pytest
 import torch
 
+from sdnet_trainer.checkpoint import CheckpointManager
 from sdnet_trainer.cli import EXIT_CHECKPOINT
 from tests.support import (
     FINAL_STATE,
+    S3_CREDENTIALS,
     TINY,
     checkpoint_names,
     child_processes,
@@ -39,25 +46,66 @@ def _final(run_dir):
     return torch.load(run_dir / FINAL_STATE, weights_only=True)
 
 
-def test_killed_rank_restarts_resumes_and_ends_bitwise_equal(tmp_path):
+def test_rank_killed_while_its_async_save_uploads_restarts_and_ends_bitwise_equal(
+    tmp_path, s3, caplog, monkeypatch
+):
+    """Checkpoints in S3, saved asynchronously: rank 1 is SIGKILLed while the save of step 6
+    uploads (its shard written, the save not finished). torchrun restarts both ranks, which
+    resume on their own (checkpoint.resume=auto) from step 4, the newest committed step, never
+    the uncommitted 6, and end bitwise equal to a run without faults (on disk, saved
+    synchronously). The store's endpoint comes from checkpoint.storage_options, the credentials
+    from the environment."""
     args = COMMON + ["loop.max_steps=10", "checkpoint.every_n_steps=2"]
     clean = run_cli(args + [f"hydra.run.dir={tmp_path / 'clean'}"], cwd=tmp_path, nproc=2)
     assert clean.returncode == 0, clean.output
-    # Rank 1 is SIGKILLed right after step 5 (checkpoint at step 4); torchrun restarts both ranks,
-    # which resume from step 4 on their own (checkpoint.resume=auto).
+    store = f"{s3.url}/run/checkpoints"
+    monkeypatch.delenv("AWS_ENDPOINT_URL")  # the run is told it, the credentials it finds
     killed = run_cli(
-        args + [f"hydra.run.dir={tmp_path / 'killed'}"],
+        args
+        + [
+            f"hydra.run.dir={tmp_path / 'killed'}",
+            f"checkpoint.dir={store}",
+            "checkpoint.async_save=true",
+            f"+checkpoint.storage_options.endpoint_url={s3.endpoint}",
+        ],
         cwd=tmp_path,
         nproc=2,
         torchrun_args=("--max-restarts=1",),
-        env={"SDNET_TEST_KILL": "1:5"},
+        env={"SDNET_TEST_KILL_IN_UPLOAD": "1:6"},
     )
     assert killed.returncode == 0, killed.output
-    assert "resumed from" in killed.output and "step_00000004" in killed.output
+    assert "failed (exitcode: -9) local_rank: 1" in killed.output, killed.output
+    assert f"skipping checkpoint {store}/step_00000006: no manifest.json" in killed.output
+    assert f"resumed from {store}/step_00000004: step 4" in killed.output, killed.output
     expected, got = _final(tmp_path / "clean"), _final(tmp_path / "killed")
     for name, value in expected["params"].items():
         assert torch.equal(got["params"][name], value), name
     assert got["losses"] == expected["losses"][4:]  # the restarted attempt ran steps 5..10
+    assert not (tmp_path / "killed" / "checkpoints").exists()  # nothing on the local disk
+    # The credentials are nowhere in what the run wrote or said: its folder, the manifests, logs.
+    secret = S3_CREDENTIALS["AWS_SECRET_ACCESS_KEY"].encode()
+    assert secret not in killed.output.encode()
+    assert not [
+        p for p in (tmp_path / "killed").rglob("*") if p.is_file() and secret in p.read_bytes()
+    ]
+    manifest = s3.fs.cat(s3.key(f"{store}/step_00000010/manifest.json"))
+    assert s3.endpoint.encode() in manifest and secret not in manifest  # its config, no secret
+    # One object of the newest step lost: a resume takes the previous committed step, saying so.
+    s3.fs.rm(s3.key(f"{store}/step_00000010/__1_0.distcp"))
+    reader = CheckpointManager(
+        store,
+        keep_last=3,
+        async_save=False,
+        rank=0,
+        world_size=1,
+        storage_options={"endpoint_url": s3.endpoint},
+    )
+    with caplog.at_level(logging.WARNING, logger="sdnet_trainer.checkpoint"):
+        chosen = reader.resolve_resume("auto")
+    reader.close()
+    assert chosen is not None and chosen.step == 8
+    warning = next(r.getMessage() for r in caplog.records if "resume=auto" in r.getMessage())
+    assert f"{store}/step_00000010" in warning and "__1_0.distcp is missing" in warning
 
 
 NO_DROPOUT = {"SDNET_TEST_DROPOUT": "0"}  # re-derived random streams would make dropout differ
@@ -75,11 +123,15 @@ def uninterrupted_8_steps(tmp_path_factory):
     return tmp / "ref"
 
 
-@pytest.mark.parametrize("first, second", [(2, 1), (1, 2)])
+@pytest.mark.parametrize("first, second, storage", [(2, 1, "s3"), (1, 2, "disk")])
 def test_resume_on_another_world_size_visits_each_sample_once(
-    tmp_path, uninterrupted_8_steps, first, second
+    tmp_path, uninterrupted_8_steps, first, second, storage, request
 ):
     args = COMMON + ["loop.max_steps=8", f"hydra.run.dir={tmp_path / 'run'}"]
+    where = f"{tmp_path / 'run' / 'checkpoints'}"
+    if storage == "s3":  # the bucket's endpoint and credentials come from the environment
+        where = f"{request.getfixturevalue('s3').url}/run"
+        args.append(f"checkpoint.dir={where}")
     env = NO_DROPOUT
     # Preempted during step 2: the ranks agree during step 3, save it and exit with 143.
     stopped = run_cli(
@@ -93,6 +145,7 @@ def test_resume_on_another_world_size_visits_each_sample_once(
     )
     resumed = run_cli(args, cwd=tmp_path, nproc=second if second > 1 else None, env=env)
     assert resumed.returncode == 0, resumed.output
+    assert f"resumed from {where}/step_00000003: step 3" in resumed.output, resumed.output
     assert f"written by {first} ranks; random streams re-derived" in resumed.output
 
     seen = seen_samples(tmp_path / "run")

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import subprocess
 import sys
 
@@ -13,6 +14,7 @@ from omegaconf import OmegaConf
 
 from sdnet_trainer import Config, Trainer
 from sdnet_trainer.data import build_datasets
+from sdnet_trainer.export.cli import main as export_main
 from tests.support import REPO, TINY, cli_env, last_metric, read_jsonl, run_cli
 
 onnxruntime = pytest.importorskip("onnxruntime", reason="the export extra is not installed")
@@ -130,6 +132,44 @@ def test_torch_export_program_runs_and_matches(exported):
     images = torch.randn(5, cfg.data.channels, cfg.data.image_size, cfg.data.image_size)
     with torch.no_grad():
         torch.testing.assert_close(program(images), model(images))
+
+
+def test_export_from_and_to_s3_writes_the_local_exports_model(
+    run_dir, exported, s3_module, monkeypatch, capsys, caplog
+):
+    """The run's checkpoints copied to a local S3 server: export reads the newest from there and
+    writes its files there (the store found through the environment, as docs/checkpoints.md
+    shows), the weights those of the local export; an object export did not write is left alone,
+    and one it would replace is refused. The command's main runs in this process, with that
+    environment."""
+    import s3fs
+
+    for name, value in s3_module.env.items():
+        monkeypatch.setenv(name, value)
+    s3fs.S3FileSystem.clear_instance_cache()  # none made before this environment
+    store = f"{s3_module.url}/run"
+    key = s3_module.key
+    s3_module.fs.put(f"{run_dir / 'checkpoints'}/", key(f"{store}/checkpoints/"), recursive=True)
+    s3_module.fs.pipe(key(f"{store}/export/notes.txt"), b"not an export's")
+    with caplog.at_level(logging.INFO, logger="sdnet_trainer.export"):
+        code = export_main([f"checkpoint={store}/checkpoints", "format=pt", f"out={store}/export"])
+    out = capsys.readouterr()
+    assert code == 0, out.out + out.err
+    assert f"wrote {store}/export/model.pt" in out.out
+    assert f"exporting step 4 of {store}/checkpoints/step_00000004" in caplog.text
+    objects = sorted(p.rsplit("/", 1)[-1] for p in s3_module.fs.ls(key(f"{store}/export")))
+    assert objects == ["config.yaml", "export_manifest.json", "model.pt", "notes.txt"]
+    with s3_module.fs.open(key(f"{store}/export/model.pt")) as f:
+        uploaded = torch.load(f, weights_only=True)
+    local = torch.load(exported / "model.pt", weights_only=True)
+    assert uploaded.keys() == local.keys()
+    assert all(torch.equal(uploaded[k], local[k]) for k in local)
+    # Refused before any work.
+    s3_module.fs.pipe(key(f"{store}/other/model.pt"), b"someone else's")
+    args = [f"checkpoint={store}/checkpoints", "format=pt", f"out={store}/other"]
+    assert export_main(args) == 2
+    assert f"out: {store}/other/model.pt exists" in capsys.readouterr().err
+    assert s3_module.fs.cat(key(f"{store}/other/model.pt")) == b"someone else's"
 
 
 def test_missing_checkpoint_exits_2_naming_it(tmp_path):

@@ -92,8 +92,8 @@ def cnn(cnn_run):
     return _reference(cnn_run / "checkpoints")
 
 
-def _serve(args: list[str]):
-    server = ServerProcess(args, env=cli_env(), cwd=REPO, start_timeout=240)
+def _serve(args: list[str], env: dict[str, str] | None = None):
+    server = ServerProcess(args, env={**cli_env(), **(env or {})}, cwd=REPO, start_timeout=240)
     server.start()
     yield server
     assert server.stop() == 0, server.output  # SIGTERM: a clean shutdown
@@ -101,14 +101,20 @@ def _serve(args: list[str]):
 
 
 @pytest.fixture(scope="module")
-def image_server(cnn_run):
+def image_server(cnn_run, s3_module):
+    """The CNN served from object storage: its checkpoints copied to a local S3 server, which the
+    server finds through its environment (docs/checkpoints.md). The tests compare its replies
+    with the model loaded from the local copy (``cnn``)."""
+    store = f"{s3_module.url}/cnn/checkpoints"
+    s3_module.fs.put(f"{cnn_run / 'checkpoints'}/", s3_module.key(f"{store}/"), recursive=True)
     yield from _serve(
         [
-            f"checkpoint={cnn_run / 'checkpoints'}",
+            f"checkpoint={store}",
             "max_wait_ms=50",
             "max_batch_size=8",
             f"max_body_mb={BODY_LIMIT_MB}",
-        ]
+        ],
+        env=s3_module.env,
     )
 
 
@@ -354,6 +360,9 @@ def test_health_readiness_and_the_openapi_page(image_client):
     assert {"multipart/form-data", "application/json"} <= set(body["content"])
     info = image_client.get("/v1/model").json()
     assert info["kind"] == "image" and info["input_shape"] == [3, IMAGE_SIZE, IMAGE_SIZE]
+    assert (
+        info["source"].startswith("step 4 of s3://") and "/cnn/checkpoints/step_" in info["source"]
+    )
 
 
 @pytest.fixture(scope="module")
