@@ -14,6 +14,7 @@ import logging
 import os
 import re
 import socket
+import threading
 import time
 import uuid
 import weakref
@@ -87,16 +88,41 @@ class _LockFile:
         os.unlink(self.path)
 
 
+# A lock object is a lease: its holder writes it again every LEASE_RENEW_S; one not renewed for
+# LEASE_EXPIRES_S (ten renewals missed: the holder's node is gone, as a preempted cloud node is,
+# whose processes no other host can check) may be taken over. The margin also covers clocks that
+# differ between hosts.
+LEASE_RENEW_S = 60.0
+LEASE_EXPIRES_S = 600.0
+
+
 class _LockObject:
     """The lock as an object: created with a conditional PUT (``If-None-Match``), which S3, GCS
     and Azure make atomic, so of two runs starting at once exactly one gets it. A store has no
     rename: a stale lock is removed after reading it again, which two runs replacing the same
     stale lock in the same instant could both do (the conditional create still lets one of them
-    in)."""
+    in). The holder renews it from a thread (``start_lease``) until it is removed."""
 
     def __init__(self, directory: ObjectFolder) -> None:
         self.directory = directory
         self.path = directory / LOCK
+        self._stop = threading.Event()
+
+    def start_lease(self, holder: dict[str, Any]) -> None:
+        """Write ``holder`` again with a fresh ``renewed`` time every LEASE_RENEW_S while the lock
+        object still names its token."""
+
+        def renew() -> None:
+            while not self._stop.wait(LEASE_RENEW_S):
+                try:
+                    if _parse_lock(self.read() or "").get("token") != holder["token"]:
+                        return  # taken over (a restarted worker of the same run) or released
+                    holder["renewed"] = time.time()
+                    self.directory.write_bytes(LOCK, json.dumps(holder).encode())
+                except OSError as exc:  # the store is unreachable for now: try again later
+                    logger.warning("could not renew the checkpoint lock %s: %s", self.path, exc)
+
+        threading.Thread(target=renew, name="checkpoint-lock-lease", daemon=True).start()
 
     def create(self, text: str) -> bool:
         return self.directory.create(LOCK, text.encode())
@@ -111,7 +137,11 @@ class _LockObject:
         self.directory.remove(LOCK)
         return True
 
+    def stop_lease(self) -> None:
+        self._stop.set()
+
     def remove(self) -> None:
+        self.stop_lease()
         self.directory.remove(LOCK)
 
 
@@ -124,8 +154,9 @@ class FolderLock:
     (``TORCHELASTIC_RUN_ID``: torchrun restarted this run's workers; a new launch with the same
     run id, e.g. two started in the same second with the default time-based id, is not the same
     run), a process on this host that no longer exists (a crashed or preempted run; logged), or a
-    manager of this process that was dropped without ``close`` (a notebook's earlier Trainer); any
-    other holder, live or on another host (whose processes cannot be checked from here), refuses.
+    manager of this process that was dropped without ``close`` (a notebook's earlier Trainer), or,
+    in an object store, a holder whose lease expired (``LEASE_EXPIRES_S``); any other holder,
+    live or on another host (whose processes cannot be checked from here), refuses.
 
     A lock whose manager is garbage collected, or still held when the interpreter exits, is
     released then (``weakref.finalize``)."""
@@ -170,6 +201,8 @@ class FolderLock:
                     log("checkpoint lock %s: taking it over, %s", self.path, why)
                 continue
             self.held = True
+            if isinstance(self.lock, _LockObject):
+                self.lock.start_lease(content)
             _HELD_HERE[self.token] = self
             self._release = weakref.finalize(self, _release_lock, self.lock, self.token)
             return
@@ -209,6 +242,13 @@ class FolderLock:
         same_launch = self.launch is not None and holder.get("launch") == self.launch
         if holder["run_id"] == self.run_id and same_launch:
             return f"it is held by the same run {self.run_id!r} (restarted workers)"
+        renewed = holder.get("renewed", holder["created"])
+        age = time.time() - renewed if isinstance(renewed, (int, float)) else 0.0
+        if isinstance(self.lock, _LockObject) and age > LEASE_EXPIRES_S:
+            return (
+                f"its holder, run {holder['run_id']!r} on host {holder['host']}, has not "
+                f"renewed its lease for {age:.0f} s"
+            )
         if holder["host"] != socket.gethostname():
             return None
         if holder["pid"] == os.getpid():
@@ -236,6 +276,8 @@ class FolderLock:
         since = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(holder["created"]))
         if holder["host"] != socket.gethostname():
             state = "a process on another host"
+            if isinstance(self.lock, _LockObject):
+                state += f", whose lease is taken over once not renewed for {LEASE_EXPIRES_S:g} s"
         elif holder["pid"] == os.getpid():
             state = "this process: close() its Trainer or Checkpointer first"
         else:
@@ -256,6 +298,8 @@ _HELD_HERE: weakref.WeakValueDictionary[str, FolderLock] = weakref.WeakValueDict
 def _release_lock(lock: _LockFile | _LockObject, token: str) -> None:
     """Delete the lock if it still holds ``token``. Also runs at interpreter exit (from
     weakref.finalize), so it does not rely on logging."""
+    if isinstance(lock, _LockObject):
+        lock.stop_lease()
     try:
         if _parse_lock(lock.read() or "").get("token") == token:
             lock.remove()

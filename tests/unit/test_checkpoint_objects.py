@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import logging
 import pickle
+import time
 import zlib
 from dataclasses import replace
 
@@ -25,7 +26,9 @@ from sdnet_trainer.checkpoint import (
     find_checkpoint,
     read_checkpoint,
 )
+from sdnet_trainer.checkpoint import lock as lock_module
 from sdnet_trainer.checkpoint.files import folder_of
+from sdnet_trainer.checkpoint.lock import LEASE_EXPIRES_S
 from sdnet_trainer.errors import ConfigError
 from sdnet_trainer.preflight import validate
 from tests.support import TINY
@@ -255,3 +258,28 @@ def test_any_fsspec_url_holds_checkpoints(tmp_path):
     m.load(chosen, target)
     assert torch.equal(target["w"], torch.full((SIZE,), 3.0))
     m.close()
+
+
+def test_the_lock_object_is_a_lease_its_holder_renews(s3, monkeypatch, caplog):
+    """A lock held from another host is refused while it is renewed, and taken over once it has
+    not been for LEASE_EXPIRES_S (its node gone, as a preempted cloud node is); the holder's
+    thread renews it."""
+    url = f"{s3.url}/leased"
+    now = time.time()
+    elsewhere = {"run_id": "gone", "host": "node-7", "pid": 1, "created": now - 7200, "token": "t"}
+    lock = s3.key(f"{url}/checkpoint.lock")
+    s3.fs.pipe(lock, json.dumps({**elsewhere, "renewed": now - 30}).encode())
+    with pytest.raises(ConfigError, match="lease is taken over once not renewed for 600 s"):
+        manager(url, run_id="mine")
+    s3.fs.pipe(lock, json.dumps({**elsewhere, "renewed": now - LEASE_EXPIRES_S - 60}).encode())
+    monkeypatch.setattr(lock_module, "LEASE_RENEW_S", 0.1)
+    with caplog.at_level(logging.WARNING, logger="sdnet_trainer.checkpoint"):
+        held = manager(url, run_id="mine")
+    assert "has not renewed its lease" in caplog.text and "node-7" in caplog.text
+    first = json.loads(s3.fs.cat(lock))
+    assert first["run_id"] == "mine"
+    time.sleep(0.5)
+    renewed = json.loads(s3.fs.cat(lock))
+    assert renewed["token"] == first["token"] and renewed["renewed"] > first["created"]
+    held.close()
+    assert not s3.fs.exists(lock)
