@@ -166,7 +166,8 @@ class _ChecksummingFileSystem(FileSystem):
         return self.inner.concat_path(path, suffix)
 
     def mkdir(self, path: str | os.PathLike) -> None:
-        self.inner.mkdir(path)
+        if self.remote is None:  # a store has no folders (s3fs would create a missing bucket)
+            self.inner.mkdir(path)
 
     def exists(self, path: str | os.PathLike) -> bool:
         return self.inner.exists(path)

@@ -116,7 +116,11 @@ class _LockObject:
             while not self._stop.wait(LEASE_RENEW_S):
                 try:
                     if _parse_lock(self.read() or "").get("token") != holder["token"]:
-                        return  # taken over (a restarted worker of the same run) or released
+                        if not self._stop.is_set():  # not released: taken over
+                            logger.error(
+                                "checkpoint lock %s was taken over by another holder", self.path
+                            )
+                        return
                     holder["renewed"] = time.time()
                     self.directory.write_bytes(LOCK, json.dumps(holder).encode())
                 except OSError as exc:  # the store is unreachable for now: try again later
@@ -125,7 +129,9 @@ class _LockObject:
         threading.Thread(target=renew, name="checkpoint-lock-lease", daemon=True).start()
 
     def create(self, text: str) -> bool:
-        return self.directory.create(LOCK, text.encode())
+        """The conditional create, then the object read back: a store that ignored the condition
+        (some S3-compatible ones do) shows another holder's text there."""
+        return self.directory.create(LOCK, text.encode()) and self.read() == text
 
     def read(self) -> str | None:
         data = self.directory.read_bytes(LOCK)

@@ -191,6 +191,13 @@ class CheckpointManager:
             # Leftover of a crashed save of this same step by this run (in a store: any objects
             # under the step's prefix, manifest first). Safe before the collective: other ranks
             # write their shards only after rank 0 has joined the save and re-created the folder.
+            if isinstance(staging, ObjectFolder) and files.MANIFEST in staging.listing()[0]:
+                logger.warning(
+                    "checkpoint step %d is saved again: the committed %s is deleted first (a "
+                    "store has no rename to replace it at the commit)",
+                    step,
+                    staging,
+                )
             files.remove_tree(staging)
         started = time.monotonic()
         try:
@@ -337,7 +344,10 @@ class CheckpointManager:
             sum(written.values()) / 2**20,
             time.monotonic() - started,
         )
-        self._prune(committed=step)
+        try:
+            self._prune(committed=step)
+        except Exception as exc:  # noqa: BLE001 - the step is committed: pruning waits for the next
+            logger.warning("checkpoint step %d saved, but pruning failed: %s", step, exc)
         return Checkpoint(path=final, step=step, world_size=self.world_size, meta=meta)
 
     def _prune(self, *, committed: int) -> None:

@@ -46,7 +46,8 @@ _PROTOCOL = re.compile(r"^([A-Za-z][A-Za-z0-9+.-]*)(::|://)")
 # connection_string, botocore's aws_secret_access_key, ...): they belong in the environment or a
 # profile. Identifiers such as aws_access_key_id or an SSE-KMS key id are not secrets.
 _SECRET = re.compile(
-    r"(^|_)(key|secret|token|password|passwd|credentials?|connection_string)$", re.IGNORECASE
+    r"secret|token|password|passwd|credential|authorization|connection_?string|(^|[_-])key$",
+    re.IGNORECASE,
 )
 
 
@@ -64,8 +65,10 @@ def secret_options(options: Mapping[str, Any], prefix: str = "") -> list[str]:
         name = f"{prefix}{key}"
         if _SECRET.search(str(key)):
             found.append(name)
-        elif isinstance(value, Mapping):
-            found += secret_options(value, prefix=f"{name}.")
+        for i, item in enumerate(value if isinstance(value, (list, tuple)) else [value]):
+            if isinstance(item, Mapping):
+                inner = f"{name}[{i}]." if isinstance(value, (list, tuple)) else f"{name}."
+                found += secret_options(item, prefix=inner)
     return found
 
 
@@ -119,7 +122,7 @@ class ObjectFolder:
         import fsspec
 
         return fsspec.filesystem(
-            self.protocol, **{"use_listings_cache": False, **dict(self.options)}
+            self.protocol, **{**dict(self.options), "use_listings_cache": False}
         )
 
     @property
@@ -184,6 +187,10 @@ class ObjectFolder:
     def write_bytes(self, name: str, data: bytes) -> None:
         """One PUT: the object is there whole or not at all."""
         self.fs.pipe_file(self._object(name), data)
+
+    def upload(self, name: str, path: str) -> None:
+        """The local file ``path`` as the object ``name``, streamed (multipart when large)."""
+        self.fs.put_file(path, self._object(name))
 
     def create(self, name: str, data: bytes) -> bool:
         """Create the object only if there is none (a conditional PUT); False if there was one."""

@@ -195,19 +195,16 @@ def find_checkpoint(
     """The checkpoint a user named by path or URL (``key`` says where: checkpoint.resume, export's
     checkpoint=), for resume and export alike, verified (``read_checkpoint(verify=True)``, with
     ``checksums``): a step_* folder must pass; a checkpoint directory stands for its newest
-    checkpoint that passes, failing ones skipped with the reason. A URL's store is opened with
-    ``storage_options``."""
+    checkpoint that passes, failing ones skipped with the reason (URLs: ``storage_options``)."""
     path: Folder = folder_of(value, storage_options)
     if isinstance(path, Path):
         path = path.resolve()
-        if not path.exists():
-            raise ConfigError(f"{key}={str(value)!r}: {path} does not exist")
-        has_manifest = (path / MANIFEST).exists()
+        found, has_manifest = path.exists(), (path / MANIFEST).exists()
     else:
         objects, prefixes = path.listing()
-        if not objects and not prefixes:
-            raise ConfigError(f"{key}={str(value)!r}: {path} holds no objects")
-        has_manifest = MANIFEST in objects
+        found, has_manifest = bool(objects or prefixes), MANIFEST in objects
+    if not found:
+        raise ConfigError(f"{key}={str(value)!r}: {path} does not exist")
     steps = sorted(step_dirs(path), reverse=True)
     if steps and not has_manifest:
         reasons = []
@@ -293,11 +290,12 @@ def _check_files(path: Folder, files: list[Any], *, checksums: bool) -> dict[str
     if DCP_METADATA not in listed:
         raise CheckpointError(f"{MANIFEST} does not list DCP's {DCP_METADATA}")
     if isinstance(path, ObjectFolder):
-        present = path.listing()[0]
+        try:
+            present = path.listing()[0]
+        except OSError as exc:
+            raise CheckpointError(f"cannot list its objects: {exc}") from None
         for name, entry in listed.items():
-            if name not in present:
-                raise CheckpointError(f"{name} is missing")
-            _check_size(name, present[name], entry["bytes"])
+            _check_size(name, present.get(name), entry["bytes"])
         return listed
     for name, entry in listed.items():
         try:
@@ -315,7 +313,9 @@ def _check_files(path: Folder, files: list[Any], *, checksums: bool) -> dict[str
     return listed
 
 
-def _check_size(name: str, actual: int, listed: int) -> None:
+def _check_size(name: str, actual: int | None, listed: int) -> None:
+    if actual is None:
+        raise CheckpointError(f"{name} is missing")
     if actual != listed:
         raise CheckpointError(
             f"{name} is {actual} bytes, {MANIFEST} says {listed} (truncated or overwritten)"

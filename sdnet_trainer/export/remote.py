@@ -59,7 +59,7 @@ def upload(local: Path, files: list[Path], out: ObjectFolder) -> list[ObjectFold
     the files, then the manifest, which lists the earlier exports' files too."""
     previous = check_prefix(out, [f.name for f in files])
     for path in files:
-        out.write_bytes(path.name, path.read_bytes())
+        out.upload(path.name, str(path))
     manifest = parse_export_manifest((local / EXPORT_MANIFEST).read_bytes(), str(local))
     merged = {**previous, **manifest}
     out.write_bytes(EXPORT_MANIFEST, manifest_text(merged).encode())

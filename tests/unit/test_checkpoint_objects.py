@@ -108,9 +108,12 @@ def test_a_step_without_its_manifest_never_counts_and_is_saved_again(s3, caplog)
         f"{url}/step_00000002" in r.getMessage() and "no manifest.json" in r.getMessage()
         for r in caplog.records
     )
-    # The run goes on from step 1 and saves step 2 again over the leftovers.
+    # The run goes on from step 1 and saves step 2 again: every leftover goes first (here a shard
+    # of a larger world that the new save would not overwrite).
+    s3.fs.pipe(s3.key(f"{url}/step_00000002/__9_0.distcp"), b"a rank 9's shard")
     saved(m, 2)
     assert [c.step for c in m.checkpoints()] == [1, 2]
+    assert "__9_0.distcp" not in objects(s3, f"{url}/step_00000002")
     m.close()
 
 
@@ -212,7 +215,15 @@ def test_storage_options_carry_no_credentials_and_the_store_must_be_known():
     )
     allowed = "+checkpoint.storage_options.client_kwargs.aws_access_key_id=AKIA"  # an identifier
     validate(compose([*base, allowed]), world_size=1)
-    for key in ("secret", "key", "client_kwargs.aws_secret_access_key", "token", "account_key"):
+    for key in (
+        "secret",
+        "key",
+        "client_kwargs.aws_secret_access_key",
+        "client_kwargs.SecretAccessKey",
+        "token",
+        "account_key",
+        "headers.Authorization",
+    ):
         with pytest.raises(ConfigError, match=f"checkpoint.storage_options.{key}: credentials"):
             validate(compose([*base, f"+checkpoint.storage_options.{key}=x"]), world_size=1)
     with pytest.raises(ConfigError, match="checkpoint.dir='nosuchstore://b/run'"):
