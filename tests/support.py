@@ -341,8 +341,6 @@ class RecordingTrainer(Trainer):
 class FaultTrainer(RecordingTrainer):
     """Faults on request, for the resume tests. Environment variables (``RANK:STEP``):
 
-    - ``SDNET_TEST_KILL``: SIGKILL that rank right after that step, on torchrun's first attempt
-      only;
     - ``SDNET_TEST_KILL_IN_UPLOAD``: SIGKILL that rank in the middle of the save of that step,
       once its own shard is written and before the save's last collective (under async_save, in
       the background while the loop goes on), on torchrun's first attempt only;
@@ -398,15 +396,6 @@ class FaultTrainer(RecordingTrainer):
         if _fault("SDNET_TEST_NAN", self.env.rank) == self.state.step + 1:
             loss = loss * math.nan
         return loss
-
-    def train_step(self):
-        out = super().train_step()
-        if (
-            _fault("SDNET_TEST_KILL", self.env.rank) == self.state.step + 1
-            and os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0"
-        ):
-            os.kill(os.getpid(), signal.SIGKILL)
-        return out
 
     def fit(self):
         try:
