@@ -287,9 +287,11 @@ def is_disk_full(exc: BaseException, *, directory: Folder, needed: int) -> bool:
 
 
 def free_bytes(directory: Folder) -> int:
+    if isinstance(directory, ObjectFolder):
+        return 0  # a store has no free space to speak of (is_disk_full never asks for one)
     try:
-        return shutil.disk_usage(directory).free  # type: ignore[arg-type]  # an ObjectFolder: 0
-    except (OSError, TypeError):
+        return shutil.disk_usage(directory).free
+    except OSError:
         return 0
 
 

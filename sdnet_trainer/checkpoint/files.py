@@ -41,9 +41,12 @@ _STAGING_DIR = re.compile(r"^\.staging_step_(\d+)\.(.+)$")
 Folder: TypeAlias = Path | ObjectFolder
 
 
-def folder_of(value: str | Path, storage_options: dict[str, Any] | None = None) -> Folder:
+def folder_of(value: str | Folder, storage_options: dict[str, Any] | None = None) -> Folder:
     """``checkpoint.dir`` (or any checkpoint location) as a Folder: a URL names an object store
-    (opened with ``storage_options``), anything else a local path, made absolute."""
+    (opened with ``storage_options``), anything else a local path, made absolute; an
+    ObjectFolder stays as it is."""
+    if isinstance(value, ObjectFolder):
+        return value
     if is_url(value):
         return ObjectFolder.of(str(value), storage_options)
     return Path(value).expanduser().absolute()

@@ -114,11 +114,7 @@ class CheckpointManager:
         storage_options: dict[str, Any] | None = None,
     ) -> None:
         assert keep_last >= 1, "checkpoint.keep_last is checked before launch"
-        self.directory = (
-            directory
-            if isinstance(directory, ObjectFolder)
-            else files.folder_of(directory, storage_options)
-        )
+        self.directory = files.folder_of(directory, storage_options)
         self.keep_last = keep_last
         self.storage_options = storage_options
         self.async_save = async_save

@@ -112,13 +112,13 @@ def _previous_exports(folder: int, out: Path) -> dict[str, Any]:
     except FileNotFoundError:
         return {}
     if not stat.S_ISREG(info.st_mode) or info.st_size > MANIFEST_MAX_BYTES:
-        raise ConfigError(_foreign(str(path)))
+        raise ConfigError(foreign_manifest(str(path)))
     try:
         fd = os.open(EXPORT_MANIFEST, os.O_RDONLY | os.O_NOFOLLOW, dir_fd=folder)
         with os.fdopen(fd, "rb") as file:
             data = file.read(MANIFEST_MAX_BYTES + 1)
     except OSError:
-        raise ConfigError(_foreign(str(path))) from None
+        raise ConfigError(foreign_manifest(str(path))) from None
     return parse_export_manifest(data, str(path))
 
 
@@ -128,12 +128,12 @@ def parse_export_manifest(data: bytes, where: str) -> dict[str, Any]:
     try:
         manifest = json.loads(data)
     except ValueError:
-        raise ConfigError(_foreign(where)) from None
+        raise ConfigError(foreign_manifest(where)) from None
     if not isinstance(manifest, dict) or manifest.get("written_by") != MANIFEST_WRITER:
-        raise ConfigError(_foreign(where))
+        raise ConfigError(foreign_manifest(where))
     files = manifest.get("files")
     if not isinstance(files, dict):
-        raise ConfigError(_foreign(where))
+        raise ConfigError(foreign_manifest(where))
     return {
         name: entry
         for name, entry in files.items()
@@ -147,7 +147,8 @@ def manifest_text(entries: dict[str, Any]) -> str:
     return json.dumps(manifest, indent=2) + "\n"
 
 
-def _foreign(where: str) -> str:
+def foreign_manifest(where: str) -> str:
+    """Why an EXPORT_MANIFEST at ``where`` is refused: export did not write it."""
     return (
         f"{where} was not written by {MANIFEST_WRITER}: export does not replace it; move it "
         f"away or pass out=<another folder>"

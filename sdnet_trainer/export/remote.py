@@ -17,6 +17,7 @@ from sdnet_trainer.errors import ConfigError
 from sdnet_trainer.export.output import (
     EXPORT_MANIFEST,
     MANIFEST_MAX_BYTES,
+    foreign_manifest,
     manifest_text,
     parse_export_manifest,
 )
@@ -42,7 +43,7 @@ def check_prefix(out: ObjectFolder, names: Iterable[str]) -> dict[str, Any]:
     if EXPORT_MANIFEST in present:
         where = f"{out}/{EXPORT_MANIFEST}"
         if present[EXPORT_MANIFEST] > MANIFEST_MAX_BYTES:
-            raise ConfigError(f"{where} was not written by an export: export does not replace it")
+            raise ConfigError(foreign_manifest(where))
         previous = parse_export_manifest(out.read_bytes(EXPORT_MANIFEST) or b"", where)
     for name in names:
         if name in present and name not in previous:
