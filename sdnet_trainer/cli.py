@@ -168,7 +168,8 @@ def _layout_keys(config: Config) -> tuple[object, ...]:
         p.pp,
         p.pipeline.schedule,
         p.pipeline.microbatches,
-        config.model.activation_checkpointing,
+        p.activation_checkpointing,
+        p.activation_checkpointing_every,
         config.loop.grad_accum_steps,
     )
 

@@ -12,11 +12,13 @@ from __future__ import annotations
 from sdnet_trainer.checkpoint import validate_checkpoint
 from sdnet_trainer.checkpoint.objects import is_url
 from sdnet_trainer.config.paths import check_creatable_folder, is_local_path, local_path
-from sdnet_trainer.config.schema import Config
+from sdnet_trainer.config.schema import Config, TrainerTarget
 from sdnet_trainer.data import validate_data
 from sdnet_trainer.distributed.batching import validate_batch
 from sdnet_trainer.distributed.comm_hooks import validate_comm
+from sdnet_trainer.distributed.context_parallel import validate_context_parallel
 from sdnet_trainer.distributed.env import validate_dist
+from sdnet_trainer.distributed.float8 import validate_float8
 from sdnet_trainer.distributed.mesh import parallel_dims
 from sdnet_trainer.distributed.parallelize import validate_compile, validate_parallel
 from sdnet_trainer.distributed.pipeline import validate_pipeline
@@ -40,11 +42,16 @@ def validate(cfg: Config, *, world_size: int) -> None:
     validate_optim(cfg)
     validate_ema(cfg)
     validate_precision(cfg)
+    validate_float8(cfg)
     validate_parallel(cfg, world_size)
     dims = parallel_dims(cfg.parallel, world_size)
     family = model_family(cfg.model.name)
     if family is not None and family.validate is not None:  # model.* against data and layout
         family.validate(cfg, tp=dims.tp, pp=dims.pp)
+    # A Trainer subclass may build any model: its attention is checked when it is built.
+    subclass = cfg.trainer._target_ != TrainerTarget._target_
+    supported = family.context_parallel if family is not None else subclass
+    validate_context_parallel(cfg, cp=dims.cp, pp=dims.pp, supported=supported)
     validate_pipeline(cfg, world_size)
     validate_comm(cfg, world_size)
     validate_compile(cfg, world_size)

@@ -18,6 +18,7 @@ import multiprocessing
 import os
 from collections.abc import Generator
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -89,6 +90,21 @@ def pytest_runtest_protocol(
         patch.setenv("CUDA_VISIBLE_DEVICES", "")
         patch.setattr(torch.cuda, "is_available", _no_cuda)
         return (yield)
+
+
+@pytest.fixture
+def one_rank() -> Generator[Any, None, None]:
+    """A gloo process group of one rank, in this process (no port: an in-memory store), and its
+    DistEnv."""
+    import torch.distributed as dist
+
+    from sdnet_trainer.distributed import DistEnv
+
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        yield DistEnv(rank=0, world_size=1, device=torch.device("cpu"), backend="gloo")
+    finally:
+        dist.destroy_process_group()
 
 
 @pytest.fixture

@@ -31,6 +31,11 @@ What it measures (one CUDA device; sections with --sections, all by default)
     llama3_1b the same measurement of configs/model/llama3_1b (Llama 3.2 1B's shapes: 1.24B
               parameters, grouped-query attention, a 128,256-token vocabulary, tied output
               layer) on 2,048-token sequences; options --llama-batch, --llama-micro, ...
+              Then the same launch with precision.float8=rowwise (torchao's float8 matmuls in
+              every projection, the output layer left in bf16): its tokens/s beside the bf16
+              launch's, eager or compiled as the bf16 one (--llama-compile; torchao fuses its
+              float8 casts only when compiled). Not run without torchao (the float8 extra) or
+              on a GPU without float8 tensor cores (compute capability below 8.9).
     loader    the data path's CPU cost: generated JPEGs (--jpegs, about ImageNet's mean size;
               bench_loader.py's images) read through the project's imagefolder training
               dataset as a CUDA run reads it (decode, RandomResizedCrop 224, flip, uint8 tensors
@@ -54,8 +59,8 @@ Run (from the repository root, on a machine with one NVIDIA GPU)
     python scripts/bench/bench_gpu.py --quick              # gpu_check.sh's default: about 4 minutes
 
 --quick: the matmul, ResNet-50, gpt_1b and llama3_1b, one round of each ResNet-50 side (10 + 30
-steps), 15 gpt_1b steps, 10 llama3_1b steps, at most 120 s per launch: the figures of a short
-check, noisier than the default's medians.
+steps), 15 gpt_1b steps, 10 llama3_1b steps (bf16, then float8), at most 120 s per launch: the
+figures of a short check, noisier than the default's medians.
 
 --budget-s S: the whole benchmark within S seconds (the GPU check gives it its share): each
 launch's timeout is cut to what is left, a launch that would get under 20 s is skipped and said
@@ -69,6 +74,7 @@ Exit status: 0 after a complete measurement; 1 if a launch failed (the other sec
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import os
 import shutil
@@ -466,13 +472,14 @@ class Decoder:
     option: str  # its command-line options: --<option>-steps, ...
     steps: int  # by default; --quick runs quick_steps
     quick_steps: int
+    float8: str | None = None  # a second launch with precision.float8=<recipe>, same options
 
 
 # gpt_1b: 1.04B parameters, a 32,000-token vocabulary; llama3_1b: 1.24B, 128,256 tokens. Fewer
 # steps for the Llama with --quick: its launch (start-up included) stays near a minute on one H100.
 DECODERS = (
     Decoder("gpt_1b", "gpt", "gpt", steps=25, quick_steps=15),
-    Decoder("llama3_1b", "llama", "llama", steps=20, quick_steps=10),
+    Decoder("llama3_1b", "llama", "llama", steps=20, quick_steps=10, float8="rowwise"),
 )
 # Both decoders train on 2,048-token sequences (gpt_1b's context; Llama 3.2 allows 131,072).
 DECODER_SEQ_LEN = 2048
@@ -496,8 +503,9 @@ class DecoderRun:
         return cls(decoder, option("batch"), option("micro"), option("steps"), option("compile"))
 
 
-def decoder_keys(run: DecoderRun, run_dir: Path) -> list[str]:
-    """A decoder launch's command line: one GPU, no parallelism, the Trainer's own metrics."""
+def decoder_keys(run: DecoderRun, run_dir: Path, *, float8: str | None = None) -> list[str]:
+    """A decoder launch's command line: one GPU, no parallelism, the Trainer's own metrics; with
+    ``float8``, the float8 recipe's matmuls."""
     steps = run.steps
     return [
         "dist.device=cuda",
@@ -524,19 +532,57 @@ def decoder_keys(run: DecoderRun, run_dir: Path) -> list[str]:
         "checkpoint.resume=none",
         "checkpoint.save_on_exit=false",
         f"hydra.run.dir={run_dir}",
+        *([f"precision.float8={float8}"] if float8 else []),
     ]
 
 
-def decoder_command(run: DecoderRun, run_dir: Path) -> list[str]:
+def decoder_command(run: DecoderRun, run_dir: Path, *, float8: str | None = None) -> list[str]:
     """The decoder launch, exactly as started (tests/unit/test_cuda_lane.py composes it)."""
-    return [sys.executable, "-m", "sdnet_trainer", *decoder_keys(run, run_dir)]
+    return [sys.executable, "-m", "sdnet_trainer", *decoder_keys(run, run_dir, float8=float8)]
 
 
 def bench_decoder(run: DecoderRun, out: Path, *, budget: Budget, timeout: float) -> dict[str, Any]:
-    name = run.decoder.section
-    run_dir = out / name
+    """The decoder's bf16 launch, and where the section has a float8 recipe, under ``float8``
+    the same launch with it (and its tokens/s over the bf16 launch's)."""
+    cell = decoder_launch(run, out, budget=budget, timeout=timeout)
+    recipe = run.decoder.float8
+    if recipe is None or cell.get("failed"):
+        return cell
+    name = f"{run.decoder.section} float8 {recipe}"
+    missing = float8_missing()
+    if missing is not None:
+        print(f"\n== {name}: not run: {missing}", flush=True)
+        failed = f"not run: {missing}"
+        cell["float8"] = {"recipe": recipe, "name": name, "failed": failed, "not_run": True}
+        return cell
+    float8 = decoder_launch(run, out, budget=budget, timeout=timeout, float8=recipe)
+    float8.update(recipe=recipe, name=name)
+    if not float8.get("failed"):
+        float8["speedup"] = float8["tokens_per_s"] / cell["tokens_per_s"]
+        print(f"  float8 {recipe} / bf16: {float8['speedup']:.3f}x tokens/s", flush=True)
+    cell["float8"] = float8
+    return cell
+
+
+def float8_missing() -> str | None:
+    """Why a float8 launch cannot run on this node, or None: torchao absent (the float8 extra is
+    not among the wheels of a GPU node), or a GPU without float8 tensor cores."""
+    if importlib.util.find_spec("torchao") is None:
+        return "torchao is not installed (pip install 'sdnet_trainer[float8]')"
+    major, minor = torch.cuda.get_device_capability(0)
+    if (major, minor) < (8, 9):
+        return f"compute capability {major}.{minor}: no float8 tensor cores (8.9 and later)"
+    return None
+
+
+def decoder_launch(
+    run: DecoderRun, out: Path, *, budget: Budget, timeout: float, float8: str | None = None
+) -> dict[str, Any]:
+    """One decoder launch and its figures (``failed`` says why there are none)."""
+    name = run.decoder.section if float8 is None else f"{run.decoder.section} float8 {float8}"
+    run_dir = out / (run.decoder.section if float8 is None else f"{run.decoder.section}_float8")
     shutil.rmtree(run_dir, ignore_errors=True)
-    cmd = decoder_command(run, run_dir)
+    cmd = decoder_command(run, run_dir, float8=float8)
     print(
         f"\n== {name}: {run.steps} steps of {run.batch} x {DECODER_SEQ_LEN} tokens (micro-batch "
         f"{run.micro}), {'compiled' if run.compile else 'eager'}",
@@ -546,7 +592,7 @@ def bench_decoder(run: DecoderRun, out: Path, *, budget: Budget, timeout: float)
     if allowed is None:
         return {"failed": "skipped: not enough of the budget left"}
     run_dir.mkdir(parents=True)
-    log = out / f"{name}.log"
+    log = out / f"{run_dir.name}.log"
     try:
         seconds, other = timed_launch(cmd, log, allowed)
     except LaunchError as err:
@@ -808,6 +854,16 @@ def print_table(figures: dict[str, Any]) -> None:
             f"{cell['tokens_per_s']:,.0f} tokens/s, MFU {mfu}, "
             f"{cell['tflops_per_s']:.0f} TFLOP/s, peak memory {cell['peak_memory_mb']:,.0f} MB"
         )
+        float8 = cell.get("float8")
+        if float8 and float8.get("failed"):
+            print(f"  float8 {float8['recipe']}: {float8['failed']}")
+        elif float8:
+            # MFU and TFLOP/s count the model's FLOPs against the bf16 peak: tokens/s compares.
+            print(
+                f"  float8 {float8['recipe']}: {float8['tokens_per_s']:,.0f} tokens/s "
+                f"({float8['speedup']:.3f}x bf16), peak memory "
+                f"{float8['peak_memory_mb']:,.0f} MB"
+            )
     loader = figures.get("loader")
     if loader:
         line = (
@@ -880,6 +936,12 @@ def main() -> int:
             cell = bench_decoder(run, out, budget=budget, timeout=args.timeout)
             figures[dec.section] = cell
             ok &= not cell.get("failed") or dec.section in budget.skipped
+            float8 = cell.get("float8") or {}
+            ok &= (
+                not float8.get("failed")
+                or float8.get("not_run", False)
+                or float8["name"] in budget.skipped
+            )
             save()
     if "loader" in args.sections:
         rate = (figures.get("resnet50") or {}).get("trainer", {}).get("images_per_s")

@@ -266,7 +266,7 @@ def trainer_keys(plan: Plan) -> dict[str, object]:
         "trainer._target_": TRAINER_CLASS,
         "model.name": model.name,
         "model.weights": None,
-        "model.activation_checkpointing": False,
+        "parallel.activation_checkpointing": "none",
         "model.channels_last": False,
         "compile.enabled": False,
         "loop.seed": SEED,

@@ -129,7 +129,7 @@ def _layout_of(cfg: Config) -> Layout:
         dims.dp_shard,
         dims.tp,
         dims.pp,
-        cfg.model.activation_checkpointing,
+        cfg.parallel.activation_checkpointing != "none",
         micro,
         steps,
         pipe.schedule,

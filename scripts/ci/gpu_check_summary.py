@@ -115,6 +115,14 @@ def bench_rows(figures: dict[str, Any]) -> list[tuple[str, str]]:
             value += achieved(cell.get("tflops_per_s"), peak)
         rows.append((f"{name} tokens/s", value))
         rows.append((f"{name} MFU (datasheet peak)", num(cell.get("mfu"), "{:.1%}")))
+        # The same launch with float8 matmuls (bench_gpu.py's float8 sections): tokens/s compare,
+        # the MFU would count its FLOPs against the bf16 peak.
+        float8 = cell.get("float8")
+        if float8:
+            value = float8.get("failed") or (
+                f"{num(float8['tokens_per_s'])} ({float8['speedup']:.2f}x bf16)"
+            )
+            rows.append((f"{name} float8 {float8['recipe']} tokens/s", value))
     loader = figures.get("loader")
     if loader:
         rows.append(("loader JPEG images/s per core", num(loader["images_per_s_per_core"])))

@@ -56,9 +56,6 @@ class ModelConfig:
     gpt: GPTConfig = field(default_factory=GPTConfig)
     # The Llama family (model.name=llama; configs/model/llama3_*).
     llama: LlamaConfig = field(default_factory=LlamaConfig)
-    # Recompute each block's activations in backward instead of keeping them (per transformer
-    # block, per ResNet residual block): less memory for about one more forward pass.
-    activation_checkpointing: bool = False
     # CNNs: NHWC memory format for the model's parameters and its input images (faster
     # convolutions on GPUs); under parallel=fsdp only the inputs (FSDP2 takes contiguous
     # parameters; convolutions follow a channels_last input).
@@ -266,6 +263,21 @@ class ParallelConfig:
     dp_shard: int = 1
     tp: int = 1
     pp: int = 1
+    # Context parallel: each sequence split over this many ranks (causally load-balanced), attention
+    # computed across the shards (docs/parallel.md). Language models only; data.seq_len must be a
+    # multiple of 2 x cp.
+    cp: int = 1
+    # How attention spans the shards: ring (torch's ring attention, CUDA) | allgather (the whole
+    # sequence's keys and values gathered on each rank) | auto (ring on CUDA, allgather elsewhere).
+    cp_attention: str = "auto"
+    # Recompute activations in backward instead of keeping them, per block (transformer block,
+    # ResNet residual block). none | full: keep only each block's input, recompute the rest (about
+    # one more forward pass) | selective: keep the outputs of matmuls and attention, recompute the
+    # cheap ops between them (norms, activations, rotary: less memory than none, less recompute
+    # than full).
+    activation_checkpointing: str = "none"
+    # full: checkpoint every n-th block only (1: all of them), trading memory for recompute.
+    activation_checkpointing_every: int = 1
     # Convert BatchNorm layers to SyncBatchNorm (statistics over the global batch).
     sync_batchnorm: bool = False
     # The memory one rank may fill, in GiB: before allocating, each rank's training state
@@ -352,6 +364,11 @@ class PrecisionConfig:
     # GradScaler settings (fp16 only).
     init_scale: float = 65536.0
     growth_interval: int = 2000
+    # Float8 training through torchao (the float8 extra): null | rowwise | tensorwise, the scaling
+    # recipe of convert_to_float8_training for the Linear layers whose sizes are multiples of 16,
+    # except the output head. Weights, optimizer state and checkpoints stay in high precision;
+    # only the matmuls run in float8 (GPUs of compute capability 8.9 and later; the CPU emulates).
+    float8: Optional[str] = None
 
 
 @dataclass

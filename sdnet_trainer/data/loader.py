@@ -231,6 +231,9 @@ class RunData:
     """A run's loaders: this data-parallel rank's training micro-batches, drawn from the position
     the run state gives, and its share of the validation set; batches arrive on ``device``.
 
+    ``shard`` (context parallel) cuts every batch on the device to this rank's share of its
+    sequences.
+
     ``uint8_inputs`` (default: on CUDA) has the image data sets built here (imagefolder, CIFAR-10)
     deliver uint8 pixels, normalized on the device into the same float tensors the float path
     gives. Data sets built for ``data.decode=cuda`` (a ``device_decoder`` attribute) deliver
@@ -256,8 +259,10 @@ class RunData:
         seed: int,
         channels_last: bool = False,
         uint8_inputs: bool | None = None,
+        shard: Callable[[Any], Any] | None = None,
     ) -> None:
         self.device, self.channels_last = device, channels_last
+        self.shard = shard
         self.dp_rank, self.grad_accum_steps = dp_rank, grad_accum_steps
         self.mixer = BatchMixer.from_config(cfg, seed=seed)
         on_cuda = device.type == "cuda"
@@ -367,9 +372,9 @@ class RunData:
         """A loader batch (training or validation) on the device, ready for the model: copied,
         then normalized or decoded there where the data set left that to the device."""
         batch = self._copy(batch)
-        if self.normalize is None and self.decoder is None:
-            return batch
-        return _map_batch(batch, self._finish)
+        if self.normalize is not None or self.decoder is not None:
+            batch = _map_batch(batch, self._finish)
+        return batch if self.shard is None else self.shard(batch)
 
     def _copy(self, batch: Any) -> Any:
         """Every tensor of ``batch`` on the device. On CUDA the copy is queued on a side stream:

@@ -79,7 +79,7 @@ def _dp_phrase(dims: ParallelDims, world_size: int) -> str:
         return f"world size ({world_size})"
     return (
         f"data-parallel size ({dims.dp} = world size {world_size} / (parallel.tp {dims.tp} x "
-        f"parallel.pp {dims.pp}))"
+        f"parallel.cp {dims.cp} x parallel.pp {dims.pp}))"
     )
 
 

@@ -1,11 +1,15 @@
 """The parallel layout: degrees from ``parallel.*`` and the one DeviceMesh every component slices.
 
-The world is a 4-D grid ``pp x dp_replicate x dp_shard x tp`` (outermost to innermost, so tensor
-parallel peers are neighbouring ranks, on the same node, and pipeline stages are furthest apart).
-Every dimension exists even at size 1, so code asks for ``mesh["tp"]`` without special cases.
+The world is a 5-D grid ``pp x dp_replicate x dp_shard x cp x tp`` (outermost to innermost, as
+torchtitan orders it: tensor parallel peers are neighbouring ranks, on the same node, context
+parallel peers next, pipeline stages furthest apart). Every dimension exists even at size 1, so
+code asks for ``mesh["tp"]`` without special cases.
 
 Data parallelism spans ``dp_replicate x dp_shard``: ranks with the same coordinates there see the
-same samples, whatever their tensor or pipeline coordinates.
+same samples, whatever their context, tensor or pipeline coordinates. Context-parallel peers hold
+different parts of the same sequences, so their gradients are partial sums like those of
+data-parallel ranks: gradients are reduced over ``dp_replicate x dp_shard x cp``, and FSDP shards
+over ``dp_shard x cp`` (one flattened dimension, ``dp_shard_cp``; torchtitan's ``dp_shard_cp``).
 """
 
 from __future__ import annotations
@@ -18,7 +22,7 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from sdnet_trainer.config.schema import ParallelConfig
 from sdnet_trainer.errors import ConfigError
 
-MESH_DIMS = ("pp", "dp_replicate", "dp_shard", "tp")
+MESH_DIMS = ("pp", "dp_replicate", "dp_shard", "cp", "tp")
 
 
 @dataclass(frozen=True)
@@ -26,12 +30,19 @@ class ParallelDims:
     pp: int = 1
     dp_replicate: int = 1
     dp_shard: int = 1
+    cp: int = 1
     tp: int = 1
 
     @property
     def dp(self) -> int:
         """Data-parallel width: how many different batches one step sees."""
         return self.dp_replicate * self.dp_shard
+
+    @property
+    def gradient_ranks(self) -> int:
+        """The ranks whose gradients are reduced together (averaged by DDP and FSDP):
+        data-parallel ranks and context-parallel peers."""
+        return self.dp * self.cp
 
     @property
     def sizes(self) -> tuple[int, ...]:
@@ -85,15 +96,36 @@ def parallel_dims(cfg: ParallelConfig, world_size: int) -> ParallelDims:
 
 
 def build_mesh(dims: ParallelDims, device_type: str) -> DeviceMesh:
-    """The named 4-D mesh over all ranks (call once, after the process group is up)."""
-    return init_device_mesh(device_type, dims.sizes, mesh_dim_names=MESH_DIMS)
+    """The named 5-D mesh over all ranks (call once, after the process group is up), with the
+    flattened dimensions the gradient reduction uses under context parallel: ``dp_shard_cp``
+    (FSDP's shards) and ``dp_cp`` (DDP's replicas)."""
+    mesh = init_device_mesh(device_type, dims.sizes, mesh_dim_names=MESH_DIMS)
+    if dims.cp > 1:
+        mesh["dp_shard", "cp"]._flatten("dp_shard_cp")
+        mesh["dp_replicate", "cp"]._flatten("dp_cp")
+    return mesh
 
 
 def dp_mesh(mesh: DeviceMesh, dims: ParallelDims) -> DeviceMesh:
-    """The data-parallel sub-mesh for sharding: 2-D (replicate, shard) for HSDP, else 1-D."""
-    if dims.dp_replicate > 1 and dims.dp_shard > 1:
-        return mesh["dp_replicate", "dp_shard"]
-    return mesh["dp_shard"] if dims.dp_shard > 1 else mesh["dp_replicate"]
+    """The sub-mesh FSDP shards over: 2-D (replicate, shard) for HSDP, else 1-D; the shard
+    dimension takes the context-parallel peers in (``dp_shard_cp``)."""
+    shard = "dp_shard_cp" if dims.cp > 1 else "dp_shard"
+    if dims.dp_replicate > 1 and dims.dp_shard * dims.cp > 1:
+        return mesh["dp_replicate", shard]
+    return mesh[shard] if dims.dp_shard * dims.cp > 1 else mesh["dp_replicate"]
 
 
-__all__ = ["MESH_DIMS", "ParallelDims", "build_mesh", "dp_mesh", "parallel_dims"]
+def replica_mesh(mesh: DeviceMesh, dims: ParallelDims) -> DeviceMesh:
+    """The 1-D mesh DDP all-reduces gradients over: the replicas and their context-parallel
+    peers (``dp_cp``)."""
+    return mesh["dp_cp"] if dims.cp > 1 else mesh["dp_replicate"]
+
+
+__all__ = [
+    "MESH_DIMS",
+    "ParallelDims",
+    "build_mesh",
+    "dp_mesh",
+    "parallel_dims",
+    "replica_mesh",
+]

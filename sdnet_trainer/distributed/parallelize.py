@@ -1,7 +1,7 @@
 """Turn a bare model into this rank's parallel model, in the order the techniques compose:
 
-    pipeline split -> tensor parallel -> channels_last -> activation checkpointing -> compile
-    -> FSDP2 (fully_shard per block, then the root) or DDP
+    float8 conversion -> pipeline split -> tensor parallel -> context parallel -> channels_last
+    -> activation checkpointing -> compile -> FSDP2 (fully_shard per block, then the root) or DDP
 
 Every step is torch's own (``torch.distributed.pipelining``, DTensor ``parallelize_module`` via the
 model's plan, ``torch.utils.checkpoint``, ``Module.compile``, ``fully_shard``, DDP). Activation
@@ -20,7 +20,7 @@ import logging
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Any, Protocol, cast
+from typing import Protocol, cast
 
 import torch
 from torch import nn
@@ -33,13 +33,18 @@ from torch.distributed.fsdp import (
     fully_shard,
 )
 from torch.nn.parallel import DistributedDataParallel
-from torch.utils.checkpoint import checkpoint
 
 from sdnet_trainer.config.checks import check_choice, check_positive
 from sdnet_trainer.config.schema import Config
+from sdnet_trainer.distributed.activation_checkpointing import (
+    apply_activation_checkpointing,
+    validate_activation_checkpointing,
+)
+from sdnet_trainer.distributed.context_parallel import ContextParallel, attention_method
 from sdnet_trainer.distributed.ddp import wrap_data_parallel
 from sdnet_trainer.distributed.env import DistEnv, resolve_device
-from sdnet_trainer.distributed.mesh import ParallelDims, dp_mesh, parallel_dims
+from sdnet_trainer.distributed.float8 import convert_float8
+from sdnet_trainer.distributed.mesh import ParallelDims, dp_mesh, parallel_dims, replica_mesh
 from sdnet_trainer.distributed.pipeline import Pipeline, build_pipeline, split_model
 from sdnet_trainer.errors import ConfigError
 from sdnet_trainer.models.parallel_spec import parallel_blocks, supports_tensor_parallel
@@ -70,6 +75,7 @@ def validate_parallel(cfg: Config, world_size: int) -> None:
     check_positive("parallel.ddp.bucket_cap_mb", parallel.ddp.bucket_cap_mb, allow_none=True)
     check_positive("parallel.memory_per_rank_gib", parallel.memory_per_rank_gib, allow_none=True)
     dims = parallel_dims(parallel, world_size)
+    validate_activation_checkpointing(cfg)
     if strategy in ("ddp", "zero1") and dims.dp_shard > 1:
         raise ConfigError(
             f"parallel.strategy={strategy} replicates the model, so "
@@ -82,17 +88,19 @@ def validate_parallel(cfg: Config, world_size: int) -> None:
             f"(parallel.tp={dims.tp}, parallel.pp={dims.pp}); use parallel=fsdp for sharding "
             f"with tensor or pipeline parallelism"
         )
-    if strategy == "ddp" and dims.tp > 1 and dims.dp_replicate > 1:
+    if strategy == "ddp" and dims.tp > 1 and dims.dp_replicate * dims.cp > 1:
         raise ConfigError(
-            f"parallel.tp={dims.tp} with parallel.dp_replicate={dims.dp_replicate} under "
-            f"parallel.strategy=ddp: DDP does not take tensor-parallel (DTensor) parameters; use "
-            f"parallel=fsdp (FSDP x TP on a 2-D mesh)"
+            f"parallel.tp={dims.tp} with parallel.dp_replicate={dims.dp_replicate} x "
+            f"parallel.cp={dims.cp} gradient replicas under parallel.strategy=ddp: DDP does not "
+            f"take tensor-parallel (DTensor) parameters; use parallel=fsdp (FSDP x TP on a 2-D "
+            f"mesh)"
         )
-    layered = strategy != "ddp" or dims.tp > 1 or dims.pp > 1
+    layered = strategy != "ddp" or dims.tp > 1 or dims.pp > 1 or dims.cp > 1
     if layered and cfg.precision.dtype == "fp16":
         raise ConfigError(
             f"precision.dtype=fp16 with parallel.strategy={strategy}, parallel.tp={dims.tp}, "
-            f"parallel.pp={dims.pp}: the fp16 GradScaler is supported with plain DDP only; "
+            f"parallel.pp={dims.pp}, parallel.cp={dims.cp}: the fp16 GradScaler is supported with "
+            f"plain DDP only; "
             f"use precision=bf16"
         )
     if parallel.sync_batchnorm and (strategy != "ddp" or dims.pp > 1):
@@ -160,6 +168,8 @@ class ParallelModel:
 
     model: nn.Module
     pipeline: Pipeline | None = None
+    # Context parallel: shards each batch's sequences for this rank (None without it).
+    context: ContextParallel | None = None
 
 
 def parallelize(
@@ -180,6 +190,8 @@ def parallelize(
     before anything reads their values (DDP's broadcast, the pipeline's stages), so a rank only
     ever allocates its own share."""
     parallel = cfg.parallel
+    if cfg.precision.float8 is not None:
+        convert_float8(model, cfg, fsdp=_uses_fsdp(parallel.strategy, dims) and mesh is not None)
     parts: list[nn.Module] = [model]
     stages = None
     if dims.pp > 1:
@@ -205,6 +217,14 @@ def parallelize(
             loss_parallel=parallel.tensor_parallel.loss_parallel,
             sequence_parallel=parallel.tensor_parallel.sequence_parallel,
         )
+    context = None
+    if dims.cp > 1:
+        assert mesh is not None  # more than one rank: the caller built the mesh
+        method = attention_method(parallel.cp_attention, env.device)
+        context = ContextParallel(
+            mesh["cp"], seq_len=cfg.data.seq_len, method=method, device=env.device
+        )
+        context.apply(model)
     # FSDP2 all-gathers parameters into flat contiguous buffers and refuses channels_last ones.
     # The inputs alone carry the layout there: the loader hands over channels_last images, and
     # convolutions (cuDNN, oneDNN) follow a channels_last input with contiguous weights, so every
@@ -218,14 +238,12 @@ def parallelize(
     if cfg.model.channels_last and not fsdp_wrapped:
         model.to(memory_format=torch.channels_last)
     blocks = [b for b in parallel_blocks(model) if b is not None]
-    if cfg.model.activation_checkpointing:
-        if not blocks:
-            raise ConfigError(
-                f"model.activation_checkpointing=true: model.name={cfg.model.name!r} has no "
-                f"blocks to checkpoint"
-            )
-        for block in blocks:
-            checkpoint_block(block)
+    apply_activation_checkpointing(
+        blocks,
+        parallel.activation_checkpointing,
+        every=parallel.activation_checkpointing_every,
+        model_name=cfg.model.name,
+    )
     if cfg.compile.enabled:
         kwargs = {
             "backend": cfg.compile.backend,
@@ -246,14 +264,15 @@ def parallelize(
         _fully_shard(parts, [], cfg, mesh["dp_replicate", "dp_shard"], env.device)
     if materialize is not None:
         materialize(parts)
-    if not fsdp_wrapped and dims.dp_replicate > 1:
+    replicas = dims.dp_replicate * dims.cp  # the ranks DDP averages gradients over
+    if not fsdp_wrapped and replicas > 1:
         group = None
-        if dims.dp_replicate < env.world_size:
+        if replicas < env.world_size:
             assert mesh is not None  # more than one rank: the caller built the mesh
-            group = mesh["dp_replicate"].get_group()
+            group = replica_mesh(mesh, dims).get_group()
         parts = [wrap_data_parallel(part, parallel, env, process_group=group) for part in parts]
     if stages is None:
-        return ParallelModel(parts[0])
+        return ParallelModel(parts[0], context=context)
     assert mesh is not None and loss_fn is not None, "a pipeline needs its group and its loss"
     ids, _, num_stages = stages
     pipeline = build_pipeline(
@@ -272,42 +291,9 @@ def _uses_fsdp(strategy: str, dims: ParallelDims) -> bool:
     """Whether :func:`parallelize` wraps the model with FSDP2 (given a mesh): sharding, FSDP2 on a
     one-rank world, or replication under pipeline parallelism (see the DDP x PP branch there)."""
     one_rank = dims.sizes == (1,) * len(dims.sizes)
-    return (strategy == "fsdp" and (dims.dp > 1 or one_rank)) or (
+    return (strategy == "fsdp" and (dims.gradient_ranks > 1 or one_rank)) or (
         dims.dp_replicate > 1 and dims.pp > 1
     )
-
-
-def checkpoint_block(block: nn.Module) -> None:
-    """Activation checkpointing of ``block``, in place: its forward runs inside
-    ``torch.utils.checkpoint`` (non-reentrant), so only the block's inputs are kept for backward
-    and the rest is recomputed there.
-
-    The forward itself is wrapped, not hooked: ``Module.compile`` then traces the checkpoint as
-    one region of the block's graph (a higher-order op the partitioner recomputes), as torchtitan's
-    ``checkpoint_wrapper`` before compiling does. The composable ``checkpoint`` works by forward
-    hooks that dynamo refuses to trace: a graph break at every block, and ``compile.fullgraph=true``
-    fails. Unlike ``checkpoint_wrapper`` no module is inserted, so parameter names stay as they
-    are: the block's class becomes a subclass whose ``forward`` checkpoints the original (as
-    ``fully_shard`` swaps classes), so a copy of the block checkpoints its own forward."""
-    cls = type(block)
-    if cls in _CHECKPOINTED.values():
-        return  # checkpointed already
-    if cls not in _CHECKPOINTED:
-        _CHECKPOINTED[cls] = _checkpointed_class(cls)
-    block.__class__ = _CHECKPOINTED[cls]
-
-
-# A block class -> its checkpointed subclass, made once per class.
-_CHECKPOINTED: dict[type[nn.Module], type[nn.Module]] = {}
-
-
-def _checkpointed_class(cls: type[nn.Module]) -> type[nn.Module]:
-    class Checkpointed(cls):  # type: ignore[valid-type,misc]  # a subclass of a runtime class
-        def forward(self, *args: Any, **kwargs: Any) -> Any:
-            return checkpoint(super().forward, *args, use_reentrant=False, **kwargs)
-
-    Checkpointed.__name__ = Checkpointed.__qualname__ = f"Checkpointed{cls.__name__}"
-    return Checkpointed
 
 
 def _fully_shard(
@@ -411,7 +397,6 @@ __all__ = [
     "FSDP_GRAD_SYNC",
     "STRATEGIES",
     "ParallelModel",
-    "checkpoint_block",
     "defers_gradient_sync",
     "gradient_sync",
     "parallelize",

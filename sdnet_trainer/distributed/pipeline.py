@@ -46,6 +46,8 @@ PIPELINE_SCHEDULES = (
 )
 # Schedules that place two stages per rank in a V (rank r: stages r and 2 pp - 1 - r).
 V_SCHEDULES = ("ZBVZeroBubble", "DualPipeV")
+# Schedules that run a stage's backward in two passes (input gradients, then weight gradients).
+SPLIT_BACKWARD_SCHEDULES = ("InterleavedZeroBubble", "ZBVZeroBubble", "DualPipeV")
 
 
 def single_stage_schedule(name: str) -> bool:
@@ -106,6 +108,16 @@ def validate_pipeline(cfg: Config, world_size: int) -> None:
         return
     pipe = cfg.parallel.pipeline
     check_schedule(pipe, dims.pp)
+    if pipe.schedule in SPLIT_BACKWARD_SCHEDULES and (
+        cfg.parallel.activation_checkpointing == "selective"
+    ):
+        raise ConfigError(
+            f"parallel.activation_checkpointing=selective with parallel.pipeline.schedule="
+            f"{pipe.schedule}: the schedule runs each stage's backward in two passes (input, "
+            f"then weight gradients), and torch's selective checkpointing allows one backward "
+            f"through what it saved; use parallel.activation_checkpointing=full, or a schedule "
+            f"without split backward (GPipe, 1F1B, Interleaved1F1B, LoopedBFS)"
+        )
     if cfg.loop.grad_accum_steps != 1:
         raise ConfigError(
             f"loop.grad_accum_steps={cfg.loop.grad_accum_steps} with parallel.pp={dims.pp}: the "

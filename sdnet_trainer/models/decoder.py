@@ -27,6 +27,7 @@ from torch.distributed.tensor.parallel import (
 )
 
 from sdnet_trainer.errors import ConfigError
+from sdnet_trainer.lazy import loaded_types
 from sdnet_trainer.models.init import InitStep, materialize
 from sdnet_trainer.models.parallel_spec import DecoderLayout
 
@@ -214,11 +215,36 @@ def apply_decoder_tp(
             block_plan[region.name] = PrepareModuleInput(
                 input_layouts=(stream,), desired_input_layouts=(Replicate(),)
             )
+            # A tensorwise float8 projection takes torchao's variants of these styles, which cast
+            # to float8 on the DTensors, before any layout change (torchtitan's float8 TP plan).
             for name in region.colwise:
-                block_plan[f"{region.name}.{name}"] = ColwiseParallel()
+                colwise, _ = tensor_parallel_styles(block.get_submodule(f"{region.name}.{name}"))
+                block_plan[f"{region.name}.{name}"] = colwise()
             for name in region.rowwise:
-                block_plan[f"{region.name}.{name}"] = RowwiseParallel(output_layouts=stream)
+                _, rowwise = tensor_parallel_styles(block.get_submodule(f"{region.name}.{name}"))
+                block_plan[f"{region.name}.{name}"] = rowwise(output_layouts=stream)
         parallelize_module(block, mesh, block_plan)
+
+
+def tensor_parallel_styles(
+    linear: nn.Module,
+) -> tuple[type[ColwiseParallel], type[RowwiseParallel]]:
+    """The column- and row-wise TP styles for ``linear``: torchao's float8 ones for a tensorwise
+    Float8Linear (they cast its input to float8 as a DTensor before the layout changes, and its
+    output gradient in backward), torch's for anything else. torchao's float8 styles implement
+    tensorwise scaling only; a rowwise Float8Linear casts inside its own matmul, under torch's
+    styles, as torchtitan runs it."""
+    float8_linear = loaded_types("torchao.float8.float8_linear", "Float8Linear")
+    if not isinstance(linear, float8_linear):
+        return ColwiseParallel, RowwiseParallel
+    from torchao.float8.config import ScalingGranularity
+
+    config: Any = linear.config
+    if config.cast_config_input.scaling_granularity is not ScalingGranularity.TENSORWISE:
+        return ColwiseParallel, RowwiseParallel
+    from torchao.float8.float8_tensor_parallel import Float8ColwiseParallel, Float8RowwiseParallel
+
+    return Float8ColwiseParallel, Float8RowwiseParallel
 
 
 __all__ = ["Decoder", "Replicated", "apply_decoder_tp"]

@@ -65,6 +65,8 @@ class ModelFamily:
     hf: HFAdapter | None = None  # format=hf export
     # model.weights=hf:PATH read after sharding (None: the builder reads the weights itself).
     hf_weights: HFWeights | None = None
+    # Its attention can be split over context-parallel ranks (parallel.cp).
+    context_parallel: bool = False
     # Serving: a model with a KV cache that shares the served model's tensors (None: none).
     generation_model: Callable[[nn.Module], nn.Module | None] | None = None
 

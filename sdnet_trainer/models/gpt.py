@@ -27,6 +27,7 @@ from torch import nn
 from sdnet_trainer.config.schema import Config, ModelConfig
 from sdnet_trainer.data import is_language_model_data
 from sdnet_trainer.errors import ConfigError
+from sdnet_trainer.models.attention import CausalAttention, token_positions
 from sdnet_trainer.models.decoder import Decoder, check_sequence
 from sdnet_trainer.models.family import ModelFamily, check_kwargs, config_dict
 from sdnet_trainer.models.init import InitStep, construction_resets
@@ -48,6 +49,8 @@ class Embedding(nn.Module):
         # Set by tensor parallelism with sequence parallel: the sequence is split into this many
         # equal shards, so T must divide evenly.
         self.sequence_shards = 1
+        # The tokens' positions where a layout sets them (models/attention.py).
+        self.positions: torch.Tensor | None = None
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
         check_sequence(
@@ -56,7 +59,7 @@ class Embedding(nn.Module):
             sequence_shards=self.sequence_shards,
             context_key="model.gpt.seq_len",
         )
-        positions = torch.arange(tokens.shape[1], device=tokens.device)
+        positions = token_positions(self.positions, tokens.shape[1], tokens.device)
         return self.drop(self.tok(tokens) + self.pos(positions))
 
 
@@ -72,6 +75,7 @@ class Attention(nn.Module):
         self.wo = nn.Linear(dim, dim, bias=False)
         self.dropout = dropout
         self.drop = nn.Dropout(dropout)
+        self.core = CausalAttention()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         batch, length = x.shape[:2]
@@ -81,9 +85,7 @@ class Attention(nn.Module):
             return t.view(batch, length, -1, self.head_dim).transpose(1, 2)
 
         q, k, v = heads(self.wq(x)), heads(self.wk(x)), heads(self.wv(x))
-        out = F.scaled_dot_product_attention(
-            q, k, v, is_causal=True, dropout_p=self.dropout if self.training else 0.0
-        )
+        out = self.core(q, k, v, dropout_p=self.dropout if self.training else 0.0)
         out = out.transpose(1, 2).reshape(batch, length, -1)
         return self.drop(self.wo(out))
 
@@ -308,6 +310,7 @@ FAMILY = ModelFamily(
     name="gpt",
     build=lambda cfg: GPT(**gpt_sizes(cfg)),
     language=True,
+    context_parallel=True,
     validate=lambda cfg, *, tp, pp: validate_gpt(cfg, tp=tp),
     decoder_sizes=_decoder_sizes,
 )

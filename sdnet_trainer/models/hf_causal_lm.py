@@ -22,6 +22,7 @@ import importlib.util
 import logging
 import math
 import re
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -31,6 +32,7 @@ from torch import nn
 from sdnet_trainer.config.schema import Config, ModelConfig
 from sdnet_trainer.data import is_language_model_data
 from sdnet_trainer.errors import ConfigError
+from sdnet_trainer.models.attention import token_positions
 from sdnet_trainer.models.family import ModelFamily
 from sdnet_trainer.models.hf_folder import (
     HF_PREFIX,
@@ -50,10 +52,37 @@ LLM_EXTRA_HINT = "pip install 'sdnet_trainer[llm]'"
 CONTEXT_FIELDS = ("max_position_embeddings", "n_positions", "max_sequence_length", "seq_length")
 
 
+# The attention function context parallel gives a transformers model, by its config's id (one
+# model per process in practice; a dict keeps two apart).
+CONTEXT_PARALLEL_ATTENTION = "sdnet_context_parallel"
+_ATTEND: dict[int, Callable[..., torch.Tensor]] = {}
+
+
+def _context_parallel_attention(
+    module: nn.Module,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    dropout: float = 0.0,
+    scaling: float | None = None,
+    **kwargs: Any,
+) -> tuple[torch.Tensor, None]:
+    """transformers' attention-function contract (as its ``sdpa_attention_forward``): (B, heads,
+    T, head_dim) in, (B, T, heads, head_dim) out. No mask is built for a custom function; the
+    causal rule across the shards is the attend function's."""
+    attend = _ATTEND[id(module.config)]
+    out = attend(query, key, value, scale=scaling, dropout_p=dropout)
+    return out.transpose(1, 2).contiguous(), None
+
+
 class HFCausalLM(nn.Module):
     """A ``transformers`` causal LM seen as this project's language models are: int64 tokens
     (B, T) in, logits (B, T, vocab) out. The model is ``self.lm``, so its parameters are named
-    ``lm.<transformers' own name>``."""
+    ``lm.<transformers' own name>``. ``positions`` (context parallel: models/attention.py) are
+    passed as ``position_ids``."""
+
+    positions: torch.Tensor | None = None
 
     def __init__(self, lm: nn.Module) -> None:
         super().__init__()
@@ -72,12 +101,35 @@ class HFCausalLM(nn.Module):
             length = tokens.shape[1]
             causal = torch.ones(length, length, dtype=torch.bool, device=tokens.device).tril()
             extra["attention_mask"] = causal.expand(tokens.shape[0], 1, length, length)
+        if self.positions is not None:
+            extra["position_ids"] = token_positions(
+                self.positions, tokens.shape[1], tokens.device
+            ).expand(tokens.shape[0], -1)
         logits: torch.Tensor = self.lm(input_ids=tokens, use_cache=False, **extra).logits
         return logits
 
     def parallel_blocks(self) -> list[nn.Module]:
         """The decoder layers, in order: FSDP2 units, activation checkpointing, compile."""
         return decoder_layers(self.lm)
+
+    def use_attention(self, attend: Callable[..., torch.Tensor]) -> None:
+        """Every attention layer computes through ``attend(q, k, v, scale=, dropout_p=)``
+        (context parallel), by transformers' attention-function registry; a model that does not
+        dispatch its attention through it is refused."""
+        transformers = require_transformers("parallel.cp")
+        transformers.AttentionInterface.register(
+            CONTEXT_PARALLEL_ATTENTION, _context_parallel_attention
+        )
+        lm: Any = self.lm  # a transformers PreTrainedModel
+        try:
+            lm.set_attn_implementation(CONTEXT_PARALLEL_ATTENTION)
+        except (ValueError, ImportError) as err:
+            raise ConfigError(
+                f"parallel.cp: this {type(self.lm).__name__} does not take an attention function "
+                f"from transformers' registry ({err}), so its attention cannot span the "
+                f"sequence's shards; use parallel.cp=1"
+            ) from err
+        _ATTEND[id(self.lm.config)] = attend
 
 
 def decoder_layers(lm: nn.Module) -> list[nn.Module]:
@@ -272,7 +324,11 @@ def validate_hf_causal_lm(cfg: Config, *, tp: int, pp: int) -> None:
 
 
 FAMILY = ModelFamily(
-    name=HF_CAUSAL_LM, build=build_hf_causal_lm, language=True, validate=validate_hf_causal_lm
+    name=HF_CAUSAL_LM,
+    build=build_hf_causal_lm,
+    language=True,
+    context_parallel=True,
+    validate=validate_hf_causal_lm,
 )
 
 __all__ = [

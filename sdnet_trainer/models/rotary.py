@@ -15,6 +15,7 @@ import torch
 from torch import nn
 
 from sdnet_trainer.errors import ConfigError
+from sdnet_trainer.models.attention import token_positions
 
 ROPE_TYPES = ("default", "llama3")
 
@@ -50,10 +51,11 @@ def inverse_frequencies(
 
 class Rotary(nn.Module):
     """Applies the rotation to queries and keys of shape (B, heads, T, head_dim) at positions
-    0..T-1. Its one buffer (the inverse frequencies) is computed, never saved: checkpoints hold
-    only the projections."""
+    0..T-1 (or ``positions``: models/attention.py). Its one buffer (the inverse frequencies) is
+    computed, never saved: checkpoints hold only the projections."""
 
     inv_freq: torch.Tensor
+    positions: torch.Tensor | None = None
 
     def __init__(self, head_dim: int, *, theta: float, scaling: dict | None = None) -> None:
         super().__init__()
@@ -70,7 +72,7 @@ class Rotary(nn.Module):
             self.inv_freq.copy_(freqs.to(self.inv_freq.device))
 
     def forward(self, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        positions = torch.arange(q.shape[-2], device=q.device, dtype=torch.float32)
+        positions = token_positions(self.positions, q.shape[-2], q.device).float()
         # In float32 whatever the compute dtype, as transformers does (angles reach 1e5 radians);
         # an elementwise product, which autocast leaves alone, rather than a matmul.
         freqs = positions[:, None] * self.inv_freq.float()[None, :]

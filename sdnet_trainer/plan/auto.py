@@ -114,6 +114,12 @@ def check_auto_keys(cfg: Config) -> None:
     for key in ("memory_fraction", "efficiency", "show"):
         check_positive(f"parallel.auto.{key}", getattr(auto, key))
     check_choice("parallel.auto.device", auto.device, ("auto", "cpu", "cuda"))
+    if cfg.parallel.cp != 1:  # the candidates' degrees alone multiply to the world size
+        raise ConfigError(
+            f"parallel=auto with parallel.cp={cfg.parallel.cp}: the planner chooses data, "
+            f"tensor and pipeline parallelism only; set the layout with parallel=fsdp and check "
+            f"it with python -m sdnet_trainer --dry-run world_size=N"
+        )
     for key in ("memory_fraction", "efficiency"):
         if getattr(auto, key) > 1:
             raise ConfigError(f"parallel.auto.{key}={getattr(auto, key)} must be at most 1")
@@ -299,7 +305,7 @@ def _layout_values(layout: Layout) -> dict[str, Any]:
         values["parallel.pipeline.microbatches"] = layout.micro_steps
         # The even split: split points given were for another stage count.
         values["parallel.pipeline.split_points"] = []
-    values["model.activation_checkpointing"] = layout.checkpointing
+    values["parallel.activation_checkpointing"] = "full" if layout.checkpointing else "none"
     values["loop.grad_accum_steps"] = 1 if layout.pp > 1 else layout.micro_steps
     values["loop.micro_batch_size"] = None
     return values
@@ -436,8 +442,8 @@ def _layout_of(meta: Any, world_size: int) -> Layout | None:
         strategy, schedule = parallel["strategy"], pipeline["schedule"]
         if strategy not in STRATEGIES or schedule not in PIPELINE_SCHEDULES:
             return None
-        checkpointing = config["model"]["activation_checkpointing"]
-        if not isinstance(checkpointing, bool):
+        checkpointing = {"none": False, "full": True}.get(parallel["activation_checkpointing"])
+        if checkpointing is None or parallel["activation_checkpointing_every"] != 1:
             return None
         return Layout(
             strategy,

@@ -4,7 +4,8 @@
     python -m sdnet_trainer --plan world_size=N [json=PATH] key=value ...
 
 ``--dry-run`` builds the layout the config names, rank by rank, on the fake process group and
-the meta device, and prints each rank's bytes and collectives (``plan/dry_run.py``); with
+the meta device, and prints a line naming context parallel, float8 and activation checkpointing,
+then each rank's bytes (activations: an estimate) and collectives (``plan/dry_run.py``); with
 ``parallel=auto`` it first chooses the layout as a launch would. ``--plan`` prints the planner's
 table for the config (``plan/auto.py``) whatever ``parallel`` says, and the keys of its choice.
 Both print a config error as the launch would, with exit code 2.
@@ -32,7 +33,13 @@ from sdnet_trainer.plan.auto import (
     table,
     with_layout,
 )
-from sdnet_trainer.plan.dry_run import Collective, RankPlan, plan_rank
+from sdnet_trainer.plan.dry_run import (
+    Collective,
+    RankPlan,
+    buildable,
+    cp_attention,
+    plan_rank,
+)
 from sdnet_trainer.plan.hardware import hardware
 from sdnet_trainer.preflight import validate
 from sdnet_trainer.training.classes import resolve_trainer_class
@@ -65,7 +72,7 @@ def chosen_ranks(spec: str | None, dims: ParallelDims, world_size: int) -> list[
         if bad:
             raise ConfigError(f"ranks={spec}: {bad} not in 0..{world_size - 1}")
         return ranks
-    # Row-major over (pp, dp_replicate, dp_shard, tp): the first rank of each stage.
+    # Row-major over (pp, dp_replicate, dp_shard, cp, tp): the first rank of each stage.
     return [s * (world_size // dims.pp) for s in range(dims.pp)]
 
 
@@ -85,14 +92,32 @@ def _mb(n: int) -> str:
     return f"{n / 2**20:,.1f} MiB"
 
 
+def settings(cfg: Config, dims: ParallelDims, plans: list[RankPlan]) -> str:
+    """The settings that change what a rank keeps and sends, in one line: ``cp 8 (allgather) ·
+    float8 rowwise (112 of 113 Linear layers) · activation checkpointing selective``."""
+    parts = [f"cp {dims.cp} ({cp_attention(cfg)})" if dims.cp > 1 else "cp 1"]
+    recipe = cfg.precision.float8
+    if recipe is None:
+        parts.append("float8 off")
+    else:
+        converted = f" ({plans[0].float8_layers} of {plans[0].linear_layers} Linear layers)"
+        parts.append(f"float8 {recipe}{converted if plans else ''}")
+    mode = cfg.parallel.activation_checkpointing
+    every = cfg.parallel.activation_checkpointing_every
+    parts.append(
+        f"activation checkpointing {mode}" + (f" (every {every} blocks)" if every > 1 else "")
+    )
+    return " · ".join(parts)
+
+
 def report(plan: RankPlan) -> str:
     lines = [
         f"rank {plan.rank} {plan.coordinates}",
         f"  parameters {_mb(plan.params)}  gradients {_mb(plan.grads)}  "
-        f"optimizer {_mb(plan.optim)}  activations ~{_mb(plan.activations)}",
+        f"optimizer {_mb(plan.optim)}  activations ~{_mb(plan.activations)} (estimate)",
     ]
     for c in merged(plan.collectives):
-        lines.append(f"  {c.kind:<40} over {c.over:<22} x{c.count:<5} {_mb(c.bytes_each)} each")
+        lines.append(f"  {c.kind:<46} over {c.over:<16} x{c.count:<5} {_mb(c.bytes_each)} each")
     return "\n".join(lines)
 
 
@@ -119,13 +144,19 @@ def dry_run(argv: list[str]) -> int:
     try:
         world_size, spec, out, overrides = parse_args(argv, "--dry-run")
         cfg, _ = _composed(overrides, world_size)
-        validate(cfg, world_size=world_size)
         dims = parallel_dims(cfg.parallel, world_size)
+        validate(buildable(cfg, dims), world_size=world_size)
         print(f"world size {world_size}: {dims.describe()} ({cfg.parallel.strategy})")
         plans = [plan_rank(cfg, r, world_size) for r in chosen_ranks(spec, dims, world_size)]
     except ConfigError as err:
         print(f"config error: {err}", file=sys.stderr)
         return EXIT_CONFIG_ERROR
+    print(settings(cfg, dims, plans))
+    measured = plans[0].activation_dtype if plans else "fp32"
+    print(
+        "activations: an estimate, the bytes one forward of a micro-batch keeps for backward, "
+        f"measured on the meta model ({measured}) with these settings (docs/parallel.md)"
+    )
     for p in plans:
         print(report(p))
     if out is not None:

@@ -2,10 +2,12 @@
 
 Bytes follow the dry run's counting (``plan/dry_run.py``), divided per layout instead of built:
 the parameters, gradients and optimizer state of the heaviest pipeline stage's shard, and the
-activations the stage keeps (the saved bytes of one forward, by micro-batch, scaled to the stage,
-split by tensor parallelism, times the micro-batches in flight); and what the dry run does not
-count: FSDP's unsharded parameters at their peak (``_gathered``), DDP's gradient buckets, and
-the unsharded gradients ``parallel.fsdp.grad_sync=last_microstep`` accumulates.
+activations the stage keeps (the bytes one forward keeps for backward, measured on the meta model
+without and with full activation checkpointing (``model_stats.saved_activations``), by
+micro-batch, scaled to the stage, the samples' part split by tensor parallelism, times the
+micro-batches in flight); and what the dry run does not count: FSDP's unsharded parameters at
+their peak (``_gathered``), DDP's gradient buckets, and the unsharded gradients
+``parallel.fsdp.grad_sync=last_microstep`` accumulates.
 
 The step time adds:
 
@@ -37,7 +39,12 @@ from dataclasses import dataclass, field
 
 from sdnet_trainer.config import Config
 from sdnet_trainer.distributed.mesh import ParallelDims
-from sdnet_trainer.plan.dry_run import dtype_bytes, fsdp_param_dtype, model_parallel_collectives
+from sdnet_trainer.plan.dry_run import (
+    dtype_bytes,
+    fsdp_param_dtype,
+    model_parallel_collectives,
+    per_tensor_parallel_rank,
+)
 from sdnet_trainer.plan.model_stats import ModelStats
 
 
@@ -188,7 +195,9 @@ def _stage_bytes(cfg: Config, stats: ModelStats, layout: Layout, stage: int) -> 
         and layout.pp == 1
         and not cfg.parallel.ddp.gradient_as_bucket_view
         else 0,
-        "activations": int(saved.at(layout.micro_batch) * share / layout.tp * in_flight),
+        "activations": int(
+            per_tensor_parallel_rank(saved, layout.micro_batch, layout.tp) * share * in_flight
+        ),
     }
 
 

@@ -34,6 +34,7 @@ from torch import nn
 from sdnet_trainer.config.schema import OptimConfig
 from sdnet_trainer.distributed.comm import GradientComm
 from sdnet_trainer.distributed.ddp import unwrap
+from sdnet_trainer.distributed.float8 import refresh_float8_scales
 from sdnet_trainer.distributed.grad_norm import global_grad_norm
 from sdnet_trainer.distributed.ops import is_distributed
 from sdnet_trainer.runtime.precision import Precision
@@ -232,6 +233,7 @@ class OptimizerStep:
         scale_before = scaler.get_scale() if scaler.is_enabled() else None
         scaler.step(self.optimizer)  # skips optimizer.step when fp16 gradients overflowed
         scaler.update()
+        refresh_float8_scales(self.model)  # FSDP's float8 all-gather: the new weights' scales
         if scale_before is not None and scaler.get_scale() < scale_before:
             self.state.skipped_steps += 1
             if self.comm is not None:

@@ -48,6 +48,7 @@ from sdnet_trainer.data.loader import RunData
 from sdnet_trainer.distributed import DistEnv
 from sdnet_trainer.distributed.batching import BatchLayout, batch_layout
 from sdnet_trainer.distributed.comm import GradientComm
+from sdnet_trainer.distributed.context_parallel import ContextParallel
 from sdnet_trainer.distributed.ddp import unwrap
 from sdnet_trainer.distributed.env import shorten_timeout
 from sdnet_trainer.distributed.mesh import ParallelDims, build_mesh, parallel_dims
@@ -101,6 +102,7 @@ class Trainer:
     precision: Precision
     criterion: nn.Module
     data: RunData  # the training and validation loaders
+    context: ContextParallel | None  # parallel.cp > 1: this rank's share of each sequence
     steps_per_epoch: int
     epoch_shape: EpochShape
     total_steps: int  # for max_epochs: counted at the current batch layout (the schedule's length)
@@ -324,6 +326,7 @@ class Trainer:
             model, cfg, env, self.mesh, self.dims, loss_fn=self._weighted_loss, materialize=fill
         )
         self.model, self.pipeline = parallel.model, parallel.pipeline
+        self.context = parallel.context
         # This rank's metrics count once: last pipeline stage, first tensor-parallel peer.
         last_stage = self.pipeline is None or self.pipeline.has_last
         first_tp = self.dims.coordinates(env.rank)["tp"] == 0
@@ -350,6 +353,7 @@ class Trainer:
             dp_rank=self.dims.dp_rank(self.env.rank),
             seed=loop.seed,
             channels_last=self.cfg.model.channels_last,
+            shard=self.context.shard if self.context is not None else None,
         )
         self.steps_per_epoch = self.data.steps_per_epoch
         self.epoch_shape = EpochShape(layout.global_batch_size, self.steps_per_epoch)
@@ -488,8 +492,9 @@ class Trainer:
         dims, pipe = self.dims, self.cfg.parallel.pipeline.microbatches if self.pipeline else 1
         losses = self.layout.grad_accum_steps * pipe  # a step's loss terms on one rank
         self.loss_weights = LossWeights(
-            dp=dims.dp, peers=dims.tp * dims.pp, losses=losses, across_groups=self.ft.average_count
-        )
+            dp=dims.gradient_ranks, peers=dims.tp * dims.pp, losses=losses,
+            across_groups=self.ft.average_count,
+        )  # fmt: skip
 
     # ------------------------------------------------------------------ the loop
 

@@ -1,4 +1,4 @@
-"""The order of the CUDA tests: the heaviest run last.
+"""The order of the CUDA tests (the heaviest run last), and their one-rank GPU process group.
 
 scripts/ci/gpu_check.sh gives its pytest one time budget for all the CUDA tests. A test marked
 ``@pytest.mark.run_last`` (a cold inductor compile takes most of a minute) runs after every other
@@ -12,6 +12,9 @@ and after ``-m`` / ``-k`` deselection: it only reorders what is left.
 """
 
 from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import Any
 
 import pytest
 
@@ -34,3 +37,24 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     items[:] = [item for item in items if not runs_last(item)] + [
         item for item in items if runs_last(item)
     ]
+
+
+@pytest.fixture
+def one_rank() -> Iterator[Any]:
+    """A one-rank group in this process on the GPU: NCCL for CUDA tensors, gloo for CPU ones
+    (offloaded gradients' norm), on an in-memory store; its DistEnv. (The CPU tests' fixture of
+    this name, tests/conftest.py, is a gloo group on the CPU.)"""
+    import torch
+    import torch.distributed as dist
+
+    from sdnet_trainer.distributed.env import CUDA_WITH_CPU_BACKEND, DistEnv
+
+    device = torch.device("cuda", 0)
+    torch.cuda.set_device(device)
+    dist.init_process_group(
+        CUDA_WITH_CPU_BACKEND, store=dist.HashStore(), rank=0, world_size=1, device_id=device
+    )
+    try:
+        yield DistEnv(rank=0, world_size=1, device=device, backend=CUDA_WITH_CPU_BACKEND)
+    finally:
+        dist.destroy_process_group()

@@ -12,18 +12,16 @@ the CPU-offloaded ones), through the real Trainer: the paths the CPU tests can o
 from __future__ import annotations
 
 import math
-from collections.abc import Iterator
 
 import pytest
 import torch
-import torch.distributed as dist
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
 
 from sdnet_trainer import Trainer
 from sdnet_trainer.config import compose
-from sdnet_trainer.distributed.env import CUDA_WITH_CPU_BACKEND, DistEnv
+from sdnet_trainer.distributed.env import DistEnv
 from sdnet_trainer.preflight import validate
 
 pytestmark = pytest.mark.cuda
@@ -54,20 +52,6 @@ RESNET = [
     "data.train_size=256",
     "precision=fp32",
 ]
-
-
-@pytest.fixture
-def one_rank() -> Iterator[DistEnv]:
-    """A one-rank group in this process: NCCL for CUDA tensors, gloo for CPU ones (offloaded
-    gradients' norm), on an in-memory store."""
-    torch.cuda.set_device(DEVICE)
-    dist.init_process_group(
-        CUDA_WITH_CPU_BACKEND, store=dist.HashStore(), rank=0, world_size=1, device_id=DEVICE
-    )
-    try:
-        yield DistEnv(rank=0, world_size=1, device=DEVICE, backend=CUDA_WITH_CPU_BACKEND)
-    finally:
-        dist.destroy_process_group()
 
 
 class DeviceRecorder(Trainer):

@@ -1,7 +1,7 @@
 """model=hf_causal_lm (a transformers Llama built from a config.json, no download) under FSDP2 on
-2 gloo processes, plain and with activation checkpointing and compile: the same losses and final
-parameters as one process without a process group; one FSDP2 unit per decoder layer. Both cases
-run in one launch."""
+2 gloo processes, plain, with activation checkpointing and compile, and with context parallel over
+the two: the same losses and final parameters as one process without a process group; one FSDP2
+unit per decoder layer. The cases run in one launch."""
 
 from __future__ import annotations
 
@@ -21,10 +21,12 @@ CASES = {
     "fsdp": ["parallel=fsdp"],
     "fsdp_ac_compile": [
         "parallel=fsdp",
-        "model.activation_checkpointing=true",
+        "parallel.activation_checkpointing=full",
         "compile=on",
         "compile.backend=eager",  # dynamo traces each layer; no C++ build on a CPU test machine
     ],
+    # Context parallel through transformers' attention-function registry and position_ids.
+    "fsdp_cp": ["parallel=fsdp", "parallel.cp=2"],
 }
 
 

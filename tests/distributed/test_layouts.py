@@ -123,6 +123,7 @@ VAL_REMAINDER = {
     "gpt_fsdp_tp_loss_seq": GPT + FSDP_TP_LOSS_SEQ + ["data.val_size=17"],
 }
 VAL_REMAINDER_REF = "gpt_ref_val_remainder"
+FLOAT8_REF = "llama_ref_float8"
 
 # 1.5 MiB per rank (0.85 of 1.76): the GPT's SGD state sharded 4 ways with its gathered blocks
 # fits, one replica of it per rank (DDP: 2.4 MiB, ZeRO-1: 1.8 MiB) does not. Off pipeline stages
@@ -158,9 +159,13 @@ WORLD4 = {
     "gpt_fsdp_pp": GPT + ["parallel=fsdp"] + _pipeline("1F1B", 2),
     # The Llama in the GPT's layouts (one implementation of blocks, TP plan and pipeline units).
     # FSDP x TP with loss and sequence parallel trains it in chat_fsdp_tp_loss_seq (below).
-    "llama_fsdp_ac": LLAMA + ["parallel=fsdp", "model.activation_checkpointing=true"],
-    # 2 stages of TP 2; saved, as the tied FSDP x TP run below, for the Hugging Face export.
-    "llama_tp_pp": LLAMA + ["parallel.tp=2"] + _pipeline("1F1B", 2) + SAVE,
+    "llama_fsdp_ac": LLAMA + ["parallel=fsdp", "parallel.activation_checkpointing=full"],
+    # 2 stages of TP 2, with selective activation checkpointing (its policy over DTensor ops);
+    # saved, as the tied FSDP x TP run below, for the Hugging Face export.
+    "llama_tp_pp": LLAMA
+    + ["parallel.tp=2", "parallel.activation_checkpointing=selective"]
+    + _pipeline("1F1B", 2)
+    + SAVE,
     # One parameter under two names, split by vocabulary rows under TP and sharded by FSDP.
     "llama_tied_fsdp_tp": LLAMA_TIED + ["parallel=fsdp", "parallel.tp=2"] + SAVE,
     # The ResNet in the layouts where a CNN differs from a decoder: how it is sharded (whole
@@ -171,10 +176,22 @@ WORLD4 = {
     # channels_last parameters: the layout rides on the inputs alone there.
     "resnet_fsdp": RESNET + ["parallel=fsdp", "model.channels_last=true"],
     "resnet_fsdp_pp": RESNET + ["parallel=fsdp"] + _pipeline("1F1B", 2) + RESNET_SPLITS[1],
+    # Context parallel beside FSDP (sharded over dp_shard x cp) and beside TP (FSDP over cp).
+    "llama_fsdp_cp": LLAMA + ["parallel=fsdp", "parallel.dp_shard=2", "parallel.cp=2"],
+    "llama_fsdp_tp_cp": LLAMA
+    + [
+        "parallel=fsdp",
+        "parallel.tp=2",
+        "parallel.cp=2",
+        "parallel.activation_checkpointing=selective",
+    ],
 }
 WORLD2 = {
     # Tensor parallel alone (its 2 key/value heads bound the Llama's TP degree).
     "llama_tp": LLAMA + ["parallel.tp=2"],
+    # Float8 matmuls (torchao, rowwise scaling) under FSDP2. Its reference runs the ranks' two
+    # micro-batches of 8 in one process: a weight gradient's float8 scales span a micro-batch.
+    "llama_fsdp_float8": LLAMA + ["parallel=fsdp", "precision.float8=rowwise"],
     # compile (aot_eager: no code generation) and activation checkpointing per block, under FSDP2
     # (each rank compiles: the costliest GPT case, on 2 ranks rather than 4).
     "gpt_fsdp_compiled_ac": GPT
@@ -182,7 +199,7 @@ WORLD2 = {
         "parallel=fsdp",
         "compile=on",
         "compile.backend=aot_eager",
-        "model.activation_checkpointing=true",
+        "parallel.activation_checkpointing=full",
     ],
     **{f"gpt_pp_{s}": GPT + _pipeline(s, 4) for s in SCHEDULES},
     # Every schedule runs the GPT above; the ResNet runs one that treats its stages differently:
@@ -192,6 +209,11 @@ WORLD2 = {
     "resnet_pp_ZBVZeroBubble": RESNET
     + _pipeline("ZBVZeroBubble", 4)
     + RESNET_SPLITS[SCHEDULES["ZBVZeroBubble"]],
+    # Context parallel alone: each sequence in two load-balanced halves, gradients averaged over
+    # the two (DDP); saved at step 3 for a one-process resume without it. The GPT (learned
+    # positions) with selective activation checkpointing, which keeps the gathered keys.
+    "llama_cp": LLAMA + ["parallel.cp=2", "checkpoint.every_n_steps=3"] + SAVE,
+    "gpt_cp_selective_ac": GPT + ["parallel.cp=2", "parallel.activation_checkpointing=selective"],
     # Written here, read back by one process without the layout (cross-layout checkpoints).
     "gpt_fsdp2_saved": GPT + ["parallel=fsdp"] + SAVE,
     "gpt_pp_saved": GPT + _pipeline("1F1B", 2) + SAVE,
@@ -212,6 +234,8 @@ CHAT_LAYOUTS = {
         "chat_fsdp": ["parallel=fsdp"],
         "chat_pp": _pipeline("1F1B", 2),
         "chat_tp_loss_parallel": ["parallel.tp=2", "parallel.tensor_parallel.loss_parallel=true"],
+        # Each window's halves count different numbers of targets on the two ranks.
+        "chat_cp": ["parallel.cp=2"],
     },
     4: {
         "chat_hsdp": ["parallel=fsdp", "parallel.dp_replicate=2", "parallel.dp_shard=2"],
@@ -279,11 +303,17 @@ def _single(out) -> dict[str, list[str]]:
         "gpt_ref": GPT,
         "llama_ref": LLAMA,
         "llama_tied_ref": LLAMA_TIED,
+        FLOAT8_REF: LLAMA + ["precision.float8=rowwise", "loop.grad_accum_steps=2"],
         VAL_REMAINDER_REF: GPT + ["data.val_size=17"],
         "resnet_ref": RESNET + ["loop.grad_accum_steps=4"],
         "gpt_from_fsdp2": reload("gpt_fsdp2_saved", GPT),
         "gpt_from_pp": reload("gpt_pp_saved", GPT),
         "gpt_from_zero1": reload("gpt_zero1", GPT),
+        # From the context-parallel run's step 3, continued to its step 5 on one process; and
+        # its step 5, read back.
+        "llama_from_cp_step3": LLAMA
+        + [f"checkpoint.resume={out / 'llama_cp' / 'checkpoints' / 'step_00000003'}"],
+        "llama_from_cp": reload("llama_cp", LLAMA),
         "resnet_from_pp": reload("resnet_pp_saved", RESNET + ["loop.grad_accum_steps=4"]),
     }
 
@@ -348,6 +378,8 @@ def _reference(name: str) -> str:
         return VAL_REMAINDER_REF
     if name.startswith("llama_tied"):
         return "llama_tied_ref"
+    if "float8" in name:
+        return FLOAT8_REF
     return f"{name.split('_')[0]}_ref"
 
 
@@ -448,12 +480,13 @@ def test_uneven_validation_shards_evaluate_like_one_process(runs, name):
         ("gpt_pp_saved", "gpt_from_pp"),
         ("resnet_pp_saved", "resnet_from_pp"),
         ("gpt_zero1", "gpt_from_zero1"),
+        ("llama_cp", "llama_from_cp"),
     ],
 )
 def test_checkpoint_loads_across_layouts(runs, saved, loaded):
-    """Written by FSDP on 2 ranks, a 2-stage pipeline or ZeRO-1 on 4 ranks (optimizer state
-    sharded by parameter), read by one process without any of them (model and optimizer state
-    loaded): the same weights and the same eval loss."""
+    """Written by FSDP on 2 ranks, a 2-stage pipeline, context parallel on 2 ranks or ZeRO-1 on 4
+    ranks (optimizer state sharded by parameter), read by one process without any of them (model
+    and optimizer state loaded): the same weights and the same eval loss."""
     writer, reader = runs[saved], runs[loaded]
     assert reader["losses"] == []  # resumed at the last step: nothing left to train
     for name, value in writer["params"].items():
@@ -464,6 +497,18 @@ def test_checkpoint_loads_across_layouts(runs, saved, loaded):
     assert reader["metrics"]["val_ema/loss"] == pytest.approx(
         writer["metrics"]["val_ema/loss"], rel=1e-5
     )
+
+
+def test_a_context_parallel_checkpoint_continues_on_one_process(runs):
+    """Written at step 3 by two ranks under parallel.cp=2 and continued to step 5 by one process
+    without it: steps 4 and 5 are those of the uninterrupted context-parallel run (weights,
+    momentum and data position restored), within the layouts' tolerance (test above: the
+    weights it reads are bitwise those written)."""
+    writer, reader = runs["llama_cp"], runs["llama_from_cp_step3"]
+    assert reader["losses"] == pytest.approx(writer["losses"][3:], rel=1e-5, abs=1e-6)
+    assert reader["grad_norms"] == pytest.approx(writer["grad_norms"][3:], rel=1e-4, abs=1e-6)
+    for name, value in writer["params"].items():
+        torch.testing.assert_close(reader["params"][name], value, rtol=1e-4, atol=1e-5, msg=name)
 
 
 def _param_row_bytes(params: dict[str, torch.Tensor]) -> tuple[int, int]:
@@ -581,6 +626,8 @@ PLANNED = [
     "gpt_zero1",
     "resnet_fsdp",
     "llama_tied_fsdp_tp",
+    "llama_fsdp_cp",
+    "llama_fsdp_tp_cp",
 ]
 
 

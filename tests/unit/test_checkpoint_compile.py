@@ -15,9 +15,10 @@ import torch
 from torch._dynamo.utils import counters
 
 from sdnet_trainer.config import compose
+from sdnet_trainer.distributed.activation_checkpointing import checkpoint_block
 from sdnet_trainer.distributed.env import DistEnv
 from sdnet_trainer.distributed.mesh import ParallelDims
-from sdnet_trainer.distributed.parallelize import checkpoint_block, parallelize
+from sdnet_trainer.distributed.parallelize import parallelize
 from sdnet_trainer.models import build_model
 from sdnet_trainer.plan import saved_for_backward
 
@@ -48,7 +49,7 @@ def test_checkpointed_blocks_compile_whole_and_keep_activations_out_of_memory():
     torch._dynamo.reset()
     counters.clear()
     checkpointed = _build(
-        [*GPT, "compile.enabled=true", "model.activation_checkpointing=true"], plain
+        [*GPT, "compile.enabled=true", "parallel.activation_checkpointing=full"], plain
     )
     saved_ac, loss_ac, grads_ac = _saved_bytes_and_grads(checkpointed, tokens)
     assert not counters["graph_break"], dict(counters["graph_break"])

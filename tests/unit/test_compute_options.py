@@ -45,9 +45,28 @@ def _batch(overrides):
     return torch.randn(4, 3, 16, 16), torch.randint(0, 10, (4,))
 
 
-@pytest.mark.parametrize("family", [RESNET, GPT])
-def test_activation_checkpointing_gives_the_same_gradients(family):
-    overrides = family + ["model.activation_checkpointing=true"]
+CHECKPOINTING = {
+    "full": ["parallel.activation_checkpointing=full"],
+    "every_2nd": [
+        "parallel.activation_checkpointing=full",
+        "parallel.activation_checkpointing_every=2",
+    ],
+    "selective": ["parallel.activation_checkpointing=selective"],
+}
+
+
+@pytest.mark.parametrize(
+    "family, mode",
+    [
+        (RESNET, "full"),
+        (RESNET, "selective"),
+        (GPT, "full"),
+        (GPT, "every_2nd"),
+        (GPT, "selective"),
+    ],
+)
+def test_activation_checkpointing_gives_the_same_gradients(family, mode):
+    overrides = family + CHECKPOINTING[mode]
     plain, checkpointed = _pair(overrides)
     batch = _batch(overrides)
     loss, grads = _loss_and_grads(plain, batch)
@@ -59,7 +78,7 @@ def test_activation_checkpointing_gives_the_same_gradients(family):
 
 
 def test_activation_checkpointing_recomputes_in_backward():
-    _, checkpointed = _pair(RESNET + ["model.activation_checkpointing=true"])
+    _, checkpointed = _pair(RESNET + ["parallel.activation_checkpointing=full"])
     block = checkpointed.layer1[0]
     calls = []
     block.conv1.register_forward_hook(lambda *_: calls.append(torch.is_grad_enabled()))
@@ -93,4 +112,6 @@ def test_compile_per_block_gives_the_eager_loss():
 
 def test_activation_checkpointing_needs_blocks():
     with pytest.raises(ConfigError, match="has no blocks to checkpoint"):
-        _pair(["model=simple_cnn", "model.num_classes=10", "model.activation_checkpointing=true"])
+        _pair(
+            ["model=simple_cnn", "model.num_classes=10", "parallel.activation_checkpointing=full"]
+        )

@@ -11,11 +11,8 @@ as the bare model does. The GPU run is tests/cuda/test_fsdp_cuda.py.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-
 import pytest
 import torch
-import torch.distributed as dist
 from torch import nn
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 from torch.distributed.device_mesh import init_device_mesh
@@ -24,7 +21,6 @@ from torch.distributed.tensor import DTensor
 
 from sdnet_trainer import Trainer
 from sdnet_trainer.config import compose
-from sdnet_trainer.distributed.env import DistEnv
 from sdnet_trainer.models import init as model_init
 
 GPT_ACCUM = [
@@ -44,16 +40,6 @@ GPT_ACCUM = [
     "logging.trackers=[jsonl]",
     "checkpoint.save_on_exit=false",
 ]
-
-
-@pytest.fixture
-def one_rank() -> Iterator[DistEnv]:
-    """A gloo process group of one rank, in this process (no port: an in-memory store)."""
-    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
-    try:
-        yield DistEnv(rank=0, world_size=1, device=torch.device("cpu"), backend="gloo")
-    finally:
-        dist.destroy_process_group()
 
 
 class MicroStepRecorder(Trainer):

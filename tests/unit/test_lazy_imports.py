@@ -17,9 +17,10 @@ import pytest
 from sdnet_trainer.lazy import freeze_imports
 from tests.support import TINY, checkpoint_names, run_cli
 
-# What importing the CLI must not import, and what the tiny run must not import.
+# What importing the CLI must not import, and what the tiny run must not import (torchao: only a
+# run with precision.float8 needs it).
 AT_IMPORT = ("torchvision", "torch._dynamo")
-IN_THE_RUN = ("torchvision",)
+IN_THE_RUN = ("torchvision", "torchao")
 
 # Imports the CLI, then trains in this same process; reports the modules of AT_IMPORT imported
 # with the CLI and those of IN_THE_RUN imported by the end, each with the stack of the import

@@ -178,7 +178,7 @@ def test_meta_build_initialises_like_the_cpu_build():
 
 @pytest.mark.full  # compiles two blocks (aot_eager), about 10 s
 def test_compiled_and_checkpointed_blocks_compute_the_same():
-    from sdnet_trainer.distributed.parallelize import checkpoint_block
+    from sdnet_trainer.distributed.activation_checkpointing import checkpoint_block
 
     torch.manual_seed(0)
     model = build_model(compose(["model=llama3_debug"]).model)

@@ -27,13 +27,14 @@ GPT = ["model=gpt_tiny", "data=tokens"]
             ["parallel.tp=3"],
             4,
             "world size 4 is not divisible by parallel.pp (1) x parallel.dp_shard (1) x "
-            "parallel.tp (3) = 3",
+            "parallel.cp (1) x parallel.tp (3) = 3",
         ),
         (
             ["parallel.dp_replicate=2", "parallel.tp=3"],
             4,
             "parallel.pp (1) x parallel.dp_replicate (2) x "
-            "parallel.dp_shard (1) x parallel.tp (3) = 6 ranks, but the world size is 4",
+            "parallel.dp_shard (1) x parallel.cp (1) x parallel.tp (3) = 6 ranks, but the world "
+            "size is 4",
         ),
         (["parallel.dp_replicate=-1", "parallel.dp_shard=-1"], 4, "are both -1"),
         (["parallel.tp=0"], 2, "parallel.tp=0 must be a positive degree"),
@@ -135,10 +136,15 @@ def test_bad_layouts_are_rejected_before_launch(overrides, world, message):
 def test_degrees_fill_the_world_and_name_every_rank():
     dims = parallel_dims(compose(["parallel=fsdp", "parallel.tp=2", "parallel.pp=2"]).parallel, 16)
     assert dims == ParallelDims(pp=2, dp_replicate=1, dp_shard=4, tp=2) and dims.dp == 4
-    # Row-major over (pp, dp_replicate, dp_shard, tp), as init_device_mesh lays the ranks out.
-    assert dims.coordinates(13) == {"pp": 1, "dp_replicate": 0, "dp_shard": 2, "tp": 1}
+    # Row-major over (pp, dp_replicate, dp_shard, cp, tp), as init_device_mesh lays the ranks out.
+    assert dims.coordinates(13) == {"pp": 1, "dp_replicate": 0, "dp_shard": 2, "cp": 0, "tp": 1}
     assert dims.dp_rank(13) == 2 and dims.dp_rank(5) == 2  # pipeline peers share their data
     assert sorted(dims.dp_rank(r) for r in range(16)) == sorted(list(range(4)) * 4)
+    # Context-parallel peers load the same samples (each cuts its part of the sequences).
+    cp = parallel_dims(compose(["parallel=fsdp", "parallel.cp=2", "parallel.tp=2"]).parallel, 16)
+    assert cp == ParallelDims(dp_replicate=1, dp_shard=4, cp=2, tp=2) and cp.gradient_ranks == 8
+    assert cp.coordinates(6) == {"pp": 0, "dp_replicate": 0, "dp_shard": 1, "cp": 1, "tp": 0}
+    assert cp.dp_rank(6) == cp.dp_rank(4) == 1
 
 
 def test_stage_placement_loop_and_v():

@@ -34,7 +34,7 @@ def test_1024_ranks_of_gpt_1b_plan_in_one_process(tmp_path, monkeypatch, capfd):
     args = ["--dry-run", "world_size=1024", *LAYOUT, "loop.global_batch_size=128", f"json={plan}"]
     code, output = main_in_process(args, monkeypatch, capfd)
     assert code == 0, output[-3000:]
-    assert "pp 4 x dp_replicate 1 x dp_shard 32 x tp 8 (fsdp)" in output
+    assert "pp 4 x dp_replicate 1 x dp_shard 32 x cp 1 x tp 8 (fsdp)" in output
     ranks = json.loads(plan.read_text())
     # By default the first rank of each pipeline stage: the ranks whose roles differ.
     assert [r["rank"] for r in ranks] == [0, 256, 512, 768]

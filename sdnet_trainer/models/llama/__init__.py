@@ -108,6 +108,7 @@ FAMILY = ModelFamily(
     name=NAME,
     build=lambda cfg: Llama(**llama_sizes(cfg)),
     language=True,
+    context_parallel=True,
     validate=_validate,
     decoder_sizes=_decoder_sizes,
     hf=HFAdapter(tensors=hf_tensors, config=lambda model, dtype: hf_config_of(model, dtype=dtype)),

@@ -27,6 +27,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from sdnet_trainer.config.schema import Config
 from sdnet_trainer.data import is_language_model_data
 from sdnet_trainer.errors import ConfigError
+from sdnet_trainer.models.attention import CausalAttention
 from sdnet_trainer.models.decoder import Decoder, check_sequence
 from sdnet_trainer.models.init import InitStep, construction_resets
 from sdnet_trainer.models.parallel_spec import LLAMA_LAYOUT
@@ -88,6 +89,7 @@ class Attention(nn.Module):
         self.wv = nn.Linear(dim, n_kv_heads * self.head_dim, bias=False)
         self.wo = nn.Linear(n_heads * self.head_dim, dim, bias=False)
         self.rotary = Rotary(self.head_dim, theta=theta, scaling=scaling)
+        self.core = CausalAttention()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         batch, length = x.shape[:2]
@@ -97,9 +99,7 @@ class Attention(nn.Module):
 
         q, k, v = heads(self.wq(x)), heads(self.wk(x)), heads(self.wv(x))
         q, k = self.rotary(q, k)
-        out = F.scaled_dot_product_attention(
-            q, k, v, is_causal=True, enable_gqa=q.shape[1] != k.shape[1]
-        )
+        out = self.core(q, k, v)
         return self.wo(out.transpose(1, 2).reshape(batch, length, -1))
 
 
