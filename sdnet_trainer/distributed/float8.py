@@ -37,7 +37,7 @@ import torch
 from torch import nn
 
 from sdnet_trainer.config.checks import check_choice
-from sdnet_trainer.config.schema import Config
+from sdnet_trainer.config.schema import Config, TrainerTarget
 from sdnet_trainer.data import is_language_model_data
 from sdnet_trainer.distributed.env import resolve_backend, resolve_device
 from sdnet_trainer.errors import ConfigError
@@ -74,6 +74,7 @@ def validate_float8(cfg: Config, *, device: torch.device | str | None = None) ->
             f"neither torchao nor torchtitan runs; use precision=bf16"
         )
     _torchao_float8(recipe)
+    _check_model_before_launch(cfg)
     device = resolve_device(cfg.dist, local_rank=0) if device is None else torch.device(device)
     tp = cfg.parallel.tensor_parallel
     backend = resolve_backend(cfg.dist, device)
@@ -176,6 +177,33 @@ def _output_layers(model: nn.Module) -> set[int]:
 # ---------------------------------------------------------------------- the conversion
 
 
+def _eligible_or_refused(model: nn.Module, cfg: Config) -> tuple[list[str], dict[str, str]]:
+    """:func:`_sort_linears`, or a ConfigError for a model with no layer float8 can run."""
+    eligible, left = _sort_linears(model)
+    if not eligible:
+        skipped = "; ".join(f"{name}: {why}" for name, why in left.items()) or "none"
+        raise ConfigError(
+            f"precision.float8={cfg.precision.float8}: model.name={cfg.model.name!r} has no "
+            f"Linear layer float8 can run (input and output sizes multiples of "
+            f"{FLOAT8_MULTIPLE}, not the output layer); its Linear layers: {skipped}. Set "
+            f"precision.float8=null"
+        )
+    return eligible, left
+
+
+def _check_model_before_launch(cfg: Config) -> None:
+    """The model's eligible layers, from a build on the meta device (nothing allocated), where
+    the stock Trainer builds it from the config alone: a Trainer subclass's model, and a
+    transformers model read from its weights, are checked when they are built."""
+    if cfg.trainer._target_ != TrainerTarget._target_ or cfg.model.weights is not None:
+        return
+    from sdnet_trainer.models import build_model
+
+    with torch.device("meta"):
+        model = build_model(cfg.model)
+    _eligible_or_refused(model, cfg)
+
+
 def convert_float8(model: nn.Module, cfg: Config, *, fsdp: bool) -> None:
     """Turn the eligible Linear layers of ``model`` into torchao's Float8Linear, in place and
     keeping each module object (module docstring); ``fsdp``: the model will be wrapped by FSDP2,
@@ -183,14 +211,7 @@ def convert_float8(model: nn.Module, cfg: Config, *, fsdp: bool) -> None:
     recipe = cfg.precision.float8
     assert recipe is not None, "convert_float8 runs only with precision.float8 set"
     float8 = _torchao_float8(recipe)
-    eligible, left = _sort_linears(model)
-    if not eligible:
-        skipped = "; ".join(f"{name}: {why}" for name, why in left.items()) or "none"
-        raise ConfigError(
-            f"precision.float8={recipe}: model.name={cfg.model.name!r} has no Linear layer float8 "
-            f"can run (input and output sizes multiples of {FLOAT8_MULTIPLE}, not the output "
-            f"layer); its Linear layers: {skipped}. Set precision.float8=null"
-        )
+    eligible, left = _eligible_or_refused(model, cfg)
     config = float8.Float8LinearConfig.from_recipe_name(recipe)
     all_gather = fsdp and recipe == "tensorwise"
     if all_gather and cfg.model.ema.enabled:

@@ -181,4 +181,4 @@ def test_gpt_pipeline_recipe_trains_through_the_cli(tmp_path):
         "rank1",
     ]
     log = (run_dir / "train.log").read_text()
-    assert "pp 2 x dp_replicate 1 x dp_shard 1 x tp 1" in log and "top 15 operators" in log
+    assert "pp 2 x dp_replicate 1 x dp_shard 1 x cp 1 x tp 1" in log and "top 15 operators" in log

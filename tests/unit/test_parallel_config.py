@@ -118,7 +118,7 @@ GPT = ["model=gpt_tiny", "data=tokens"]
             ["parallel=fsdp", "parallel.tp=2", "loop.global_batch_size=5"],
             4,
             "loop.global_batch_size=5 is not divisible by data-parallel "
-            "size (2 = world size 4 / (parallel.tp 2 x parallel.pp 1))",
+            "size (2 = world size 4 / (parallel.tp 2 x parallel.cp 1 x parallel.pp 1))",
         ),
         (
             ["data=tokens", "model=gpt_tiny", "data.vocab_size=100"],
