@@ -71,6 +71,13 @@ def validate_context_parallel(cfg: Config, *, cp: int, pp: int, supported: bool)
             f"parallel.cp={cp} splits each sequence into 2 x {cp} = {2 * cp} equal chunks "
             f"(causal load balancing); data.seq_len={seq_len} is not a multiple of {2 * cp}"
         )
+    tp = parallel.tp
+    if parallel.tensor_parallel.sequence_parallel and tp > 1 and (seq_len // cp) % tp:
+        raise ConfigError(
+            f"sequence parallel splits each rank's {seq_len // cp} tokens (data.seq_len="
+            f"{seq_len} / parallel.cp={cp}) over parallel.tp={tp} ranks, which does not divide "
+            f"them; data.seq_len must be a multiple of parallel.cp x parallel.tp = {cp * tp}"
+        )
     if pp > 1:
         raise ConfigError(
             f"parallel.cp={cp} with parallel.pp={pp}: context parallel is not combined with "

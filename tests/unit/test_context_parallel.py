@@ -30,6 +30,19 @@ LLAMA = ["model=llama3_debug", "data=tokens", "data.seq_len=32", "data.vocab_siz
         (["parallel.cp=2", "parallel.cp_attention=rings"], 2, r"parallel.cp_attention"),
         (["parallel.cp=2", "parallel.tp=2"], 4, r"parallel.cp=2 gradient replicas"),
         (["parallel.cp=3"], 2, r"parallel.cp \(3\)"),
+        (
+            [
+                "model=gpt_tiny",  # 4 heads: tensor parallel over 4
+                "data.vocab_size=64",
+                "parallel=fsdp",
+                "parallel.cp=2",
+                "parallel.tp=4",
+                "parallel.tensor_parallel.sequence_parallel=true",
+                "data.seq_len=12",
+            ],
+            8,
+            r"each rank's 6 tokens .* multiple of parallel.cp x parallel.tp = 8",
+        ),
     ],
 )
 def test_bad_context_parallel_is_refused_before_launch(overrides, world_size, message):
