@@ -289,9 +289,6 @@ def refresh_float8_scales(model: nn.Module) -> None:
     precompute_float8_dynamic_scale_for_fsdp(model)
 
 
-# ---------------------------------------------------------------------- tensor parallelism
-
-
 __all__ = [
     "FLOAT8_EXTRA_HINT",
     "FLOAT8_RECIPES",

@@ -247,4 +247,4 @@ def tensor_parallel_styles(
     return Float8ColwiseParallel, Float8RowwiseParallel
 
 
-__all__ = ["Decoder", "Replicated", "apply_decoder_tp"]
+__all__ = ["Decoder", "Replicated", "apply_decoder_tp", "tensor_parallel_styles"]
