@@ -12,7 +12,7 @@ from __future__ import annotations
 from sdnet_trainer.checkpoint import validate_checkpoint
 from sdnet_trainer.checkpoint.objects import is_url
 from sdnet_trainer.config.paths import check_creatable_folder, is_local_path, local_path
-from sdnet_trainer.config.schema import Config, TrainerTarget
+from sdnet_trainer.config.schema import Config, names_stock_trainer
 from sdnet_trainer.data import validate_data
 from sdnet_trainer.distributed.batching import validate_batch
 from sdnet_trainer.distributed.comm_hooks import validate_comm
@@ -48,8 +48,8 @@ def validate(cfg: Config, *, world_size: int) -> None:
     family = model_family(cfg.model.name)
     if family is not None and family.validate is not None:  # model.* against data and layout
         family.validate(cfg, tp=dims.tp, pp=dims.pp)
-    # A Trainer subclass may build any model: its attention is checked when it is built.
-    subclass = cfg.trainer._target_ != TrainerTarget._target_
+    # A Trainer subclass's model: its attention is checked when it is built.
+    subclass = not names_stock_trainer(cfg)
     supported = family.context_parallel if family is not None else subclass
     validate_context_parallel(cfg, cp=dims.cp, pp=dims.pp, supported=supported)
     validate_pipeline(cfg, world_size)

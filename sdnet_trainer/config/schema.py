@@ -499,3 +499,9 @@ class Config:
     fault_tolerance: FaultToleranceConfig = field(default_factory=FaultToleranceConfig)
     run: RunConfig = field(default_factory=RunConfig)
     trainer: TrainerTarget = field(default_factory=TrainerTarget)
+
+
+def names_stock_trainer(cfg: Config) -> bool:
+    """Whether ``cfg`` runs the stock Trainer, whose model follows from ``model.*`` alone (a
+    subclass's ``build_model`` may build anything: checks of the model wait until it is built)."""
+    return cfg.trainer._target_ == TrainerTarget._target_

@@ -37,7 +37,7 @@ import torch
 from torch import nn
 
 from sdnet_trainer.config.checks import check_choice
-from sdnet_trainer.config.schema import Config, TrainerTarget
+from sdnet_trainer.config.schema import Config, names_stock_trainer
 from sdnet_trainer.data import is_language_model_data
 from sdnet_trainer.distributed.env import resolve_backend, resolve_device
 from sdnet_trainer.errors import ConfigError
@@ -195,7 +195,7 @@ def _check_model_before_launch(cfg: Config) -> None:
     """The model's eligible layers, from a build on the meta device (nothing allocated), where
     the stock Trainer builds it from the config alone: a Trainer subclass's model, and a
     transformers model read from its weights, are checked when they are built."""
-    if cfg.trainer._target_ != TrainerTarget._target_ or cfg.model.weights is not None:
+    if not names_stock_trainer(cfg) or cfg.model.weights is not None:
         return
     from sdnet_trainer.models import build_model
 

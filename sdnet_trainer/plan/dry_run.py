@@ -364,8 +364,7 @@ def _activation_estimate(
 def per_tensor_parallel_rank(saved: Activations, batch: int, tp: int) -> float:
     """What one tensor-parallel rank keeps of ``saved`` at ``batch``: the activations of the
     samples split with the heads and the hidden units; what does not grow with the batch (the
-    rotary angles, the all-gather attention's mask made additive per layer) whole, since no
-    layout splits it."""
+    rotary angles, the all-gather attention's mask) whole, since no layout splits it."""
     return saved.fixed + saved.per_sample * batch / tp
 
 

@@ -2,7 +2,8 @@
 block keeps for backward between ``none`` and ``full``, the same gradients, one graph under
 ``torch.compile``, and the layouts it is refused with.
 
-What a block keeps is measured, not computed from the policy: every tensor an op produces during
+What a block keeps is measured, not computed from the policy, by the dry run's measure
+(``plan.model_stats.kept_bytes``, here on real CPU tensors): every storage an op produces during
 the block's forward is tracked by a weak reference, and those still alive once the forward has
 returned (and garbage has been collected) are the ones autograd and the checkpoint hold for
 backward. Saved-tensor hooks cannot see them all: selective checkpointing caches the outputs it
@@ -11,49 +12,16 @@ saves in its own storage.
 
 from __future__ import annotations
 
-import gc
-import weakref
-
 import pytest
 import torch
 from torch._dynamo.utils import counters
-from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils._pytree import tree_flatten
 
 from sdnet_trainer.config import compose
 from sdnet_trainer.distributed.activation_checkpointing import apply_activation_checkpointing
 from sdnet_trainer.errors import ConfigError
 from sdnet_trainer.models.llama.model import Llama
+from sdnet_trainer.plan.model_stats import kept_bytes
 from sdnet_trainer.preflight import validate
-
-
-class _Outputs(TorchDispatchMode):
-    """Weak references to every tensor the ops under it produce."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.refs: list[weakref.ref] = []
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        out = func(*args, **(kwargs or {}))
-        self.refs += [weakref.ref(t) for t in tree_flatten(out)[0] if isinstance(t, torch.Tensor)]
-        return out
-
-
-def _kept_bytes(block: torch.nn.Module, x: torch.Tensor) -> tuple[int, torch.Tensor]:
-    """Bytes of the tensors ``block``'s forward leaves alive (not its input, output or weights),
-    each storage once; and the output."""
-    outputs = _Outputs()
-    with outputs:
-        y = block(x)
-    gc.collect()
-    own = {t.untyped_storage()._cdata for t in (x, y, *block.parameters())}
-    kept = {}
-    for ref in outputs.refs:
-        t = ref()
-        if t is not None and t.untyped_storage()._cdata not in own:
-            kept[t.untyped_storage()._cdata] = t.untyped_storage().nbytes()
-    return sum(kept.values()), y
 
 
 def _llama(mode: str) -> Llama:
@@ -69,9 +37,9 @@ def test_selective_keeps_less_than_none_and_more_than_full_with_the_same_gradien
     kept, grads = {}, {}
     for mode in ("none", "full", "selective"):
         block = _llama(mode).blocks[0]
+        kept[mode], _ = kept_bytes(block, x0.clone().requires_grad_())
         x = x0.clone().requires_grad_()
-        kept[mode], y = _kept_bytes(block, x)
-        y.square().sum().backward()
+        block(x).square().sum().backward()
         grads[mode] = [x.grad, *(p.grad for p in block.parameters())]
     # full keeps nothing but the block's input; selective the matmuls' and attention's outputs.
     assert kept["full"] == 0
