@@ -18,11 +18,13 @@ from sdnet_trainer.distributed.batching import validate_batch
 from sdnet_trainer.distributed.comm_hooks import validate_comm
 from sdnet_trainer.distributed.context_parallel import validate_context_parallel
 from sdnet_trainer.distributed.env import validate_dist
+from sdnet_trainer.distributed.expert_parallel import validate_expert_parallel
 from sdnet_trainer.distributed.float8 import validate_float8
 from sdnet_trainer.distributed.mesh import parallel_dims
 from sdnet_trainer.distributed.parallelize import validate_compile, validate_parallel
 from sdnet_trainer.distributed.pipeline import validate_pipeline
 from sdnet_trainer.ft.checks import validate_ft
+from sdnet_trainer.models.lora import validate_lora
 from sdnet_trainer.models.registry import model_family
 from sdnet_trainer.observability.logs import validate_logging
 from sdnet_trainer.observability.prometheus import validate_prometheus
@@ -50,8 +52,11 @@ def validate(cfg: Config, *, world_size: int) -> None:
         family.validate(cfg, tp=dims.tp, pp=dims.pp)
     # A Trainer subclass's model: its attention is checked when it is built.
     subclass = not names_stock_trainer(cfg)
+    validate_lora(cfg, family, tp=dims.tp, stock=not subclass)  # model.lora
     supported = family.context_parallel if family is not None else subclass
     validate_context_parallel(cfg, cp=dims.cp, pp=dims.pp, supported=supported)
+    experts = family.num_experts if family is not None else None
+    validate_expert_parallel(cfg, dims, num_experts=experts(cfg.model) if experts else None)
     validate_pipeline(cfg, world_size)
     validate_comm(cfg, world_size)
     validate_compile(cfg, world_size)

@@ -48,6 +48,9 @@ Run (from the repository root; about 2 minutes on 2 CPU cores with the defaults)
     python scripts/bench/bench_memory.py --nproc 2 --steps 2 -- model=gpt_tiny
     python scripts/bench/bench_memory.py --nproc 2 --layouts "FSDP accum every" "FSDP accum last" \
         -- model.gpt.dim=768     # FSDP's two reductions under accumulation, larger gradients
+    python scripts/bench/bench_memory.py --nproc 2 --layouts "FSDP ZeRO-3" "FSDP LoRA" \
+        -- model=llama3_debug model.llama.dim=512 model.llama.hidden_dim=1376 \
+        model.llama.n_layers=4 data.vocab_size=256 data.seq_len=64    # LoRA vs full
 
 Exit status 0 with the table printed; 1 if a launch fails or times out.
 """
@@ -78,6 +81,9 @@ LAYOUTS = {
     "FSDP ZeRO-3": ["parallel=fsdp"],
     "FSDP accum every": ["parallel=fsdp", "parallel.fsdp.grad_sync=every_microstep"],
     "FSDP accum last": ["parallel=fsdp", "parallel.fsdp.grad_sync=last_microstep"],
+    # model.lora (a Llama or MoE: -- model=llama3_debug ...): only the adapters have gradients
+    # and optimizer state; the frozen base is sharded as under ZeRO-3.
+    "FSDP LoRA": ["parallel=fsdp", "model.lora.enabled=true", "model.ema.enabled=false"],
 }
 # Micro-steps per optimizer step of the layouts that accumulate (the others: 1).
 ACCUM_STEPS = {"FSDP accum every": 4, "FSDP accum last": 4}
@@ -102,7 +108,7 @@ def parse_args() -> argparse.Namespace:
         "--layouts",
         nargs="+",
         choices=list(LAYOUTS),
-        default=list(LAYOUTS),
+        default=[name for name in LAYOUTS if name != "FSDP LoRA"],  # the GPT has no adapters
         metavar="NAME",
         help="the layouts to launch, by their names in the table (default: all); DDP, the "
         "reference of the ratios, always runs",

@@ -51,16 +51,25 @@ class Part:
 
 class ModelState:
     """The model's weights through ``get_model_state_dict``: full names, sharded tensors kept
-    sharded (DTensors), so DCP reshards them for any layout."""
+    sharded (DTensors), so DCP reshards them for any layout. ``trainable_only`` (model.lora's
+    adapters): the parameters that train, not the frozen ones, which the run rebuilds from its
+    own source (``model.weights``, or the seeded init) and which would be a second copy of the
+    base model in every checkpoint."""
 
-    def __init__(self, model: nn.Module) -> None:
+    def __init__(self, model: nn.Module, *, trainable_only: bool = False) -> None:
         self.model = model
+        self.trainable_only = trainable_only
+        self.options = StateDictOptions(
+            ignore_frozen_params=trainable_only, strict=not trainable_only
+        )
 
     def state_dict(self) -> dict[str, Any]:
-        return get_model_state_dict(self.model)
+        return get_model_state_dict(self.model, options=self.options)
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        set_model_state_dict(self.model, state)
+        loaded = set_model_state_dict(self.model, state, options=self.options)
+        if self.trainable_only and loaded.unexpected_keys:
+            raise RuntimeError(f"the model has no place for {sorted(loaded.unexpected_keys)}")
 
 
 class OptimizerState:

@@ -11,10 +11,11 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Dict, List, Optional
 
-# fault_tolerance, logging, model.gpt and model.llama are defined beside this module.
+# fault_tolerance, logging and the language models (model.gpt, llama, moe, lora) are defined
+# beside this module.
 from sdnet_trainer.config.auto_layout import AutoLayoutConfig
 from sdnet_trainer.config.fault_tolerance import FaultToleranceConfig
-from sdnet_trainer.config.language_models import GPTConfig, LlamaConfig
+from sdnet_trainer.config.language_models import GPTConfig, LlamaConfig, LoRAConfig, MoEConfig
 from sdnet_trainer.config.observability import LoggingConfig
 
 
@@ -56,6 +57,10 @@ class ModelConfig:
     gpt: GPTConfig = field(default_factory=GPTConfig)
     # The Llama family (model.name=llama; configs/model/llama3_*).
     llama: LlamaConfig = field(default_factory=LlamaConfig)
+    # The mixture-of-experts family (model.name=moe; configs/model/moe_*).
+    moe: MoEConfig = field(default_factory=MoEConfig)
+    # Low-rank adapters (LoRA, DoRA) through peft on a language model (docs/language-models.md).
+    lora: LoRAConfig = field(default_factory=LoRAConfig)
     # CNNs: NHWC memory format for the model's parameters and its input images (faster
     # convolutions on GPUs); under parallel=fsdp only the inputs (FSDP2 takes contiguous
     # parameters; convolutions follow a channels_last input).
@@ -270,6 +275,11 @@ class ParallelConfig:
     # How attention spans the shards: ring (torch's ring attention, CUDA) | allgather (the whole
     # sequence's keys and values gathered on each rank) | auto (ring on CUDA, allgather elsewhere).
     cp_attention: str = "auto"
+    # Expert parallel: a mixture-of-experts model's experts split over this many ranks, tokens sent
+    # to their experts' ranks and back by all-to-all (docs/parallel.md). Not a degree of its own:
+    # it divides parallel.dp_shard, whose ranks it takes (FSDP shards the experts over the
+    # dp_shard / ep ranks left); it must divide model.moe.num_experts.
+    ep: int = 1
     # Recompute activations in backward instead of keeping them, per block (transformer block,
     # ResNet residual block). none | full: keep only each block's input, recompute the rest (about
     # one more forward pass) | selective: keep the outputs of matmuls and attention, recompute the

@@ -48,6 +48,7 @@ SAVED_OPS = frozenset(
         "aten::bmm",
         "aten::baddbmm",
         "aten::_scaled_mm",
+        "aten::_grouped_mm",  # a mixture of experts' projections
         "aten::max",
         "aten::_scaled_dot_product_flash_attention",
         "aten::_scaled_dot_product_efficient_attention",

@@ -22,6 +22,29 @@ from torch.distributed.tensor import DTensor, Placement
 _GroupKey: TypeAlias = tuple[DeviceMesh, tuple[Placement, ...]] | None
 
 
+def by_layout(tensors: Iterable[torch.Tensor]) -> list[list[torch.Tensor]]:
+    """``tensors`` grouped by (mesh, placements), plain tensors together: torch's foreach kernels
+    (norms, clipping) take no DTensors of different meshes in one call."""
+    groups: dict[_GroupKey, list[torch.Tensor]] = defaultdict(list)
+    for tensor in tensors:
+        key = (tensor.device_mesh, tensor.placements) if isinstance(tensor, DTensor) else None
+        groups[key].append(tensor)
+    return list(groups.values())
+
+
+def replicate_partial_grads(params: Iterable[torch.Tensor]) -> None:
+    """Reduce the gradients DTensor left as partial sums into their parameter's layout (a
+    weight shared by tensor-parallel ranks that each see part of its inputs, such as a per-head
+    norm's: each rank's gradient is a part of the sum). Left partial, the optimizer would build its
+    state from them, which a checkpoint cannot hold; FSDP's reduction does the same for the
+    gradients it owns."""
+    for param in params:
+        grad = param.grad
+        if isinstance(grad, DTensor) and any(p.is_partial() for p in grad.placements):
+            assert isinstance(param, DTensor)  # a DTensor gradient is a DTensor parameter's
+            param.grad = grad.redistribute(placements=param.placements)
+
+
 def global_grad_norm(
     grads: Iterable[torch.Tensor],
     *,
@@ -30,12 +53,8 @@ def global_grad_norm(
 ) -> torch.Tensor:
     """The L2 norm over all ``grads`` of all ranks, as a plain scalar tensor (same on every
     rank)."""
-    groups: dict[_GroupKey, list[torch.Tensor]] = defaultdict(list)
-    for grad in grads:
-        key = (grad.device_mesh, grad.placements) if isinstance(grad, DTensor) else None
-        groups[key].append(grad)
     squares = []
-    for members in groups.values():
+    for members in by_layout(grads):
         norm = torch.nn.utils.get_total_norm(members)
         if isinstance(norm, DTensor):
             norm = norm.full_tensor()
@@ -46,4 +65,4 @@ def global_grad_norm(
     return total.sqrt()
 
 
-__all__ = ["global_grad_norm"]
+__all__ = ["by_layout", "global_grad_norm", "replicate_partial_grads"]

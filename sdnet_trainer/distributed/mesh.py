@@ -10,6 +10,12 @@ same samples, whatever their context, tensor or pipeline coordinates. Context-pa
 different parts of the same sequences, so their gradients are partial sums like those of
 data-parallel ranks: gradients are reduced over ``dp_replicate x dp_shard x cp``, and FSDP shards
 over ``dp_shard x cp`` (one flattened dimension, ``dp_shard_cp``; torchtitan's ``dp_shard_cp``).
+
+Expert parallel (``parallel.ep``) is not a dimension of its own: it takes its ranks from
+``dp_shard``, which the mesh then lays out as ``dp_shard_mod_ep x ep`` (flattened back into
+``dp_shard`` for everything else). A mixture-of-experts layer sends its tokens to the experts'
+ranks over ``ep``, and FSDP shards each expert over the ``dp_shard_mod_ep`` ranks that hold the
+same experts, as the rest of the model over ``dp_shard``.
 """
 
 from __future__ import annotations
@@ -32,6 +38,8 @@ class ParallelDims:
     dp_shard: int = 1
     cp: int = 1
     tp: int = 1
+    # Expert parallel: a divisor of dp_shard, not a factor of the world size (module docstring).
+    ep: int = 1
 
     @property
     def dp(self) -> int:
@@ -61,7 +69,8 @@ class ParallelDims:
         return c["dp_replicate"] * self.dp_shard + c["dp_shard"]
 
     def describe(self) -> str:
-        return " x ".join(f"{name} {size}" for name, size in zip(MESH_DIMS, self.sizes))
+        grid = " x ".join(f"{name} {size}" for name, size in zip(MESH_DIMS, self.sizes))
+        return grid if self.ep == 1 else f"{grid}, experts over ep {self.ep}"
 
 
 def parallel_dims(cfg: ParallelConfig, world_size: int) -> ParallelDims:
@@ -92,16 +101,32 @@ def parallel_dims(cfg: ParallelConfig, world_size: int) -> ParallelDims:
             f"{fixed} = {known} ranks, but the world size is {world_size}; the degrees "
             f"must multiply to the world size (or set one of them to -1)"
         )
-    return ParallelDims(**degrees)
+    ep = cfg.ep
+    if ep < 1 or degrees["dp_shard"] % ep:
+        raise ConfigError(
+            f"parallel.ep={ep} takes its ranks from parallel.dp_shard={degrees['dp_shard']}, "
+            f"which must be a multiple of it (parallel=fsdp with parallel.dp_shard = ep x the "
+            f"ranks that shard each expert)"
+        )
+    return ParallelDims(**degrees, ep=ep)
 
 
 def build_mesh(dims: ParallelDims, device_type: str) -> DeviceMesh:
     """The named 5-D mesh over all ranks (call once, after the process group is up), with the
     flattened dimensions the gradient reduction uses under context parallel: ``dp_shard_cp``
-    (FSDP's shards) and ``dp_cp`` (DDP's replicas)."""
-    mesh = init_device_mesh(device_type, dims.sizes, mesh_dim_names=MESH_DIMS)
+    (FSDP's shards) and ``dp_cp`` (DDP's replicas). Under expert parallel ``dp_shard`` is itself
+    the flattening of ``dp_shard_mod_ep x ep`` (module docstring)."""
+    if dims.ep == 1:
+        mesh = init_device_mesh(device_type, dims.sizes, mesh_dim_names=MESH_DIMS)
+        shard: tuple[str, ...] = ("dp_shard",)
+    else:
+        sizes = (dims.pp, dims.dp_replicate, dims.dp_shard // dims.ep, dims.ep, dims.cp, dims.tp)
+        names = ("pp", "dp_replicate", "dp_shard_mod_ep", "ep", "cp", "tp")
+        mesh = init_device_mesh(device_type, sizes, mesh_dim_names=names)
+        shard = ("dp_shard_mod_ep", "ep")
+        mesh[shard]._flatten("dp_shard")
     if dims.cp > 1:
-        mesh["dp_shard", "cp"]._flatten("dp_shard_cp")
+        mesh[shard + ("cp",)]._flatten("dp_shard_cp")
         mesh["dp_replicate", "cp"]._flatten("dp_cp")
     return mesh
 
@@ -115,6 +140,14 @@ def dp_mesh(mesh: DeviceMesh, dims: ParallelDims) -> DeviceMesh:
     return mesh[shard] if dims.dp_shard * dims.cp > 1 else mesh["dp_replicate"]
 
 
+def expert_dp_mesh(mesh: DeviceMesh, dims: ParallelDims) -> DeviceMesh:
+    """The sub-mesh FSDP shards the experts over under expert parallel: the ``dp_shard_mod_ep``
+    ranks that hold the same experts (with the replicas, HSDP)."""
+    if dims.dp_replicate > 1:
+        return mesh["dp_replicate", "dp_shard_mod_ep"]
+    return mesh["dp_shard_mod_ep"]
+
+
 def replica_mesh(mesh: DeviceMesh, dims: ParallelDims) -> DeviceMesh:
     """The 1-D mesh DDP all-reduces gradients over: the replicas and their context-parallel
     peers (``dp_cp``)."""
@@ -126,6 +159,7 @@ __all__ = [
     "ParallelDims",
     "build_mesh",
     "dp_mesh",
+    "expert_dp_mesh",
     "parallel_dims",
     "replica_mesh",
 ]

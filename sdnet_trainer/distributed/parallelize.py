@@ -1,7 +1,8 @@
 """Turn a bare model into this rank's parallel model, in the order the techniques compose:
 
-    float8 conversion -> pipeline split -> tensor parallel -> context parallel -> channels_last
-    -> activation checkpointing -> compile -> FSDP2 (fully_shard per block, then the root) or DDP
+    float8 conversion -> pipeline split -> tensor parallel -> context parallel -> expert parallel
+    -> channels_last -> activation checkpointing -> compile -> FSDP2 (fully_shard per block,
+    the experts on their own mesh first, then the root) or DDP
 
 Every step is torch's own (``torch.distributed.pipelining``, DTensor ``parallelize_module`` via the
 model's plan, ``torch.utils.checkpoint``, ``Module.compile``, ``fully_shard``, DDP). Activation
@@ -43,8 +44,18 @@ from sdnet_trainer.distributed.activation_checkpointing import (
 from sdnet_trainer.distributed.context_parallel import ContextParallel, attention_method
 from sdnet_trainer.distributed.ddp import wrap_data_parallel
 from sdnet_trainer.distributed.env import DistEnv, resolve_device
+from sdnet_trainer.distributed.expert_parallel import (
+    apply_expert_parallel,
+    expert_gradient_divide_factor,
+)
 from sdnet_trainer.distributed.float8 import convert_float8
-from sdnet_trainer.distributed.mesh import ParallelDims, dp_mesh, parallel_dims, replica_mesh
+from sdnet_trainer.distributed.mesh import (
+    ParallelDims,
+    dp_mesh,
+    expert_dp_mesh,
+    parallel_dims,
+    replica_mesh,
+)
 from sdnet_trainer.distributed.pipeline import Pipeline, build_pipeline, split_model
 from sdnet_trainer.errors import ConfigError
 from sdnet_trainer.models.parallel_spec import parallel_blocks, supports_tensor_parallel
@@ -225,6 +236,12 @@ def parallelize(
             mesh["cp"], seq_len=cfg.data.seq_len, method=method, device=env.device
         )
         context.apply(model)
+    experts = None
+    if dims.ep > 1 or dims.tp > 1:
+        assert mesh is not None  # more than one rank: the caller built the mesh
+        if modules := apply_expert_parallel(model, mesh, dims):
+            mesh_dp, factor = expert_dp_mesh(mesh, dims), expert_gradient_divide_factor(dims)
+            experts = _Experts(modules, mesh_dp, factor)
     # FSDP2 all-gathers parameters into flat contiguous buffers and refuses channels_last ones.
     # The inputs alone carry the layout there: the loader hands over channels_last images, and
     # convolutions (cuDNN, oneDNN) follow a channels_last input with contiguous weights, so every
@@ -255,7 +272,7 @@ def parallelize(
             block.compile(**kwargs)
     if fsdp_wrapped and parallel.strategy == "fsdp":
         assert mesh is not None  # more than one rank: the caller built the mesh
-        _fully_shard(parts, blocks, cfg, dp_mesh(mesh, dims), env.device)
+        _fully_shard(parts, blocks, cfg, dp_mesh(mesh, dims), env.device, experts=experts)
     elif dims.dp_replicate > 1 and dims.pp > 1:
         # DDP x PP: torch's pipeline stages drive FSDP2's gradient sync over micro-batches, while a
         # DDP-wrapped stage fails DDP's bucket rebuild (torch 2.14). FSDP2 on a (replicate, shard=1)
@@ -296,15 +313,29 @@ def _uses_fsdp(strategy: str, dims: ParallelDims) -> bool:
     )
 
 
+@dataclass(frozen=True)
+class _Experts:
+    """The expert modules of an expert-parallel model, the mesh FSDP shards them over and what
+    their reduced gradients are divided by (``distributed/expert_parallel.py``)."""
+
+    modules: list[nn.Module]
+    mesh: DeviceMesh
+    divide_factor: float
+
+
 def _fully_shard(
     parts: list[nn.Module],
     blocks: list[nn.Module],
     cfg: Config,
     mesh: DeviceMesh,
     device: torch.device,
+    *,
+    experts: _Experts | None = None,
 ) -> None:
     """FSDP2: each block is its own all-gather/reduce-scatter unit, then each part's root gathers
-    the rest (stem, embeddings, head). A 2-D data mesh (dp_replicate x dp_shard) makes it HSDP."""
+    the rest (stem, embeddings, head). A 2-D data mesh (dp_replicate x dp_shard) makes it HSDP.
+    Expert-parallel experts are units of their own first, sharded over the ranks that hold the
+    same experts."""
     fsdp = cfg.parallel.fsdp
     param_dtype = _param_dtype(parts, cfg, device)
     policy = MixedPrecisionPolicy(
@@ -317,6 +348,10 @@ def _fully_shard(
     )
     for part in parts:
         inside = {id(m) for m in part.modules()}
+        if experts is not None:
+            units = [m for m in experts.modules if id(m) in inside]
+            reshard = fsdp.reshard_after_forward
+            _shard_experts(units, experts, device, reshard=reshard, policies=(policy, offload))
         for block in blocks:
             if id(block) in inside:
                 fully_shard(
@@ -330,6 +365,34 @@ def _fully_shard(
         fully_shard(
             part, mesh=mesh, reshard_after_forward=False, mp_policy=policy, offload_policy=offload
         )
+
+
+def _shard_experts(
+    units: list[nn.Module],
+    experts: _Experts,
+    device: torch.device,
+    *,
+    reshard: bool,
+    policies: tuple[MixedPrecisionPolicy, OffloadPolicy],
+) -> None:
+    """The expert-parallel experts as FSDP units of their own, over the ranks holding the same
+    experts, their gradients divided as the others' (``distributed/expert_parallel.py``)."""
+    precision, offload = policies
+    for module in units:
+        fully_shard(
+            module,
+            mesh=experts.mesh,
+            reshard_after_forward=reshard,
+            mp_policy=precision,
+            offload_policy=offload,
+        )
+        unit = cast(FSDPModule, module)
+        unit.set_gradient_divide_factor(experts.divide_factor)
+        if device.type != "cuda" and experts.mesh.size() > 1:
+            # A divide factor other than the group's size is NCCL's PREMUL_SUM, which gloo
+            # lacks: sum, then divide. (Not on a group of one, which needs no collective and
+            # where torch 2.14 would then divide twice.)
+            unit.set_force_sum_reduction_for_comms(True)
 
 
 def _param_dtype(parts: list[nn.Module], cfg: Config, device: torch.device) -> str:

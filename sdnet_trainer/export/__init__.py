@@ -16,7 +16,12 @@ loop state. What serving and inference tools want is the model alone, whole, in 
 and, for a Llama (``model.name=llama``), ``format=hf``: a Hugging Face checkpoint folder
 (``config.json``, ``model-0000i-of-0000N.safetensors`` and ``model.safetensors.index.json``, the
 run's tokenizer files) that ``transformers.AutoModelForCausalLM.from_pretrained(out)`` loads as it
-is (``export/hf.py``).
+is (``export/hf.py``). A LoRA run's checkpoint (``model.lora``) holds its adapters alone; they
+are rebuilt onto the run's frozen base and written as ``format=peft``: ``adapter_config.json`` and
+``adapter_model.safetensors``, which ``peft.PeftModel.from_pretrained(base, out)`` loads on the
+``transformers`` base model (``export/peft.py``); with ``merge_lora=true`` every format writes the
+base with the adapters merged in (``format=hf merge_lora=true``: a Hugging Face folder of the
+fine-tuned model).
 
 The checkpoint carries the resolved training config, from which a Trainer rebuilds the bare model
 (``Trainer.build_model``); the weights are loaded through DCP, which reassembles them from any
@@ -46,10 +51,10 @@ A checkpoint is untrusted input: it may come from anywhere, and export reads it 
 Arguments, as ``key=value``:
 
     checkpoint=PATH   a step_NNNNNNNN/ folder, or a checkpoint directory (its newest valid step)
-    format=pt         pt | safetensors | onnx | torch_export | hf | all, or several:
-                      format=pt,onnx (all: every format but hf, which a Llama asks by name;
-                      hf and safetensors do not share a folder: transformers would read the
-                      wrong weights file)
+    format=pt         pt | safetensors | onnx | torch_export | hf | peft | all, or several:
+                      format=pt,onnx (all: every format but hf, which a Llama asks by name,
+                      and peft, which a LoRA run's adapters ask by name; hf and safetensors
+                      do not share a folder: transformers would read the wrong weights file)
     out=DIR           default: <checkpoint>/export
     opset=N           ONNX opset version (default: the exporter's)
     trainer=DOTTED    the Trainer class that rebuilds the model (default: sdnet_trainer.Trainer;
@@ -57,6 +62,8 @@ Arguments, as ``key=value``:
     ema=true          the moving average of the weights (a run with model.ema) instead of them
     tokenizer=PATH    format=hf: the tokenizer files to put beside the model (a folder of them or
                       a tokenizer.json); default: the run's data.tokenizer when it is a local path
+    merge_lora=true   a LoRA run's adapters merged into the base model (peft's merge) before any
+                      format is written; format=hf of a LoRA run needs it
 
 ONNX and torch.export trace the model on an example batch (see ``example_inputs``) with a dynamic
 batch dimension where the model allows it, and check the exported program's outputs against
@@ -97,6 +104,7 @@ from sdnet_trainer.export.output import (
     publish,
     staging_folder,
 )
+from sdnet_trainer.export.peft import PEFT_FILES, check_lora_args, merged_config, write_peft
 from sdnet_trainer.export.rebuild import (
     DEFAULT_TRAINER,
     config_yaml,
@@ -120,6 +128,7 @@ from sdnet_trainer.export.writers import (
     write_onnx,
     write_safetensors,
 )
+from sdnet_trainer.models.lora import merge_adapters
 from sdnet_trainer.models.registry import model_family
 
 __all__ = [
@@ -147,6 +156,7 @@ __all__ = [
     "training_config",
     "write_hf",
     "write_onnx",
+    "write_peft",
     "write_safetensors",
 ]
 
@@ -162,7 +172,7 @@ CONFIG_FILE = "config.yaml"
 class ExportArgs:
     # A checkpoint folder (step_NNNNNNNN/), or a checkpoint directory: its newest valid checkpoint.
     checkpoint: str = MISSING
-    # pt | safetensors | onnx | torch_export | all, or several joined by commas (pt,onnx).
+    # pt | safetensors | onnx | torch_export | hf | peft | all, or several joined by commas.
     format: str = "pt"
     # Where the files go; null: <checkpoint>/export.
     out: Optional[str] = None
@@ -176,6 +186,8 @@ class ExportArgs:
     ema: bool = False
     # format=hf: the tokenizer files to copy beside the model; null: the run's data.tokenizer.
     tokenizer: Optional[str] = None
+    # A LoRA run (model.lora): its adapters merged into the base model before writing any format.
+    merge_lora: bool = False
 
 
 @dataclass(frozen=True)
@@ -231,6 +243,7 @@ def export(args: ExportArgs) -> Exported:
     checkpoint = find_checkpoint(args.checkpoint, key="checkpoint")
     written = [FILES[fmt] for fmt in names] + [CONFIG_FILE]
     written += hf_file_names() if "hf" in names else []
+    written += list(PEFT_FILES) if "peft" in names else []
     prefix = output_prefix(args.out, checkpoint)
     if prefix is None:
         return _export(args, names, checkpoint, output_folder(args.out, checkpoint), written)
@@ -248,6 +261,8 @@ def _export(
 ) -> Exported:
     """The export of ``checkpoint`` as ``names`` into the local folder ``out``."""
     cfg = training_config(checkpoint)
+    lora, place = cfg.model.lora.enabled, str(checkpoint.path)
+    check_lora_args(names, lora=lora, merge_lora=args.merge_lora, checkpoint=place)
     cls = trainer_class(checkpoint, cfg, args.trainer)
     # Refuse an output folder export will not write into before the slow work.
     check_output(out, written)
@@ -257,6 +272,8 @@ def _export(
         # the example input read only its config.
         trainer = cls(cfg)
         model = load_model(trainer, checkpoint, ema=args.ema)
+        if args.merge_lora:
+            model = merge_adapters(model)  # the base's own modules, the adapters merged in
     except Exception as err:
         recorded = recorded_trainer(checkpoint, cfg)
         if args.trainer or recorded is None:
@@ -288,13 +305,17 @@ def _export(
                     model, staging, family=family, tokenizer=tokenizer, source=source_config(cfg)
                 )
                 continue
+            if fmt == "peft":
+                family = model_family(cfg.model.name)
+                write_peft(model, staging, family=family, base=source_config(cfg))
+                continue
             diff = write(fmt, model, inputs, staging / FILES[fmt], opset=args.opset)
             if diff is not None:
                 diffs[fmt] = diff
         (staging / CONFIG_FILE).write_text(
             f"# The training config of {str(checkpoint.path)!r} (step {checkpoint.step}); "
             f"{cls.__module__}.{cls.__qualname__}.build_model builds the network for these "
-            f"weights.\n" + config_yaml(cfg)
+            f"weights.\n" + config_yaml(merged_config(cfg) if args.merge_lora else cfg)
         )
         files = publish(folder, out, staging, checkpoint)
     return Exported(out=out, files=list(files), max_abs_diff=diffs)

@@ -18,6 +18,8 @@ from sdnet_trainer.config import Config
 from sdnet_trainer.data import is_language_model_data
 from sdnet_trainer.data.augment import crop_sizes
 from sdnet_trainer.errors import ConfigError
+from sdnet_trainer.models.lora import base_name
+from sdnet_trainer.models.registry import hf_weights_reader
 from sdnet_trainer.training.classes import resolve_trainer_class
 from sdnet_trainer.training.trainer import Trainer
 
@@ -143,15 +145,19 @@ def trainer_class(checkpoint: Checkpoint, cfg: Config, override: str | None) -> 
 def load_model(trainer: Trainer, checkpoint: Checkpoint, *, ema: bool = False) -> nn.Module:
     """The bare model of ``trainer`` with the checkpoint's weights (with ``ema``, their moving
     average: ``model.ema``), in eval mode on the CPU. Every model entry of the checkpoint must
-    have its place in the model, and the other way round."""
+    have its place in the model, and the other way round. A LoRA run's checkpoint holds its
+    adapters alone, which go into the base the run trained them on (``_lora_base``)."""
     entry = "ema" if ema else "model"
     if ema and not checkpoint.has_key("ema"):
         raise ConfigError(
             f"ema=true: checkpoint={str(checkpoint.path)!r} holds no average of the weights "
             "(it was written without model.ema.enabled=true)"
         )
-    model = trainer.build_model()
+    lora = trainer.cfg.model.lora.enabled
+    model = _lora_base(trainer) if lora else trainer.build_model()
     state = model.state_dict()
+    if lora:  # the checkpoint holds the adapters: the frozen base is the run's own (above)
+        state = {name: value for name, value in state.items() if base_name(name) is None}
     # A tied weight (an embedding shared with the output layer) is one tensor under two names;
     # the checkpoint may hold it under one of them only.
     request = {
@@ -179,8 +185,22 @@ def load_model(trainer: Trainer, checkpoint: Checkpoint, *, ema: bool = False) -
         ) from None
     finally:
         manager.close()
-    model.load_state_dict(state, strict=True)
+    model.load_state_dict(state, strict=not lora)
     return model.eval()
+
+
+def _lora_base(trainer: Trainer) -> nn.Module:
+    """A LoRA run's model (``model.lora``) with its frozen base as the run had it: the weights
+    of ``model.weights=hf:PATH``, or the init of the run's seed (built on the CPU from the
+    generator state the Trainer's build starts from: the same values)."""
+    cfg = trainer.cfg
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(cfg.loop.seed)
+        model = trainer.build_model()
+    reader = hf_weights_reader(cfg.model)
+    if reader is not None:
+        reader.load(model)
+    return model
 
 
 def _unmatched(checkpoint: Checkpoint, state: dict[str, Any], entry: str) -> list[str]:

@@ -16,8 +16,9 @@ from sdnet_trainer.errors import ConfigError
 
 logger = logging.getLogger(__name__)
 
-FORMATS = ("pt", "safetensors", "onnx", "torch_export", "hf")
-# format=all: every format any model exports (hf is for Llama models only, so it is asked by name).
+FORMATS = ("pt", "safetensors", "onnx", "torch_export", "hf", "peft")
+# format=all: every format any model exports (hf is for Llama models only and peft for LoRA runs,
+# so they are asked by name).
 ALL_FORMATS = ("pt", "safetensors", "onnx", "torch_export")
 FILES = {
     "pt": "model.pt",
@@ -25,12 +26,14 @@ FILES = {
     "onnx": "model.onnx",
     "torch_export": "model.pt2",
     "hf": "config.json",  # with the shards and their index (export/hf.py)
+    "peft": "adapter_config.json",  # with adapter_model.safetensors (export/peft.py)
 }
 # The optional packages each format imports; together they are the project's `export` extra.
 REQUIRES = {
     "safetensors": ("safetensors",),
     "onnx": ("onnx", "onnxscript", "onnxruntime"),
     "hf": ("safetensors",),
+    "peft": ("safetensors", "peft", "transformers"),
 }
 EXTRA_HINT = "pip install 'sdnet_trainer[export]'"
 

@@ -3,7 +3,8 @@ language models (the GPT and the Llama family)."""
 
 from sdnet_trainer.models.gpt import GPT
 from sdnet_trainer.models.llama import Llama
+from sdnet_trainer.models.lora import init_adapters
 from sdnet_trainer.models.registry import available_models, build_model
 from sdnet_trainer.models.simple_cnn import SimpleCNN
 
-__all__ = ["GPT", "Llama", "SimpleCNN", "available_models", "build_model"]
+__all__ = ["GPT", "Llama", "SimpleCNN", "available_models", "build_model", "init_adapters"]

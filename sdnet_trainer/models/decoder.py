@@ -56,10 +56,15 @@ class Decoder(nn.Module):
     A pipeline split sets the units other stages hold to None; every method here skips them."""
 
     layout: ClassVar[DecoderLayout]
+    # The model.* section a family's sizes come from, for messages (model.llama, model.moe).
+    config_key: ClassVar[str] = "model"
     embed: nn.Module
     blocks: nn.ModuleList
     norm: nn.Module
     head: nn.Linear
+    # The output layer shares the token embedding's weights (Llama 3.2 1B and 3B): one parameter
+    # under two names, which pipeline parallelism cannot split over stages.
+    tie_embeddings: bool = False
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
         x = self.embed(tokens)
@@ -77,8 +82,26 @@ class Decoder(nn.Module):
     def init_steps(self) -> list[InitStep]:
         raise NotImplementedError
 
+    def _apply(self, fn: Any, recurse: bool = True) -> Any:
+        # Module._apply (to(), to_empty(): the allocation after a meta build) makes a new
+        # parameter per module, which would untie the output layer from the embedding.
+        result = super()._apply(fn, recurse)
+        self._tie()
+        return result
+
+    def _tie(self) -> None:
+        embed, head = getattr(self, "embed", None), getattr(self, "head", None)
+        if self.tie_embeddings and embed is not None and head is not None:
+            head.weight = embed.tok.weight
+
     def pipeline_units(self) -> list[str]:
         """Child module names whose sequential application (``x = unit(x)``) equals ``forward``."""
+        if self.tie_embeddings:
+            raise ConfigError(
+                f"{self.config_key}.tie_embeddings=true shares one weight between the token "
+                f"embedding (first pipeline stage) and the output layer (last): use "
+                f"parallel.pp=1 or an untied model"
+            )
         blocks: Any = self.get_submodule("blocks")  # the split asks before pruning
         return ["embed", *(f"blocks.{i}" for i in range(len(blocks))), "norm", "head"]
 
@@ -123,6 +146,9 @@ class Decoder(nn.Module):
         embed = getattr(self, "embed", None)
         if sequence_parallel and embed is not None:
             embed.sequence_shards = tp
+        # A tied pair is split by vocabulary rows (Shard(0)); the plan gave each its own DTensor
+        # parameter, which are made one again.
+        self._tie()
 
 
 class Replicated(ParallelStyle):

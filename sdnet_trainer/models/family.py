@@ -43,6 +43,22 @@ class HFWeights:
     load: Callable[[nn.Module, Path], None]
 
 
+@dataclass(frozen=True)
+class LoRATargets:
+    """What ``model.lora`` (``models/lora.py``) asks of a family. ``modules``: the layers peft's
+    adapters may wrap, as (Hugging Face's module name, the family's), e.g. (``q_proj``,
+    ``attn.wq``): ``model.lora.target_modules`` is written in Hugging Face's names, and
+    ``all-linear`` takes every one. ``hf_name``: the family's parameter name -> Hugging Face's,
+    through which adapters are written as a peft folder for ``transformers`` and read from one.
+    ``root``: the submodule that is a ``transformers`` model whose own names are Hugging Face's
+    (``hf_causal_lm``'s ``lm``): the adapters go into it, and its names (and ``all-linear``) go
+    to peft as they are, with no ``modules`` or ``hf_name``."""
+
+    modules: tuple[tuple[str, str], ...] = ()
+    hf_name: Callable[[str], str] | None = None
+    root: str = ""
+
+
 class FolderReader(NamedTuple):
     """A family's :class:`HFWeights` bound to the folder of ``model.weights=hf:PATH``."""
 
@@ -67,6 +83,10 @@ class ModelFamily:
     hf_weights: HFWeights | None = None
     # Its attention can be split over context-parallel ranks (parallel.cp).
     context_parallel: bool = False
+    # A mixture of experts: its expert count from model.* (parallel.ep splits the experts).
+    num_experts: Callable[[ModelConfig], int] | None = None
+    # model.lora: the layers its adapters may wrap, in Hugging Face's names (None: no LoRA).
+    lora: LoRATargets | None = None
     # Serving: a model with a KV cache that shares the served model's tensors (None: none).
     generation_model: Callable[[nn.Module], nn.Module | None] | None = None
 
@@ -93,6 +113,7 @@ __all__ = [
     "FolderReader",
     "HFAdapter",
     "HFWeights",
+    "LoRATargets",
     "ModelFamily",
     "check_kwargs",
     "config_dict",

@@ -33,7 +33,7 @@ from sdnet_trainer.config.schema import Config, ModelConfig
 from sdnet_trainer.data import is_language_model_data
 from sdnet_trainer.errors import ConfigError
 from sdnet_trainer.models.attention import token_positions
-from sdnet_trainer.models.family import ModelFamily
+from sdnet_trainer.models.family import LoRATargets, ModelFamily
 from sdnet_trainer.models.hf_folder import (
     HF_PREFIX,
     check_dtype_field,
@@ -329,6 +329,8 @@ FAMILY = ModelFamily(
     language=True,
     context_parallel=True,
     validate=validate_hf_causal_lm,
+    # model.lora: peft's adapters go into the transformers model, under its own names.
+    lora=LoRATargets(root="lm"),
 )
 
 __all__ = [

@@ -223,34 +223,35 @@ def _read_json(file: Path, *, key: str) -> Any:
 
 
 @contextmanager
-def open_safetensors(folder: Path, name: str) -> Iterator[Any]:
+def open_safetensors(folder: Path, name: str, *, key: str = "model.weights") -> Iterator[Any]:
     """safetensors' ``safe_open`` of ``folder/name``, a regular file there: opened first with
     O_NOFOLLOW (a symbolic link is refused) and read through that descriptor, so the file
-    checked is the file read."""
+    checked is the file read. ``key`` names the setting that gave the folder, for the errors."""
     from safetensors import SafetensorError, safe_open
 
     path = folder / name
     if not _plain_name(name):
-        raise ConfigError(f"model.weights: refusing {name!r}: not a file name inside {folder}")
+        raise ConfigError(f"{key}: refusing {name!r}: not a file name inside {folder}")
     try:
         fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
     except FileNotFoundError:
-        raise ConfigError(f"model.weights: {path} does not exist (named by the index)") from None
+        named = " (named by the index)" if key == "model.weights" else ""
+        raise ConfigError(f"{key}: {path} does not exist{named}") from None
     except OSError as err:
         if err.errno == errno.ELOOP:
             raise ConfigError(
-                f"model.weights: {path} is a symbolic link; weight files must be regular files "
+                f"{key}: {path} is a symbolic link; weight files must be regular files "
                 f"inside the folder"
             ) from None
-        raise ConfigError(f"model.weights: cannot open {path}: {err.strerror}") from None
+        raise ConfigError(f"{key}: cannot open {path}: {err.strerror}") from None
     try:
         if not stat.S_ISREG(os.fstat(fd).st_mode):
-            raise ConfigError(f"model.weights: {path} is not a regular file")
+            raise ConfigError(f"{key}: {path} is not a regular file")
         via = f"/proc/self/fd/{fd}" if os.path.isdir("/proc/self/fd") else str(path)
         try:
             handle = safe_open(via, framework="pt")
         except (SafetensorError, OSError, ValueError) as err:
-            raise ConfigError(f"model.weights: {path} is not a safetensors file: {err}") from None
+            raise ConfigError(f"{key}: {path} is not a safetensors file: {err}") from None
         with handle as f:
             yield f
     finally:

@@ -67,8 +67,12 @@ def construction_resets(modules: Iterable[nn.Module]) -> list[InitStep]:
 
 
 def init_steps(model: nn.Module) -> list[InitStep] | None:
-    """The model's init as steps (its own ``init_steps()``, or this module's for torchvision
-    ResNets), or None where no init reproducing the CPU build is known."""
+    """The model's init as steps (those kept under :data:`CONSTRUCTION_STEPS`, its own
+    ``init_steps()``, or this module's for torchvision ResNets), or None where no init
+    reproducing the CPU build is known."""
+    kept = getattr(model, CONSTRUCTION_STEPS, None)
+    if kept is not None:
+        return list(kept)
     if callable(getattr(model, "init_steps", None)):
         return cast(_DeclaresInit, model).init_steps()
     # Matched without importing torchvision: a ResNet exists only once it is imported (lazy.py).
@@ -124,6 +128,10 @@ def resnet_init_steps(model: ResNet) -> list[InitStep]:
 # of the convolution a stem replacement removed, and the constructor's zero_init_residual.
 REPLACED_STEM = "replaced_stem"
 ZERO_INIT_RESIDUAL = "zero_init_residual"
+# A model whose layers were wrapped after it was built on the meta device (peft's adapters,
+# models/lora.py) keeps its construction's steps here, taken before the wrapping: its own
+# init_steps() would walk the wrapped layers, under other names and with the adapters' among them.
+CONSTRUCTION_STEPS = "construction_init_steps"
 
 
 def _kaiming_fan_out(m: nn.Module) -> None:
@@ -238,7 +246,7 @@ def materialize(steps: list[InitStep]) -> None:
             module._buffers.update(buffers)
         for k, tensor in real.items():
             if full[k]._version != versions[k]:
-                _write(tensor, full[k].detach())
+                write_full(tensor, full[k].detach())
 
 
 def _own_tensors(module: nn.Module) -> dict[str, torch.Tensor]:
@@ -249,7 +257,8 @@ def _own_tensors(module: nn.Module) -> dict[str, torch.Tensor]:
     return tensors
 
 
-def _write(real: torch.Tensor, full: torch.Tensor) -> None:
+@torch.no_grad()
+def write_full(real: torch.Tensor, full: torch.Tensor) -> None:
     """Copy ``full`` (the whole tensor) into ``real``: the part of it that ``real`` holds."""
     if real.is_meta:
         return  # not on this rank (pruned by a pipeline split) or never allocated
@@ -270,6 +279,7 @@ def _write(real: torch.Tensor, full: torch.Tensor) -> None:
 
 
 __all__ = [
+    "CONSTRUCTION_STEPS",
     "REPLACED_STEM",
     "ZERO_INIT_RESIDUAL",
     "InitStep",
@@ -280,4 +290,5 @@ __all__ = [
     "materialize",
     "resnet_init_steps",
     "without_parameters",
+    "write_full",
 ]

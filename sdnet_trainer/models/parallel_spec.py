@@ -9,9 +9,9 @@
 
 A model states these itself with ``parallel_blocks()`` / ``pipeline_units()`` methods; torchvision
 ResNets and the project's SimpleCNN are described here. The decoder-only language models (GPT,
-Llama) share one implementation of all three (``models/decoder.py``), driven by the
-:class:`DecoderLayout` each family declares below: which modules a block has and how tensor
-parallelism splits them.
+Llama, the mixture of experts) share one implementation of all three (``models/decoder.py``),
+driven by the :class:`DecoderLayout` each family declares below: which modules a block has and
+how tensor parallelism splits them.
 """
 
 from __future__ import annotations
@@ -72,6 +72,9 @@ LLAMA_LAYOUT = DecoderLayout(
     norms=("norm1", "norm2"),
     regions=(ATTENTION, Region("mlp", colwise=("w1", "w3"), rowwise=("w2",))),
 )
+# Mixture of experts: the Llama's attention region alone; the MoE is whole on every
+# tensor-parallel rank (its own plan: models/moe/model.py).
+MOE_LAYOUT = DecoderLayout(norms=("norm1", "norm2"), regions=(ATTENTION,))
 
 
 class _DeclaresBlocks(Protocol):
@@ -134,6 +137,7 @@ def supports_tensor_parallel(model: nn.Module) -> bool:
 __all__ = [
     "GPT_LAYOUT",
     "LLAMA_LAYOUT",
+    "MOE_LAYOUT",
     "DecoderLayout",
     "Region",
     "Unit",

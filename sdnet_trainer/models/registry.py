@@ -6,8 +6,8 @@ The registry is data: :data:`FAMILIES` maps ``model.name`` to each family's entr
 cache), and set-up, preflight, the dry run, export and serving ask :func:`model_family` instead of
 branching on names. A family of your own: :func:`register_family` from the module of the Trainer
 subclass your config names (docs/subclassing.md). Classifiers take ``model.num_classes``; the
-language families take their sizes from their own section (``model.gpt``, ``model.llama``, a
-Hugging Face config.json).
+language families take their sizes from their own section (``model.gpt``, ``model.llama``,
+``model.moe``, a Hugging Face config.json).
 """
 
 from __future__ import annotations
@@ -20,10 +20,11 @@ from torch import nn
 
 from sdnet_trainer.config.schema import ModelConfig
 from sdnet_trainer.errors import ConfigError
-from sdnet_trainer.models import gpt, hf_causal_lm, llama
+from sdnet_trainer.models import gpt, hf_causal_lm, llama, moe
 from sdnet_trainer.models.family import FolderReader, ModelFamily
 from sdnet_trainer.models.hf_folder import hf_weights_folder
 from sdnet_trainer.models.init import REPLACED_STEM, ZERO_INIT_RESIDUAL
+from sdnet_trainer.models.lora import inject_lora
 from sdnet_trainer.models.simple_cnn import SimpleCNN
 
 logger = logging.getLogger(__name__)
@@ -46,7 +47,7 @@ def register_family(family: ModelFamily) -> ModelFamily:
     return family
 
 
-for _family in (gpt.FAMILY, llama.FAMILY, hf_causal_lm.FAMILY):
+for _family in (gpt.FAMILY, llama.FAMILY, moe.FAMILY, hf_causal_lm.FAMILY):
     register_family(_family)
 
 
@@ -82,6 +83,9 @@ def build_model(cfg: ModelConfig) -> nn.Module:
     family = model_family(cfg.name)
     if family is not None:
         model = family.build(cfg)
+        lora = getattr(cfg, "lora", None)
+        if lora is not None and lora.enabled:  # peft's adapters in it, the rest frozen
+            model = inject_lora(model, cfg, family)
     elif cfg.name in OWN_MODELS:
         if cfg.weights is not None:
             raise ConfigError(

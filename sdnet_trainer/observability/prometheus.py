@@ -24,6 +24,7 @@ age), the world size, and this rank's process, host and GPU figures.
 
 from __future__ import annotations
 
+import importlib.util
 import logging
 import os
 import re
@@ -121,6 +122,12 @@ FAMILIES = {
     "sdnet_ft_degraded_steps": "Steps committed with fewer groups than expected, this launch.",
     "sdnet_ft_skipped_steps": "Steps discarded by the commit vote (a peer failed), this launch.",
     "sdnet_ft_committed_steps": "Steps the replica groups committed, whole run.",
+    # A mixture of experts' load (training/moe.py), per layer (and expert) as labels
+    "sdnet_moe_aux_loss": "Auxiliary load-balancing loss of the last step (all layers).",
+    "sdnet_moe_expert_tokens": "Tokens routed to an expert in the last step.",
+    "sdnet_moe_tokens_min": "Fewest tokens an expert of the layer received in the last step.",
+    "sdnet_moe_tokens_max": "Most tokens an expert of the layer received in the last step.",
+    "sdnet_moe_load_min_max": "Fewest over most tokens of the layer's experts (1: balanced).",
     # End of run (summary/*; "summary" in a name would read as Prometheus' summary type)
     "sdnet_run_steps": "Steps trained by this launch, set at its end.",
     "sdnet_run_train_seconds": "Time spent in training steps by this launch, set at its end.",
@@ -160,6 +167,7 @@ KEYS = {
     "ft/degraded_steps": Series("sdnet_ft_degraded_steps"),
     "ft/skipped_steps": Series("sdnet_ft_skipped_steps"),
     "ft/committed_steps": Series("sdnet_ft_committed_steps"),
+    "moe/aux_loss": Series("sdnet_moe_aux_loss"),
     "summary/steps": Series("sdnet_run_steps"),
     "summary/train_seconds": Series("sdnet_run_train_seconds"),
     "summary/wall_seconds": Series("sdnet_run_wall_seconds"),
@@ -174,6 +182,7 @@ EVAL_PREFIX = "val/"
 SUMMARY_PREFIX = "summary/"
 _PER_RANK_KEY = re.compile(r"^(?P<base>.+)_rank(?P<rank>\d+)$")
 _FT_GROUP_KEY = re.compile(r"^ft/in_quorum/group(?P<group>\d+)$")  # one gauge per group
+_MOE_KEY = re.compile(r"^moe/layer(?P<layer>\d+)/(?:expert(?P<expert>\d+)/)?(?P<what>\w+)$")
 _NOT_IN_NAME = re.compile(r"[^a-zA-Z0-9_]")
 # A write with one of these keys is a training log point (it moves sdnet_step).
 _LOG_POINT_PREFIXES = ("train/", "perf/")
@@ -249,12 +258,7 @@ def _check_pushgateway_url(url: str) -> None:
 
 def _require_packages() -> None:
     """prometheus_client and psutil (sdnet_trainer[monitor]); NVML is optional."""
-    missing = []
-    for module in ("prometheus_client", "psutil"):
-        try:
-            __import__(module)
-        except ImportError:
-            missing.append(module)
+    missing = [m for m in ("prometheus_client", "psutil") if importlib.util.find_spec(m) is None]
     if missing:
         raise ConfigError(
             f"logging.prometheus needs {' and '.join(missing)}, which this environment lacks: "
@@ -381,6 +385,11 @@ class PrometheusExporter:
             return Series("sdnet_eval_metric", labels=(("name", key[len(EVAL_PREFIX) :]),))
         if group := _FT_GROUP_KEY.match(key):
             return Series("sdnet_ft_in_quorum", labels=(("group", group["group"]),))
+        if moe := _MOE_KEY.match(key):  # the layer (and the expert) as labels
+            name = "sdnet_moe_expert_tokens" if moe["expert"] else f"sdnet_moe_{moe['what']}"
+            labels = (("layer", moe["layer"]), ("expert", moe["expert"]))
+            if name in FAMILIES:
+                return Series(name, labels=labels if moe["expert"] else labels[:1])
         per_rank = _PER_RANK_KEY.match(key)
         if per_rank is not None:
             if int(per_rank["rank"]) != self.rank:

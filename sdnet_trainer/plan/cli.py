@@ -116,6 +116,11 @@ def report(plan: RankPlan) -> str:
         f"  parameters {_mb(plan.params)}  gradients {_mb(plan.grads)}  "
         f"optimizer {_mb(plan.optim)}  activations ~{_mb(plan.activations)} (estimate)",
     ]
+    if plan.expert_params:
+        lines.append(
+            f"  of which experts: parameters {_mb(plan.expert_params)}  "
+            f"optimizer {_mb(plan.expert_optim)}"
+        )
     for c in merged(plan.collectives):
         lines.append(f"  {c.kind:<46} over {c.over:<16} x{c.count:<5} {_mb(c.bytes_each)} each")
     return "\n".join(lines)

@@ -26,7 +26,11 @@ the Linear layers converted) and activation checkpointing. Per rank it prints:
   by tensor parallelism, and multiplied by the micro-batches the stage keeps in flight;
 - the collectives of one optimizer step and the bytes each moves (data parallel from the shards,
   over ``dp_shard x cp`` for FSDP and ``dp_replicate x cp`` for DDP; tensor and pipeline
-  parallel from the activation sizes; context parallel from the measured keys and values).
+  parallel from the activation sizes; context parallel from the measured keys and values;
+  expert parallel's all-to-alls from the tokens a rank routes);
+- for a mixture of experts, the bytes of the rank's expert weights and of their optimizer state
+  (under ``parallel.ep`` a rank holds ``num_experts / ep`` experts, sharded by FSDP over the
+  ``dp_shard / ep`` ranks that hold the same ones), part of the totals above.
 
 A config error a launch would hit (validation, the model's build, the layout) is printed as the
 launch prints it, with exit code 2.
@@ -56,9 +60,11 @@ from sdnet_trainer.distributed.env import DistEnv
 from sdnet_trainer.distributed.mesh import ParallelDims, build_mesh, parallel_dims
 from sdnet_trainer.distributed.parallelize import _uses_fsdp, parallelize
 from sdnet_trainer.lazy import loaded_types
+from sdnet_trainer.models.moe import GroupedExperts
 from sdnet_trainer.models.parallel_spec import parallel_blocks
 from sdnet_trainer.models.registry import decoder_sizes
 from sdnet_trainer.observability.memory import step_on_meta, training_state_bytes
+from sdnet_trainer.plan.experts import expert_bytes, expert_parallel_collectives
 from sdnet_trainer.plan.model_stats import Activations, ContextShare, saved_activations
 from sdnet_trainer.runtime.precision import DTYPES
 from sdnet_trainer.training.classes import resolve_trainer_class
@@ -84,6 +90,8 @@ class RankPlan:
     float8_layers: int = 0  # the model's Linear layers that compute in float8
     linear_layers: int = 0  # all its Linear layers
     activation_dtype: str = "fp32"  # what the activation estimate was measured in
+    expert_params: int = 0  # of params: a mixture of experts' expert weights on this rank
+    expert_optim: int = 0  # of optim: their optimizer state
 
 
 class _Replicated(Exception):
@@ -159,6 +167,7 @@ def plan_rank(cfg: Config, rank: int, world_size: int) -> RankPlan:
         optimizer = trainer.build_optimizer(trained)
         step_on_meta(trained, optimizer)
         sizes = training_state_bytes(trained, optimizer)
+        experts = expert_bytes(trained, optimizer)
         blocks = {id(b) for b in parallel_blocks(model) if b is not None}
         collectives = _data_parallel_collectives(cfg, roots, blocks, dims)
         # Measured here: the all-gather attention's keys and values are gathered over this
@@ -178,10 +187,24 @@ def plan_rank(cfg: Config, rank: int, world_size: int) -> RankPlan:
         activations=_activation_estimate(cfg, dims, saved, stage_numel, stage),
         collectives=collectives
         + model_parallel_collectives(cfg, dims, stage)
-        + context_parallel_collectives(cfg, dims, saved),
+        + context_parallel_collectives(cfg, dims, saved)
+        + [
+            Collective(*c)
+            for c in expert_parallel_collectives(
+                cfg,
+                dims,
+                stage,
+                micro_steps=_micro_steps(cfg, dims),
+                micro_batch=_micro_batch(cfg, dims),
+                width=dtype_bytes(gpu_dtype(cfg)),
+                recomputed=lambda block, op: _recomputed(cfg, block, op),
+            )
+        ],
         float8_layers=sum(isinstance(m, float8) for m in linears),
         linear_layers=len(linears),
         activation_dtype=saved.dtype,
+        expert_params=experts["params"],
+        expert_optim=experts["optim"],
     )
 
 
@@ -255,7 +278,8 @@ def _data_parallel_collectives(
     """FSDP: per unit an all-gather of its parameters in forward (again in backward when it
     reshards) and a reduce-scatter of its gradients, every micro-step (with
     ``parallel.fsdp.grad_sync=last_microstep``: once per step), over the shard group
-    ``dp_shard x cp``: context-parallel peers hold the same parameters and shard them too.
+    ``dp_shard x cp``: context-parallel peers hold the same parameters and shard them too
+    (expert-parallel experts: over the ``dp_shard / ep`` ranks that hold the same ones).
     Replicated parameters (DDP, ZeRO-1): one all-reduce of the gradients per step over the
     replicas and their context-parallel peers (ZeRO-1: then a broadcast of the updated
     parameters)."""
@@ -272,38 +296,40 @@ def _data_parallel_collectives(
         for unit in units.values():
             # This rank's shard times the shard group: the unit's parameters as the group
             # gathers them (a tensor-parallel rank's part of each, not the global size).
-            local = sum(_local_numel(p) for p in unit.parameters() if _owner(unit, p))
+            owned = [p for p in unit.parameters() if _owner(unit, p)]
+            local = sum(_local_numel(p) for p in owned)
+            # Gradients of trained parameters only (model.lora freezes the base).
+            trained = sum(_local_numel(p) for p in owned if p.requires_grad)
             if local == 0:
                 continue  # a stage root whose parameters all sit in its blocks
             name = type(unit).__name__.removeprefix("FSDP")
-            if shard > 1:
+            experts = isinstance(unit, GroupedExperts)
+            group = shard // dims.ep if experts else shard
+            over = "dp_shard_mod_ep" if experts else shard_over
+            if group > 1:
                 # The roots keep their parameters from forward to backward (parallelize).
-                gathers = 2 if id(unit) in blocks and fsdp.reshard_after_forward else 1
-                full = local * shard
+                resharded = id(unit) in blocks or experts
+                gathers = 2 if resharded and fsdp.reshard_after_forward else 1
+                full = local * group
                 out.append(
                     Collective(
                         f"all_gather ({name})",
-                        shard_over,
+                        over,
                         gathers * micro,
                         full * dtype_bytes(param_dtype),
                     )
                 )
                 reductions = micro if fsdp.grad_sync == "every_microstep" else 1
-                out.append(
-                    Collective(
-                        f"reduce_scatter ({name})",
-                        shard_over,
-                        reductions,
-                        full * dtype_bytes(fsdp.reduce_dtype),
-                    )
-                )
-            if dims.dp_replicate > 1:  # HSDP, or replication under pipeline parallelism
+                reduced = trained * group * dtype_bytes(fsdp.reduce_dtype)
+                if trained:
+                    out.append(Collective(f"reduce_scatter ({name})", over, reductions, reduced))
+            if dims.dp_replicate > 1 and trained:  # HSDP, or replication under pipeline parallelism
                 out.append(
                     Collective(
                         f"all_reduce ({name})",
                         "dp_replicate",
                         1,
-                        local * dtype_bytes(fsdp.reduce_dtype),
+                        trained * dtype_bytes(fsdp.reduce_dtype),
                     )
                 )
         return out

@@ -29,6 +29,7 @@ from torch.optim import Optimizer
 from sdnet_trainer.checkpoint import Checkpoint, CheckpointManager
 from sdnet_trainer.checkpoint.parts import ModelState, OptimizerState, Part, Stateful
 from sdnet_trainer.config.schema import CheckpointConfig, Config
+from sdnet_trainer.models.lora import is_adapted
 from sdnet_trainer.training.ema import WeightAverage
 from sdnet_trainer.training.health import PhaseTracker
 from sdnet_trainer.training.hooks import HookBase
@@ -203,7 +204,8 @@ def run_parts(
     ``ema`` without ``model.ema``; ``trackers`` holds the MLflow / W&B run ids that a resumed
     run continues."""
     parts = {
-        "model": Part(ModelState(model)),
+        # With model.lora's adapters, only they: the frozen base is the run's to rebuild.
+        "model": Part(ModelState(model, trainable_only=is_adapted(model))),
         "optim": Part(OptimizerState(model, optimizer)),
         "scheduler": Part(scheduler),
         "trainer": Part(state),  # the counters, under the entry name checkpoints have always used
@@ -227,12 +229,15 @@ def run_meta(
 ) -> dict[str, Any]:
     """What a checkpoint records besides its parts: the layout that wrote it, and the resolved
     config and Trainer class, from which export rebuilds the model without the run directory."""
-    return {
+    meta = {
         "global_batch_size": global_batch_size,
         "world_size": world_size,
         "trainer": f"{trainer_class.__module__}.{trainer_class.__qualname__}",
         "config": plain_config(cfg),
     }
+    if cfg.model.lora.enabled:  # the model entry holds the adapters; the base is model.weights'
+        meta["lora"] = {"model_entry": "adapters", "base": cfg.model.weights}
+    return meta
 
 
 def plain_config(cfg: Config) -> dict[str, Any]:

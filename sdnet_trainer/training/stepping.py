@@ -35,7 +35,11 @@ from sdnet_trainer.config.schema import OptimConfig
 from sdnet_trainer.distributed.comm import GradientComm
 from sdnet_trainer.distributed.ddp import unwrap
 from sdnet_trainer.distributed.float8 import refresh_float8_scales
-from sdnet_trainer.distributed.grad_norm import global_grad_norm
+from sdnet_trainer.distributed.grad_norm import (
+    by_layout,
+    global_grad_norm,
+    replicate_partial_grads,
+)
 from sdnet_trainer.distributed.ops import is_distributed
 from sdnet_trainer.runtime.precision import Precision
 from sdnet_trainer.training.health import NonFiniteError, PhaseTracker, nonfinite_tensor_names
@@ -165,6 +169,7 @@ class OptimizerStep:
         to act on: this step's, or the previous step's when deferred."""
         # One pass over the parameters per step, shared by the norm and clipping.
         params = [p for p in self.model.parameters() if p.grad is not None]
+        replicate_partial_grads(params)
         grad_norm = self.grad_norm(params)
         agreement = self.agree(loss, grad_norm)
         if self.deferred:
@@ -246,7 +251,9 @@ class OptimizerStep:
         if self.cfg.clip_grad_value is not None:
             torch.nn.utils.clip_grad_value_(params, self.cfg.clip_grad_value)
         if self.cfg.clip_grad_norm is not None:
-            torch.nn.utils.clip_grads_with_norm_(params, self.cfg.clip_grad_norm, grad_norm)
+            # One call per layout: expert-parallel experts' gradients live on another mesh.
+            for group in by_layout(params):  # a parameter's gradient shares its layout
+                torch.nn.utils.clip_grads_with_norm_(group, self.cfg.clip_grad_norm, grad_norm)
 
     def _skip(self, loss: torch.Tensor) -> None:
         """``health.nonfinite``: abort naming the tensors, or skip. A skipped step leaves the

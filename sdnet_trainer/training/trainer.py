@@ -55,7 +55,7 @@ from sdnet_trainer.distributed.mesh import ParallelDims, build_mesh, parallel_di
 from sdnet_trainer.distributed.parallelize import gradient_sync, parallelize
 from sdnet_trainer.distributed.pipeline import Pipeline
 from sdnet_trainer.ft.checks import check_lighthouse, lighthouse_address
-from sdnet_trainer.models import build_model
+from sdnet_trainer.models import build_model, init_adapters
 from sdnet_trainer.models.init import allocate, build_deferred, materialize, without_parameters
 from sdnet_trainer.models.registry import hf_weights_reader
 from sdnet_trainer.observability import MetricsWriter, StepMeter
@@ -79,6 +79,7 @@ from sdnet_trainer.training.hooks import (
     ProfilerHook,
     WatchdogHook,
 )
+from sdnet_trainer.training.moe import expert_balance
 from sdnet_trainer.training.optim import build_optimizer, build_scheduler
 from sdnet_trainer.training.state import EpochShape, RunState, StepResult
 from sdnet_trainer.training.step import LossWeights, StepPeers, counted_targets
@@ -213,10 +214,10 @@ class Trainer:
         )
 
     def build_hooks(self) -> list[HookBase]:
-        """Called in this order after every step: the profiler's step, the weight average's
-        update (``model.ema``), evaluation, checkpointing,
-        metrics (after evaluation, so the summary includes the final evaluation), then the hang
-        watchdog's beat and the heartbeat line. Extend the list for periodic work of your own."""
+        """Called in this order after every step: the profiler's step, a mixture of experts' load
+        (``training/moe.py``), the weight average's update (``model.ema``), evaluation,
+        checkpointing, metrics (after evaluation, so the summary includes the final evaluation),
+        then the hang watchdog's beat and the heartbeat line. Extend the list for periodic work."""
         cfg, rank, heartbeat_s = self.cfg, self.env.rank, self.cfg.health.heartbeat_s
         profiler = StepProfiler(
             cfg.profile, output_dir=self.output_dir, rank=rank, device=self.device
@@ -243,6 +244,7 @@ class Trainer:
         )
         hooks = [
             ProfilerHook(profiler) if profiler.enabled else None,
+            expert_balance(self),  # a MoE's routing bias moved before it is averaged or saved
             self.ema,  # updated before it is evaluated or saved
             evaluation,
             self.checkpointer,
@@ -294,9 +296,9 @@ class Trainer:
         # A family's reader of model.weights=hf:PATH checks the folder against the meta build
         # before anything is allocated, and reads after sharding, each rank its own slices.
         reader = hf_weights_reader(cfg.model)
-        stock = type(self).build_model is Trainer.build_model and (
-            cfg.model.weights is None or reader is not None
-        )
+        # Weights the builder reads itself (transformers', torchvision's) need a real build.
+        own_weights = cfg.model.weights is not None and reader is None
+        stock = type(self).build_model is Trainer.build_model and not own_weights
         model, steps = build_deferred(self.build_model, on_meta=stock)
         if reader is not None:
             reader.check(model)
@@ -316,10 +318,11 @@ class Trainer:
                 for part in parts:
                     allocate(part, self.device, cpu_offload=cfg.parallel.fsdp.cpu_offload)
                 torch.set_rng_state(seeded)
-                # A checkpoint sets every parameter: only computed buffers need their init then.
+                # A folder sets the base's parameters: only computed buffers need their init then.
                 materialize(steps if reader is None else without_parameters(steps))
                 if reader is not None:
                     reader.load(model)
+                init_adapters(model)  # model.lora's: after the base's values (models/lora.py)
 
         self.num_parameters = sum(p.numel() for p in model.parameters())  # of the whole model
         parallel = parallelize(
@@ -332,8 +335,7 @@ class Trainer:
         first_tp = self.dims.coordinates(env.rank)["tp"] == 0
         self.metric_weight = 1.0 if last_stage and first_tp else 0.0
         # model.ema: the average starts as a copy of the initial weights, in their layout.
-        stages = self.pipeline.modules if self.pipeline is not None else []
-        ema = cfg.model.ema
+        stages, ema = self.pipeline.modules if self.pipeline else [], cfg.model.ema
         self.ema = WeightAverage(self.model, ema, stages=stages) if ema.enabled else None
         # From here on each rank draws its own random stream (dropout, augmentation).
         rng.reseed(cfg.loop.seed, rank=env.rank, step=0)
@@ -365,8 +367,7 @@ class Trainer:
         self.optimizer = self.build_optimizer(self.model)
         self.comm = None
         if isinstance(self.model, DistributedDataParallel):
-            group = self.model.process_group
-            self.comm = GradientComm(self.model, cfg.comm, process_group=group)
+            self.comm = GradientComm(self.model, cfg.comm, process_group=self.model.process_group)
         self.precision = Precision(cfg.precision, device_type=self.device.type)
         self.criterion = nn.CrossEntropyLoss(label_smoothing=cfg.loss.label_smoothing)
         self.scheduler = self.build_scheduler(self.optimizer, total_steps=self.total_steps)
@@ -562,11 +563,8 @@ class Trainer:
         ft = getattr(self, "ft", None)
         if ft is not None:
             ft.close()  # closed by its hook on every path through fit; here when set-up failed
-        held = (
-            "model pipeline optimizer comm scheduler stepper data checkpointer hooks ema writer "
-            "ft ft_hook loss_weights"
-        )
-        for name in held.split():
+        held = "model pipeline optimizer comm scheduler stepper data checkpointer hooks ema writer"
+        for name in [*held.split(), "ft", "ft_hook", "loss_weights"]:
             setattr(self, name, None)
 
     def train_step(self) -> StepResult:

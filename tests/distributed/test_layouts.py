@@ -20,6 +20,7 @@ import json
 import pytest
 import torch
 
+from sdnet_trainer.config import compose
 from sdnet_trainer.export.cli import main as export_main
 from sdnet_trainer.plan import dry_run as plan_main
 from tests.support import REPO, corpus_line, run_cli, tiny_llama_config, write_bpe_tokenizer
@@ -69,6 +70,21 @@ LLAMA = COMMON + [
 ]
 # Llama 3.2 1B's layout: the output layer shares the token embedding's weight.
 LLAMA_TIED = LLAMA + ["model.llama.tie_embeddings=true"]
+# A mixture of experts (2 blocks of 8 SwiGLU experts, top-2) on the same data and optimizer, its
+# experts split over the ranks (parallel.ep takes them from dp_shard): with the per-sequence
+# auxiliary loss (moe_*), and with the loss-free bias, moved every step (moebias_*).
+MOE = COMMON + [
+    "model=moe_debug",
+    "data=tokens",
+    "data.seq_len=32",
+    "data.vocab_size=256",
+    "optim=sgd",
+    "optim.lr=0.2",
+    "optim.momentum=0.9",
+    "optim.clip_grad_norm=0.5",
+]
+MOE_BIAS = MOE + ["model.moe.load_balance=bias", "model.moe.bias_update_rate=0.01"]
+EP = ["parallel=fsdp", "parallel.ep=2"]
 RESNET = COMMON + [
     "model=resnet18",
     "model.cifar_stem=true",
@@ -185,6 +201,13 @@ WORLD4 = {
         "parallel.cp=2",
         "parallel.activation_checkpointing=selective",
     ],
+    # Expert parallel: FSDP over the 4 ranks, each pair of them holding the same 4 experts (saved
+    # for the Hugging Face export); beside TP on the attention, with activation checkpointing
+    # (the recomputed forward sends its tokens again, and counts them once); over two pipeline
+    # stages with the bias.
+    "moe_fsdp_ep": MOE + EP + SAVE,
+    "moe_ep_tp": MOE + EP + ["parallel.tp=2", "parallel.activation_checkpointing=full"],
+    "moebias_ep_pp": MOE_BIAS + EP + _pipeline("1F1B", 2),
 }
 WORLD2 = {
     # Tensor parallel alone (its 2 key/value heads bound the Llama's TP degree).
@@ -214,11 +237,29 @@ WORLD2 = {
     # positions) with selective activation checkpointing, which keeps the gathered keys.
     "llama_cp": LLAMA + ["parallel.cp=2", "checkpoint.every_n_steps=3"] + SAVE,
     "gpt_cp_selective_ac": GPT + ["parallel.cp=2", "parallel.activation_checkpointing=selective"],
+    # Each rank holds half the experts; tokens go to them and back by all-to-all.
+    "moe_ep": MOE + EP,
+    "moebias_ep": MOE_BIAS + EP,
     # Written here, read back by one process without the layout (cross-layout checkpoints).
     "gpt_fsdp2_saved": GPT + ["parallel=fsdp"] + SAVE,
     "gpt_pp_saved": GPT + _pipeline("1F1B", 2) + SAVE,
     "resnet_pp_saved": RESNET + _pipeline("1F1B", 4) + RESNET_SPLITS[1] + SAVE,
 }
+
+# model.lora (peft's adapters, the base frozen) under FSDP2, DDP, FSDP2 over context-parallel
+# ranks and two pipeline stages, and DoRA under FSDP2 (each rank's magnitudes from its own rows of
+# the base), each against one process (LORA_REFS). No weight average: a LoRA run refuses
+# model.ema (it would copy the frozen base).
+LLAMA_LORA = LLAMA + ["model.ema.enabled=false", "model.lora.enabled=true", "model.lora.r=4"]
+LLAMA_DORA = LLAMA_LORA + ["model.lora.use_dora=true", "model.lora.target_modules=[q_proj,v_proj]"]
+LORA2 = {
+    "llama_lora_fsdp": LLAMA_LORA + ["parallel=fsdp"] + SAVE,  # read back: llama_lora_from_fsdp
+    "llama_lora_ddp": LLAMA_LORA,
+    "llama_lora_fsdp_cp": LLAMA_LORA + ["parallel=fsdp", "parallel.cp=2"],
+    "llama_lora_pp": LLAMA_LORA + _pipeline("1F1B", 2),
+    "llama_dora_fsdp": LLAMA_DORA + ["parallel=fsdp"],
+}
+LORA_REFS = {"llama_lora_ref": LLAMA_LORA, "llama_dora_ref": LLAMA_DORA}
 
 
 # The step's loss over masked targets: chat windows counting 0 to 32 assistant targets each (the
@@ -303,6 +344,8 @@ def _single(out) -> dict[str, list[str]]:
         "gpt_ref": GPT,
         "llama_ref": LLAMA,
         "llama_tied_ref": LLAMA_TIED,
+        "moe_ref": MOE,
+        "moebias_ref": MOE_BIAS,
         FLOAT8_REF: LLAMA + ["precision.float8=rowwise", "loop.grad_accum_steps=2"],
         VAL_REMAINDER_REF: GPT + ["data.val_size=17"],
         "resnet_ref": RESNET + ["loop.grad_accum_steps=4"],
@@ -315,6 +358,8 @@ def _single(out) -> dict[str, list[str]]:
         + [f"checkpoint.resume={out / 'llama_cp' / 'checkpoints' / 'step_00000003'}"],
         "llama_from_cp": reload("llama_cp", LLAMA),
         "resnet_from_pp": reload("resnet_pp_saved", RESNET + ["loop.grad_accum_steps=4"]),
+        **LORA_REFS,
+        "llama_lora_from_fsdp": reload("llama_lora_fsdp", LLAMA_LORA),
     }
 
 
@@ -368,7 +413,7 @@ def runs(layout_dir) -> dict[str, dict]:
     # The Hugging Face load last: the earlier cases have imported everything it uses.
     # The longest launch (about 6 minutes of 2 loaded cores): a timeout of its own.
     _launch(out, {**WORLD4, **_chat_cases(out, 4), **_hf_load_case(out)}, nproc=4, timeout=600)
-    _launch(out, {**WORLD2, **_chat_cases(out, 2)}, nproc=2)
+    _launch(out, {**WORLD2, **LORA2, **_chat_cases(out, 2)}, nproc=2)
     _launch(out, {**_single(out), **_chat_cases(out, 1)}, nproc=None)
     return {path.stem: torch.load(path, weights_only=False) for path in out.glob("*.pt")}
 
@@ -395,6 +440,8 @@ def _trained_params(record: dict) -> dict[str, torch.Tensor]:
 TOLERANCE = {
     "gpt": {"rel": 1e-5, "norm": 1e-4, "params": 1e-5},
     "llama": {"rel": 1e-5, "norm": 1e-4, "params": 1e-5},
+    "moe": {"rel": 1e-5, "norm": 1e-4, "params": 1e-5},
+    "moebias": {"rel": 1e-5, "norm": 1e-4, "params": 1e-5},
     "resnet": {"rel": 2e-3, "norm": 5e-3, "params": 5e-4},
 }
 
@@ -425,7 +472,7 @@ def _assert_same_training(run: dict, ref: dict, family: str) -> None:
 def test_layout_matches_single_process(runs, name):
     run, ref = runs[name], runs[_reference(name)]
     assert len(run["losses"]) == 5 and run["losses"][-1] < run["losses"][0]  # it trained
-    language_model = name.startswith(("gpt", "llama"))
+    language_model = name.startswith(("gpt", "llama", "moe"))
     if language_model:
         assert (
             min(ref["grad_norms"]) > 0.5
@@ -442,6 +489,56 @@ def test_layout_matches_single_process(runs, name):
             ref["metrics"]["val_ema/loss"], rel=1e-4
         )
         assert run["metrics"]["val_ema/loss"] != run["metrics"]["val/loss"]
+
+
+@pytest.mark.parametrize("name", sorted(LORA2))
+def test_lora_layout_matches_single_process(runs, name):
+    """model.lora on 2 processes: every step's loss and gradient norm (the adapters' alone), the
+    trained adapters and the untouched base equal one process's; the optimizer state is the
+    adapters' alone (the base is frozen: no gradient), under FSDP2 half of it on each rank."""
+    from sdnet_trainer.models.lora import base_name
+
+    run, ref = runs[name], runs["llama_dora_ref" if "dora" in name else "llama_lora_ref"]
+    assert len(run["losses"]) == 5  # (5 steps barely move a random base's loss: B shows below)
+    assert run["losses"] == pytest.approx(ref["losses"], rel=1e-5, abs=1e-5)
+    assert run["grad_norms"] == pytest.approx(ref["grad_norms"], rel=1e-4, abs=1e-5)
+    assert run["params"].keys() == ref["params"].keys()
+    adapters = {n: v for n, v in ref["params"].items() if base_name(n) is None}
+    for param, value in ref["params"].items():
+        if param in adapters:
+            torch.testing.assert_close(run["params"][param], value, rtol=1e-4, atol=1e-5)
+        else:  # frozen: the seeded init on every layout
+            assert torch.equal(run["params"][param], value), param
+    assert all(v.abs().sum() > 0 for n, v in adapters.items() if ".lora_B." in n)  # B trained
+    adapter_bytes = sum(v.numel() * v.element_size() for v in adapters.values())
+    assert ref["state_bytes"][0]["optim"] == ref["state_bytes"][0]["grads"] == adapter_bytes
+    shares = [r["optim"] for r in run["state_bytes"]]  # SGD's momentum: the adapters' alone
+    assert shares == [r["grads"] for r in run["state_bytes"]]
+    if "fsdp" in name:  # sharded: half on each rank (FSDP pads a shard by less than a row)
+        rows = sum(v.numel() // v.shape[0] * v.element_size() for v in adapters.values())
+        assert all(abs(share - adapter_bytes / 2) <= rows for share in shares), shares
+    elif "pp" in name:  # each stage its own blocks' adapters
+        assert sum(shares) == adapter_bytes
+    else:  # replicated
+        assert shares == [adapter_bytes] * 2
+    assert run["metrics"]["val/loss"] == pytest.approx(ref["metrics"]["val/loss"], rel=1e-4)
+
+
+def test_a_lora_checkpoint_holds_the_adapters_alone_and_loads_on_one_process(runs, layout_dir):
+    """Written by FSDP2 on 2 ranks: the model entry is the adapters (no copy of the frozen base);
+    read by one process, which rebuilds the base from the seed: the same weights, bitwise."""
+    from torch.distributed.checkpoint import FileSystemReader
+
+    from sdnet_trainer.models.lora import base_name
+
+    writer, reader = runs["llama_lora_fsdp"], runs["llama_lora_from_fsdp"]
+    assert reader["losses"] == []  # resumed at the last step
+    for name, value in writer["params"].items():
+        assert torch.equal(reader["params"][name], value), name
+    checkpoint = layout_dir / "llama_lora_fsdp" / "checkpoints" / "step_00000005"
+    keys = FileSystemReader(str(checkpoint)).read_metadata().state_dict_metadata
+    saved = {k.removeprefix("model.") for k in keys if k.startswith("model.")}
+    assert saved == {n for n in writer["params"] if base_name(n) is None}
 
 
 def test_parallel_auto_chose_fsdp_where_a_replica_per_rank_does_not_fit(runs):
@@ -596,6 +693,30 @@ def test_export_hf_of_a_multi_process_llama_checkpoint_loads_in_transformers(
         torch.testing.assert_close(value, trained[from_hf_name(name)], rtol=0, atol=0, msg=name)
     mine = Llama(**llama_sizes_from_hf(read_hf_config(tmp_path, key="out"), source="out"))
     mine.load_state_dict(trained)
+    tokens = torch.randint(0, 256, (2, 32), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        torch.testing.assert_close(reloaded(tokens).logits, mine.eval()(tokens), rtol=0, atol=1e-5)
+
+
+def test_export_hf_of_an_expert_parallel_checkpoint_loads_in_transformers(
+    runs, layout_dir, tmp_path
+):
+    """format=hf on the mixture of experts written by 4 processes with its experts split over 2
+    (FSDP x EP): transformers reloads a Qwen3-MoE folder holding every expert, the trained
+    weights, and its logits equal the trained model's."""
+    transformers = pytest.importorskip("transformers", reason="the llm extra is not installed")
+    from sdnet_trainer.models.moe import MoEDecoder, moe_sizes
+
+    saved = "moe_fsdp_ep"
+    checkpoint = layout_dir / saved / "checkpoints" / "step_00000005"
+    args = [f"checkpoint={checkpoint}", "format=hf", f"out={tmp_path}"]
+    assert export_main([*args, "trainer=sdnet_trainer.Trainer"]) == 0
+    reloaded = transformers.AutoModelForCausalLM.from_pretrained(tmp_path).eval()
+    assert reloaded.config.model_type == "qwen3_moe"
+    mine = MoEDecoder(**moe_sizes(compose(MOE).model))
+    mine.load_state_dict(runs[saved]["params"])
+    experts = reloaded.config.num_experts
+    assert experts == 8 and mine.blocks[0].mlp.experts.w1.shape[0] == experts
     tokens = torch.randint(0, 256, (2, 32), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
         torch.testing.assert_close(reloaded(tokens).logits, mine.eval()(tokens), rtol=0, atol=1e-5)

@@ -20,6 +20,7 @@ RECIPES = [
     "llama3_8b",
     "llama3_debug",
     "llama3_sft",
+    "moe_debug",
     "quickstart",
     "resnet152",
     "resnet152_fsdp",

@@ -156,7 +156,7 @@ def test_corrupt_checkpoint_exits_2_naming_the_file(spirals, tmp_path, capsys):
         (["checkpoint=x", "formt=onnx"], "unknown key formt in 'formt=onnx'"),
         (
             ["checkpoint=x", "format=tflite"],
-            "format='tflite': choose from pt, safetensors, onnx, torch_export, hf, all",
+            "format='tflite': choose from pt, safetensors, onnx, torch_export, hf, peft, all",
         ),
         (["checkpoint=x", "opset=high"], "opset"),
         (["format=pt"], "checkpoint=PATH is required"),

@@ -16,6 +16,7 @@ from sdnet_trainer.errors import ConfigError
 from sdnet_trainer.models.family import (
     HFAdapter,
     HFWeights,
+    LoRATargets,
     ModelFamily,
     check_kwargs,
     config_dict,
@@ -99,6 +100,18 @@ def _validate(cfg: Config, *, tp: int, pp: int) -> None:
     validate_llama(cfg, llama_sizes(model), tp=tp, pp=pp, named=named)
 
 
+# model.lora.target_modules: Hugging Face's names of the layers adapters wrap -> the Llama's.
+LORA_MODULES = (
+    ("q_proj", "attn.wq"),
+    ("k_proj", "attn.wk"),
+    ("v_proj", "attn.wv"),
+    ("o_proj", "attn.wo"),
+    ("gate_proj", "mlp.w1"),
+    ("up_proj", "mlp.w3"),
+    ("down_proj", "mlp.w2"),
+)
+
+
 def _decoder_sizes(cfg: ModelConfig) -> tuple[int, int]:
     sizes = llama_sizes(cfg)
     return int(sizes["dim"]), int(sizes["n_layers"])
@@ -113,11 +126,13 @@ FAMILY = ModelFamily(
     decoder_sizes=_decoder_sizes,
     hf=HFAdapter(tensors=hf_tensors, config=lambda model, dtype: hf_config_of(model, dtype=dtype)),
     hf_weights=HFWeights(check=check_hf_weights, load=load_hf_weights),
+    lora=LoRATargets(modules=LORA_MODULES, hf_name=to_hf_name),
     generation_model=hf_llama_of,
 )
 
 __all__ = [
     "FAMILY",
+    "LORA_MODULES",
     "Llama",
     "check_sizes",
     "check_tensor_parallel",

@@ -39,6 +39,7 @@ from sdnet_trainer.models.hf_folder import (
     read_hf_config,
     stored_tensors,
 )
+from sdnet_trainer.models.lora import base_name
 
 logger = logging.getLogger(__name__)
 
@@ -220,7 +221,7 @@ def check_hf_weights(model: nn.Module, folder: Path) -> dict[str, StoredTensor]:
     none it has no place for, each of its shape and of a floating-point dtype, a tied output
     layer against a stored one, config.json's ``torch_dtype``. The stored tensors."""
     stored = stored_tensors(folder)
-    expected = {to_hf_name(name): tuple(t.shape) for name, t in model.state_dict().items()}
+    expected = {to_hf_name(name): tuple(t.shape) for name, t in base_state(model).items()}
     tied = bool(getattr(model, "tie_embeddings", False))
     head = to_hf_name("head.weight")
     # Names of the whole model (a pipeline stage holds fewer), to tell foreign tensors apart.
@@ -263,7 +264,7 @@ def load_hf_weights(model: nn.Module, folder: Path) -> None:
     this rank holds from the Hugging Face folder, each from the slice of its file it holds;
     checked first (:func:`check_hf_weights`)."""
     stored = check_hf_weights(model, folder)
-    state = model.state_dict(keep_vars=True)
+    state = base_state(model, keep_vars=True)
     by_file: dict[str, list[tuple[str, str]]] = {}
     seen: set[int] = set()
     for ours, target in state.items():
@@ -283,6 +284,18 @@ def load_hf_weights(model: nn.Module, folder: Path) -> None:
         folder,
         read_bytes / 2**20,
     )
+
+
+def base_state(model: nn.Module, *, keep_vars: bool = False) -> dict[str, Any]:
+    """The state dict of the base model under its own names: with peft's adapters in it
+    (model.lora), a wrapped layer's ``base_layer`` is named as the layer was, and the adapters'
+    own tensors, which no Hugging Face model folder holds, are left out."""
+    state = {}
+    for name, value in model.state_dict(keep_vars=keep_vars).items():
+        base = base_name(name)
+        if base is not None:
+            state[base] = value
+    return state
 
 
 @torch.no_grad()
@@ -310,6 +323,7 @@ def _copy_local(lazy: Any, target: torch.Tensor) -> int:
 __all__ = [
     "CONFIG_KEYS",
     "HF_NAMES",
+    "base_state",
     "check_hf_weights",
     "from_hf_name",
     "hf_config_of",

@@ -22,7 +22,6 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 from torch import nn
-from torch.distributed.device_mesh import DeviceMesh
 
 from sdnet_trainer.config.schema import Config
 from sdnet_trainer.data import is_language_model_data
@@ -146,6 +145,7 @@ class Llama(Decoder):
     arguments are ``model.llama``'s keys (``rope_scaling`` as a dict)."""
 
     layout = LLAMA_LAYOUT
+    config_key = "model.llama"
 
     def __init__(
         self,
@@ -213,27 +213,6 @@ class Llama(Decoder):
                 steps.append(InitStep(module, partial(_normal_init, std=std)))
         return steps
 
-    def _apply(self, fn: Any, recurse: bool = True) -> Any:
-        # Module._apply (to(), to_empty(): the allocation after a meta build) makes a new
-        # parameter per module, which would untie the output layer from the embedding.
-        result = super()._apply(fn, recurse)
-        self._tie()
-        return result
-
-    def _tie(self) -> None:
-        embed, head = getattr(self, "embed", None), getattr(self, "head", None)
-        if self.tie_embeddings and embed is not None and head is not None:
-            head.weight = embed.tok.weight
-
-    def pipeline_units(self) -> list[str]:
-        if self.tie_embeddings:
-            raise ConfigError(
-                "model.llama.tie_embeddings=true shares one weight between the token embedding "
-                "(first pipeline stage) and the output layer (last): use parallel.pp=1 or an "
-                "untied model"
-            )
-        return super().pipeline_units()
-
     def check_tensor_parallel(self, tp: int, *, sequence_parallel: bool) -> None:
         check_tensor_parallel(
             n_heads=self.n_heads,
@@ -243,16 +222,6 @@ class Llama(Decoder):
             tp=tp,
             sequence_parallel=sequence_parallel,
         )
-
-    def apply_tensor_parallel(
-        self, tp_mesh: DeviceMesh, *, loss_parallel: bool, sequence_parallel: bool
-    ) -> None:
-        super().apply_tensor_parallel(
-            tp_mesh, loss_parallel=loss_parallel, sequence_parallel=sequence_parallel
-        )
-        # Both are split by vocabulary rows (Shard(0)); the plan gave each its own DTensor
-        # parameter, which are made one again.
-        self._tie()
 
 
 def _normal_init(module: nn.Module, *, std: float) -> None:

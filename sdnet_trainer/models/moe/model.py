@@ -1,0 +1,407 @@
+"""The mixture-of-experts decoder (Qwen3-MoE and Mixtral shapes), laid out like the Llama for the
+parallel layouts.
+
+``embed -> blocks[0..n) -> norm -> head`` as every decoder here (``models/decoder.py``), each
+block ``x + attn(norm1(x))`` then ``x + mlp(norm2(x))`` with RMSNorms. The attention is the
+Llama's grouped-query rotary attention with two Qwen3 differences: the head size ``head_dim`` is
+its own setting (not ``dim / n_heads``), and with ``qk_norm`` each query and key head passes an
+RMSNorm over its channels before the rotation. The MLP is a :class:`~.experts.MoE`: a router and
+stacked SwiGLU experts. Parameter names map one to one onto Hugging Face's Qwen3-MoE and Mixtral
+(``models/moe/hf.py``), whose rotary layout this model uses.
+
+Tensor parallel splits the attention as the Llama's (whole heads per rank) and keeps the MoE
+whole on every rank: it takes the whole sequence (gathered under sequence parallel) and hands back
+the rank's share of the residual stream. The experts' weights are left as they are, for expert
+parallel to shard by expert on its own mesh.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from functools import partial
+from typing import Any
+
+import torch
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import Placement, Replicate, Shard
+from torch.distributed.tensor.parallel import (
+    ParallelStyle,
+    PrepareModuleInputOutput,
+    SequenceParallel,
+    parallelize_module,
+)
+
+from sdnet_trainer.config.schema import Config
+from sdnet_trainer.data import is_language_model_data
+from sdnet_trainer.errors import ConfigError
+from sdnet_trainer.models.attention import CausalAttention
+from sdnet_trainer.models.decoder import Decoder, Replicated, check_sequence
+from sdnet_trainer.models.init import InitStep, construction_resets
+from sdnet_trainer.models.llama.model import Embedding as LlamaEmbedding
+from sdnet_trainer.models.llama.model import RMSNorm
+from sdnet_trainer.models.moe.experts import LOAD_BALANCE, GroupedExperts, MoE
+from sdnet_trainer.models.parallel_spec import MOE_LAYOUT
+from sdnet_trainer.models.rotary import Rotary
+
+_INIT_STD = 0.02
+# Names the size checks use when the sizes are model.moe's own.
+Named = Callable[[str, Any], str]
+_MODEL_MOE: Named = "model.moe.{}={}".format
+
+
+class Embedding(LlamaEmbedding):
+    """The Llama's token embedding, its context checked against ``model.moe.seq_len``."""
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        check_sequence(
+            tokens.shape[1],
+            seq_len=self.seq_len,
+            sequence_shards=self.sequence_shards,
+            context_key="model.moe.seq_len",
+        )
+        return self.tok(tokens)
+
+
+class Attention(nn.Module):
+    """Causal grouped-query attention with rotary positions, heads of ``head_dim`` channels and,
+    with ``qk_norm``, Qwen3's RMSNorm on each query and key head (over its channels, before the
+    rotation). Head counts follow the local projection widths, as the Llama's."""
+
+    def __init__(
+        self,
+        dim: int,
+        n_heads: int,
+        n_kv_heads: int,
+        head_dim: int,
+        *,
+        qk_norm: bool,
+        eps: float,
+        theta: float,
+    ) -> None:
+        super().__init__()
+        self.head_dim = head_dim
+        self.wq = nn.Linear(dim, n_heads * head_dim, bias=False)
+        self.wk = nn.Linear(dim, n_kv_heads * head_dim, bias=False)
+        self.wv = nn.Linear(dim, n_kv_heads * head_dim, bias=False)
+        self.wo = nn.Linear(n_heads * head_dim, dim, bias=False)
+        self.q_norm = RMSNorm(head_dim, eps) if qk_norm else None
+        self.k_norm = RMSNorm(head_dim, eps) if qk_norm else None
+        self.rotary = Rotary(head_dim, theta=theta)
+        self.core = CausalAttention()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        batch, length = x.shape[:2]
+
+        def heads(t: torch.Tensor, norm: nn.Module | None = None) -> torch.Tensor:
+            t = t.view(batch, length, -1, self.head_dim)  # (B, T, heads, head_dim)
+            return (t if norm is None else norm(t)).transpose(1, 2)
+
+        q, k = heads(self.wq(x), self.q_norm), heads(self.wk(x), self.k_norm)
+        v = heads(self.wv(x))
+        q, k = self.rotary(q, k)
+        out = self.core(q, k, v)
+        return self.wo(out.transpose(1, 2).reshape(batch, length, -1))
+
+
+class Block(nn.Module):
+    """Pre-norm block: ``x + attn(norm1(x))``, then ``x + mlp(norm2(x))`` with ``mlp`` a MoE.
+    ``attn`` and ``mlp`` build the two, called in the order of the block's modules (the order
+    its init replays their draws in)."""
+
+    def __init__(
+        self, attn: Callable[[], Attention], mlp: Callable[[], MoE], *, dim: int, eps: float
+    ) -> None:
+        super().__init__()
+        self.norm1 = RMSNorm(dim, eps)
+        self.attn = attn()
+        self.norm2 = RMSNorm(dim, eps)
+        self.mlp = mlp()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = x + self.attn(self.norm1(x))
+        return x + self.mlp(self.norm2(x))
+
+
+class MoEDecoder(Decoder):
+    """int64 tokens (B, T) with T <= seq_len -> logits (B, T, vocab_size). The keyword arguments
+    are ``model.moe``'s keys; ``bias_update_rate`` is kept for the training loop, which moves
+    each layer's routing bias by it (:meth:`MoE.update_bias`)."""
+
+    layout = MOE_LAYOUT
+    config_key = "model.moe"
+
+    def __init__(
+        self,
+        vocab_size: int,
+        seq_len: int,
+        dim: int,
+        n_layers: int,
+        n_heads: int,
+        n_kv_heads: int | None = None,
+        head_dim: int | None = None,
+        qk_norm: bool = True,
+        num_experts: int = 4,
+        top_k: int = 2,
+        moe_hidden_dim: int = 128,
+        num_shared_experts: int = 0,
+        norm_topk_prob: bool = True,
+        load_balance: str = "aux_loss",
+        aux_loss_coeff: float = 0.001,
+        bias_update_rate: float = 0.001,
+        norm_eps: float = 1e-6,
+        rope_theta: float = 1000000.0,
+        tie_embeddings: bool = False,
+    ) -> None:
+        super().__init__()
+        check_sizes(
+            {
+                "vocab_size": vocab_size,
+                "seq_len": seq_len,
+                "dim": dim,
+                "n_layers": n_layers,
+                "n_heads": n_heads,
+                "n_kv_heads": n_kv_heads,
+                "head_dim": head_dim,
+                "num_experts": num_experts,
+                "top_k": top_k,
+                "moe_hidden_dim": moe_hidden_dim,
+                "num_shared_experts": num_shared_experts,
+                "load_balance": load_balance,
+                "aux_loss_coeff": aux_loss_coeff,
+                "bias_update_rate": bias_update_rate,
+            }
+        )
+        n_kv_heads = n_heads if n_kv_heads is None else n_kv_heads
+        head_dim = dim // n_heads if head_dim is None else head_dim
+        self.vocab_size, self.seq_len, self.dim, self.n_layers = vocab_size, seq_len, dim, n_layers
+        self.n_heads, self.n_kv_heads, self.head_dim = n_heads, n_kv_heads, head_dim
+        self.qk_norm, self.num_experts, self.top_k = qk_norm, num_experts, top_k
+        self.moe_hidden_dim, self.num_shared_experts = moe_hidden_dim, num_shared_experts
+        self.norm_topk_prob, self.load_balance = norm_topk_prob, load_balance
+        self.aux_loss_coeff, self.bias_update_rate = aux_loss_coeff, bias_update_rate
+        self.norm_eps, self.rope_theta, self.tie_embeddings = norm_eps, rope_theta, tie_embeddings
+        self.embed = Embedding(vocab_size, seq_len, dim)
+        self.blocks = nn.ModuleList(
+            Block(
+                partial(
+                    Attention,
+                    dim,
+                    n_heads,
+                    n_kv_heads,
+                    head_dim,
+                    qk_norm=qk_norm,
+                    eps=norm_eps,
+                    theta=rope_theta,
+                ),
+                partial(
+                    MoE,
+                    dim,
+                    num_experts,
+                    top_k,
+                    moe_hidden_dim,
+                    num_shared_experts=num_shared_experts,
+                    norm_topk_prob=norm_topk_prob,
+                    load_balance=load_balance,
+                    aux_loss_coeff=aux_loss_coeff,
+                ),
+                dim=dim,
+                eps=norm_eps,
+            )
+            for _ in range(n_layers)
+        )
+        self.norm = RMSNorm(dim, norm_eps)
+        self.head = nn.Linear(dim, vocab_size, bias=False)
+        self._tie()
+        with torch.no_grad():
+            for step in self._moe_steps():
+                step.fn(step.module)
+
+    def init_steps(self) -> list[InitStep]:
+        """Construction's draws, then normal(0, 0.02) weights (the linear layers, the embedding
+        and the stacked experts) with the projections that write into the residual stream
+        (``wo``, the experts' and the shared experts' ``w2``) scaled by 1/sqrt(2 n_layers), norms
+        at one, the MoE layers' buffers (routing bias, counters) at zero."""
+        return construction_resets(self.modules()) + self._moe_steps()
+
+    def _moe_steps(self) -> list[InitStep]:
+        residual_std = _INIT_STD / math.sqrt(2 * self.n_layers)
+        steps = []
+        for name, module in self.named_modules():
+            if isinstance(module, (nn.Linear, nn.Embedding)):
+                std = residual_std if name.endswith((".wo", ".w2")) else _INIT_STD
+                steps.append(InitStep(module, partial(_normal_init, std=std)))
+            elif isinstance(module, GroupedExperts):
+                steps.append(InitStep(module, partial(_experts_init, residual_std=residual_std)))
+        return steps
+
+    def check_tensor_parallel(self, tp: int, *, sequence_parallel: bool) -> None:
+        check_tensor_parallel(
+            n_heads=self.n_heads,
+            n_kv_heads=self.n_kv_heads,
+            seq_len=self.seq_len,
+            tp=tp,
+            sequence_parallel=sequence_parallel,
+        )
+
+    def apply_tensor_parallel(
+        self, tp_mesh: DeviceMesh, *, loss_parallel: bool, sequence_parallel: bool
+    ) -> None:
+        """The decoder's plan (embedding, norms, attention's projections, head), then per block:
+        the query/key norms' weights replicated over the rank's heads, and the MoE whole on every
+        rank (its router and shared experts replicated, its experts left as they are)."""
+        super().apply_tensor_parallel(
+            tp_mesh, loss_parallel=loss_parallel, sequence_parallel=sequence_parallel
+        )
+        stream: Placement = Shard(1) if sequence_parallel else Replicate()
+        for block in self.blocks:
+            if block is not None:
+                parallelize_module(block, tp_mesh, _moe_block_plan(block, stream))
+
+
+def _moe_block_plan(block: nn.Module, stream: Placement) -> dict[str, ParallelStyle]:
+    plan: dict[str, ParallelStyle] = {
+        # The whole sequence in, whatever the residual stream's layout; out, the rank's share of
+        # it (under sequence parallel its slice: no communication, an all-gather in backward).
+        "mlp": PrepareModuleInputOutput(
+            input_layouts=(stream,),
+            desired_input_layouts=(Replicate(),),
+            use_local_input=True,
+            output_layouts=(Replicate(),),
+            desired_output_layouts=(stream,),
+            use_local_output=True,
+        ),
+        # Replicated DTensors beside the others (one kind of parameter for the optimizer); the
+        # MoE reads the router's weight through to_local().
+        "mlp.router": Replicated(),
+    }
+    if block.get_submodule("mlp").shared is not None:
+        plan["mlp.shared"] = Replicated()
+    if block.get_submodule("attn").q_norm is not None:
+        # Each rank normalises its own heads, (B, T, heads, head_dim) sharded on the heads: the
+        # weights' gradient is then summed over the ranks (one all-reduce), which a plain
+        # replicated style would leave as each rank's share.
+        for name in ("attn.q_norm", "attn.k_norm"):
+            plan[name] = SequenceParallel(sequence_dim=2, use_local_output=True)
+    return plan
+
+
+def _normal_init(module: nn.Module, *, std: float) -> None:
+    nn.init.normal_(module.weight, mean=0.0, std=std)  # type: ignore[arg-type]
+
+
+def _experts_init(module: nn.Module, *, residual_std: float) -> None:
+    experts: Any = module  # a GroupedExperts: its three stacked weights
+    nn.init.normal_(experts.w1, mean=0.0, std=_INIT_STD)
+    nn.init.normal_(experts.w3, mean=0.0, std=_INIT_STD)
+    nn.init.normal_(experts.w2, mean=0.0, std=residual_std)
+
+
+def check_sizes(sizes: dict[str, Any], named: Named = _MODEL_MOE) -> None:
+    """The sizes a MoE decoder can be built with (``model.moe``'s keys, ``n_kv_heads`` and
+    ``head_dim`` may be None); each error names its key as ``named(key, value)`` does."""
+    positive = ("vocab_size", "seq_len", "dim", "n_layers", "n_heads", "num_experts", "top_k")
+    for key in (*positive, "moe_hidden_dim", "n_kv_heads", "head_dim"):
+        value = sizes[key]
+        if value is not None and value < 1:
+            raise ConfigError(f"{named(key, value)} must be >= 1")
+    for key in ("num_shared_experts", "aux_loss_coeff", "bias_update_rate"):
+        if sizes[key] < 0:
+            raise ConfigError(f"{named(key, sizes[key])} must be >= 0")
+    dim, heads, head_dim = sizes["dim"], sizes["n_heads"], sizes["head_dim"]
+    if head_dim is None and dim % heads:
+        raise ConfigError(
+            f"{named('dim', dim)} must be divisible by {named('n_heads', heads)} when the head "
+            f"size is dim / n_heads (model.moe.head_dim=null)"
+        )
+    if (head_dim or dim // heads) % 2:
+        raise ConfigError(
+            f"the head size {named('head_dim', head_dim or dim // heads)} must be even (rotary "
+            f"positions rotate channel pairs)"
+        )
+    kv_heads = sizes["n_kv_heads"] or heads
+    if heads % kv_heads:
+        raise ConfigError(
+            f"{named('n_heads', heads)} must be a multiple of {named('n_kv_heads', kv_heads)}: "
+            f"each key/value head serves a group of query heads"
+        )
+    if sizes["top_k"] > sizes["num_experts"]:
+        raise ConfigError(
+            f"{named('top_k', sizes['top_k'])} experts per token is more than the layer's "
+            f"{named('num_experts', sizes['num_experts'])}"
+        )
+    if sizes["load_balance"] not in LOAD_BALANCE:
+        raise ConfigError(
+            f"{named('load_balance', repr(sizes['load_balance']))} is not one of "
+            f"{', '.join(LOAD_BALANCE)}"
+        )
+
+
+def check_tensor_parallel(
+    *,
+    n_heads: int,
+    n_kv_heads: int,
+    seq_len: int,
+    tp: int,
+    sequence_parallel: bool,
+    named: Named = _MODEL_MOE,
+) -> None:
+    """Whether a MoE decoder of these sizes shards over ``tp`` ranks: whole query and key/value
+    heads on every rank (the MoE stays whole on each)."""
+    for key, value in (("n_heads", n_heads), ("n_kv_heads", n_kv_heads)):
+        if value % tp:
+            raise ConfigError(
+                f"{named(key, value)} must be divisible by parallel.tp={tp}: tensor parallelism "
+                f"gives each rank whole attention heads"
+            )
+    if sequence_parallel and seq_len % tp:
+        raise ConfigError(
+            f"{named('seq_len', seq_len)} must be divisible by parallel.tp={tp} with "
+            f"parallel.tensor_parallel.sequence_parallel=true"
+        )
+
+
+def validate_moe(
+    cfg: Config, sizes: dict[str, Any], *, tp: int, pp: int, named: Named = _MODEL_MOE
+) -> None:
+    """The MoE decoder's ``sizes`` (``model.moe``, or a Hugging Face config's) against the data
+    and the layout, before launch; ``named(key, value)`` says where a size came from
+    (``model.moe.KEY=VALUE``, or config.json's field), for the messages."""
+    check_sizes(sizes, named)
+    data = cfg.data
+    if is_language_model_data(data):
+        if data.vocab_size != sizes["vocab_size"]:
+            raise ConfigError(
+                f"data.vocab_size={data.vocab_size} differs from the model's "
+                f"{named('vocab_size', sizes['vocab_size'])}"
+            )
+        if data.seq_len > sizes["seq_len"]:
+            raise ConfigError(
+                f"data.seq_len={data.seq_len} is longer than the model's context "
+                f"{named('seq_len', sizes['seq_len'])}"
+            )
+    if sizes["load_balance"] == "aux_loss" and cfg.precision.dtype == "fp16":
+        # The auxiliary loss's gradient enters backward beside the loss, not through it, so the
+        # fp16 GradScaler's scale would not be on it.
+        raise ConfigError(
+            "model.moe.load_balance=aux_loss with precision.dtype=fp16: use precision=bf16 (or "
+            "model.moe.load_balance=bias, which has no loss)"
+        )
+    if pp > 1 and sizes["tie_embeddings"]:
+        raise ConfigError(
+            f"{named('tie_embeddings', 'true')} with parallel.pp={pp}: the token embedding and the "
+            f"output layer share one weight and cannot live on different pipeline stages"
+        )
+    if tp > 1:
+        check_tensor_parallel(
+            n_heads=sizes["n_heads"],
+            n_kv_heads=sizes["n_kv_heads"] or sizes["n_heads"],
+            seq_len=sizes["seq_len"],
+            tp=tp,
+            sequence_parallel=cfg.parallel.tensor_parallel.sequence_parallel,
+            named=named,
+        )
+
+
+__all__ = ["Attention", "MoEDecoder", "check_sizes", "check_tensor_parallel", "validate_moe"]

@@ -1,0 +1,308 @@
+"""``model.weights=hf:PATH`` for the MoE family: a Qwen3-MoE or Mixtral folder checked against the
+model built on the meta device before anything is allocated, then read into the model after it
+is sharded, each rank reading only the slices it holds.
+
+The check (:func:`check_hf_weights`) compares every name, shape and dtype the files' headers
+declare with the meta model (``models/hf_folder.py``), the expert count of each layer with
+config.json's first, so that a folder whose experts are not its config's is named by its file.
+
+The load (:func:`load_hf_weights`) fills each tensor's local block: for a DTensor (tensor parallel,
+FSDP, expert parallel's experts sharded by expert and FSDP's shards of those) the global indices
+the rank holds along each dimension are cut by the tensor's own placements (:func:`local_runs`),
+and only those are read, through safetensors' lazy slices of the memory-mapped files. The stacked
+experts come from one tensor per expert in the hub's layout (only the rank's experts are opened,
+and of each only its rows and columns), or from transformers 5's fused tensors.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import re
+from collections.abc import Callable
+from contextlib import ExitStack
+from functools import partial
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
+from torch.distributed.tensor.placement_types import Placement, _StridedShard
+
+from sdnet_trainer.errors import ConfigError
+from sdnet_trainer.models.hf_folder import (
+    CONFIG_FILE,
+    StoredTensor,
+    check_dtype_field,
+    check_stored,
+    open_safetensors,
+    read_hf_config,
+    stored_tensors,
+)
+from sdnet_trainer.models.llama.hf import _check_tied, base_state
+from sdnet_trainer.models.moe.hf import (
+    MODEL_TYPES,
+    Layout,
+    Stored,
+    config_fields,
+    layout_of,
+    stored_as,
+)
+
+logger = logging.getLogger(__name__)
+
+_EXPERT_TENSOR = re.compile(r"model\.layers\.(\d+)\.(?:mlp|block_sparse_moe)\.experts\.(\d+)\.")
+_FUSED_TENSOR = (".mlp.experts.gate_up_proj", ".mlp.experts.down_proj")
+# Per block, the tensors of every MoE decoder, and those of one with query/key norms.
+_BLOCK = ("norm1", "attn.wq", "attn.wk", "attn.wv", "attn.wo", "norm2", "mlp.router")
+_QK_NORMS = ("attn.q_norm", "attn.k_norm")
+
+# One of the folder's tensors by name, as safetensors' lazy slice.
+Opener = Callable[[str], Any]
+
+
+def _folder_layout(folder: Path, stored: dict[str, StoredTensor]) -> tuple[dict[str, Any], Layout]:
+    config = read_hf_config(folder, key="model.weights")
+    model_type = config.get("model_type")
+    if model_type not in MODEL_TYPES:
+        raise ConfigError(
+            f"model.weights=hf:{folder}: {CONFIG_FILE}: field 'model_type' is {model_type!r}, "
+            f"not a Qwen3-MoE or Mixtral checkpoint"
+        )
+    return config, layout_of(model_type, stored)
+
+
+def _sources(model: nn.Module, layout: Layout) -> dict[str, Stored]:
+    """Where each of ``model``'s tensors is in a folder of ``layout`` (its buffers, the routing
+    bias included, are not stored: they start at zero)."""
+    buffers = {name for name, _ in model.named_buffers()}
+    sources = {}
+    for name, tensor in base_state(model, keep_vars=True).items():
+        if name in buffers:
+            continue
+        stored = stored_as(name, tuple(tensor.shape), layout)
+        if stored is None:
+            raise ConfigError(
+                f"model.weights: the model's {name} has no counterpart in a Qwen3-MoE or Mixtral "
+                f"checkpoint (shared experts: leave model.kwargs.num_shared_experts unset)"
+            )
+        sources[name] = stored
+    return sources
+
+
+def _whole_model_names(model: nn.Module, layout: Layout) -> set[str]:
+    """The names of the whole model in a folder of ``layout`` (a pipeline stage holds fewer),
+    to tell foreign tensors apart."""
+    moe: Any = model  # its sizes are plain attributes
+    experts, hidden, dim = moe.num_experts, moe.moe_hidden_dim, moe.dim
+    per_block = [f"{name}.weight" for name in (*_BLOCK, *(_QK_NORMS if moe.qk_norm else ()))]
+    ours: dict[str, tuple[int, ...]] = dict.fromkeys(
+        ("embed.tok.weight", "norm.weight", "head.weight"), ()
+    )
+    for i in range(moe.n_layers):
+        ours |= {f"blocks.{i}.{name}": () for name in per_block}
+        ours[f"blocks.{i}.mlp.experts.w1"] = ours[f"blocks.{i}.mlp.experts.w3"] = (
+            experts,
+            hidden,
+            dim,
+        )
+        ours[f"blocks.{i}.mlp.experts.w2"] = (experts, dim, hidden)
+    names: set[str] = set()
+    for name, shape in ours.items():
+        stored = stored_as(name, shape, layout)
+        assert stored is not None, name  # every name above has a Hugging Face one
+        names.update(stored.names)
+    return names
+
+
+def _check_expert_count(
+    stored: dict[str, StoredTensor], folder: Path, layout: Layout, *, experts: int, field: str
+) -> None:
+    """Each layer's experts in the files against config.json's count (``field``)."""
+    config_says = f"its {CONFIG_FILE} has {field}={experts}: the weights are not the config's"
+    if layout.fused:
+        for name, entry in stored.items():
+            if name.endswith(_FUSED_TENSOR) and entry.shape[:1] != (experts,):
+                raise ConfigError(
+                    f"model.weights: {folder / entry.file}: tensor {name} of shape "
+                    f"{list(entry.shape)} stacks {entry.shape[0]} experts, where {config_says}"
+                )
+        return
+    found: dict[int, dict[int, str]] = {}  # layer -> expert -> one of its tensors
+    for name in stored:
+        match = _EXPERT_TENSOR.match(name)
+        if match is not None:
+            found.setdefault(int(match[1]), {})[int(match[2])] = name
+    for layer, names in sorted(found.items()):
+        if set(names) != set(range(experts)):
+            last = names[max(names)]
+            raise ConfigError(
+                f"model.weights: {folder / stored[last].file}: layer {layer} stores "
+                f"{len(names)} experts (the last: {last}), where {config_says}"
+            )
+
+
+def check_hf_weights(model: nn.Module, folder: Path) -> dict[str, StoredTensor]:
+    """The MoE decoder ``model`` (built on the meta device: nothing allocated yet; whole, or one
+    pipeline stage's part) against what the folder's headers declare: each layer's expert count,
+    every tensor it needs, none it has no place for, each of its shape and of a floating-point
+    dtype, a tied output layer against a stored one, config.json's ``torch_dtype``. The stored
+    tensors."""
+    stored = stored_tensors(folder)
+    config, layout = _folder_layout(folder, stored)
+    moe: Any = model  # its sizes are plain attributes
+    field = config_fields(config)["num_experts"]
+    _check_expert_count(stored, folder, layout, experts=moe.num_experts, field=field)
+    tied = bool(getattr(model, "tie_embeddings", False))
+    expected = {
+        name: source.shape
+        for ours, source in _sources(model, layout).items()
+        if not (tied and ours == "head.weight")
+        for name in source.names
+    }
+    optional = ["lm_head.weight"] if tied else []
+    what = f"the {config['model_type']} model of its {CONFIG_FILE}"
+    known = _whole_model_names(model, layout)
+    check_stored(expected, stored, folder, optional=optional, known=known, what=what)
+    source = f"model.weights=hf:{folder}: {CONFIG_FILE}"
+    if tied and {"lm_head.weight", "model.embed_tokens.weight"} <= set(stored):
+        _check_tied(folder, stored, source)
+    check_dtype_field(config, stored, source)
+    return stored
+
+
+def load_hf_weights(model: nn.Module, folder: Path) -> None:
+    """Fill every parameter of ``model`` (a MoE decoder, possibly sharded or pruned to pipeline
+    stages) this rank holds from the Hugging Face folder, each from the slices of its files it
+    holds; checked first (:func:`check_hf_weights`)."""
+    stored = check_hf_weights(model, folder)
+    _, layout = _folder_layout(folder, stored)
+    state = base_state(model, keep_vars=True)
+    read_bytes, seen = 0, set()
+    with ExitStack() as files:
+        opened: dict[str, Any] = {}
+
+        def tensor(name: str) -> Any:
+            file = stored[name].file
+            if file not in opened:
+                opened[file] = files.enter_context(open_safetensors(folder, file))
+            return opened[file].get_slice(name)
+
+        for ours, source in _sources(model, layout).items():
+            target = state[ours]
+            if id(target) in seen:
+                continue  # a tied weight: read once, under the embedding's name (which comes first)
+            seen.add(id(target))
+            read_bytes += copy_local(target, partial(read_block, source, tensor))
+    logger.info(
+        "loaded %d tensors from %s (%.1f MB read by this rank)",
+        len(seen),
+        folder,
+        read_bytes / 2**20,
+    )
+
+
+# ---------------------------------------------------------------------- a rank's slices
+
+
+def read_block(source: Stored, tensor: Opener, block: tuple[slice, ...]) -> torch.Tensor:
+    """The block of the model's tensor at global ``block`` (one slice per dimension), read from
+    where ``source`` says it is: per expert, only the experts in the block's first slice."""
+    if source.per_expert:
+        experts, rest = block[0], block[1:]
+        names = source.names[experts.start : experts.stop]
+        return torch.stack([tensor(name)[rest] for name in names])
+    if source.row_offset:
+        rows = block[1]
+        shifted = slice(rows.start + source.row_offset, rows.stop + source.row_offset)
+        block = (block[0], shifted, *block[2:])
+    return tensor(source.names[0])[block]
+
+
+@torch.no_grad()
+def copy_local(target: torch.Tensor, read: Callable[[tuple[slice, ...]], torch.Tensor]) -> int:
+    """Copy into ``target`` the part of the full tensor this rank holds, ``read(block)`` giving
+    the full tensor's block at global slices; bytes read."""
+    if target.is_meta:
+        return 0  # not on this rank (pruned by a pipeline split) or never allocated
+    local = target.to_local() if isinstance(target, DTensor) else target
+    runs = local_runs(target)
+    held = tuple(sum(stop - start for start, stop in dim) for dim in runs)
+    if held != tuple(local.shape):
+        raise RuntimeError(f"local shard {tuple(local.shape)} is not the indices held {held}")
+    return copy_runs(local, runs, read)
+
+
+def copy_runs(
+    local: torch.Tensor,
+    runs: list[list[tuple[int, int]]],
+    read: Callable[[tuple[slice, ...]], torch.Tensor],
+) -> int:
+    """Fill ``local`` from the full tensor's blocks: ``runs[d]``, the (start, stop) ranges of
+    global indices along dimension d that ``local`` holds, in order; bytes read."""
+    placed = []
+    for dim_runs in runs:
+        at, pairs = 0, []
+        for start, stop in dim_runs:
+            pairs.append((slice(start, stop), slice(at, at + stop - start)))
+            at += stop - start
+        placed.append(pairs)
+    total = 0
+    for pieces in itertools.product(*placed):
+        block = read(tuple(full for full, _ in pieces))
+        local[tuple(part for _, part in pieces)].copy_(block)
+        total += block.numel() * block.element_size()
+    return total
+
+
+def local_runs(target: torch.Tensor) -> list[list[tuple[int, int]]]:
+    """Per dimension, the runs of global indices this rank's block of ``target`` holds: the
+    whole range of a plain tensor, a DTensor's cut by its own placements."""
+    if not isinstance(target, DTensor):
+        return [[(0, size)] for size in target.shape]
+    return [_runs(_held_indices(target, dim)) for dim in range(target.dim())]
+
+
+def _held_indices(target: DTensor, dim: int) -> list[int]:
+    """The global indices along ``dim`` of this rank's shard: the index range ``0..size`` cut by
+    the placements that shard ``dim`` (the others replicate it), by torch's own cutting and
+    without communication; so FSDP's strided shards over expert or tensor parallel's shards on
+    the same dimension read right."""
+    placements = [_cut_first_dim(p, dim, target.dim()) for p in target.placements]
+    if all(isinstance(p, Replicate) for p in placements):
+        return list(range(target.shape[dim]))
+    indices = torch.arange(target.shape[dim])
+    cut = distribute_tensor(indices, target.device_mesh, placements, src_data_rank=None)
+    return cut.to_local().tolist()
+
+
+def _cut_first_dim(placement: Placement, dim: int, ndim: int) -> Placement:
+    """``placement`` as it applies to dimension ``dim`` alone, moved to a 1-D tensor's first."""
+    # _StridedShard first: before torch 2.14 it subclasses Shard.
+    if isinstance(placement, _StridedShard) and placement.dim % ndim == dim:
+        return _StridedShard(0, split_factor=placement.split_factor)
+    if isinstance(placement, Shard) and placement.dim % ndim == dim:
+        return Shard(0)
+    return Replicate()
+
+
+def _runs(indices: list[int]) -> list[tuple[int, int]]:
+    """Consecutive indices as (start, stop) ranges."""
+    runs: list[tuple[int, int]] = []
+    for index in indices:
+        if runs and runs[-1][1] == index:
+            runs[-1] = (runs[-1][0], index + 1)
+        else:
+            runs.append((index, index + 1))
+    return runs
+
+
+__all__ = [
+    "check_hf_weights",
+    "copy_local",
+    "copy_runs",
+    "load_hf_weights",
+    "local_runs",
+    "read_block",
+]
