@@ -133,7 +133,8 @@ def test_help_and_cfg_job(tmp_path, monkeypatch, capfd):
     assert code == 0
     assert (
         "recipe: custom_spirals, gpt_fsdp, gpt_pipeline, gpt_tp_fsdp, llama3_8b, llama3_debug, "
-        "llama3_sft, quickstart, resnet152, resnet152_fsdp, resnet152_pipeline, resnet18_cifar10"
+        "llama3_sft, moe_debug, quickstart, resnet152, resnet152_fsdp, resnet152_pipeline, "
+        "resnet18_cifar10"
     ) in help_text
     assert "precision: auto, bf16, fp16, fp32" in help_text
     code, cfg = main_in_process(
