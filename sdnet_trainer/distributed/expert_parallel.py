@@ -83,10 +83,10 @@ class ExpertParallel(ParallelStyle):
             module,
             device_mesh,
             _shard_by_expert,
-            # torch annotates input_fn as returning None; the pre-hook it installs passes on the
-            # inputs it returns (as its docstring says).
+            # torch annotates input_fn and output_fn as returning None; the hooks it installs
+            # pass on what they return (as its docstring says).
             _dispatch,  # type: ignore[arg-type]
-            _combine,  # type: ignore[arg-type]  # (as input_fn: its output is passed on)
+            _combine,  # type: ignore[arg-type]
         )
 
 
