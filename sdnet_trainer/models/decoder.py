@@ -9,6 +9,8 @@ pipeline units, and the Megatron-style tensor-parallel plan.
 
 from __future__ import annotations
 
+import math
+from collections.abc import Callable
 from functools import partial
 from typing import Any, ClassVar
 
@@ -28,7 +30,7 @@ from torch.distributed.tensor.parallel import (
 
 from sdnet_trainer.errors import ConfigError
 from sdnet_trainer.lazy import loaded_types
-from sdnet_trainer.models.init import InitStep, materialize
+from sdnet_trainer.models.init import InitStep, construction_resets, materialize
 from sdnet_trainer.models.parallel_spec import DecoderLayout
 
 
@@ -48,6 +50,17 @@ def check_sequence(length: int, *, seq_len: int, sequence_shards: int, context_k
         )
 
 
+INIT_STD = 0.02
+
+
+def normal_init(module: nn.Module, *, std: float) -> None:
+    """normal(0, std) weight, zero bias (where there is one)."""
+    nn.init.normal_(module.weight, mean=0.0, std=std)  # type: ignore[arg-type]
+    bias = getattr(module, "bias", None)
+    if bias is not None:
+        nn.init.zeros_(bias)
+
+
 class Decoder(nn.Module):
     """Base of the decoder families: subclasses build ``embed``, ``blocks``, ``norm`` and
     ``head``, set ``layout``, and check their sizes against a tensor-parallel degree in
@@ -56,6 +69,7 @@ class Decoder(nn.Module):
     A pipeline split sets the units other stages hold to None; every method here skips them."""
 
     layout: ClassVar[DecoderLayout]
+    n_layers: int
     # The model.* section a family's sizes come from, for messages (model.llama, model.moe).
     config_key: ClassVar[str] = "model"
     embed: nn.Module
@@ -80,7 +94,37 @@ class Decoder(nn.Module):
         materialize(self.init_steps())
 
     def init_steps(self) -> list[InitStep]:
-        raise NotImplementedError
+        """Construction's draws (each layer's ``reset_parameters`` as constructed), then the
+        family's own init (:meth:`own_init_steps`): the order a CPU build draws them in."""
+        return construction_resets(self.modules()) + self.own_init_steps()
+
+    def own_init_steps(self) -> list[InitStep]:
+        """GPT-2's init, which every family here follows: normal(0, 0.02) weights of the linear
+        layers and embeddings, the projections that write into the residual stream (``wo``,
+        ``w2``) at 0.02/sqrt(2 n_layers) so the stream's variance does not grow with depth; and
+        in the same walk, for any other module, the family's :meth:`module_init`."""
+        residual_std = INIT_STD / math.sqrt(2 * self.n_layers)
+        steps = []
+        for name, module in self.named_modules():
+            if isinstance(module, (nn.Linear, nn.Embedding)):
+                std = residual_std if name.endswith((".wo", ".w2")) else INIT_STD
+                steps.append(InitStep(module, partial(normal_init, std=std)))
+            elif (init := self.module_init(module, residual_std=residual_std)) is not None:
+                steps.append(InitStep(module, init))
+        return steps
+
+    def module_init(
+        self, module: nn.Module, *, residual_std: float
+    ) -> Callable[[nn.Module], None] | None:
+        """A family's init of ``module``, a module other than the linear layers and embeddings
+        (the GPT's LayerNorms, a mixture of experts' stacked experts); None: its construction's."""
+        return None
+
+    @torch.no_grad()
+    def apply_own_init(self) -> None:
+        """At construction, once the layers have drawn their defaults: :meth:`own_init_steps`."""
+        for step in self.own_init_steps():
+            step.fn(step.module)
 
     def _apply(self, fn: Any, recurse: bool = True) -> Any:
         # Module._apply (to(), to_empty(): the allocation after a meta build) makes a new
@@ -273,4 +317,11 @@ def tensor_parallel_styles(
     return Float8ColwiseParallel, Float8RowwiseParallel
 
 
-__all__ = ["Decoder", "Replicated", "apply_decoder_tp", "tensor_parallel_styles"]
+__all__ = [
+    "INIT_STD",
+    "Decoder",
+    "Replicated",
+    "normal_init",
+    "apply_decoder_tp",
+    "tensor_parallel_styles",
+]

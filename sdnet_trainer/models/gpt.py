@@ -16,8 +16,7 @@ three consumers through :class:`~sdnet_trainer.models.decoder.Decoder` and the G
 
 from __future__ import annotations
 
-import math
-from functools import partial
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -30,11 +29,9 @@ from sdnet_trainer.errors import ConfigError
 from sdnet_trainer.models.attention import CausalAttention, token_positions
 from sdnet_trainer.models.decoder import Decoder, check_sequence
 from sdnet_trainer.models.family import ModelFamily, check_kwargs, config_dict
-from sdnet_trainer.models.init import InitStep, construction_resets
 from sdnet_trainer.models.parallel_spec import GPT_LAYOUT
 
 # GPT-2's initialisation: small enough that a deep stack starts near the identity function.
-_INIT_STD = 0.02
 
 
 class Embedding(nn.Module):
@@ -157,27 +154,13 @@ class GPT(Decoder):
         self.norm = nn.LayerNorm(dim)
         self.head = nn.Linear(dim, vocab_size, bias=False)
         # The layers drew their defaults as they were built; the GPT-2 init follows.
-        with torch.no_grad():
-            for step in self._gpt2_steps():
-                step.fn(step.module)
+        self.apply_own_init()
 
-    def init_steps(self) -> list[InitStep]:
-        """The init in the order a CPU build draws it: each layer's ``reset_parameters`` as
-        constructed, then normal(0, 0.02) weights and LayerNorms at identity, with the two
-        projections that write into the residual stream (``wo``, ``w2``) scaled by
-        1/sqrt(2 n_layers) so the stream's variance does not grow with depth (GPT-2)."""
-        return construction_resets(self.modules()) + self._gpt2_steps()
-
-    def _gpt2_steps(self) -> list[InitStep]:
-        residual_std = _INIT_STD / math.sqrt(2 * self.n_layers)
-        steps = []
-        for name, module in self.named_modules():
-            if isinstance(module, (nn.Linear, nn.Embedding)):
-                std = residual_std if name.endswith((".wo", ".w2")) else _INIT_STD
-                steps.append(InitStep(module, partial(_normal_init, std=std)))
-            elif isinstance(module, nn.LayerNorm):
-                steps.append(InitStep(module, _identity_norm))
-        return steps
+    def module_init(
+        self, module: nn.Module, *, residual_std: float
+    ) -> Callable[[nn.Module], None] | None:
+        """LayerNorms at identity."""
+        return _identity_norm if isinstance(module, nn.LayerNorm) else None
 
     def check_tensor_parallel(self, tp: int, *, sequence_parallel: bool) -> None:
         """Whether this GPT shards over ``tp`` ranks (see :meth:`Decoder.apply_tensor_parallel`)."""
@@ -190,13 +173,6 @@ class GPT(Decoder):
             tp=tp,
             sequence_parallel=sequence_parallel,
         )
-
-
-def _normal_init(module: nn.Module, *, std: float) -> None:
-    nn.init.normal_(module.weight, mean=0.0, std=std)  # type: ignore[arg-type]
-    bias = getattr(module, "bias", None)
-    if bias is not None:
-        nn.init.zeros_(bias)
 
 
 def _identity_norm(module: nn.Module) -> None:

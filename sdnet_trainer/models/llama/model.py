@@ -14,9 +14,7 @@ The output layer may share the token embedding's weights (``tie_embeddings``, Ll
 
 from __future__ import annotations
 
-import math
 from collections.abc import Callable
-from functools import partial
 from typing import Any
 
 import torch
@@ -28,11 +26,8 @@ from sdnet_trainer.data import is_language_model_data
 from sdnet_trainer.errors import ConfigError
 from sdnet_trainer.models.attention import CausalAttention
 from sdnet_trainer.models.decoder import Decoder, check_sequence
-from sdnet_trainer.models.init import InitStep, construction_resets
 from sdnet_trainer.models.parallel_spec import LLAMA_LAYOUT
 from sdnet_trainer.models.rotary import ROPE_TYPES, Rotary
-
-_INIT_STD = 0.02
 
 
 class Embedding(nn.Module):
@@ -195,23 +190,7 @@ class Llama(Decoder):
         self.norm = RMSNorm(dim, norm_eps)
         self.head = nn.Linear(dim, vocab_size, bias=False)
         self._tie()
-        with torch.no_grad():
-            for step in self._llama_steps():
-                step.fn(step.module)
-
-    def init_steps(self) -> list[InitStep]:
-        """Construction's draws, then normal(0, 0.02) weights with the projections that write
-        into the residual stream (``wo``, ``w2``) scaled by 1/sqrt(2 n_layers), norms at one."""
-        return construction_resets(self.modules()) + self._llama_steps()
-
-    def _llama_steps(self) -> list[InitStep]:
-        residual_std = _INIT_STD / math.sqrt(2 * self.n_layers)
-        steps = []
-        for name, module in self.named_modules():
-            if isinstance(module, (nn.Linear, nn.Embedding)):
-                std = residual_std if name.endswith((".wo", ".w2")) else _INIT_STD
-                steps.append(InitStep(module, partial(_normal_init, std=std)))
-        return steps
+        self.apply_own_init()
 
     def check_tensor_parallel(self, tp: int, *, sequence_parallel: bool) -> None:
         check_tensor_parallel(
@@ -222,10 +201,6 @@ class Llama(Decoder):
             tp=tp,
             sequence_parallel=sequence_parallel,
         )
-
-
-def _normal_init(module: nn.Module, *, std: float) -> None:
-    nn.init.normal_(module.weight, mean=0.0, std=std)  # type: ignore[arg-type]
 
 
 def check_sizes(**sizes: Any) -> None:

@@ -17,7 +17,6 @@ parallel to shard by expert on its own mesh.
 
 from __future__ import annotations
 
-import math
 from collections.abc import Callable
 from functools import partial
 from typing import Any
@@ -37,15 +36,13 @@ from sdnet_trainer.config.schema import Config
 from sdnet_trainer.data import is_language_model_data
 from sdnet_trainer.errors import ConfigError
 from sdnet_trainer.models.attention import CausalAttention
-from sdnet_trainer.models.decoder import Decoder, Replicated, check_sequence
-from sdnet_trainer.models.init import InitStep, construction_resets
+from sdnet_trainer.models.decoder import INIT_STD, Decoder, Replicated, check_sequence
 from sdnet_trainer.models.llama.model import Embedding as LlamaEmbedding
 from sdnet_trainer.models.llama.model import RMSNorm
 from sdnet_trainer.models.moe.experts import LOAD_BALANCE, GroupedExperts, MoE
 from sdnet_trainer.models.parallel_spec import MOE_LAYOUT
 from sdnet_trainer.models.rotary import Rotary
 
-_INIT_STD = 0.02
 # Names the size checks use when the sizes are model.moe's own.
 Named = Callable[[str, Any], str]
 _MODEL_MOE: Named = "model.moe.{}={}".format
@@ -214,27 +211,16 @@ class MoEDecoder(Decoder):
         self.norm = RMSNorm(dim, norm_eps)
         self.head = nn.Linear(dim, vocab_size, bias=False)
         self._tie()
-        with torch.no_grad():
-            for step in self._moe_steps():
-                step.fn(step.module)
+        self.apply_own_init()
 
-    def init_steps(self) -> list[InitStep]:
-        """Construction's draws, then normal(0, 0.02) weights (the linear layers, the embedding
-        and the stacked experts) with the projections that write into the residual stream
-        (``wo``, the experts' and the shared experts' ``w2``) scaled by 1/sqrt(2 n_layers), norms
-        at one, the MoE layers' buffers (routing bias, counters) at zero."""
-        return construction_resets(self.modules()) + self._moe_steps()
-
-    def _moe_steps(self) -> list[InitStep]:
-        residual_std = _INIT_STD / math.sqrt(2 * self.n_layers)
-        steps = []
-        for name, module in self.named_modules():
-            if isinstance(module, (nn.Linear, nn.Embedding)):
-                std = residual_std if name.endswith((".wo", ".w2")) else _INIT_STD
-                steps.append(InitStep(module, partial(_normal_init, std=std)))
-            elif isinstance(module, GroupedExperts):
-                steps.append(InitStep(module, partial(_experts_init, residual_std=residual_std)))
-        return steps
+    def module_init(
+        self, module: nn.Module, *, residual_std: float
+    ) -> Callable[[nn.Module], None] | None:
+        """The stacked experts as linear layers (``w2`` writes into the residual stream); the
+        MoE layers' buffers (routing bias, counters) at zero, as their construction sets them."""
+        if isinstance(module, GroupedExperts):
+            return partial(_experts_init, residual_std=residual_std)
+        return None
 
     def check_tensor_parallel(self, tp: int, *, sequence_parallel: bool) -> None:
         check_tensor_parallel(
@@ -287,14 +273,10 @@ def _moe_block_plan(block: nn.Module, stream: Placement) -> dict[str, ParallelSt
     return plan
 
 
-def _normal_init(module: nn.Module, *, std: float) -> None:
-    nn.init.normal_(module.weight, mean=0.0, std=std)  # type: ignore[arg-type]
-
-
 def _experts_init(module: nn.Module, *, residual_std: float) -> None:
     experts: Any = module  # a GroupedExperts: its three stacked weights
-    nn.init.normal_(experts.w1, mean=0.0, std=_INIT_STD)
-    nn.init.normal_(experts.w3, mean=0.0, std=_INIT_STD)
+    nn.init.normal_(experts.w1, mean=0.0, std=INIT_STD)
+    nn.init.normal_(experts.w3, mean=0.0, std=INIT_STD)
     nn.init.normal_(experts.w2, mean=0.0, std=residual_std)
 
 
