@@ -26,8 +26,9 @@ from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
+from sdnet_trainer.config.schema import ModelConfig
 from sdnet_trainer.errors import ConfigError
 
 HF_PREFIX = "hf:"
@@ -48,6 +49,39 @@ def hf_weights_folder(weights: str | None) -> Path | None:
     if not path:
         raise ConfigError("model.weights=hf: needs a folder: model.weights=hf:/path/to/model")
     return Path(path).expanduser()
+
+
+class HFConfigSource(NamedTuple):
+    """Where a family reads its architecture from a Hugging Face config.json."""
+
+    key: str  # the setting that names it: model.weights or model.hf_config
+    given: str | Path  # the folder of model.weights=hf:PATH, or model.hf_config as written
+    file: Path  # the config.json itself
+
+
+def hf_config_source(cfg: ModelConfig) -> HFConfigSource | None:
+    """The config.json of ``model.weights=hf:PATH`` or ``model.hf_config`` (a file, or the
+    folder holding one); None with neither. Refused: another kind of ``model.weights`` (these
+    families load Hugging Face folders only), and both keys at once."""
+    folder = hf_weights_folder(cfg.weights)
+    if cfg.weights is not None and folder is None:
+        raise ConfigError(
+            f"model.weights={cfg.weights!r}: model.name={cfg.name!r} loads Hugging Face "
+            f"checkpoints only, as model.weights=hf:PATH (a local folder)"
+        )
+    if folder is not None and cfg.hf_config is not None:
+        raise ConfigError(
+            f"model.weights={cfg.weights!r} brings its own config.json; leave model.hf_config "
+            f"(={cfg.hf_config!r}) unset"
+        )
+    if folder is not None:
+        return HFConfigSource("model.weights", folder, folder / CONFIG_FILE)
+    if cfg.hf_config is None:
+        return None
+    path = Path(cfg.hf_config).expanduser()
+    return HFConfigSource(
+        "model.hf_config", cfg.hf_config, path / CONFIG_FILE if path.is_dir() else path
+    )
 
 
 def read_hf_config(path: str | Path, *, key: str) -> dict[str, Any]:

@@ -21,7 +21,7 @@ from sdnet_trainer.models.family import (
     check_kwargs,
     config_dict,
 )
-from sdnet_trainer.models.hf_folder import hf_weights_folder, read_hf_config
+from sdnet_trainer.models.hf_folder import hf_config_source, hf_weights_folder, read_hf_config
 from sdnet_trainer.models.llama.cache import hf_llama_of
 from sdnet_trainer.models.llama.hf import (
     CONFIG_KEYS,
@@ -45,22 +45,10 @@ def llama_sizes(cfg: ModelConfig) -> dict[str, Any]:
     """The Llama's constructor arguments: from the Hugging Face config.json of
     ``model.weights=hf:PATH`` or ``model.hf_config``, else ``model.llama``; ``model.kwargs``
     overrides single ones."""
-    folder = hf_weights_folder(cfg.weights)
-    if cfg.weights is not None and folder is None:
-        raise ConfigError(
-            f"model.weights={cfg.weights!r}: model.name={cfg.name!r} loads Hugging Face "
-            f"checkpoints only, as model.weights=hf:PATH (a local folder)"
-        )
-    if folder is not None and cfg.hf_config is not None:
-        raise ConfigError(
-            f"model.weights={cfg.weights!r} brings its own config.json; leave model.hf_config "
-            f"(={cfg.hf_config!r}) unset"
-        )
-    source = cfg.hf_config if folder is None else folder
+    source = hf_config_source(cfg)
     if source is not None:
-        key = "model.hf_config" if folder is None else "model.weights"
-        config = read_hf_config(source, key=key)
-        sizes = llama_sizes_from_hf(config, source=f"{key}={source}")
+        config = read_hf_config(source.given, key=source.key)
+        sizes = llama_sizes_from_hf(config, source=f"{source.key}={source.given}")
     else:
         sizes = config_dict(cfg.llama)
         sizes["rope_scaling"] = config_dict(sizes["rope_scaling"])

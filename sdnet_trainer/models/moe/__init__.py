@@ -6,11 +6,9 @@ family's entry (:data:`FAMILY`) that ``models/registry.py`` lists."""
 
 from __future__ import annotations
 
-from pathlib import Path
 from typing import Any
 
 from sdnet_trainer.config.schema import Config, ModelConfig
-from sdnet_trainer.errors import ConfigError
 from sdnet_trainer.models.family import (
     HFAdapter,
     HFWeights,
@@ -19,7 +17,7 @@ from sdnet_trainer.models.family import (
     check_kwargs,
     config_dict,
 )
-from sdnet_trainer.models.hf_folder import CONFIG_FILE, hf_weights_folder, read_hf_config
+from sdnet_trainer.models.hf_folder import hf_config_source, read_hf_config
 from sdnet_trainer.models.llama import LORA_MODULES as LLAMA_LORA_MODULES
 from sdnet_trainer.models.moe.experts import LOAD_BALANCE, GroupedExperts, MoE
 from sdnet_trainer.models.moe.hf import (
@@ -42,23 +40,11 @@ def moe_sizes(cfg: ModelConfig) -> dict[str, Any]:
     config.json of ``model.weights=hf:PATH`` or ``model.hf_config`` (with ``model.moe``'s
     ``load_balance`` and ``bias_update_rate``), else ``model.moe``; ``model.kwargs`` overrides
     single ones."""
-    folder = hf_weights_folder(cfg.weights)
-    if cfg.weights is not None and folder is None:
-        raise ConfigError(
-            f"model.weights={cfg.weights!r}: model.name={cfg.name!r} loads Hugging Face "
-            f"checkpoints only, as model.weights=hf:PATH (a local folder)"
-        )
-    if folder is not None and cfg.hf_config is not None:
-        raise ConfigError(
-            f"model.weights={cfg.weights!r} brings its own config.json; leave model.hf_config "
-            f"(={cfg.hf_config!r}) unset"
-        )
     own = config_dict(cfg.moe)
-    path = _hf_config_file(cfg)
-    if path is not None:
-        key = "model.hf_config" if folder is None else "model.weights"
-        config = read_hf_config(path, key=key)
-        sizes = moe_sizes_from_hf(config, source=f"{key}: {path}")
+    source = hf_config_source(cfg)
+    if source is not None:
+        config = read_hf_config(source.file, key=source.key)
+        sizes = moe_sizes_from_hf(config, source=f"{source.key}: {source.file}")
         sizes |= {name: own[name] for name in _TRAINING_KEYS}
     else:
         sizes = own
@@ -66,23 +52,13 @@ def moe_sizes(cfg: ModelConfig) -> dict[str, Any]:
     return {**sizes, **cfg.kwargs}
 
 
-def _hf_config_file(cfg: ModelConfig) -> Path | None:
-    """The config.json of ``model.weights=hf:PATH`` or ``model.hf_config`` (a file, or its
-    folder), if either is set."""
-    folder = hf_weights_folder(cfg.weights)
-    path = folder if folder is not None else cfg.hf_config
-    if path is None:
-        return None
-    path = Path(path).expanduser()
-    return path / CONFIG_FILE if folder is not None or path.is_dir() else path
-
-
 def _validate(cfg: Config, *, tp: int, pp: int) -> None:
     # Reads model.hf_config / model.weights=hf:PATH's config.json: a bad one stops here.
     model = cfg.model
     sizes = moe_sizes(model)
-    path = _hf_config_file(model)
-    fields = {} if path is None else config_fields(read_hf_config(path, key="model.weights"))
+    source = hf_config_source(model)
+    path = None if source is None else source.file
+    fields = {} if source is None else config_fields(read_hf_config(source.file, key=source.key))
 
     def named(key: str, value: Any) -> str:
         if key in model.kwargs:
