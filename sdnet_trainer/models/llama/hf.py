@@ -232,12 +232,12 @@ def check_hf_weights(model: nn.Module, folder: Path) -> dict[str, StoredTensor]:
     check_stored(expected, stored, folder, optional=[head] if tied else [], known=known, what=what)
     source = f"model.weights=hf:{folder}: {CONFIG_FILE}"
     if tied and head in stored and to_hf_name("embed.tok.weight") in stored:
-        _check_tied(folder, stored, source)
+        check_tied(folder, stored, source)
     check_dtype_field(read_hf_config(folder, key="model.weights"), stored, source)
     return stored
 
 
-def _check_tied(folder: Path, stored: dict[str, StoredTensor], source: str) -> None:
+def check_tied(folder: Path, stored: dict[str, StoredTensor], source: str) -> None:
     """``tie_word_embeddings``: the output layer is the embedding. Some exports store it under
     both names; the two must then hold the same values (compared in blocks of rows)."""
     embed, head = to_hf_name("embed.tok.weight"), to_hf_name("head.weight")

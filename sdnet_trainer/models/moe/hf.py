@@ -28,24 +28,19 @@ import torch
 from torch import nn
 
 from sdnet_trainer.errors import ConfigError
+from sdnet_trainer.models.llama.hf import HF_NAMES as LLAMA_HF_NAMES
 from sdnet_trainer.models.moe.model import MoEDecoder
 
 QWEN3, MIXTRAL = "qwen3_moe", "mixtral"
 MODEL_TYPES = (QWEN3, MIXTRAL)
 
-# This project's names -> Hugging Face's, the same in both types ({i}: the layer).
-HF_NAMES: tuple[tuple[str, str], ...] = (
-    ("embed.tok.weight", "model.embed_tokens.weight"),
-    ("blocks.{i}.norm1.weight", "model.layers.{i}.input_layernorm.weight"),
-    ("blocks.{i}.attn.wq.weight", "model.layers.{i}.self_attn.q_proj.weight"),
-    ("blocks.{i}.attn.wk.weight", "model.layers.{i}.self_attn.k_proj.weight"),
-    ("blocks.{i}.attn.wv.weight", "model.layers.{i}.self_attn.v_proj.weight"),
-    ("blocks.{i}.attn.wo.weight", "model.layers.{i}.self_attn.o_proj.weight"),
+# This project's names -> Hugging Face's outside the MoE layers, the same in both types ({i}: the
+# layer): the Llama's (embedding, norms, attention, head) and Qwen3's query/key norms.
+HF_NAMES: tuple[tuple[str, str], ...] = tuple(
+    pair for pair in LLAMA_HF_NAMES if ".mlp." not in pair[0]
+) + (
     ("blocks.{i}.attn.q_norm.weight", "model.layers.{i}.self_attn.q_norm.weight"),
     ("blocks.{i}.attn.k_norm.weight", "model.layers.{i}.self_attn.k_norm.weight"),
-    ("blocks.{i}.norm2.weight", "model.layers.{i}.post_attention_layernorm.weight"),
-    ("norm.weight", "model.norm.weight"),
-    ("head.weight", "lm_head.weight"),
 )
 _ROUTER = re.compile(r"blocks\.(\d+)\.mlp\.router\.weight")
 _EXPERTS = re.compile(r"blocks\.(\d+)\.mlp\.experts\.(w[123])")

@@ -40,7 +40,7 @@ from sdnet_trainer.models.hf_folder import (
     read_hf_config,
     stored_tensors,
 )
-from sdnet_trainer.models.llama.hf import _check_tied, base_state
+from sdnet_trainer.models.llama.hf import base_state, check_tied
 from sdnet_trainer.models.moe.hf import (
     MODEL_TYPES,
     Layout,
@@ -167,7 +167,7 @@ def check_hf_weights(model: nn.Module, folder: Path) -> dict[str, StoredTensor]:
     check_stored(expected, stored, folder, optional=optional, known=known, what=what)
     source = f"model.weights=hf:{folder}: {CONFIG_FILE}"
     if tied and {"lm_head.weight", "model.embed_tokens.weight"} <= set(stored):
-        _check_tied(folder, stored, source)
+        check_tied(folder, stored, source)
     check_dtype_field(config, stored, source)
     return stored
 
