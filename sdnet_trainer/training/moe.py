@@ -10,10 +10,11 @@ layout. It is not part of ``train/loss``; it is logged as ``moe/aux_loss``.
 
 **The load** of every layer, the tokens each expert received in the step, is summed over the
 ranks that saw different tokens (every rank but a tensor-parallel peer's copy) in one all-reduce
-of a small tensor per step, which also carries the auxiliary loss and the sequence count. Under
-``load_balance=bias`` each layer then moves its routing bias (on the device: no host
-synchronisation). At log points the load is written: per layer the fewest and most tokens an
-expert received, their ratio (1: balanced), and the tokens of every expert.
+of a small tensor, which also carries the auxiliary loss and the sequence count: after every step
+under ``load_balance=bias``, where each layer then moves its routing bias (on the device: no host
+synchronisation), and otherwise at log points only. There the load is written: per layer the
+fewest and most tokens an expert received, their ratio (1: balanced), and the tokens of every
+expert.
 
 The routing is dropless: every token reaches its ``top_k`` experts (no capacity, nothing
 dropped), so there is no dropped-token count to report.
@@ -28,7 +29,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from sdnet_trainer.models.moe import MoE
+from sdnet_trainer.models.moe import MoE, moe_sizes
 from sdnet_trainer.models.registry import decoder_sizes, model_family
 from sdnet_trainer.observability import MetricsWriter
 from sdnet_trainer.training.hooks import HookBase
@@ -41,11 +42,12 @@ _LAYER = re.compile(r"(?:^|\.)blocks\.(\d+)\.")
 
 
 class ExpertBalance(HookBase):
-    """After every step: the load reduced, the bias moved, the counters reset; the metrics at
-    log points. ``layers``: this rank's MoE layers by block index (a pipeline stage holds some,
-    perhaps none, and still joins the sum); ``n_layers``, ``num_experts``: the model's;
-    ``contributes``: whether this rank's counts join the sum (False on tensor-parallel peers,
-    which count the same tokens as their first peer)."""
+    """After every step the counters reset; before, under the bias, the load reduced and the
+    bias moved; at log points the load reduced and written. ``layers``: this rank's MoE layers by
+    block index (a pipeline stage holds some, perhaps none, and still joins the sum);
+    ``n_layers``, ``num_experts``: the model's; ``contributes``: whether this rank's counts join
+    the sum (False on tensor-parallel peers, which count the same tokens as their first peer);
+    ``bias_update_rate``: None unless the layers balance by their bias."""
 
     def __init__(
         self,
@@ -54,7 +56,7 @@ class ExpertBalance(HookBase):
         n_layers: int,
         num_experts: int,
         contributes: bool,
-        bias_update_rate: float,
+        bias_update_rate: float | None,
         writer: MetricsWriter,
         every_n_steps: int,
         total_steps: int,
@@ -68,14 +70,16 @@ class ExpertBalance(HookBase):
         self._stats: torch.Tensor | None = None
 
     def after_step(self, state: RunState, result: StepResult) -> None:
-        stats = self._reduced()
-        for index, layer in self.layers.items():
+        log = state.step % self.every_n_steps == 0 or state.step == self.total_steps
+        if self.rate is not None or log:  # no collective on other steps
+            self._stats = self._reduced()
             # A skipped (non-finite) step left the weights as they were: the bias too.
-            if layer.load_balance == "bias" and not result.nonfinite:
-                layer.update_bias(stats[index, : self.experts], self.rate)
+            if self.rate is not None and not result.nonfinite:
+                for index, layer in self.layers.items():
+                    layer.update_bias(self._stats[index, : self.experts], self.rate)
+        for layer in self.layers.values():
             layer.reset_counts()
-        self._stats = stats
-        if state.step % self.every_n_steps == 0 or state.step == self.total_steps:
+        if log:
             self.writer.write(state.step, self.metrics())
 
     def _reduced(self) -> torch.Tensor:
@@ -126,7 +130,7 @@ def expert_balance(trainer: Trainer) -> ExpertBalance | None:
     family, sizes = model_family(cfg.model.name), decoder_sizes(cfg.model)
     if family is None or family.num_experts is None or sizes is None:
         return None
-    layers = moe_layers(trainer.model)
+    layers, moe = moe_layers(trainer.model), moe_sizes(cfg.model)
     weight = trainer.dims.gradient_ranks / trainer.layout.global_batch_size
     for layer in layers.values():
         layer.aux_loss_weight = weight
@@ -135,7 +139,7 @@ def expert_balance(trainer: Trainer) -> ExpertBalance | None:
         n_layers=sizes[1],
         num_experts=family.num_experts(cfg.model),
         contributes=trainer.dims.coordinates(trainer.env.rank)["tp"] == 0,
-        bias_update_rate=cfg.model.moe.bias_update_rate,
+        bias_update_rate=moe["bias_update_rate"] if moe["load_balance"] == "bias" else None,
         writer=trainer.writer,
         every_n_steps=cfg.logging.log_every_n_steps,
         total_steps=trainer.total_steps,
