@@ -73,16 +73,7 @@ LLAMA_TIED = LLAMA + ["model.llama.tie_embeddings=true"]
 # A mixture of experts (2 blocks of 8 SwiGLU experts, top-2) on the same data and optimizer, its
 # experts split over the ranks (parallel.ep takes them from dp_shard): with the per-sequence
 # auxiliary loss (moe_*), and with the loss-free bias, moved every step (moebias_*).
-MOE = COMMON + [
-    "model=moe_debug",
-    "data=tokens",
-    "data.seq_len=32",
-    "data.vocab_size=256",
-    "optim=sgd",
-    "optim.lr=0.2",
-    "optim.momentum=0.9",
-    "optim.clip_grad_norm=0.5",
-]
+MOE = [("model=moe_debug" if o == "model=llama3_debug" else o) for o in LLAMA]
 MOE_BIAS = MOE + ["model.moe.load_balance=bias", "model.moe.bias_update_rate=0.01"]
 EP = ["parallel=fsdp", "parallel.ep=2"]
 RESNET = COMMON + [
