@@ -346,7 +346,8 @@ class FaultTrainer(RecordingTrainer):
       the background while the loop goes on), on torchrun's first attempt only;
     - ``SDNET_TEST_SIGTERM``: deliver SIGTERM to that rank during that step;
     - ``SDNET_TEST_NAN``: make that rank's loss NaN on that step;
-    - ``SDNET_TEST_SLEEP``: that rank sleeps 600 s inside that step (a hang).
+    - ``SDNET_TEST_SLEEP``: that rank hangs inside that step (600 s in ``compute_loss``), its
+      last progress 2 s after its peers' so that theirs run out first.
 
     It also records the dataset indices each rank trained on, to ``seen_rank{R}.pt``, and uses a
     model with dropout so that random streams matter.
@@ -387,6 +388,12 @@ class FaultTrainer(RecordingTrainer):
         inputs, targets, indices = batch
         self.seen += indices.tolist()
         if _fault("SDNET_TEST_SLEEP", self.env.rank) == self.state.step + 1:
+            # Progress 2 s after the peers' last: their watchdogs fire first, deterministically,
+            # while they wait in a collective (on gloo a peer that exits first would instead end
+            # that collective at once with "Connection closed by peer").
+            time.sleep(2.0)
+            if self.watchdog:
+                self.watchdog.beat()
             time.sleep(600)
         if _fault("SDNET_TEST_SIGTERM", self.env.rank) == self.state.step + 1:
             os.kill(

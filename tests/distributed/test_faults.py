@@ -198,7 +198,9 @@ def test_hung_rank_ends_every_rank_with_stack_dumps(tmp_path):
     for rank in (0, 1):  # each names the phase it was stuck in, then dumps every thread's stack
         assert "made no progress" in dumps[rank] and "of step 3" in dumps[rank]
         assert "most recent call first" in dumps[rank]
-    assert "in compute_loss" in dumps[1]  # the hung rank sleeps inside its loss
+    # rank 0 ran out first, waiting in the gradients' all-reduce; the hung rank sleeps in its loss
+    assert "'forward/backward (gradient reduction)' of step 3" in dumps[0]
+    assert "in compute_loss" in dumps[1]
 
 
 # ---------------------------------------------------------------------- the launcher and our exits
