@@ -37,6 +37,7 @@ from sdnet_trainer.config import Config
 from sdnet_trainer.data import is_language_model_data
 from sdnet_trainer.errors import ConfigError
 from sdnet_trainer.models.hf_causal_lm import HFCausalLM
+from sdnet_trainer.models.lora import is_adapted, merge_adapters
 from sdnet_trainer.models.registry import model_family
 from sdnet_trainer.serve.args import ServeArgs
 from sdnet_trainer.serve.decoding import CausalLMDecoder
@@ -239,7 +240,7 @@ def _torch_model(args: ServeArgs, source: Source, trainer: Trainer) -> nn.Module
             f"checkpoint={str(source.folder)!r}: the weights do not fit the model "
             f"{source.trainer_class.__name__}.build_model builds: {first_line(err)}"
         ) from None
-    return model.eval()
+    return _merged(model, source).eval()
 
 
 def _checkpoint_model(args: ServeArgs, source: Source, trainer: Trainer) -> nn.Module:
@@ -251,11 +252,22 @@ def _checkpoint_model(args: ServeArgs, source: Source, trainer: Trainer) -> nn.M
     elif args.ema:
         raise ConfigError("ema=true: this version cannot load a checkpoint's EMA weights")
     try:
-        return export.load_model(trainer, source.checkpoint, **options)
+        model = export.load_model(trainer, source.checkpoint, **options)
     except ConfigError:
         raise
     except Exception as err:
         raise _rebuild_error(source, err) from err
+    return _merged(model, source)
+
+
+def _merged(model: nn.Module, source: Source) -> nn.Module:
+    """A LoRA run's model with its adapters merged into the base (peft's merge, as ``export
+    format=hf merge_lora=true``): the plain model serves with no adapter arithmetic per token,
+    and its family's generation model takes its weights under their own names."""
+    if not is_adapted(model):
+        return model
+    logger.info("merging the LoRA adapters of %s into the base model", source.describe())
+    return merge_adapters(model)
 
 
 def _build(source: Source, trainer: Trainer) -> nn.Module:

@@ -26,6 +26,9 @@ from sdnet_trainer.models.init import allocate, build_deferred, materialize, wit
 from sdnet_trainer.models.llama.hf import base_state, load_hf_weights
 from sdnet_trainer.models.lora import base_name, init_adapters, is_adapted
 from sdnet_trainer.preflight import validate
+from sdnet_trainer.serve.args import ServeArgs
+from sdnet_trainer.serve.language import LanguageModel
+from sdnet_trainer.serve.model import load_served
 from tests.support import tiny_llama_config
 
 transformers = pytest.importorskip("transformers", reason="the llm extra is not installed")
@@ -273,6 +276,25 @@ def test_the_peft_folder_loads_on_the_transformers_base(request, hf_base, tmp_pa
     # The merged folder's config.yaml builds the plain model its weights fit.
     written = OmegaConf.load(merged / "config.yaml")
     assert written.model.lora.enabled is False
+
+
+def test_serving_a_lora_checkpoint_serves_the_merged_model(lora_run):
+    """The server merges a LoRA run's adapters into its base: the run's logits, no peft layer
+    left, and the Llama's cached decoder (the transformers model of its weights) generates what
+    a step-by-step greedy decode of the trained model does."""
+    served, _ = load_served(ServeArgs(checkpoint=str(_checkpoint(lora_run, 4)), device="cpu"))
+    assert isinstance(served, LanguageModel) and served.decoder is not None
+    model = served.runner.model
+    assert not is_adapted(model)
+    assert not any(isinstance(m, peft.tuners.tuners_utils.BaseTunerLayer) for m in model.modules())
+    torch.testing.assert_close(served.runner(_tokens()), lora_run["logits"], rtol=0, atol=1e-5)
+    prompt = _tokens()[0, :5].tolist()
+    ids = torch.tensor([prompt])
+    with torch.no_grad():  # greedy, one token at a time, on the full sequence (no cache)
+        for _ in range(6):
+            ids = torch.cat([ids, model(ids)[:, -1].argmax(-1, keepdim=True)], dim=1)
+    job = served.job(prompt, max_new_tokens=6, temperature=0.0, seed=None)
+    assert served.run([job]) == [ids[0, 5:].tolist()]
 
 
 def test_export_refuses_formats_that_do_not_fit_the_checkpoint():
