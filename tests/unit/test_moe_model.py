@@ -21,6 +21,7 @@ from torch.utils.checkpoint import checkpoint
 
 from sdnet_trainer import compose
 from sdnet_trainer.errors import ConfigError
+from sdnet_trainer.export import config_yaml
 from sdnet_trainer.export.hf import write_hf
 from sdnet_trainer.models import build_model
 from sdnet_trainer.models.init import build_deferred, materialize
@@ -30,6 +31,9 @@ from sdnet_trainer.models.moe.weights import copy_runs, load_hf_weights, read_bl
 from sdnet_trainer.models.parallel_spec import pipeline_units
 from sdnet_trainer.models.registry import hf_weights_reader, model_family
 from sdnet_trainer.preflight import validate
+from sdnet_trainer.serve.args import ServeArgs
+from sdnet_trainer.serve.decoding import CausalLMDecoder
+from sdnet_trainer.serve.model import load_served
 
 transformers = pytest.importorskip("transformers", reason="the llm extra is not installed")
 
@@ -168,6 +172,52 @@ def test_export_refuses_what_neither_type_represents(tmp_path, overrides, named)
     biased.blocks[0].mlp.expert_bias[1] = 0.5
     with pytest.raises(ConfigError, match="model.moe.load_balance=bias"):
         write_hf(biased, tmp_path, family=model_family("moe"))
+
+
+def _export_folder(folder, overrides: list[str]) -> MoEDecoder:
+    """An export folder of a MoE (config.yaml + model.pt), as export writes one."""
+    cfg = compose(
+        ["model=moe_debug", "data=tokens", "data.vocab_size=256", "data.seq_len=32", *overrides]
+    )
+    torch.manual_seed(3)
+    model = _spread(build_model(cfg.model)).eval()
+    torch.save(model.state_dict(), folder / "model.pt")
+    (folder / "config.yaml").write_text(config_yaml(cfg))
+    return model
+
+
+@pytest.mark.parametrize(
+    "overrides",
+    [[], ["model.moe.qk_norm=false", "model.moe.head_dim=null"]],
+    ids=["qwen3_moe", "mixtral"],
+)
+def test_a_served_moe_generates_with_the_kv_cache_on_its_own_tensors(tmp_path, overrides):
+    """Served through the cached decoder, as the transformers model of its own tensors (held
+    once, in the expert layout this transformers builds): its logits, and greedy tokens equal to
+    the no-cache path (this project's MoE recomputing the whole sequence at every token)."""
+    model = _export_folder(tmp_path, overrides)
+    served, _ = load_served(ServeArgs(checkpoint=str(tmp_path), device="cpu"))
+    assert isinstance(served.decoder, CausalLMDecoder) and served.info()["kv_cache"]
+    twin, ours = served.decoder.lm, served.runner.model
+    assert twin.config.model_type == ("mixtral" if overrides else QWEN3)
+    storage = {p.untyped_storage().data_ptr() for p in ours.parameters()}
+    assert {p.untyped_storage().data_ptr() for p in twin.parameters()} <= storage
+    tokens = _tokens(256, 24)
+    with torch.no_grad():
+        torch.testing.assert_close(twin(tokens).logits, model(tokens), rtol=0, atol=1e-5)
+        torch.testing.assert_close(ours(tokens), model(tokens), rtol=0, atol=1e-5)
+    jobs = [served.job(p, max_new_tokens=8, temperature=0.0, seed=None) for p in ([5], [1, 2, 3])]
+    cached = served.run(jobs)
+    served.decoder = None
+    assert served.run(jobs) == cached
+
+
+def test_a_moe_transformers_cannot_hold_serves_without_the_cache(tmp_path, caplog):
+    _export_folder(tmp_path, ["model.moe.num_shared_experts=1"])
+    with caplog.at_level("WARNING"):
+        served, _ = load_served(ServeArgs(checkpoint=str(tmp_path), device="cpu"))
+    assert served.decoder is None and "model.moe.num_shared_experts=1" in caplog.text
+    assert len(served.run([served.job([5], max_new_tokens=4, temperature=0.0, seed=None)])[0]) == 4
 
 
 # ---------------------------------------------------------------------- the layer

@@ -1,6 +1,6 @@
 """The Llama family (``model.name=llama``): its model (``model.py``), its Hugging Face adapter
-(``hf.py``: names, config.json, ``model.weights=hf:PATH``), its serving cache (``cache.py``: the
-same weights as a ``transformers.LlamaForCausalLM`` with a KV cache), and the family's entry
+(``hf.py``: names, config.json, ``model.weights=hf:PATH``), its serving cache (the same tensors
+as a ``transformers.LlamaForCausalLM``, ``models/hf_twin.py``), and the family's entry
 (:data:`FAMILY`) that ``models/registry.py`` lists. Its tensor-parallel plan and pipeline units
 are the decoder machinery's it shares with the GPT (``models/parallel_spec.py``)."""
 
@@ -22,7 +22,7 @@ from sdnet_trainer.models.family import (
     config_dict,
 )
 from sdnet_trainer.models.hf_folder import hf_config_source, hf_weights_folder, read_hf_config
-from sdnet_trainer.models.llama.cache import hf_llama_of
+from sdnet_trainer.models.hf_twin import transformers_twin
 from sdnet_trainer.models.llama.hf import (
     CONFIG_KEYS,
     check_hf_weights,
@@ -71,6 +71,16 @@ def hf_tensors(model: nn.Module) -> dict[str, torch.Tensor]:
     }
 
 
+def generation_model(model: nn.Module) -> nn.Module | None:
+    """Serving's KV cache: the ``transformers.LlamaForCausalLM`` of the Llama's own tensors (the
+    same rotary layout, ``rotate_half``, so no weight is permuted or copied)."""
+    if not isinstance(model, Llama):
+        return None
+    dtype = next(model.parameters()).dtype
+    config = hf_config_of(model, dtype=dtype)
+    return transformers_twin(model, config=config, tensors=lambda _: hf_tensors(model))
+
+
 def _validate(cfg: Config, *, tp: int, pp: int) -> None:
     # Reads model.hf_config / model.weights=hf:PATH's config.json: a bad one stops here.
     model = cfg.model
@@ -115,7 +125,7 @@ FAMILY = ModelFamily(
     hf=HFAdapter(tensors=hf_tensors, config=lambda model, dtype: hf_config_of(model, dtype=dtype)),
     hf_weights=HFWeights(check=check_hf_weights, load=load_hf_weights),
     lora=LoRATargets(modules=LORA_MODULES, hf_name=to_hf_name),
-    generation_model=hf_llama_of,
+    generation_model=generation_model,
 )
 
 __all__ = [

@@ -1,7 +1,8 @@
 """The mixture-of-experts family (``model.name=moe``): its decoder (``model.py``: the Llama's
 attention with Qwen3's head size and query/key norms; ``experts.py``: the router, the stacked
 experts, load balancing), its Hugging Face side (``hf.py``: Qwen3-MoE and Mixtral config.json and
-names; ``weights.py``: ``model.weights=hf:PATH`` checked and read slice by slice), and the
+names, and serving's KV cache as the transformers model of its tensors; ``weights.py``:
+``model.weights=hf:PATH`` checked and read slice by slice), and the
 family's entry (:data:`FAMILY`) that ``models/registry.py`` lists."""
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ from sdnet_trainer.models.llama import LORA_MODULES as LLAMA_LORA_MODULES
 from sdnet_trainer.models.moe.experts import LOAD_BALANCE, GroupedExperts, MoE
 from sdnet_trainer.models.moe.hf import (
     config_fields,
+    generation_model,
     hf_config_of,
     hf_tensors,
     moe_sizes_from_hf,
@@ -90,6 +92,7 @@ FAMILY = ModelFamily(
     hf_weights=HFWeights(check=check_hf_weights, load=load_hf_weights),
     lora=LoRATargets(modules=LORA_MODULES, hf_name=to_hf_name),
     num_experts=lambda cfg: int(moe_sizes(cfg)["num_experts"]),
+    generation_model=generation_model,
 )
 
 __all__ = [
