@@ -146,6 +146,11 @@ def _refuse_combinations(cfg: Config) -> None:
             cfg.precision.dtype == "fp16",
             "the GradScaler's skips are not agreed across groups; use bf16 or fp32",
         ),
+        "model.moe.load_balance=bias": (
+            cfg.model.name == "moe" and cfg.model.moe.load_balance == "bias",
+            "the experts' load is summed inside a group only, so the groups' routing biases "
+            "would drift apart; use model.moe.load_balance=aux_loss",
+        ),
     }
     for key, (refused, why) in refusals.items():
         if refused:

@@ -4,9 +4,11 @@ summed over the ranks after every step, DeepSeek-V3's bias update from it, and t
 **The auxiliary loss** (``model.moe.load_balance=aux_loss``) is per sequence, so it adds up over
 micro-batches and ranks as the token losses do (``training/step.py``): each MoE layer adds the
 gradient of ``weight x (sum of its sequences' auxiliary losses)`` in its own backward, with
-``weight = gradient_ranks / global batch`` (the data-parallel average takes ``gradient_ranks``
-back out), so a step's auxiliary loss is the mean over the global batch's sequences on every
-layout. It is not part of ``train/loss``; it is logged as ``moe/aux_loss``.
+``weight = gradient_ranks x groups / global batch`` (the data-parallel average takes
+``gradient_ranks`` back out, and the fault-tolerant replica groups' average the number of groups
+that share the step, read at each forward: the quorum may change), so a step's auxiliary loss is
+the mean over the global batch's sequences on every layout. It is not part of ``train/loss``;
+it is logged as ``moe/aux_loss``.
 
 **The load** of every layer, the tokens each expert received in the step, is summed over the
 ranks that saw different tokens (every rank but a tensor-parallel peer's copy) in one all-reduce
@@ -131,7 +133,11 @@ def expert_balance(trainer: Trainer) -> ExpertBalance | None:
     if family is None or family.num_experts is None or sizes is None:
         return None
     layers, moe = moe_layers(trainer.model), moe_sizes(cfg.model)
-    weight = trainer.dims.gradient_ranks / trainer.layout.global_batch_size
+    ranks, batch, peers = trainer.dims.gradient_ranks, trainer.layout.global_batch_size, trainer.ft
+
+    def weight() -> float:
+        return ranks * peers.groups / batch
+
     for layer in layers.values():
         layer.aux_loss_weight = weight
     return ExpertBalance(

@@ -23,7 +23,7 @@ import torch
 
 from tests.distributed._ft_trainer import FINAL, RECORD
 from tests.forked import ForkedLaunch
-from tests.support import TINY, run_cli, start_command, wait_until
+from tests.support import CPU, TINY, run_cli, start_command, wait_until
 
 pytestmark = pytest.mark.full
 
@@ -171,6 +171,55 @@ def test_sync_two_groups_match_single_process_training_step_for_step(tmp_path, r
     assert finals[0]["metrics"]["ft/quorum_size"] == 2
     assert finals[0]["metrics"]["ft/skipped_steps"] == 0
     assert "ft quorum 2 of 2 groups [0, 1]" in _log(runs[0])
+
+
+# A mixture of experts (2 blocks of 8 experts, top-2) balanced by the per-sequence auxiliary loss,
+# weighted up so that its gradient moves the routers visibly.
+MOE = [
+    *CPU,
+    "trainer._target_=tests.distributed._ft_trainer.FTRecorder",
+    "model=moe_debug",
+    "model.moe.aux_loss_coeff=1.0",
+    "data=tokens",
+    "data.seq_len=16",
+    "data.vocab_size=256",
+    "data.train_size=64",
+    "data.val_size=16",
+    "optim=sgd",
+    "optim.lr=0.2",
+    "optim.momentum=0.9",
+    "sched=constant",
+    f"loop.global_batch_size={BATCH}",
+    "loop.max_steps=3",
+    "loop.eval_at_end=false",
+    "logging.flops=false",
+]
+
+
+def test_a_mixture_of_experts_in_two_groups_matches_one_process(tmp_path):
+    """Two groups of one process against one process over the same global batch: the same
+    weights after every step, the routers' included, whose auxiliary-loss gradient is weighted
+    for the groups that share the step (each group's share of the batch is half of it)."""
+    runs = [tmp_path / f"g{g}" for g in range(2)]
+    with _lighthouse(2) as address, _launches() as procs:
+        reference = _start(procs, tmp_path / "ref", MOE)  # alongside the groups
+        for g, run_dir in enumerate(runs):
+            _start(procs, run_dir, [*MOE, *_ft(address, groups=2, min_groups=2, group=g)])
+        for proc, run_dir in zip(procs, [tmp_path / "ref", *runs], strict=True):
+            _finish(proc, run_dir)
+    assert reference.returncode == 0
+    want = torch.load(tmp_path / "ref" / FINAL, weights_only=False)["snapshots"]
+    routers = 0
+    for run_dir in runs:
+        got = torch.load(run_dir / FINAL, weights_only=False)["snapshots"]
+        assert len(got) == len(want) == 3
+        for step, (ours, theirs) in enumerate(zip(got, want, strict=True), start=1):
+            for name, value in theirs.items():
+                torch.testing.assert_close(
+                    ours[name], value, rtol=1e-5, atol=1e-6, msg=f"{name} at step {step}"
+                )
+                routers += name.endswith("mlp.router.weight")
+    assert routers == 2 * 3 * 2  # both groups, every step, both layers
 
 
 def _start_lighthouse(procs: list, folder: Path, *, min_groups: int) -> str:

@@ -95,6 +95,20 @@ def test_the_refusals_messages_are_unchanged(override):
     assert str(err.value) == f"{REFUSED} {REFUSAL_MESSAGES[override]}"
 
 
+def test_a_mixture_of_experts_balanced_by_its_routing_bias_is_refused():
+    """The auxiliary loss's weight counts the groups (tests/distributed/test_ft.py); the bias
+    would move by each group's load alone."""
+    moe = [*FT, "model=moe_debug", "data=tokens", "data.vocab_size=256", "data.seq_len=64"]
+    validate_ft(compose(moe), 1)
+    with pytest.raises(ConfigError) as err:
+        validate_ft(compose([*moe, "model.moe.load_balance=bias"]), 1)
+    assert str(err.value) == (
+        f"{REFUSED} model.moe.load_balance=bias: the experts' load is summed inside a group "
+        f"only, so the groups' routing biases would drift apart; use "
+        f"model.moe.load_balance=aux_loss"
+    )
+
+
 @pytest.mark.parametrize("mode", ["local_sgd", "diloco"])
 def test_fsdp_is_still_refused_in_the_semi_sync_modes(mode):
     cfg = compose([*FT, "parallel=fsdp", f"fault_tolerance.mode={mode}"])

@@ -18,6 +18,7 @@ Load balancing (``load_balance``):
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from contextlib import AbstractContextManager, nullcontext
 from typing import Any
 
@@ -157,7 +158,9 @@ class MoE(nn.Module):
     (``aux_loss_sum``, detached) and their number (``sequences``): the training loop reads and
     resets them (:meth:`reset_counts`). ``aux_loss_weight`` scales the auxiliary loss's gradient
     (None: ``1 / B``, the mean over this forward's sequences); the Trainer sets it for the global
-    batch. fp16 autocast is not recommended for the router's inputs; the precision check is the
+    batch, as a number or as a function read at each forward (its value may change between steps:
+    fault-tolerant replica groups share a batch among as many groups as the step's quorum holds).
+    fp16 autocast is not recommended for the router's inputs; the precision check is the
     preflight's."""
 
     expert_bias: torch.Tensor
@@ -181,7 +184,7 @@ class MoE(nn.Module):
         self.num_experts, self.top_k = num_experts, top_k
         self.norm_topk_prob = norm_topk_prob
         self.load_balance, self.aux_loss_coeff = load_balance, aux_loss_coeff
-        self.aux_loss_weight: float | None = None
+        self.aux_loss_weight: float | Callable[[], float] | None = None
         self.router = nn.Linear(dim, num_experts, bias=False)
         self.experts = GroupedExperts(num_experts, dim, hidden)
         self.shared = FeedForward(dim, num_shared_experts * hidden) if num_shared_experts else None
@@ -229,6 +232,8 @@ class MoE(nn.Module):
             if counting:
                 self.aux_loss_sum.add_(aux.detach())
             weight = self.aux_loss_weight if self.aux_loss_weight is not None else 1.0 / batch
+            if callable(weight):
+                weight = weight()
             out = _AuxLossGradient.apply(out, aux, weight)
         return out
 
