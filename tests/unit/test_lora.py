@@ -375,6 +375,11 @@ def test_a_transformers_causal_lm_trains_its_adapters(tmp_path):
     with torch.no_grad():
         theirs = tuned(_tokens(64)).logits
     torch.testing.assert_close(theirs, record["logits"], rtol=0, atol=1e-5)
+    # Served: the transformers model with the adapters merged in, generating with its cache.
+    served, _ = load_served(ServeArgs(checkpoint=str(checkpoint), device="cpu"))
+    assert isinstance(served, LanguageModel) and served.decoder is not None
+    assert not is_adapted(served.runner.model)
+    torch.testing.assert_close(served.runner(_tokens(64)), record["logits"], rtol=0, atol=1e-5)
 
 
 # ---------------------------------------------------------------------- refused before launch
