@@ -407,6 +407,12 @@ def test_a_config_the_family_cannot_represent_names_the_field(qwen3_copy, change
     assert named in str(err.value)
 
 
+def test_a_sequence_longer_than_the_context_names_the_moe_key():
+    model = build_model(compose(["model=moe_debug"]).model)
+    with pytest.raises(ConfigError, match=r"model\.moe\.seq_len=64"):
+        model(torch.zeros(1, 65, dtype=torch.long))
+
+
 def test_preflight_checks_the_sizes_against_data_and_layout():
     base = ["+recipe=moe_debug"]
     validate(compose(base), world_size=1)

@@ -31,12 +31,15 @@ from sdnet_trainer.models.rotary import ROPE_TYPES, Rotary
 
 
 class Embedding(nn.Module):
-    """Token embedding alone (positions are rotary, inside attention): (B, T) -> (B, T, dim)."""
+    """Token embedding alone (positions are rotary, inside attention): (B, T) -> (B, T, dim).
+    ``context_key``: the key a too long sequence is named by (the MoE family's own)."""
 
-    def __init__(self, vocab_size: int, seq_len: int, dim: int) -> None:
+    def __init__(
+        self, vocab_size: int, seq_len: int, dim: int, *, context_key: str = "model.llama.seq_len"
+    ) -> None:
         super().__init__()
         self.tok = nn.Embedding(vocab_size, dim)
-        self.seq_len = seq_len
+        self.seq_len, self.context_key = seq_len, context_key
         # Set by tensor parallelism with sequence parallel (see the GPT's Embedding).
         self.sequence_shards = 1
 
@@ -45,7 +48,7 @@ class Embedding(nn.Module):
             tokens.shape[1],
             seq_len=self.seq_len,
             sequence_shards=self.sequence_shards,
-            context_key="model.llama.seq_len",
+            context_key=self.context_key,
         )
         return self.tok(tokens)
 
@@ -71,27 +74,42 @@ class RMSNorm(nn.Module):
 
 class Attention(nn.Module):
     """Causal grouped-query attention with rotary positions; head counts follow the local
-    projection widths (tensor parallelism gives each rank whole query and key/value heads)."""
+    projection widths (tensor parallelism gives each rank whole query and key/value heads).
+    ``head_dim`` defaults to ``dim / n_heads``; with ``qk_norm`` (Qwen3's, the MoE family's) an
+    RMSNorm of ``eps`` on each query and key head, over its channels, before the rotation."""
 
     def __init__(
-        self, dim: int, n_heads: int, n_kv_heads: int, *, theta: float, scaling: dict
+        self,
+        dim: int,
+        n_heads: int,
+        n_kv_heads: int,
+        *,
+        theta: float,
+        scaling: dict | None = None,
+        head_dim: int | None = None,
+        qk_norm: bool = False,
+        eps: float = 1e-6,
     ) -> None:
         super().__init__()
-        self.head_dim = dim // n_heads
+        self.head_dim = dim // n_heads if head_dim is None else head_dim
         self.wq = nn.Linear(dim, n_heads * self.head_dim, bias=False)
         self.wk = nn.Linear(dim, n_kv_heads * self.head_dim, bias=False)
         self.wv = nn.Linear(dim, n_kv_heads * self.head_dim, bias=False)
         self.wo = nn.Linear(n_heads * self.head_dim, dim, bias=False)
+        self.q_norm = RMSNorm(self.head_dim, eps) if qk_norm else None
+        self.k_norm = RMSNorm(self.head_dim, eps) if qk_norm else None
         self.rotary = Rotary(self.head_dim, theta=theta, scaling=scaling)
         self.core = CausalAttention()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         batch, length = x.shape[:2]
 
-        def heads(t: torch.Tensor) -> torch.Tensor:
-            return t.view(batch, length, -1, self.head_dim).transpose(1, 2)
+        def heads(t: torch.Tensor, norm: nn.Module | None = None) -> torch.Tensor:
+            t = t.view(batch, length, -1, self.head_dim)  # (B, T, heads, head_dim)
+            return (t if norm is None else norm(t)).transpose(1, 2)
 
-        q, k, v = heads(self.wq(x)), heads(self.wk(x)), heads(self.wv(x))
+        q, k = heads(self.wq(x), self.q_norm), heads(self.wk(x), self.k_norm)
+        v = heads(self.wv(x))
         q, k = self.rotary(q, k)
         out = self.core(q, k, v)
         return self.wo(out.transpose(1, 2).reshape(batch, length, -1))

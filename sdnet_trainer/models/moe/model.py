@@ -2,10 +2,10 @@
 parallel layouts.
 
 ``embed -> blocks[0..n) -> norm -> head`` as every decoder here (``models/decoder.py``), each
-block ``x + attn(norm1(x))`` then ``x + mlp(norm2(x))`` with RMSNorms. The attention is the
-Llama's grouped-query rotary attention with two Qwen3 differences: the head size ``head_dim`` is
-its own setting (not ``dim / n_heads``), and with ``qk_norm`` each query and key head passes an
-RMSNorm over its channels before the rotation. The MLP is a :class:`~.experts.MoE`: a router and
+block ``x + attn(norm1(x))`` then ``x + mlp(norm2(x))`` with RMSNorms. The embedding and the
+attention are the Llama's (``models/llama/model.py``), the attention with its two Qwen3 settings:
+the head size ``head_dim`` of its own (not ``dim / n_heads``), and with ``qk_norm`` each query and
+key head passing an RMSNorm over its channels before the rotation. The MLP is a :class:`~.experts.MoE`: a router and
 stacked SwiGLU experts. Parameter names map one to one onto Hugging Face's Qwen3-MoE and Mixtral
 (``models/moe/hf.py``), whose rotary layout this model uses.
 
@@ -35,71 +35,14 @@ from torch.distributed.tensor.parallel import (
 from sdnet_trainer.config.schema import Config
 from sdnet_trainer.data import is_language_model_data
 from sdnet_trainer.errors import ConfigError
-from sdnet_trainer.models.attention import CausalAttention
-from sdnet_trainer.models.decoder import INIT_STD, Decoder, Replicated, check_sequence
-from sdnet_trainer.models.llama.model import Embedding as LlamaEmbedding
-from sdnet_trainer.models.llama.model import RMSNorm
+from sdnet_trainer.models.decoder import INIT_STD, Decoder, Replicated
+from sdnet_trainer.models.llama.model import Attention, Embedding, RMSNorm
 from sdnet_trainer.models.moe.experts import LOAD_BALANCE, GroupedExperts, MoE
 from sdnet_trainer.models.parallel_spec import MOE_LAYOUT
-from sdnet_trainer.models.rotary import Rotary
 
 # Names the size checks use when the sizes are model.moe's own.
 Named = Callable[[str, Any], str]
 _MODEL_MOE: Named = "model.moe.{}={}".format
-
-
-class Embedding(LlamaEmbedding):
-    """The Llama's token embedding, its context checked against ``model.moe.seq_len``."""
-
-    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
-        check_sequence(
-            tokens.shape[1],
-            seq_len=self.seq_len,
-            sequence_shards=self.sequence_shards,
-            context_key="model.moe.seq_len",
-        )
-        return self.tok(tokens)
-
-
-class Attention(nn.Module):
-    """Causal grouped-query attention with rotary positions, heads of ``head_dim`` channels and,
-    with ``qk_norm``, Qwen3's RMSNorm on each query and key head (over its channels, before the
-    rotation). Head counts follow the local projection widths, as the Llama's."""
-
-    def __init__(
-        self,
-        dim: int,
-        n_heads: int,
-        n_kv_heads: int,
-        head_dim: int,
-        *,
-        qk_norm: bool,
-        eps: float,
-        theta: float,
-    ) -> None:
-        super().__init__()
-        self.head_dim = head_dim
-        self.wq = nn.Linear(dim, n_heads * head_dim, bias=False)
-        self.wk = nn.Linear(dim, n_kv_heads * head_dim, bias=False)
-        self.wv = nn.Linear(dim, n_kv_heads * head_dim, bias=False)
-        self.wo = nn.Linear(n_heads * head_dim, dim, bias=False)
-        self.q_norm = RMSNorm(head_dim, eps) if qk_norm else None
-        self.k_norm = RMSNorm(head_dim, eps) if qk_norm else None
-        self.rotary = Rotary(head_dim, theta=theta)
-        self.core = CausalAttention()
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        batch, length = x.shape[:2]
-
-        def heads(t: torch.Tensor, norm: nn.Module | None = None) -> torch.Tensor:
-            t = t.view(batch, length, -1, self.head_dim)  # (B, T, heads, head_dim)
-            return (t if norm is None else norm(t)).transpose(1, 2)
-
-        q, k = heads(self.wq(x), self.q_norm), heads(self.wk(x), self.k_norm)
-        v = heads(self.wv(x))
-        q, k = self.rotary(q, k)
-        out = self.core(q, k, v)
-        return self.wo(out.transpose(1, 2).reshape(batch, length, -1))
 
 
 class Block(nn.Module):
@@ -179,7 +122,7 @@ class MoEDecoder(Decoder):
         self.norm_topk_prob, self.load_balance = norm_topk_prob, load_balance
         self.aux_loss_coeff, self.bias_update_rate = aux_loss_coeff, bias_update_rate
         self.norm_eps, self.rope_theta, self.tie_embeddings = norm_eps, rope_theta, tie_embeddings
-        self.embed = Embedding(vocab_size, seq_len, dim)
+        self.embed = Embedding(vocab_size, seq_len, dim, context_key="model.moe.seq_len")
         self.blocks = nn.ModuleList(
             Block(
                 partial(
@@ -187,10 +130,10 @@ class MoEDecoder(Decoder):
                     dim,
                     n_heads,
                     n_kv_heads,
-                    head_dim,
+                    theta=rope_theta,
+                    head_dim=head_dim,
                     qk_norm=qk_norm,
                     eps=norm_eps,
-                    theta=rope_theta,
                 ),
                 partial(
                     MoE,
@@ -386,4 +329,4 @@ def validate_moe(
         )
 
 
-__all__ = ["Attention", "MoEDecoder", "check_sizes", "check_tensor_parallel", "validate_moe"]
+__all__ = ["MoEDecoder", "check_sizes", "check_tensor_parallel", "validate_moe"]
