@@ -404,12 +404,11 @@ def generation_model(model: nn.Module) -> nn.Module | None:
     if not isinstance(model, MoEDecoder):
         return None
     try:
-        model_type = hf_model_type(model)
-    except ConfigError as err:
+        config = hf_config_of(model, dtype=next(model.parameters()).dtype)
+    except ConfigError as err:  # hf_model_type's: a model neither type holds
         logger.warning("serving without a KV cache: %s", err)
         return None
-    dtype = next(model.parameters()).dtype
-    config = hf_config_of(model, dtype=dtype)
+    model_type = config["model_type"]
 
     def tensors(wanted: Mapping[str, torch.Size]) -> dict[str, torch.Tensor]:
         theirs = hf_tensors(model, layout_of(model_type, wanted))

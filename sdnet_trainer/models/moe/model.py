@@ -5,9 +5,9 @@ parallel layouts.
 block ``x + attn(norm1(x))`` then ``x + mlp(norm2(x))`` with RMSNorms. The embedding and the
 attention are the Llama's (``models/llama/model.py``), the attention with its two Qwen3 settings:
 the head size ``head_dim`` of its own (not ``dim / n_heads``), and with ``qk_norm`` each query and
-key head passing an RMSNorm over its channels before the rotation. The MLP is a :class:`~.experts.MoE`: a router and
-stacked SwiGLU experts. Parameter names map one to one onto Hugging Face's Qwen3-MoE and Mixtral
-(``models/moe/hf.py``), whose rotary layout this model uses.
+key head passing an RMSNorm over its channels before the rotation. The MLP is a
+:class:`~.experts.MoE`: a router and stacked SwiGLU experts. Parameter names map one to one onto
+Hugging Face's Qwen3-MoE and Mixtral (``models/moe/hf.py``), whose rotary layout this model uses.
 
 Tensor parallel splits the attention as the Llama's (whole heads per rank) and keeps the MoE
 whole on every rank: it takes the whole sequence (gathered under sequence parallel) and hands back
