@@ -474,16 +474,22 @@ class SignalTrainer(FaultTrainer):
         return super().compute_loss(batch)
 
 
+_PORTS = random.SystemRandom()
+
+
 def free_port(count: int = 1) -> int:
     """A port p with p..p+count-1 free now, below the kernel's ephemeral range: ports from that
     range are handed out to every bind(0), gloo's and the rendezvous store's included, so one
-    of them could take a port of ours between this probe and the bind of whoever it is for."""
+    of them could take a port of ours between this probe and the bind of whoever it is for.
+    Drawn from the operating system's randomness: the module-level random is seeded by every
+    in-process run (seed_everything(0)), so two pytest workers that had each just run one drew
+    the same port at the same time and one launch failed with EADDRINUSE."""
     try:
         low = int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
     except (OSError, ValueError, IndexError):
         low = 32768
     for _ in range(200):
-        base = random.randrange(10000, max(low, 10000 + count + 1) - count)
+        base = _PORTS.randrange(10000, max(low, 10000 + count + 1) - count)
         if all(_bindable(port) for port in range(base, base + count)):
             return base
     raise AssertionError(f"no {count} consecutive free ports")
