@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import atexit
 import contextlib
+import faulthandler
 import io
 import itertools
 import multiprocessing
@@ -123,6 +124,9 @@ def _rank_main(
     sys.stderr = io.TextIOWrapper(
         io.FileIO(2, "w", closefd=False), write_through=True, errors="backslashreplace"
     )
+    # A rank that dies of a fatal signal (SIGSEGV, SIGABRT) leaves its Python stacks in the log,
+    # where the test's failure shows them, instead of only an exit code of -11.
+    faulthandler.enable(file=sys.stderr, all_threads=True)
     if warnings_as_errors:
         warnings.simplefilter("error")
     try:
