@@ -1,16 +1,18 @@
-"""The parallel machinery of the decoder-only language models (GPT, Llama), written once.
+"""The parallel machinery of the decoder-only language models (GPT, Llama, MoE), written once.
 
-Both families are ``embed -> blocks[0..n) -> norm -> head``, each a child module that takes and
+The families are ``embed -> blocks[0..n) -> norm -> head``, each a child module that takes and
 returns one tensor, and declare their module names as a :class:`DecoderLayout`
 (``models/parallel_spec.py``). :class:`Decoder` turns that declaration into what the layouts ask
 of a model: the blocks FSDP, activation checkpointing and compile wrap one at a time, the
-pipeline units, and the Megatron-style tensor-parallel plan.
+pipeline units, and the Megatron-style tensor-parallel plan. The checks every family's sizes
+face before launch (the data's vocabulary and context, whole heads per rank, even sequence
+shards) are here too, each message written once.
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from functools import partial
 from typing import Any, ClassVar
 
@@ -28,6 +30,8 @@ from torch.distributed.tensor.parallel import (
     parallelize_module,
 )
 
+from sdnet_trainer.config.schema import Config
+from sdnet_trainer.data import is_language_model_data
 from sdnet_trainer.errors import ConfigError
 from sdnet_trainer.lazy import loaded_types
 from sdnet_trainer.models.init import InitStep, construction_resets, materialize
@@ -47,6 +51,53 @@ def check_sequence(length: int, *, seq_len: int, sequence_shards: int, context_k
             f"sequence parallel splits each sequence over parallel.tp={sequence_shards} "
             f"ranks; {length} tokens per sequence do not divide evenly (data.seq_len must be "
             f"a multiple of parallel.tp)"
+        )
+
+
+# How a size check names a size in its message: ``model.llama.dim=64``, or a Hugging Face
+# config.json's field.
+Named = Callable[[str, Any], str]
+
+
+def check_data_and_stages(cfg: Config, sizes: Mapping[str, Any], *, pp: int, named: Named) -> None:
+    """A decoder's vocabulary and context (``sizes``) against the language-model data, and a
+    tied embedding against a pipeline split, before launch."""
+    data = cfg.data
+    if is_language_model_data(data):
+        if data.vocab_size != sizes["vocab_size"]:
+            raise ConfigError(
+                f"data.vocab_size={data.vocab_size} differs from the model's "
+                f"{named('vocab_size', sizes['vocab_size'])}"
+            )
+        if data.seq_len > sizes["seq_len"]:
+            raise ConfigError(
+                f"data.seq_len={data.seq_len} is longer than the model's context "
+                f"{named('seq_len', sizes['seq_len'])}"
+            )
+    if pp > 1 and sizes.get("tie_embeddings"):
+        raise ConfigError(
+            f"{named('tie_embeddings', 'true')} with parallel.pp={pp}: the token embedding and the "
+            f"output layer share one weight and cannot live on different pipeline stages"
+        )
+
+
+def check_head_shards(heads: Mapping[str, int], *, tp: int, named: Named) -> None:
+    """Tensor parallelism gives each rank whole attention heads: each head count (by its key)
+    divides by ``tp``."""
+    for key, value in heads.items():
+        if value % tp:
+            raise ConfigError(
+                f"{named(key, value)} must be divisible by parallel.tp={tp}: tensor parallelism "
+                f"gives each rank whole attention heads"
+            )
+
+
+def check_sequence_shards(seq_len: int, *, tp: int, sequence_parallel: bool, named: Named) -> None:
+    """Sequence parallel splits the context evenly over the ``tp`` ranks."""
+    if sequence_parallel and seq_len % tp:
+        raise ConfigError(
+            f"{named('seq_len', seq_len)} must be divisible by parallel.tp={tp} with "
+            f"parallel.tensor_parallel.sequence_parallel=true"
         )
 
 

@@ -27,9 +27,17 @@ from sdnet_trainer.config.schema import Config, ModelConfig
 from sdnet_trainer.data import is_language_model_data
 from sdnet_trainer.errors import ConfigError
 from sdnet_trainer.models.attention import CausalAttention, token_positions
-from sdnet_trainer.models.decoder import Decoder, check_sequence
+from sdnet_trainer.models.decoder import (
+    Decoder,
+    Named,
+    check_head_shards,
+    check_sequence,
+    check_sequence_shards,
+)
 from sdnet_trainer.models.family import ModelFamily, check_kwargs, config_dict
 from sdnet_trainer.models.parallel_spec import GPT_LAYOUT
+
+_MODEL_GPT: Named = "model.gpt.{}={}".format
 
 # GPT-2's initialisation: small enough that a deep stack starts near the identity function.
 
@@ -219,11 +227,7 @@ def check_tensor_parallel(
 ) -> None:
     """Whether a GPT of these sizes shards over ``tp`` ranks (Megatron-style, see
     :meth:`Decoder.apply_tensor_parallel`)."""
-    if n_heads % tp:
-        raise ConfigError(
-            f"model.gpt.n_heads={n_heads} must be divisible by parallel.tp={tp}: "
-            f"tensor parallelism gives each rank whole attention heads"
-        )
+    check_head_shards({"n_heads": n_heads}, tp=tp, named=_MODEL_GPT)
     hidden = int(mlp_ratio * dim)
     if hidden % tp:
         # Row-parallel w2 takes equal slices of the hidden channels (the vocabulary may be uneven).
@@ -231,11 +235,7 @@ def check_tensor_parallel(
             f"model.gpt.mlp_ratio={mlp_ratio} x model.gpt.dim={dim} = {hidden} "
             f"MLP channels must be divisible by parallel.tp={tp}"
         )
-    if sequence_parallel and seq_len % tp:
-        raise ConfigError(
-            f"model.gpt.seq_len={seq_len} must be divisible by parallel.tp={tp} "
-            f"with parallel.tensor_parallel.sequence_parallel=true"
-        )
+    check_sequence_shards(seq_len, tp=tp, sequence_parallel=sequence_parallel, named=_MODEL_GPT)
     if dropout > 0 and not sequence_parallel:
         # Without sequence parallel the residual stream is replicated, and each rank would
         # drop different elements of its copy (ranks draw their own random streams): the

@@ -14,7 +14,6 @@ The output layer may share the token embedding's weights (``tie_embeddings``, Ll
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -22,12 +21,20 @@ import torch.nn.functional as F
 from torch import nn
 
 from sdnet_trainer.config.schema import Config
-from sdnet_trainer.data import is_language_model_data
 from sdnet_trainer.errors import ConfigError
 from sdnet_trainer.models.attention import CausalAttention
-from sdnet_trainer.models.decoder import Decoder, check_sequence
+from sdnet_trainer.models.decoder import (
+    Decoder,
+    Named,
+    check_data_and_stages,
+    check_head_shards,
+    check_sequence,
+    check_sequence_shards,
+)
 from sdnet_trainer.models.parallel_spec import LLAMA_LAYOUT
 from sdnet_trainer.models.rotary import ROPE_TYPES, Rotary
+
+_MODEL_LLAMA: Named = "model.llama.{}={}".format
 
 
 class Embedding(nn.Module):
@@ -256,22 +263,13 @@ def check_tensor_parallel(
 ) -> None:
     """Whether a Llama of these sizes shards over ``tp`` ranks: whole query and key/value heads
     and equal MLP slices on every rank."""
-    for key, value in (("n_heads", n_heads), ("n_kv_heads", n_kv_heads)):
-        if value % tp:
-            raise ConfigError(
-                f"model.llama.{key}={value} must be divisible by parallel.tp={tp}: tensor "
-                f"parallelism gives each rank whole attention heads"
-            )
+    check_head_shards({"n_heads": n_heads, "n_kv_heads": n_kv_heads}, tp=tp, named=_MODEL_LLAMA)
     if hidden_dim % tp:
         raise ConfigError(
             f"model.llama.hidden_dim={hidden_dim} MLP channels must be divisible by "
             f"parallel.tp={tp}"
         )
-    if sequence_parallel and seq_len % tp:
-        raise ConfigError(
-            f"model.llama.seq_len={seq_len} must be divisible by parallel.tp={tp} "
-            f"with parallel.tensor_parallel.sequence_parallel=true"
-        )
+    check_sequence_shards(seq_len, tp=tp, sequence_parallel=sequence_parallel, named=_MODEL_LLAMA)
 
 
 def validate_llama(
@@ -280,28 +278,12 @@ def validate_llama(
     *,
     tp: int,
     pp: int,
-    named: Callable[[str, Any], str] = "model.llama.{}={}".format,
+    named: Named = _MODEL_LLAMA,
 ) -> None:
     """The Llama's ``sizes`` (``model.llama``, or a Hugging Face config's) against the data and
     the layout, before launch; ``named(key, value)`` says where a size came from
     (``model.llama.KEY=VALUE``, or config.json's field), for the messages."""
-    data = cfg.data
-    if is_language_model_data(data):
-        if data.vocab_size != sizes["vocab_size"]:
-            raise ConfigError(
-                f"data.vocab_size={data.vocab_size} differs from the model's "
-                f"{named('vocab_size', sizes['vocab_size'])}"
-            )
-        if data.seq_len > sizes["seq_len"]:
-            raise ConfigError(
-                f"data.seq_len={data.seq_len} is longer than the model's context "
-                f"{named('seq_len', sizes['seq_len'])}"
-            )
-    if pp > 1 and sizes.get("tie_embeddings"):
-        raise ConfigError(
-            f"{named('tie_embeddings', 'true')} with parallel.pp={pp}: the token embedding and the "
-            f"output layer share one weight and cannot live on different pipeline stages"
-        )
+    check_data_and_stages(cfg, sizes, pp=pp, named=named)
     if tp > 1:
         check_tensor_parallel(
             n_heads=sizes["n_heads"],

@@ -33,15 +33,21 @@ from torch.distributed.tensor.parallel import (
 )
 
 from sdnet_trainer.config.schema import Config
-from sdnet_trainer.data import is_language_model_data
 from sdnet_trainer.errors import ConfigError
-from sdnet_trainer.models.decoder import INIT_STD, Decoder, Replicated
+from sdnet_trainer.models.decoder import (
+    INIT_STD,
+    Decoder,
+    Named,
+    Replicated,
+    check_data_and_stages,
+    check_head_shards,
+    check_sequence_shards,
+)
 from sdnet_trainer.models.llama.model import Attention, Embedding, RMSNorm
 from sdnet_trainer.models.moe.experts import LOAD_BALANCE, GroupedExperts, MoE
 from sdnet_trainer.models.parallel_spec import MOE_LAYOUT
 
 # Names the size checks use when the sizes are model.moe's own.
-Named = Callable[[str, Any], str]
 _MODEL_MOE: Named = "model.moe.{}={}".format
 
 
@@ -274,17 +280,8 @@ def check_tensor_parallel(
 ) -> None:
     """Whether a MoE decoder of these sizes shards over ``tp`` ranks: whole query and key/value
     heads on every rank (the MoE stays whole on each)."""
-    for key, value in (("n_heads", n_heads), ("n_kv_heads", n_kv_heads)):
-        if value % tp:
-            raise ConfigError(
-                f"{named(key, value)} must be divisible by parallel.tp={tp}: tensor parallelism "
-                f"gives each rank whole attention heads"
-            )
-    if sequence_parallel and seq_len % tp:
-        raise ConfigError(
-            f"{named('seq_len', seq_len)} must be divisible by parallel.tp={tp} with "
-            f"parallel.tensor_parallel.sequence_parallel=true"
-        )
+    check_head_shards({"n_heads": n_heads, "n_kv_heads": n_kv_heads}, tp=tp, named=named)
+    check_sequence_shards(seq_len, tp=tp, sequence_parallel=sequence_parallel, named=named)
 
 
 def validate_moe(
@@ -294,29 +291,13 @@ def validate_moe(
     and the layout, before launch; ``named(key, value)`` says where a size came from
     (``model.moe.KEY=VALUE``, or config.json's field), for the messages."""
     check_sizes(sizes, named)
-    data = cfg.data
-    if is_language_model_data(data):
-        if data.vocab_size != sizes["vocab_size"]:
-            raise ConfigError(
-                f"data.vocab_size={data.vocab_size} differs from the model's "
-                f"{named('vocab_size', sizes['vocab_size'])}"
-            )
-        if data.seq_len > sizes["seq_len"]:
-            raise ConfigError(
-                f"data.seq_len={data.seq_len} is longer than the model's context "
-                f"{named('seq_len', sizes['seq_len'])}"
-            )
+    check_data_and_stages(cfg, sizes, pp=pp, named=named)
     if sizes["load_balance"] == "aux_loss" and cfg.precision.dtype == "fp16":
         # The auxiliary loss's gradient enters backward beside the loss, not through it, so the
         # fp16 GradScaler's scale would not be on it.
         raise ConfigError(
             "model.moe.load_balance=aux_loss with precision.dtype=fp16: use precision=bf16 (or "
             "model.moe.load_balance=bias, which has no loss)"
-        )
-    if pp > 1 and sizes["tie_embeddings"]:
-        raise ConfigError(
-            f"{named('tie_embeddings', 'true')} with parallel.pp={pp}: the token embedding and the "
-            f"output layer share one weight and cannot live on different pipeline stages"
         )
     if tp > 1:
         check_tensor_parallel(
