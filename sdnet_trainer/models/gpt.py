@@ -39,8 +39,6 @@ from sdnet_trainer.models.parallel_spec import GPT_LAYOUT
 
 _MODEL_GPT: Named = "model.gpt.{}={}".format
 
-# GPT-2's initialisation: small enough that a deep stack starts near the identity function.
-
 
 class Embedding(nn.Module):
     """Token embedding plus a learned position embedding, then dropout: (B, T) -> (B, T, dim)."""
