@@ -117,7 +117,8 @@ def _dispatch(module: nn.Module, inputs: tuple, mesh: DeviceMesh) -> tuple:
         sizes = torch.stack([send, recv]).tolist()  # the split sizes, on the host
         # The received rows come grouped by sender, then expert: regroup by expert, then sender.
         block = torch.arange(ep * local, device=counts.device)
-        expert_of_row = torch.repeat_interleave(block % local, received)
+        # The output's length given, from the host's sizes: no second synchronisation.
+        expert_of_row = torch.repeat_interleave(block % local, received, output_size=sum(sizes[1]))
         order = torch.argsort(expert_of_row, stable=True)
     setattr(module, _ROUTE, (order, sizes))
     exchanged = all_to_all_single_autograd(rows, sizes[1], sizes[0], group)
