@@ -12,7 +12,6 @@ from torch import nn
 from sdnet_trainer.config import Config
 from sdnet_trainer.distributed.mesh import ParallelDims
 from sdnet_trainer.models.moe import GroupedExperts, moe_sizes
-from sdnet_trainer.models.registry import decoder_sizes
 from sdnet_trainer.observability.memory import local_bytes
 
 
@@ -46,11 +45,10 @@ def expert_parallel_collectives(
     experts' ranks and back in forward, again where activation checkpointing recomputes the block
     (``recomputed(block, op)``), and their gradients both ways in backward; and before each
     dispatch the exchange of the per-expert counts (int64)."""
-    sizes = decoder_sizes(cfg.model)
-    if dims.ep == 1 or sizes is None:
+    if dims.ep == 1:  # a model without experts has refused parallel.ep > 1
         return []
-    dim, n_layers = sizes
     moe = moe_sizes(cfg.model)
+    dim, n_layers = int(moe["dim"]), int(moe["n_layers"])
     per_stage = math.ceil(n_layers / dims.pp)
     layers = [b for b in range(stage * per_stage, (stage + 1) * per_stage) if b < n_layers]
     all_to_all = torch.ops._c10d_functional.all_to_all_single

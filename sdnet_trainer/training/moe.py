@@ -32,7 +32,7 @@ import torch.distributed as dist
 from torch import nn
 
 from sdnet_trainer.models.moe import MoE, moe_sizes
-from sdnet_trainer.models.registry import decoder_sizes, model_family
+from sdnet_trainer.models.registry import model_family
 from sdnet_trainer.observability import MetricsWriter
 from sdnet_trainer.training.hooks import HookBase
 from sdnet_trainer.training.state import RunState, StepResult
@@ -129,8 +129,8 @@ def expert_balance(trainer: Trainer) -> ExpertBalance | None:
     """The hook for ``trainer``'s model (None unless its family has experts); sets every layer's
     auxiliary loss weight (module docstring)."""
     cfg = trainer.cfg
-    family, sizes = model_family(cfg.model.name), decoder_sizes(cfg.model)
-    if family is None or family.num_experts is None or sizes is None:
+    family = model_family(cfg.model.name)
+    if family is None or family.num_experts is None:
         return None
     layers, moe = moe_layers(trainer.model), moe_sizes(cfg.model)
     ranks, batch, peers = trainer.dims.gradient_ranks, trainer.layout.global_batch_size, trainer.ft
@@ -142,8 +142,8 @@ def expert_balance(trainer: Trainer) -> ExpertBalance | None:
         layer.aux_loss_weight = weight
     return ExpertBalance(
         layers,
-        n_layers=sizes[1],
-        num_experts=family.num_experts(cfg.model),
+        n_layers=int(moe["n_layers"]),
+        num_experts=int(moe["num_experts"]),
         contributes=trainer.dims.coordinates(trainer.env.rank)["tp"] == 0,
         bias_update_rate=moe["bias_update_rate"] if moe["load_balance"] == "bias" else None,
         writer=trainer.writer,
