@@ -110,8 +110,8 @@ def parse_args() -> argparse.Namespace:
         choices=list(LAYOUTS),
         default=[name for name in LAYOUTS if name != "FSDP LoRA"],  # the GPT has no adapters
         metavar="NAME",
-        help="the layouts to launch, by their names in the table (default: all); DDP, the "
-        "reference of the ratios, always runs",
+        help="the layouts to launch, by their names in the table (default: all but FSDP LoRA); "
+        "DDP, the reference of the ratios, always runs",
     )
     p.add_argument(
         "--timeout", type=float, default=600.0, help="seconds per launch before it is killed"
