@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import logging
 import re
+from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
@@ -73,12 +74,24 @@ CONFIG_KEYS: tuple[tuple[str, str], ...] = (
 _ROPE_KEYS = ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
 
 
+class NameMap:
+    """This project's parameter names <-> a Hugging Face model's, from (ours, theirs) templates
+    (``{i}``: the layer); a name no template matches translates to None."""
+
+    def __init__(self, pairs: Iterable[tuple[str, str]]) -> None:
+        pairs = tuple(pairs)
+        self._to_hf = [(_pattern(ours), hf) for ours, hf in pairs]
+        self._from_hf = [(_pattern(hf), ours) for ours, hf in pairs]
+
+    def to_hf(self, name: str) -> str | None:
+        return _translate(name, self._to_hf)
+
+    def from_hf(self, name: str) -> str | None:
+        return _translate(name, self._from_hf)
+
+
 def _pattern(template: str) -> re.Pattern[str]:
     return re.compile(re.escape(template).replace(re.escape("{i}"), r"(\d+)") + "$")
-
-
-_TO_HF = [(_pattern(ours), hf) for ours, hf in HF_NAMES]
-_FROM_HF = [(_pattern(hf), ours) for ours, hf in HF_NAMES]
 
 
 def _translate(name: str, table: list[tuple[re.Pattern[str], str]]) -> str | None:
@@ -89,8 +102,11 @@ def _translate(name: str, table: list[tuple[re.Pattern[str], str]]) -> str | Non
     return None
 
 
+_NAMES = NameMap(HF_NAMES)
+
+
 def to_hf_name(name: str) -> str:
-    hf = _translate(name, _TO_HF)
+    hf = _NAMES.to_hf(name)
     if hf is None:
         raise KeyError(f"{name} has no Hugging Face Llama name")
     return hf
@@ -98,7 +114,7 @@ def to_hf_name(name: str) -> str:
 
 def from_hf_name(name: str) -> str | None:
     """This project's name for a Hugging Face Llama tensor name (None: not a Llama weight)."""
-    return _translate(name, _FROM_HF)
+    return _NAMES.from_hf(name)
 
 
 # ---------------------------------------------------------------------- config.json
@@ -323,6 +339,7 @@ def _copy_local(lazy: Any, target: torch.Tensor) -> int:
 __all__ = [
     "CONFIG_KEYS",
     "HF_NAMES",
+    "NameMap",
     "base_state",
     "check_hf_weights",
     "from_hf_name",

@@ -32,6 +32,7 @@ from torch import nn
 from sdnet_trainer.errors import ConfigError
 from sdnet_trainer.models.hf_twin import transformers_twin
 from sdnet_trainer.models.llama.hf import HF_NAMES as LLAMA_HF_NAMES
+from sdnet_trainer.models.llama.hf import NameMap
 from sdnet_trainer.models.moe.experts import GroupedExperts
 from sdnet_trainer.models.moe.model import MoEDecoder
 
@@ -111,21 +112,16 @@ class Stored:
     row_offset: int = 0
 
 
-def _pattern(template: str) -> re.Pattern[str]:
-    return re.compile(re.escape(template).replace(re.escape("{i}"), r"(\d+)") + "$")
-
-
-_TO_HF = [(_pattern(ours), hf) for ours, hf in HF_NAMES]
+_NAMES = NameMap(HF_NAMES)
 
 
 def to_hf_name(name: str) -> str:
     """Hugging Face's name of one of the model's tensors outside the MoE layers (attention,
     norms, embedding, head: the same in both model types); KeyError for the others."""
-    for pattern, template in _TO_HF:
-        match = pattern.match(name)
-        if match:
-            return template.replace("{i}", match.group(1)) if match.groups() else template
-    raise KeyError(name)
+    hf = _NAMES.to_hf(name)
+    if hf is None:
+        raise KeyError(name)
+    return hf
 
 
 def stored_as(name: str, shape: tuple[int, ...], layout: Layout) -> Stored | None:
