@@ -149,15 +149,21 @@ def check_hf_weights(model: nn.Module, folder: Path) -> dict[str, StoredTensor]:
     every tensor it needs, none it has no place for, each of its shape and of a floating-point
     dtype, a tied output layer against a stored one, config.json's ``torch_dtype``. The stored
     tensors."""
+    return _checked(model, folder)[0]
+
+
+def _checked(model: nn.Module, folder: Path) -> tuple[dict[str, StoredTensor], dict[str, Stored]]:
+    """:func:`check_hf_weights`'s checks; the stored tensors, and where each of the model's is."""
     stored = stored_tensors(folder)
     config, layout = _folder_layout(folder, stored)
     moe: Any = model  # its sizes are plain attributes
     field = config_fields(config)["num_experts"]
     _check_expert_count(stored, folder, layout, experts=moe.num_experts, field=field)
+    sources = _sources(model, layout)
     tied = bool(getattr(model, "tie_embeddings", False))
     expected = {
         name: source.shape
-        for ours, source in _sources(model, layout).items()
+        for ours, source in sources.items()
         if not (tied and ours == "head.weight")
         for name in source.names
     }
@@ -169,15 +175,14 @@ def check_hf_weights(model: nn.Module, folder: Path) -> dict[str, StoredTensor]:
     if tied and {"lm_head.weight", "model.embed_tokens.weight"} <= set(stored):
         check_tied(folder, stored, source)
     check_dtype_field(config, stored, source)
-    return stored
+    return stored, sources
 
 
 def load_hf_weights(model: nn.Module, folder: Path) -> None:
     """Fill every parameter of ``model`` (a MoE decoder, possibly sharded or pruned to pipeline
     stages) this rank holds from the Hugging Face folder, each from the slices of its files it
     holds; checked first (:func:`check_hf_weights`)."""
-    stored = check_hf_weights(model, folder)
-    _, layout = _folder_layout(folder, stored)
+    stored, sources = _checked(model, folder)
     state = base_state(model, keep_vars=True)
     read_bytes, seen = 0, set()
     with ExitStack() as files:
@@ -189,7 +194,7 @@ def load_hf_weights(model: nn.Module, folder: Path) -> None:
                 opened[file] = files.enter_context(open_safetensors(folder, file))
             return opened[file].get_slice(name)
 
-        for ours, source in _sources(model, layout).items():
+        for ours, source in sources.items():
             target = state[ours]
             if id(target) in seen:
                 continue  # a tied weight: read once, under the embedding's name (which comes first)
