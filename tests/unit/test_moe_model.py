@@ -25,9 +25,10 @@ from sdnet_trainer.export import config_yaml
 from sdnet_trainer.export.hf import write_hf
 from sdnet_trainer.models import build_model
 from sdnet_trainer.models.init import build_deferred, materialize
+from sdnet_trainer.models.local_slices import copy_runs
 from sdnet_trainer.models.moe import GroupedExperts, MoE, MoEDecoder, experts
 from sdnet_trainer.models.moe.hf import FUSED, QWEN3, stored_as, written_layout
-from sdnet_trainer.models.moe.weights import copy_runs, load_hf_weights, read_block
+from sdnet_trainer.models.moe.weights import load_hf_weights, read_block
 from sdnet_trainer.models.parallel_spec import pipeline_units
 from sdnet_trainer.models.registry import hf_weights_reader, model_family
 from sdnet_trainer.preflight import validate

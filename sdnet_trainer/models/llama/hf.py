@@ -27,8 +27,6 @@ from typing import Any
 
 import torch
 from torch import nn
-from torch.distributed.tensor import DTensor
-from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
 from sdnet_trainer.errors import ConfigError
 from sdnet_trainer.models.hf_folder import (
@@ -40,6 +38,7 @@ from sdnet_trainer.models.hf_folder import (
     read_hf_config,
     stored_tensors,
 )
+from sdnet_trainer.models.local_slices import copy_local
 from sdnet_trainer.models.lora import base_name
 
 logger = logging.getLogger(__name__)
@@ -293,7 +292,7 @@ def load_hf_weights(model: nn.Module, folder: Path) -> None:
     for file, names in sorted(by_file.items()):
         with open_safetensors(folder, file) as f:
             for hf_name, ours in names:
-                read_bytes += _copy_local(f.get_slice(hf_name), state[ours])
+                read_bytes += copy_local(state[ours], f.get_slice(hf_name).__getitem__)
     logger.info(
         "loaded %d tensors from %s (%.1f MB read by this rank)",
         len(seen),
@@ -312,28 +311,6 @@ def base_state(model: nn.Module, *, keep_vars: bool = False) -> dict[str, Any]:
         if base is not None:
             state[base] = value
     return state
-
-
-@torch.no_grad()
-def _copy_local(lazy: Any, target: torch.Tensor) -> int:
-    """Copy the block of the stored tensor that ``target`` holds on this rank; bytes read."""
-    if target.is_meta:
-        return 0
-    if isinstance(target, DTensor):
-        shape, offset = compute_local_shape_and_global_offset(
-            target.shape, target.device_mesh, target.placements
-        )
-        local = target.to_local()
-    else:
-        shape, offset = tuple(target.shape), (0,) * target.dim()
-        local = target
-    if 0 in shape:
-        return 0
-    if tuple(local.shape) != tuple(shape):
-        raise RuntimeError(f"local shard {tuple(local.shape)} is not the block {shape}")
-    block = lazy[tuple(slice(o, o + n) for o, n in zip(offset, shape, strict=True))]
-    local.copy_(block)
-    return block.numel() * block.element_size()
 
 
 __all__ = [

@@ -8,15 +8,15 @@ config.json's first, so that a folder whose experts are not its config's is name
 
 The load (:func:`load_hf_weights`) fills each tensor's local block: for a DTensor (tensor parallel,
 FSDP, expert parallel's experts sharded by expert and FSDP's shards of those) the global indices
-the rank holds along each dimension are cut by the tensor's own placements (:func:`local_runs`),
-and only those are read, through safetensors' lazy slices of the memory-mapped files. The stacked
-experts come from one tensor per expert in the hub's layout (only the rank's experts are opened,
-and of each only its rows and columns), or from transformers 5's fused tensors.
+the rank holds along each dimension are cut by the tensor's own placements
+(``models/local_slices.py``), and only those are read, through safetensors' lazy slices of the
+memory-mapped files. The stacked experts come from one tensor per expert in the hub's layout (only
+the rank's experts are opened, and of each only its rows and columns), or from transformers 5's
+fused tensors.
 """
 
 from __future__ import annotations
 
-import itertools
 import logging
 import re
 from collections.abc import Callable
@@ -27,8 +27,6 @@ from typing import Any
 
 import torch
 from torch import nn
-from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
-from torch.distributed.tensor.placement_types import Placement, _StridedShard
 
 from sdnet_trainer.errors import ConfigError
 from sdnet_trainer.models.hf_folder import (
@@ -41,6 +39,7 @@ from sdnet_trainer.models.hf_folder import (
     stored_tensors,
 )
 from sdnet_trainer.models.llama.hf import base_state, check_tied
+from sdnet_trainer.models.local_slices import copy_local
 from sdnet_trainer.models.moe.hf import (
     MODEL_TYPES,
     Layout,
@@ -225,89 +224,4 @@ def read_block(source: Stored, tensor: Opener, block: tuple[slice, ...]) -> torc
     return tensor(source.names[0])[block]
 
 
-@torch.no_grad()
-def copy_local(target: torch.Tensor, read: Callable[[tuple[slice, ...]], torch.Tensor]) -> int:
-    """Copy into ``target`` the part of the full tensor this rank holds, ``read(block)`` giving
-    the full tensor's block at global slices; bytes read."""
-    if target.is_meta:
-        return 0  # not on this rank (pruned by a pipeline split) or never allocated
-    local = target.to_local() if isinstance(target, DTensor) else target
-    runs = local_runs(target)
-    held = tuple(sum(stop - start for start, stop in dim) for dim in runs)
-    if held != tuple(local.shape):
-        raise RuntimeError(f"local shard {tuple(local.shape)} is not the indices held {held}")
-    return copy_runs(local, runs, read)
-
-
-def copy_runs(
-    local: torch.Tensor,
-    runs: list[list[tuple[int, int]]],
-    read: Callable[[tuple[slice, ...]], torch.Tensor],
-) -> int:
-    """Fill ``local`` from the full tensor's blocks: ``runs[d]``, the (start, stop) ranges of
-    global indices along dimension d that ``local`` holds, in order; bytes read."""
-    placed = []
-    for dim_runs in runs:
-        at, pairs = 0, []
-        for start, stop in dim_runs:
-            pairs.append((slice(start, stop), slice(at, at + stop - start)))
-            at += stop - start
-        placed.append(pairs)
-    total = 0
-    for pieces in itertools.product(*placed):
-        block = read(tuple(full for full, _ in pieces))
-        local[tuple(part for _, part in pieces)].copy_(block)
-        total += block.numel() * block.element_size()
-    return total
-
-
-def local_runs(target: torch.Tensor) -> list[list[tuple[int, int]]]:
-    """Per dimension, the runs of global indices this rank's block of ``target`` holds: the
-    whole range of a plain tensor, a DTensor's cut by its own placements."""
-    if not isinstance(target, DTensor):
-        return [[(0, size)] for size in target.shape]
-    return [_runs(_held_indices(target, dim)) for dim in range(target.dim())]
-
-
-def _held_indices(target: DTensor, dim: int) -> list[int]:
-    """The global indices along ``dim`` of this rank's shard: the index range ``0..size`` cut by
-    the placements that shard ``dim`` (the others replicate it), by torch's own cutting and
-    without communication; so FSDP's strided shards over expert or tensor parallel's shards on
-    the same dimension read right."""
-    placements = [_cut_first_dim(p, dim, target.dim()) for p in target.placements]
-    if all(isinstance(p, Replicate) for p in placements):
-        return list(range(target.shape[dim]))
-    indices = torch.arange(target.shape[dim])
-    cut = distribute_tensor(indices, target.device_mesh, placements, src_data_rank=None)
-    return cut.to_local().tolist()
-
-
-def _cut_first_dim(placement: Placement, dim: int, ndim: int) -> Placement:
-    """``placement`` as it applies to dimension ``dim`` alone, moved to a 1-D tensor's first."""
-    # _StridedShard first: before torch 2.14 it subclasses Shard.
-    if isinstance(placement, _StridedShard) and placement.dim % ndim == dim:
-        return _StridedShard(0, split_factor=placement.split_factor)
-    if isinstance(placement, Shard) and placement.dim % ndim == dim:
-        return Shard(0)
-    return Replicate()
-
-
-def _runs(indices: list[int]) -> list[tuple[int, int]]:
-    """Consecutive indices as (start, stop) ranges."""
-    runs: list[tuple[int, int]] = []
-    for index in indices:
-        if runs and runs[-1][1] == index:
-            runs[-1] = (runs[-1][0], index + 1)
-        else:
-            runs.append((index, index + 1))
-    return runs
-
-
-__all__ = [
-    "check_hf_weights",
-    "copy_local",
-    "copy_runs",
-    "load_hf_weights",
-    "local_runs",
-    "read_block",
-]
+__all__ = ["check_hf_weights", "load_hf_weights", "read_block"]

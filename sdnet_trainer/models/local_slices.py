@@ -1,0 +1,99 @@
+"""A rank's part of a full tensor, read block by block: what loading a folder of whole tensors
+into a sharded model needs (the Llama's and the MoE's ``model.weights=hf:PATH``).
+
+For a DTensor (tensor parallel, FSDP, expert parallel's experts sharded by expert and FSDP's
+shards of those) the global indices the rank holds along each dimension are cut by the tensor's
+own placements, by torch's own cutting of an index range and without communication; so strided
+shards (FSDP over another dimension's shards) read right. Each run of consecutive indices is one
+block read, through the caller's ``read``.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Callable
+
+import torch
+from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
+from torch.distributed.tensor.placement_types import Placement, _StridedShard
+
+
+@torch.no_grad()
+def copy_local(target: torch.Tensor, read: Callable[[tuple[slice, ...]], torch.Tensor]) -> int:
+    """Copy into ``target`` the part of the full tensor this rank holds, ``read(block)`` giving
+    the full tensor's block at global slices; bytes read."""
+    if target.is_meta:
+        return 0  # not on this rank (pruned by a pipeline split) or never allocated
+    local = target.to_local() if isinstance(target, DTensor) else target
+    runs = local_runs(target)
+    held = tuple(sum(stop - start for start, stop in dim) for dim in runs)
+    if held != tuple(local.shape):
+        raise RuntimeError(f"local shard {tuple(local.shape)} is not the indices held {held}")
+    return copy_runs(local, runs, read)
+
+
+def copy_runs(
+    local: torch.Tensor,
+    runs: list[list[tuple[int, int]]],
+    read: Callable[[tuple[slice, ...]], torch.Tensor],
+) -> int:
+    """Fill ``local`` from the full tensor's blocks: ``runs[d]``, the (start, stop) ranges of
+    global indices along dimension d that ``local`` holds, in order; bytes read."""
+    placed = []
+    for dim_runs in runs:
+        at, pairs = 0, []
+        for start, stop in dim_runs:
+            pairs.append((slice(start, stop), slice(at, at + stop - start)))
+            at += stop - start
+        placed.append(pairs)
+    total = 0
+    for pieces in itertools.product(*placed):
+        block = read(tuple(full for full, _ in pieces))
+        local[tuple(part for _, part in pieces)].copy_(block)
+        total += block.numel() * block.element_size()
+    return total
+
+
+def local_runs(target: torch.Tensor) -> list[list[tuple[int, int]]]:
+    """Per dimension, the runs of global indices this rank's block of ``target`` holds: the
+    whole range of a plain tensor, a DTensor's cut by its own placements."""
+    if not isinstance(target, DTensor):
+        return [[(0, size)] for size in target.shape]
+    return [_runs(_held_indices(target, dim)) for dim in range(target.dim())]
+
+
+def _held_indices(target: DTensor, dim: int) -> list[int]:
+    """The global indices along ``dim`` of this rank's shard: the index range ``0..size`` cut by
+    the placements that shard ``dim`` (the others replicate it), by torch's own cutting and
+    without communication; so FSDP's strided shards over expert or tensor parallel's shards on
+    the same dimension read right."""
+    placements = [_cut_first_dim(p, dim, target.dim()) for p in target.placements]
+    if all(isinstance(p, Replicate) for p in placements):
+        return list(range(target.shape[dim]))
+    indices = torch.arange(target.shape[dim])
+    cut = distribute_tensor(indices, target.device_mesh, placements, src_data_rank=None)
+    return cut.to_local().tolist()
+
+
+def _cut_first_dim(placement: Placement, dim: int, ndim: int) -> Placement:
+    """``placement`` as it applies to dimension ``dim`` alone, moved to a 1-D tensor's first."""
+    # _StridedShard first: before torch 2.14 it subclasses Shard.
+    if isinstance(placement, _StridedShard) and placement.dim % ndim == dim:
+        return _StridedShard(0, split_factor=placement.split_factor)
+    if isinstance(placement, Shard) and placement.dim % ndim == dim:
+        return Shard(0)
+    return Replicate()
+
+
+def _runs(indices: list[int]) -> list[tuple[int, int]]:
+    """Consecutive indices as (start, stop) ranges."""
+    runs: list[tuple[int, int]] = []
+    for index in indices:
+        if runs and runs[-1][1] == index:
+            runs[-1] = (runs[-1][0], index + 1)
+        else:
+            runs.append((index, index + 1))
+    return runs
+
+
+__all__ = ["copy_local", "copy_runs", "local_runs"]
