@@ -34,7 +34,7 @@ from sdnet_trainer.models.lora import (
     ADAPTER_WEIGHTS,
     ALL_LINEAR,
     adapters_of,
-    base_name,
+    base_state,
     peft_names,
 )
 
@@ -145,9 +145,8 @@ def _base_tensors(model: nn.Module, root_name: str, hf_name: Any) -> dict[str, t
     """The frozen base weights under the transformers model's names."""
     prefix = f"{root_name}." if root_name else ""
     tensors = {}
-    for name, value in model.state_dict().items():
-        base = base_name(name)
-        if base is None or not base.startswith(prefix):
+    for base, value in base_state(model).items():
+        if not base.startswith(prefix):
             continue
         base = base[len(prefix) :]
         try:

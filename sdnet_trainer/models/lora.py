@@ -34,6 +34,7 @@ import logging
 import math
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 from torch import nn
@@ -83,6 +84,18 @@ def base_name(name: str) -> str | None:
     if ADAPTER_PARTS.intersection(parts):
         return None
     return ".".join(p for p in parts if p != "base_layer")
+
+
+def base_state(model: nn.Module, *, keep_vars: bool = False) -> dict[str, Any]:
+    """The state dict of the base model under its own names: with peft's adapters in it
+    (model.lora), a wrapped layer's ``base_layer`` is named as the layer was, and the adapters'
+    own tensors, which no Hugging Face model folder holds, are left out."""
+    state = {}
+    for name, value in model.state_dict(keep_vars=keep_vars).items():
+        base = base_name(name)
+        if base is not None:
+            state[base] = value
+    return state
 
 
 def is_adapted(model: nn.Module) -> bool:
@@ -433,6 +446,7 @@ __all__ = [
     "LoRASettings",
     "adapters_of",
     "base_name",
+    "base_state",
     "check_adapter",
     "init_adapters",
     "inject_lora",

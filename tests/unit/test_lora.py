@@ -23,8 +23,8 @@ from sdnet_trainer.export import ExportArgs, export
 from sdnet_trainer.export.peft import check_lora_args
 from sdnet_trainer.models import build_model
 from sdnet_trainer.models.init import allocate, build_deferred, materialize, without_parameters
-from sdnet_trainer.models.llama.hf import base_state, load_hf_weights
-from sdnet_trainer.models.lora import base_name, init_adapters, is_adapted
+from sdnet_trainer.models.llama.hf import load_hf_weights
+from sdnet_trainer.models.lora import base_name, base_state, init_adapters, is_adapted
 from sdnet_trainer.preflight import validate
 from sdnet_trainer.serve.args import ServeArgs
 from sdnet_trainer.serve.language import LanguageModel

@@ -39,7 +39,7 @@ from sdnet_trainer.models.hf_folder import (
     stored_tensors,
 )
 from sdnet_trainer.models.local_slices import copy_local
-from sdnet_trainer.models.lora import base_name
+from sdnet_trainer.models.lora import base_state
 
 logger = logging.getLogger(__name__)
 
@@ -301,23 +301,10 @@ def load_hf_weights(model: nn.Module, folder: Path) -> None:
     )
 
 
-def base_state(model: nn.Module, *, keep_vars: bool = False) -> dict[str, Any]:
-    """The state dict of the base model under its own names: with peft's adapters in it
-    (model.lora), a wrapped layer's ``base_layer`` is named as the layer was, and the adapters'
-    own tensors, which no Hugging Face model folder holds, are left out."""
-    state = {}
-    for name, value in model.state_dict(keep_vars=keep_vars).items():
-        base = base_name(name)
-        if base is not None:
-            state[base] = value
-    return state
-
-
 __all__ = [
     "CONFIG_KEYS",
     "HF_NAMES",
     "NameMap",
-    "base_state",
     "check_hf_weights",
     "from_hf_name",
     "hf_config_of",

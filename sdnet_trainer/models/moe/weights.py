@@ -38,8 +38,9 @@ from sdnet_trainer.models.hf_folder import (
     read_hf_config,
     stored_tensors,
 )
-from sdnet_trainer.models.llama.hf import base_state, check_tied
+from sdnet_trainer.models.llama.hf import check_tied
 from sdnet_trainer.models.local_slices import copy_local
+from sdnet_trainer.models.lora import base_state
 from sdnet_trainer.models.moe.hf import (
     MODEL_TYPES,
     Layout,
