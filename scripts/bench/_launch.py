@@ -22,6 +22,11 @@ class LaunchError(RuntimeError):
     pass
 
 
+class LaunchTimeout(LaunchError):
+    """The launch was still running when its time ran out: cut short, not failed (what it
+    finished before may still be in its output)."""
+
+
 def torchrun(nproc: int, *args: str) -> list[str]:
     """The command line of a single-node torchrun with ``nproc`` workers (free port)."""
     return [
@@ -57,7 +62,7 @@ def run_launch(cmd: list[str], log_path: Path, timeout: float) -> None:
                 os.killpg(proc.pid, signal.SIGKILL)
             proc.wait()
             if isinstance(exc, subprocess.TimeoutExpired):
-                raise LaunchError(
+                raise LaunchTimeout(
                     f"timed out after {timeout:.0f} s: {' '.join(cmd)}\n(see {log_path})"
                 ) from None
             raise

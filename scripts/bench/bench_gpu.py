@@ -1,9 +1,11 @@
 """GPU throughput: a bf16 matmul (the practical peak), ResNet-50 through the Trainer beside a
-hand-written loop, two 1B decoders (gpt_1b, llama3_1b), and the loader.
+hand-written loop, two 1B decoders (gpt_1b, llama3_1b), the loader, and the variants of the GPU
+check's second command (float8 and FSDP2 on llama3_1b, the MoE's grouped matmul, context parallel).
 
 What it measures (one CUDA device; sections with --sections, all by default)
-    matmul    bf16 8192 x 8192 x 8192 matrix products on this GPU, the median TFLOP/s of 5 rounds
-              of 20: what the GPU's tensor cores give a large dense product here, the roofline
+    matmul    bf16 8192 x 8192 x 8192 matrix products on this GPU, sustained: a second of products
+              first, then the median TFLOP/s of 5 back-to-back rounds of at least 0.3 s each:
+              what the GPU's tensor cores keep up for a large dense product here, the roofline
               every other section's achieved TFLOP/s is compared with (beside MFU, which compares
               with the datasheet's peak).
     resnet50  ResNet-50 (torchvision's, model=resnet50), bf16 autocast, channels_last, 224x224
@@ -31,11 +33,6 @@ What it measures (one CUDA device; sections with --sections, all by default)
     llama3_1b the same measurement of configs/model/llama3_1b (Llama 3.2 1B's shapes: 1.24B
               parameters, grouped-query attention, a 128,256-token vocabulary, tied output
               layer) on 2,048-token sequences; options --llama-batch, --llama-micro, ...
-              Then the same launch with precision.float8=rowwise (torchao's float8 matmuls in
-              every projection, the output layer left in bf16): its tokens/s beside the bf16
-              launch's, eager or compiled as the bf16 one (--llama-compile; torchao fuses its
-              float8 casts only when compiled). Not run without torchao (the float8 extra) or
-              on a GPU without float8 tensor cores (compute capability below 8.9).
     loader    the data path's CPU cost: generated JPEGs (--jpegs, about ImageNet's mean size;
               bench_loader.py's images) read through the project's imagefolder training
               dataset as a CUDA run reads it (decode, RandomResizedCrop 224, flip, uint8 tensors
@@ -44,31 +41,47 @@ What it measures (one CUDA device; sections with --sections, all by default)
               With the resnet50 section, also how many such cores keep up with the Trainer's
               rate. scripts/bench/bench_loader.py compares the float, uint8 and GPU-decode paths.
 
-How
-    Each ResNet-50 launch is a fresh process; rounds alternate the sides in an order rotated by
-    one each round (as scripts/bench/bench_peers.py does), so drift of the machine hits both alike.
-    A side's window runs from the end of step --warmup to the end of step --warmup + --steps,
-    with ``torch.cuda.synchronize()`` at both ends only (_peer_worker.StepWindow); one more
-    step follows the window, so end-of-run work stays outside it. Each launch also reports the
-    cores other processes used meanwhile (scripts/bench/_launch.timed_launch).
+The second command's sections (--second; scripts/bench/_variants_worker.py runs a section's
+variants as Trainer runs in one process, from the same initial weights, so their losses compare)
+    moe       a mixture of experts (the moe family at 4 blocks of width 1,024, 16 experts of 512
+              channels, top-2, 2,048-token sequences) in bf16 through torch's grouped matmul, then
+              through the loop over experts: tokens/s of each, their ratio, and how far apart
+              their losses are (within bf16's rounding).
+    cp        context parallel on two ranks sharing the one GPU (gloo with CUDA tensors, as the
+              two-rank CUDA tests: a slow link, so the attention paths' costs, not a multi-GPU
+              figure): ring attention and the K/V all-gather against one process, on
+              16,384-token sequences of a 2-block Llama of width 1,024; tokens/s and losses.
+    llama3_1b_variants
+              llama3_1b (the --llama-* batch and steps) in bf16, with float8 rowwise and
+              tensorwise, and under FSDP2 on its one-rank group, eager; then bf16 and both float8
+              recipes compiled per block: each one's tokens/s against bf16's in the same mode.
+              float8 is not run without torchao (the float8 extra; the GPU check's wheel folder
+              carries it) or on a GPU without float8 tensor cores (compute capability below 8.9).
 
-Run (from the repository root, on a machine with one NVIDIA GPU)
+How
+    Each ResNet-50 launchRun (from the repository root, on a machine with one NVIDIA GPU)
     python scripts/bench/bench_gpu.py                      # about 7 minutes on one H100
     python scripts/bench/bench_gpu.py --sections resnet50 --rounds 5
     python scripts/bench/bench_gpu.py --json /tmp/gpu.json # the figures as JSON too (gpu_check.sh)
-    python scripts/bench/bench_gpu.py --quick              # gpu_check.sh's default: about 4 minutes
+    python scripts/bench/bench_gpu.py --quick              # gpu_check.sh's first command
+    python scripts/bench/bench_gpu.py --second             # gpu_check.sh's second command
 
 --quick: the matmul, ResNet-50, gpt_1b and llama3_1b, one round of each ResNet-50 side (10 + 30
-steps), 15 gpt_1b steps, 10 llama3_1b steps (bf16, then float8), at most 120 s per launch: the
-figures of a short check, noisier than the default's medians.
+steps), 15 gpt_1b steps, 10 llama3_1b steps, at most 120 s per launch: the figures of a short
+check, noisier than the default's medians. Its length on a GPU has not been measured yet; budget
+it (--budget-s) rather than trust an estimate: each 1B decoder's launch spends 15-25 s
+initialising its weights on the CPU before its first step.
+--second: the matmul, then moe, cp and llama3_1b_variants with --quick's steps (the compiled
+float8 runs last: a share that runs out loses them first).
 
 --budget-s S: the whole benchmark within S seconds (the GPU check gives it its share): each
 launch's timeout is cut to what is left, a launch that would get under 20 s is skipped and said
-so, and the figures are written to --json after every section, so a run stopped part way keeps
-what it finished.
+so, a launch its timeout stops is "not finished in its share" (with the figures of the log points
+or variants it finished), and the figures are written to --json after every section, so a run
+stopped part way keeps what it finished.
 
 Exit status: 0 after a complete measurement; 1 if a launch failed (the other sections still run);
-2 without a CUDA device (nothing is measured); 3 if the budget left a launch out.
+2 without a CUDA device (nothing is measured); 3 if the budget left a launch out or cut one short.
 """
 
 from __future__ import annotations
@@ -88,15 +101,28 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from _launch import REPO, LaunchError, timed_launch  # scripts/ is on sys.path
+from _launch import REPO, LaunchError, LaunchTimeout, timed_launch, torchrun  # on sys.path
 from _peer_worker import StepWindow, write_json
 
 from sdnet_trainer.training.hooks import HookBase
 from sdnet_trainer.training.state import RunState, StepResult
 from sdnet_trainer.training.trainer import Trainer
 
-SECTIONS = ("matmul", "resnet50", "gpt_1b", "llama3_1b", "loader")
+SECTIONS = (
+    "matmul",
+    "resnet50",
+    "gpt_1b",
+    "llama3_1b",
+    "loader",
+    "moe",
+    "cp",
+    "llama3_1b_variants",
+)
 QUICK_SECTIONS = ("matmul", "resnet50", "gpt_1b", "llama3_1b")
+# The GPU check's second command (--second), in the order they run: the cheap ones first, so
+# that a share that runs out loses the compiled float8 runs (the last variants of the last launch).
+SECOND_SECTIONS = ("matmul", "moe", "cp", "llama3_1b_variants")
+VARIANT_SECTIONS = ("moe", "cp", "llama3_1b_variants")
 SIDES = ("trainer", "hand")
 SPEC_ENV = "SDNET_GPU_BENCH"
 NO_CUDA_EXIT = 2
@@ -118,11 +144,13 @@ LOG_EVERY = 10
 
 class Budget:
     """What is left of --budget-s (unbounded without it): each launch's timeout is cut to it, and
-    a launch that would get less than MIN_LAUNCH_S is skipped (``skipped`` names them)."""
+    a launch that would get less than MIN_LAUNCH_S is skipped (``skipped`` names them); a launch
+    stopped by its timeout is ``cut`` (what it finished is kept)."""
 
     def __init__(self, seconds: float | None) -> None:
         self.deadline = None if seconds is None else time.monotonic() + seconds
         self.skipped: list[str] = []
+        self.cut: list[str] = []
 
     def timeout(self, wanted: float, what: str) -> float | None:
         """The timeout to give launch ``what``; None (and recorded) if it does not fit."""
@@ -139,36 +167,55 @@ class Budget:
 # ---------------------------------------------------------------------------- the matmul roofline
 
 
-def bench_matmul(*, device: str, size: int, dtype: torch.dtype, rounds: int = 5, iters: int = 20):
-    """TFLOP/s of ``size``-cubed products (median of ``rounds`` of ``iters``), after a warm-up
-    that lets cuBLAS pick its kernel. The GPU's practical peak for dense bf16 work."""
+def bench_matmul(
+    *,
+    device: str,
+    size: int,
+    dtype: torch.dtype,
+    warmup_s: float = 1.0,
+    rounds: int = 5,
+    round_s: float = 0.3,
+) -> dict[str, Any]:
+    """TFLOP/s of ``size``-cubed products, sustained: ``warmup_s`` seconds of products first (the
+    GPU's clocks and temperature settle, cuBLAS has picked its kernel), then ``rounds`` rounds of
+    at least ``round_s`` seconds each, back to back; the median round. A burst of a few products
+    from a cold GPU would read its boost clock, which a training step does not keep."""
     gen = torch.Generator(device=device).manual_seed(SEED)
-    a = torch.randn(size, size, device=device, dtype=dtype, generator=gen)
-    b = torch.randn(size, size, device=device, dtype=dtype, generator=gen)
-    out = torch.empty(size, size, device=device, dtype=dtype)
-    for _ in range(3):
-        torch.mm(a, b, out=out)
-    rates = []
-    for _ in range(rounds):
+    # a, b and the product; emptied at the end, so the launches after this get the whole GPU.
+    tensors = [torch.randn(size, size, device=device, dtype=dtype, generator=gen) for _ in "abc"]
+
+    def products(count: int) -> float:
         synchronize(device)
         started = time.perf_counter()
-        for _ in range(iters):
-            torch.mm(a, b, out=out)
+        for _ in range(count):
+            torch.mm(tensors[0], tensors[1], out=tensors[2])
         synchronize(device)
-        rates.append(2 * size**3 * iters / (time.perf_counter() - started) / 1e12)
-    del a, b, out
+        return time.perf_counter() - started
+
+    warm, count = 0.0, 1
+    while warm < warmup_s:
+        seconds = products(count)
+        warm += seconds
+        count = max(1, min(2 * count, int(count * 0.25 / max(seconds, 1e-6)) + 1))
+    per_product = seconds / count
+    iters = max(1, int(round_s / per_product) + 1)
+    rates = [2 * size**3 * iters / products(iters) / 1e12 for _ in range(rounds)]
+    tensors.clear()
     if device == "cuda":
-        torch.cuda.empty_cache()  # the launches after this one get the whole GPU
+        torch.cuda.empty_cache()
     summary = {
         "tflops_per_s": statistics.median(rates),
         "min": min(rates),
         "max": max(rates),
         "size": size,
         "dtype": str(dtype).removeprefix("torch."),
+        "warmup_s": warm,
+        "sustained_s": iters * per_product * rounds,
     }
     print(
-        f"\n== matmul: {summary['dtype']} {size}^3, {rounds} rounds of {iters}: "
-        f"{summary['tflops_per_s']:,.0f} TFLOP/s (min-max {min(rates):,.0f}-{max(rates):,.0f})",
+        f"\n== matmul: {summary['dtype']} {size}^3, sustained: {warm:.1f} s warm-up, then "
+        f"{rounds} rounds of {iters}: {summary['tflops_per_s']:,.0f} TFLOP/s "
+        f"(min-max {min(rates):,.0f}-{max(rates):,.0f})",
         flush=True,
     )
     return summary
@@ -378,6 +425,7 @@ class SideRuns:
     images_per_s: dict[int, float]
     other_cores: list[float]
     failed: str | None = None
+    cut: bool = False  # stopped by its share: not a failure of the code under test
 
 
 def bench_resnet(args: argparse.Namespace, out: Path, budget: Budget) -> dict[str, Any]:
@@ -413,6 +461,10 @@ def bench_resnet(args: argparse.Namespace, out: Path, budget: Budget) -> dict[st
                 )
                 if not result_file.exists():
                     raise LaunchError(f"{side} wrote no result; see {stem.with_suffix('.log')}")
+            except LaunchTimeout:
+                budget.cut.append(f"resnet50 round {rnd + 1} {side}")
+                res.failed, res.cut = not_finished(timeout), True
+                continue
             except LaunchError as err:
                 print(f"  round {rnd + 1} {side:<8} FAILED: {err}", file=sys.stderr, flush=True)
                 res.failed = f"FAILED in round {rnd + 1} (log in {stem.with_suffix('.log')})"
@@ -447,6 +499,7 @@ def bench_resnet(args: argparse.Namespace, out: Path, budget: Budget) -> dict[st
             "max": max(values) if values else None,
             "other_cores_max": max(res.other_cores) if res.other_cores else None,
             "failed": res.failed,
+            "cut": res.cut,
         }
     paired = [
         v / runs["hand"].images_per_s[r]
@@ -472,14 +525,13 @@ class Decoder:
     option: str  # its command-line options: --<option>-steps, ...
     steps: int  # by default; --quick runs quick_steps
     quick_steps: int
-    float8: str | None = None  # a second launch with precision.float8=<recipe>, same options
 
 
 # gpt_1b: 1.04B parameters, a 32,000-token vocabulary; llama3_1b: 1.24B, 128,256 tokens. Fewer
 # steps for the Llama with --quick: its launch (start-up included) stays near a minute on one H100.
 DECODERS = (
     Decoder("gpt_1b", "gpt", "gpt", steps=25, quick_steps=15),
-    Decoder("llama3_1b", "llama", "llama", steps=20, quick_steps=10, float8="rowwise"),
+    Decoder("llama3_1b", "llama", "llama", steps=20, quick_steps=10),
 )
 # Both decoders train on 2,048-token sequences (gpt_1b's context; Llama 3.2 allows 131,072).
 DECODER_SEQ_LEN = 2048
@@ -503,70 +555,341 @@ class DecoderRun:
         return cls(decoder, option("batch"), option("micro"), option("steps"), option("compile"))
 
 
-def decoder_keys(run: DecoderRun, run_dir: Path, *, float8: str | None = None) -> list[str]:
-    """A decoder launch's command line: one GPU, no parallelism, the Trainer's own metrics; with
-    ``float8``, the float8 recipe's matmuls."""
-    steps = run.steps
+def token_run_keys(
+    *, model: str, family: str, batch: int, micro: int, steps: int, seq_len: int, device: str
+) -> list[str]:
+    """A language model's run on data=tokens with the Trainer's own metrics: bf16 autocast,
+    AdamW, a constant rate, five log points (the first, which holds the first step's allocations
+    and kernel selection, is left out of the figures), no evaluation, no checkpoint."""
     return [
-        "dist.device=cuda",
-        f"model={run.decoder.section}",
+        f"dist.device={device}",
+        f"model={model}",
         "data=tokens",
         # data=tokens reads its sizes from model.gpt; the vocabulary comes from the model config
-        # for either family, and the context is the same for both.
-        f"data.vocab_size=${{model.{run.decoder.family}.vocab_size}}",
-        f"data.seq_len={DECODER_SEQ_LEN}",
-        f"data.train_size={run.batch * (steps + 1)}",
+        # for every family.
+        f"data.vocab_size=${{model.{family}.vocab_size}}",
+        f"data.seq_len={seq_len}",
+        f"data.train_size={batch * (steps + 1)}",
         "data.val_size=8",
         "optim=adamw",
         "sched=constant",
         "precision=bf16",
-        f"compile.enabled={str(run.compile).lower()}",
-        f"loop.global_batch_size={run.batch}",
-        f"loop.grad_accum_steps={run.batch // run.micro}",
+        f"loop.global_batch_size={batch}",
+        f"loop.grad_accum_steps={batch // micro}",
         f"loop.max_steps={steps}",
         "loop.eval_at_end=false",
         "loop.eval_at_epoch_end=false",
-        # Five log points; the first holds the first step's allocations and is left out.
         f"logging.log_every_n_steps={max(1, steps // 5)}",
         "logging.progress_bar=off",
         "checkpoint.resume=none",
         "checkpoint.save_on_exit=false",
-        f"hydra.run.dir={run_dir}",
-        *([f"precision.float8={float8}"] if float8 else []),
     ]
 
 
-def decoder_command(run: DecoderRun, run_dir: Path, *, float8: str | None = None) -> list[str]:
-    """The decoder launch, exactly as started (tests/unit/test_cuda_lane.py composes it)."""
-    return [sys.executable, "-m", "sdnet_trainer", *decoder_keys(run, run_dir, float8=float8)]
+def decoder_keys(run: DecoderRun, run_dir: Path | None) -> list[str]:
+    """A decoder launch's command line: one GPU, no parallelism, the Trainer's own metrics
+    (``run_dir`` None: without the launch's hydra.run.dir)."""
+    return [
+        *token_run_keys(
+            model=run.decoder.section,
+            family=run.decoder.family,
+            batch=run.batch,
+            micro=run.micro,
+            steps=run.steps,
+            seq_len=DECODER_SEQ_LEN,
+            device="cuda",
+        ),
+        f"compile.enabled={str(run.compile).lower()}",
+        *([f"hydra.run.dir={run_dir}"] if run_dir is not None else []),
+    ]
+
+
+def decoder_command(run: DecoderRun, run_dir: Path) -> list[str]:
+    """The decoder launch, exactly as started (tests/unit/test_cuda_launches.py composes it)."""
+    return [sys.executable, "-m", "sdnet_trainer", *decoder_keys(run, run_dir)]
+
+
+def not_finished(seconds: float) -> str:
+    """What a table says of a launch its share of the budget stopped: not a failure of the code
+    under test (the budget, or the launch's own timeout, was too short for it)."""
+    return f"not finished in its share ({seconds:.0f} s)"
 
 
 def bench_decoder(run: DecoderRun, out: Path, *, budget: Budget, timeout: float) -> dict[str, Any]:
-    """The decoder's bf16 launch, and where the section has a float8 recipe, under ``float8``
-    the same launch with it (and its tokens/s over the bf16 launch's)."""
-    cell = decoder_launch(run, out, budget=budget, timeout=timeout)
-    recipe = run.decoder.float8
-    if recipe is None or cell.get("failed"):
+    """One decoder launch and its figures (``failed`` says why there are none; ``cut`` that its
+    share ended it, with the figures of the log points it reached where there are any)."""
+    name = run.decoder.section
+    run_dir = out / name
+    shutil.rmtree(run_dir, ignore_errors=True)
+    cmd = decoder_command(run, run_dir)
+    print(
+        f"\n== {name}: {run.steps} steps of {run.batch} x {DECODER_SEQ_LEN} tokens (micro-batch "
+        f"{run.micro}), {'compiled' if run.compile else 'eager'}",
+        flush=True,
+    )
+    allowed = budget.timeout(timeout, name)
+    if allowed is None:
+        return {"failed": "not run: not enough of the budget left", "cut": True}
+    run_dir.mkdir(parents=True)
+    log = out / f"{name}.log"
+    try:
+        seconds, other = timed_launch(cmd, log, allowed)
+    except LaunchTimeout:
+        budget.cut.append(name)
+        print(f"  {name}: {not_finished(allowed)}", flush=True)
+        cell = decoder_summary(read_metrics(run_dir), run=run, seconds=allowed, other=None)
+        cell["cut"] = True
+        if cell.get("failed"):
+            cell["failed"] = not_finished(allowed)
         return cell
-    name = f"{run.decoder.section} float8 {recipe}"
-    missing = float8_missing()
-    if missing is not None:
-        print(f"\n== {name}: not run: {missing}", flush=True)
-        failed = f"not run: {missing}"
-        cell["float8"] = {"recipe": recipe, "name": name, "failed": failed, "not_run": True}
-        return cell
-    float8 = decoder_launch(run, out, budget=budget, timeout=timeout, float8=recipe)
-    float8.update(recipe=recipe, name=name)
-    if not float8.get("failed"):
-        float8["speedup"] = float8["tokens_per_s"] / cell["tokens_per_s"]
-        print(f"  float8 {recipe} / bf16: {float8['speedup']:.3f}x tokens/s", flush=True)
-    cell["float8"] = float8
-    return cell
+    except LaunchError as err:
+        print(f"  {name} FAILED: {err}", file=sys.stderr, flush=True)
+        return {"failed": f"FAILED (log in {log})"}
+    return decoder_summary(read_metrics(run_dir), run=run, seconds=seconds, other=other)
 
 
-def float8_missing() -> str | None:
-    """Why a float8 launch cannot run on this node, or None: torchao absent (the float8 extra is
-    not among the wheels of a GPU node), or a GPU without float8 tensor cores."""
+def read_metrics(run_dir: Path) -> list[dict[str, Any]]:
+    """The Trainer's metrics.jsonl rows (none where the run wrote none; a last line cut by a kill
+    is left out)."""
+    path = run_dir / "metrics.jsonl"
+    rows = []
+    for line in path.read_text().splitlines() if path.exists() else ():
+        try:
+            rows.append(json.loads(line))
+        except json.JSONDecodeError:
+            break
+    return rows
+
+
+def token_figures(rows: list[dict[str, Any]]) -> dict[str, Any] | None:
+    """A language model run's figures from its metrics rows, past the first log point; None
+    where it has no log point past the first."""
+    points = [row for row in rows if "perf/tokens_per_s" in row][1:]
+    if not points:
+        return None
+    mfus = [row["perf/mfu"] for row in points if "perf/mfu" in row]
+    return {
+        "tokens_per_s": statistics.median(row["perf/tokens_per_s"] for row in points),
+        "mfu": statistics.median(mfus) if mfus else None,
+        "tflops_per_s": statistics.median(row.get("perf/tflops_per_s", 0.0) for row in points),
+        "peak_memory_mb": max(row.get("perf/peak_memory_mb", 0.0) for row in points),
+        "log_points": len(points),
+        # The global loss at every log point, the first included: variants of one run compare.
+        "losses": [row["train/loss"] for row in rows if "train/loss" in row],
+    }
+
+
+def decoder_summary(
+    rows: list[dict[str, Any]], *, run: DecoderRun, seconds: float, other: float | None
+) -> dict[str, Any]:
+    """The figures of a decoder launch from its metrics.jsonl rows."""
+    figures = token_figures(rows)
+    if figures is None:
+        return {"failed": "no log point past the first in its metrics.jsonl"}
+    summary = {
+        **figures,
+        "batch": run.batch,
+        "seq_len": DECODER_SEQ_LEN,
+        "compiled": run.compile,
+        "other_cores": other,
+    }
+    mfu = summary["mfu"]
+    mfu_text = f"MFU {mfu:.1%}" if mfu is not None else "no MFU (unknown GPU)"
+    print(f"  {seconds:.1f} s launch  {summary['tokens_per_s']:,.0f} tokens/s  {mfu_text}")
+    return summary
+
+
+# ---------------------------------------------------------------------------- variants of a run
+# The second command's sections (--second): each compares variants of one run, measured by the
+# Trainer itself, in launches of scripts/bench/_variants_worker.py (several runs per process).
+
+
+@dataclass(frozen=True)
+class Variant:
+    """One run of a variants launch: its name (its folder), what the table calls it, its keys,
+    and the run it is compared with (``versus``: another variant's name in the same section)."""
+
+    name: str
+    label: str
+    keys: tuple[str, ...]
+    versus: str | None = None
+    moe_loop: bool = False  # the MoE experts' loop over experts instead of the grouped matmul
+
+
+@dataclass(frozen=True)
+class VariantsLaunch:
+    """One launch of the variants worker: ``nproc`` None is one plain process, N a torchrun of
+    N (on the one GPU together, over gloo, with ``share_gpu``)."""
+
+    name: str
+    variants: tuple[Variant, ...]
+    nproc: int | None = None
+    share_gpu: bool = False
+    timeout: float = 300.0
+
+    def command(self, out: Path) -> list[str]:
+        spec = {
+            "variants": [
+                {"name": v.name, "keys": list(v.keys), "moe_loop": v.moe_loop}
+                for v in self.variants
+            ],
+            "share_gpu": self.share_gpu,
+        }
+        worker = [str(BENCH_DIR / "_variants_worker.py"), str(out), json.dumps(spec)]
+        return [sys.executable, *worker] if self.nproc is None else torchrun(self.nproc, *worker)
+
+
+BENCH_DIR = Path(__file__).resolve().parent
+FLOAT8_RECIPES = ("rowwise", "tensorwise")
+
+
+def llama3_1b_variants(args: argparse.Namespace, device: str, float8: bool) -> list[VariantsLaunch]:
+    """llama3_1b (the --llama-* options' batch and steps) in bf16, with each float8 recipe, and
+    under FSDP2 on its one-rank group, eager; then bf16 and both recipes compiled per block. One
+    launch: one initialisation, one process start (torchrun: FSDP2 needs the group)."""
+    run = DecoderRun.from_args(args, DECODERS[1])
+    model, family = ("llama3_debug", "llama") if args.cpu_smoke else ("llama3_1b", "llama")
+    base = token_run_keys(
+        model=model,
+        family=family,
+        batch=run.batch,
+        micro=run.micro,
+        steps=run.steps,
+        seq_len=args.smoke_seq_len or DECODER_SEQ_LEN,
+        device=device,
+    )
+    recipes = FLOAT8_RECIPES if float8 else ()
+    variants = []
+    for compiled in (False, True) if not args.cpu_smoke else (False,):
+        mode = "compiled" if compiled else "eager"
+        keys = (*base, f"compile.enabled={str(compiled).lower()}")
+        bf16 = f"bf16_{mode}"
+        variants.append(Variant(bf16, f"bf16 {mode}", keys))
+        for recipe in recipes:
+            variants.append(
+                Variant(
+                    f"float8_{recipe}_{mode}",
+                    f"float8 {recipe} {mode}",
+                    (*keys, f"precision.float8={recipe}"),
+                    versus=bf16,
+                )
+            )
+        if not compiled:
+            variants.append(
+                Variant("fsdp2_eager", "FSDP2 bf16 eager", (*keys, "parallel=fsdp"), versus=bf16)
+            )
+    return [VariantsLaunch("llama3_1b_variants", tuple(variants), nproc=1, timeout=420.0)]
+
+
+def moe_variants(args: argparse.Namespace, device: str) -> list[VariantsLaunch]:
+    """A mixture of experts (moe_debug's family at a size where the experts' matmuls count: 4
+    blocks of width 1,024, 16 experts of 512 channels, top-2) in bf16 through torch's grouped
+    matmul, then through the loop over experts from the same initial weights: tokens/s of each,
+    and their losses, which must agree within bf16's rounding."""
+    if args.cpu_smoke:
+        sizes: list[str] = []
+    else:
+        sizes = [
+            "model.moe.vocab_size=32000",
+            "model.moe.seq_len=2048",
+            "model.moe.dim=1024",
+            "model.moe.n_layers=4",
+            "model.moe.n_heads=16",
+            "model.moe.n_kv_heads=4",
+            "model.moe.head_dim=64",
+            "model.moe.num_experts=16",
+            "model.moe.moe_hidden_dim=512",
+        ]
+    keys = (
+        *token_run_keys(
+            model="moe_debug",
+            family="moe",
+            batch=8,
+            micro=4,
+            steps=args.llama_steps,
+            seq_len=args.smoke_seq_len or 2048,
+            device=device,
+        ),
+        *sizes,
+    )
+    variants = (
+        Variant("grouped", "grouped matmul bf16", keys),
+        Variant("loop", "loop over experts bf16", keys, versus="grouped", moe_loop=True),
+    )
+    return [VariantsLaunch("moe", variants, timeout=240.0)]
+
+
+def cp_variants(args: argparse.Namespace, device: str) -> list[VariantsLaunch]:
+    """Context parallel on two ranks sharing the GPU (over gloo, as tests/cuda's two-rank tests:
+    the transport is host memory, so these are the attention paths' costs with a slow link, not
+    a multi-GPU figure): ring attention and the K/V all-gather against one process, on 16,384-token
+    sequences of a 2-block Llama of width 1,024. The losses must agree."""
+    if args.cpu_smoke:
+        sizes: list[str] = []
+        seq_len = args.smoke_seq_len
+    else:
+        seq_len = 16384
+        sizes = [
+            f"model.llama.seq_len={seq_len}",
+            "model.llama.dim=1024",
+            "model.llama.n_heads=16",
+            "model.llama.n_kv_heads=8",
+            "model.llama.hidden_dim=3584",
+        ]
+    keys = (
+        *token_run_keys(
+            model="llama3_debug",
+            family="llama",
+            batch=2,
+            micro=2,
+            steps=args.llama_steps,
+            seq_len=seq_len,
+            device=device,
+        ),
+        *sizes,
+    )
+    two = (*keys, "dist.backend=gloo", "parallel.cp=2")
+    # Ring attention is torch's CUDA path; the CPU smoke runs only the all-gather.
+    attentions = ("allgather",) if args.cpu_smoke else ("ring", "allgather")
+    return [
+        VariantsLaunch("cp_one_process", (Variant("one_process", "one process", keys),)),
+        *(
+            VariantsLaunch(
+                f"cp_{attention}",
+                (
+                    Variant(
+                        attention,
+                        f"cp=2 {attention}",
+                        (*two, f"parallel.cp_attention={attention}"),
+                        versus="one_process",
+                    ),
+                ),
+                nproc=2,
+                share_gpu=True,
+                timeout=180.0,
+            )
+            for attention in attentions
+        ),
+    ]
+
+
+def section_launches(
+    args: argparse.Namespace, section: str, *, float8: bool
+) -> list[VariantsLaunch]:
+    """A variants section's launches (``float8``: with the float8 recipes' runs)."""
+    device = "cpu" if args.cpu_smoke else "cuda"
+    if section == "moe":
+        return moe_variants(args, device)
+    if section == "cp":
+        return cp_variants(args, device)
+    return llama3_1b_variants(args, device, float8=float8)
+
+
+def float8_missing(args: argparse.Namespace) -> str | None:
+    """Why float8 cannot run here, or None: torchao absent (the float8 extra), a GPU without
+    float8 tensor cores, or the CPU smoke (float8 on the CPU is torchao's emulation)."""
+    if args.cpu_smoke:
+        return "the CPU smoke run: float8 kernels are the GPU's"
     if importlib.util.find_spec("torchao") is None:
         return "torchao is not installed (pip install 'sdnet_trainer[float8]')"
     major, minor = torch.cuda.get_device_capability(0)
@@ -575,61 +898,112 @@ def float8_missing() -> str | None:
     return None
 
 
-def decoder_launch(
-    run: DecoderRun, out: Path, *, budget: Budget, timeout: float, float8: str | None = None
+def bench_variants(
+    args: argparse.Namespace, section: str, out: Path, budget: Budget
 ) -> dict[str, Any]:
-    """One decoder launch and its figures (``failed`` says why there are none)."""
-    name = run.decoder.section if float8 is None else f"{run.decoder.section} float8 {float8}"
-    run_dir = out / (run.decoder.section if float8 is None else f"{run.decoder.section}_float8")
-    shutil.rmtree(run_dir, ignore_errors=True)
-    cmd = decoder_command(run, run_dir, float8=float8)
-    print(
-        f"\n== {name}: {run.steps} steps of {run.batch} x {DECODER_SEQ_LEN} tokens (micro-batch "
-        f"{run.micro}), {'compiled' if run.compile else 'eager'}",
-        flush=True,
-    )
-    allowed = budget.timeout(timeout, name)
-    if allowed is None:
-        return {"failed": "skipped: not enough of the budget left"}
-    run_dir.mkdir(parents=True)
-    log = out / f"{run_dir.name}.log"
-    try:
-        seconds, other = timed_launch(cmd, log, allowed)
-    except LaunchError as err:
-        print(f"  {name} FAILED: {err}", file=sys.stderr, flush=True)
-        return {"failed": f"FAILED (log in {log})"}
-    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
-    return decoder_summary(rows, run=run, seconds=seconds, other=other, source=run_dir)
+    """A section's launches and one row per variant: its figures, or why there are none, and
+    its tokens/s and losses against the variant it is compared with."""
+    rows: dict[str, dict[str, Any]] = {}
+    missing = float8_missing(args) if section == "llama3_1b_variants" else None
+    for launch in section_launches(args, section, float8=missing is None):
+        folder = out / section / launch.name
+        shutil.rmtree(folder, ignore_errors=True)
+        folder.mkdir(parents=True)
+        names = ", ".join(v.label for v in launch.variants)
+        print(f"\n== {section}: {names}", flush=True)
+        log = out / section / f"{launch.name}.log"
+        outcome = None
+        allowed = budget.timeout(launch.timeout, f"{section} {launch.name}")
+        if allowed is None:
+            outcome = "not run: not enough of the budget left"
+        else:
+            try:
+                timed_launch(launch.command(folder), log, allowed)
+            except LaunchTimeout:
+                budget.cut.append(f"{section} {launch.name}")
+                outcome = not_finished(allowed)
+            except LaunchError as err:
+                print(f"  {launch.name} FAILED: {err}", file=sys.stderr, flush=True)
+                outcome = f"FAILED (log in {log})"
+        finished = _finished_variants(folder)
+        for variant in launch.variants:
+            row: dict[str, Any] = {"label": variant.label, "versus": variant.versus}
+            figures = token_figures(read_metrics(folder / variant.name))
+            if variant.name in finished and figures is not None:
+                row.update(figures, failed=None)
+            elif variant.name in finished:
+                row["failed"] = "FAILED: no log point past the first in its metrics.jsonl"
+            else:
+                row["failed"] = outcome or "FAILED: the launch ended without it"
+            row["cut"] = outcome is not None and not outcome.startswith("FAILED")
+            rows[variant.name] = row
+    for row in rows.values():
+        other = rows.get(row["versus"] or "")
+        if row["failed"] is None and other is not None and other["failed"] is None:
+            row["ratio"] = row["tokens_per_s"] / other["tokens_per_s"]
+            row["loss_gap"] = max(
+                abs(a - b) / abs(b) for a, b in zip(row["losses"], other["losses"], strict=False)
+            )
+        print(f"  {row['label']}: {variant_text(row, rows)}", flush=True)
+    return {"rows": rows, **({"float8_not_run": missing} if missing else {})}
 
 
-def decoder_summary(
-    rows: list[dict[str, Any]],
-    *,
-    run: DecoderRun,
-    seconds: float,
-    other: float | None,
-    source: Path,
-) -> dict[str, Any]:
-    """The figures of a decoder launch from its metrics.jsonl rows."""
-    points = [row for row in rows if "perf/tokens_per_s" in row][1:]  # past the first window
-    if not points:
-        return {"failed": f"no log point past the first in {source / 'metrics.jsonl'}"}
-    tokens = statistics.median(row["perf/tokens_per_s"] for row in points)
-    mfus = [row["perf/mfu"] for row in points if "perf/mfu" in row]
-    summary = {
-        "tokens_per_s": tokens,
-        "mfu": statistics.median(mfus) if mfus else None,
-        "tflops_per_s": statistics.median(row.get("perf/tflops_per_s", 0.0) for row in points),
-        "peak_memory_mb": max(row.get("perf/peak_memory_mb", 0.0) for row in points),
-        "log_points": len(points),
-        "batch": run.batch,
-        "seq_len": DECODER_SEQ_LEN,
-        "compiled": run.compile,
-        "other_cores": other,
-    }
-    mfu_text = f"MFU {summary['mfu']:.1%}" if summary["mfu"] is not None else "no MFU (unknown GPU)"
-    print(f"  {seconds:.1f} s launch  {tokens:,.0f} tokens/s  {mfu_text}", flush=True)
-    return summary
+def variant_text(row: dict[str, Any], rows: dict[str, dict[str, Any]]) -> str:
+    """A variant's figures in one line: tokens/s, and against its reference the ratio and how far
+    apart their losses were (the largest relative gap over the log points)."""
+    if row["failed"]:
+        return row["failed"]
+    text = f"{row['tokens_per_s']:,.0f} tokens/s, peak memory {row['peak_memory_mb']:,.0f} MB"
+    if "ratio" in row:
+        text += f" ({row['ratio']:.3f}x {rows[row['versus']]['label']}, losses within "
+        text += f"{row['loss_gap']:.1e})"
+    return text
+
+
+def _finished_variants(folder: Path) -> set[str]:
+    """The variants the worker finished (its results.json, rewritten after each)."""
+    results = folder / "results.json"
+    return set(json.loads(results.read_text())) if results.exists() else set()
+
+
+# ---------------------------------------------------------------------------- every launch
+
+
+@dataclass(frozen=True)
+class PlannedLaunch:
+    """A Trainer run the benchmark would start with ``argv``: its overrides as launched
+    (``dist.device=cuda`` among them, the launch's hydra.* keys left out), its process count (None:
+    one plain process; N: torchrun with N) and whether one step of it fits a CPU test."""
+
+    name: str
+    keys: tuple[str, ...]
+    nproc: int | None
+    cpu_step: bool = False
+
+
+def planned_launches(argv: list[str]) -> list[PlannedLaunch]:
+    """Every Trainer run of ``bench_gpu.py ARGV`` (the GPU check's commands: ``--quick``,
+    ``--second``), without starting any: tests/unit/test_cuda_launches.py composes each on the
+    CPU, so a key or an override order that would fail costs no GPU time. None of them fits a CPU
+    step: their models are sized for a GPU (the CPU smoke runs the same code on small ones)."""
+    args = parse_args(argv)
+    launches = []
+    if "resnet50" in args.sections:
+        spec = ResNetSpec(args.batch, args.warmup, args.steps, args.workers, "result.json")
+        keys = tuple(k for k in resnet_keys(spec, Path("run")) if not k.startswith("hydra."))
+        launches.append(PlannedLaunch("resnet50 trainer", keys, None))
+    for dec in DECODERS:
+        if dec.section in args.sections:
+            keys = tuple(decoder_keys(DecoderRun.from_args(args, dec), None))
+            launches.append(PlannedLaunch(dec.section, keys, None))
+    for section in VARIANT_SECTIONS:
+        if section not in args.sections:
+            continue
+        for launch in section_launches(args, section, float8=True):
+            for variant in launch.variants:
+                name = f"{section} {variant.label}"
+                launches.append(PlannedLaunch(name, variant.keys, launch.nproc))
+    return launches
 
 
 # ---------------------------------------------------------------------------- the loader
@@ -720,7 +1094,7 @@ def default_workers(*, batch: int, shm_bytes: int | None = None) -> int:
     return max(0, min(workers, fits))
 
 
-def parse_args() -> argparse.Namespace:
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
@@ -734,6 +1108,11 @@ def parse_args() -> argparse.Namespace:
         "--quick",
         action="store_true",
         help=f"a short run: {', '.join(QUICK_SECTIONS)}, one round, fewer steps, 120 s per launch",
+    )
+    p.add_argument(
+        "--second",
+        action="store_true",
+        help=f"the GPU check's second command: {', '.join(SECOND_SECTIONS)}, the --quick steps",
     )
     p.add_argument("--rounds", type=int, default=3, help="ResNet-50 rounds per side (3)")
     p.add_argument("--batch", type=int, default=256, help="ResNet-50 images per step (256)")
@@ -770,10 +1149,13 @@ def parse_args() -> argparse.Namespace:
     # The machinery (launches, both sides, the loader, the table) on a machine without a GPU, at
     # a size that says nothing about speed: for the CPU test suite (tests/unit/test_cuda_lane.py).
     p.add_argument("--cpu-smoke", action="store_true", help=argparse.SUPPRESS)
-    args = p.parse_args()
+    args = p.parse_args(argv)
+    if args.quick and args.second:
+        p.error("--quick and --second are the GPU check's two commands: one at a time")
     if args.sections is None:
-        args.sections = ",".join(QUICK_SECTIONS if args.quick else SECTIONS)
-    if args.quick:
+        preset = QUICK_SECTIONS if args.quick else SECOND_SECTIONS if args.second else SECTIONS
+        args.sections = ",".join(preset)
+    if args.quick or args.second:
         args.rounds, args.warmup, args.steps, args.timeout = 1, 10, 30, 120.0
         for dec in DECODERS:
             setattr(args, f"{dec.option}_steps", dec.quick_steps)
@@ -783,12 +1165,15 @@ def parse_args() -> argparse.Namespace:
         p.error(f"--sections {args.sections!r}: choose from {', '.join(SECTIONS)}")
     args.sections = sections
     args.smoke_run = {}
+    args.smoke_seq_len = None
     if args.cpu_smoke:
         decoders = {dec.section for dec in DECODERS}  # 1B parameters: not on a CPU
         args.sections = [s for s in sections if s not in decoders]
         args.rounds, args.batch, args.warmup, args.steps = 1, 8, 1, 2
         args.workers, args.jpegs, args.loader_repeats = 0, 8, 1
         args.matmul_size = 64
+        args.llama_batch, args.llama_micro, args.llama_steps = 4, 2, 4
+        args.smoke_seq_len = 64  # the debug models' context
         args.smoke_run = {
             "device": "cpu",
             "model": "resnet18",
@@ -854,16 +1239,12 @@ def print_table(figures: dict[str, Any]) -> None:
             f"{cell['tokens_per_s']:,.0f} tokens/s, MFU {mfu}, "
             f"{cell['tflops_per_s']:.0f} TFLOP/s, peak memory {cell['peak_memory_mb']:,.0f} MB"
         )
-        float8 = cell.get("float8")
-        if float8 and float8.get("failed"):
-            print(f"  float8 {float8['recipe']}: {float8['failed']}")
-        elif float8:
-            # MFU and TFLOP/s count the model's FLOPs against the bf16 peak: tokens/s compares.
-            print(
-                f"  float8 {float8['recipe']}: {float8['tokens_per_s']:,.0f} tokens/s "
-                f"({float8['speedup']:.3f}x bf16), peak memory "
-                f"{float8['peak_memory_mb']:,.0f} MB"
-            )
+    for section in figures.get("variant_sections", ()):
+        print(f"{section}:")
+        for row in figures[section]["rows"].values():
+            print(f"  {row['label']:<28} {variant_text(row, figures[section]['rows'])}")
+        if figures[section].get("float8_not_run"):
+            print(f"  float8 not run: {figures[section]['float8_not_run']}")
     loader = figures.get("loader")
     if loader:
         line = (
@@ -892,6 +1273,10 @@ def print_table(figures: dict[str, Any]) -> None:
 
 def main() -> int:
     args = parse_args()
+    # The Trainer imports its subclass (trainer._target_) from scripts/bench/, as a user's module.
+    os.environ["PYTHONPATH"] = os.pathsep.join(
+        p for p in (str(BENCH_DIR), str(REPO), os.environ.get("PYTHONPATH", "")) if p
+    )
     if args.worker_spec is not None:
         run_hand(ResNetSpec(**json.loads(args.worker_spec)))
         return 0
@@ -900,11 +1285,6 @@ def main() -> int:
         return NO_CUDA_EXIT
     out = (args.out or Path(tempfile.mkdtemp(prefix="bench_gpu_"))).resolve()
     out.mkdir(parents=True, exist_ok=True)
-    # The Trainer imports its subclass (trainer._target_) from scripts/, as a user's module.
-    scripts = str(REPO / "scripts" / "bench")
-    os.environ["PYTHONPATH"] = os.pathsep.join(
-        p for p in (scripts, str(REPO), os.environ.get("PYTHONPATH", "")) if p
-    )
     device = "cpu (a smoke run: no figure means anything)" if args.cpu_smoke else None
     figures: dict[str, Any] = {"device": device or torch.cuda.get_device_name(0)}
     print(f"bench_gpu: {', '.join(args.sections)} on {figures['device']}; output in {out}")
@@ -915,6 +1295,7 @@ def main() -> int:
         """The figures so far, after every section: a run stopped part way keeps them."""
         figures["seconds"] = time.perf_counter() - started
         figures["skipped"] = budget.skipped
+        figures["cut"] = budget.cut
         if args.json is not None:
             write_json(args.json, figures)
 
@@ -926,7 +1307,10 @@ def main() -> int:
         save()
     if "resnet50" in args.sections:
         figures["resnet50"] = bench_resnet(args, out, budget)
-        ok &= all(figures["resnet50"][side]["failed"] is None for side in SIDES)
+        ok &= all(
+            figures["resnet50"][side]["failed"] is None or figures["resnet50"][side]["cut"]
+            for side in SIDES
+        )
         save()
     # The decoder sections run, in order: gpu_check.sh's table prints a row for each.
     figures["decoders"] = [dec.section for dec in DECODERS if dec.section in args.sections]
@@ -935,14 +1319,17 @@ def main() -> int:
             run = DecoderRun.from_args(args, dec)
             cell = bench_decoder(run, out, budget=budget, timeout=args.timeout)
             figures[dec.section] = cell
-            ok &= not cell.get("failed") or dec.section in budget.skipped
-            float8 = cell.get("float8") or {}
-            ok &= (
-                not float8.get("failed")
-                or float8.get("not_run", False)
-                or float8["name"] in budget.skipped
-            )
+            ok &= not cell.get("failed") or bool(cell.get("cut"))
             save()
+    # The second command's sections, each a row per variant in the table.
+    figures["variant_sections"] = [s for s in VARIANT_SECTIONS if s in args.sections]
+    for section in figures["variant_sections"]:
+        figures[section] = bench_variants(args, section, out, budget)
+        ok &= all(
+            row["failed"] is None or row["cut"] or row["failed"].startswith("not run")
+            for row in figures[section]["rows"].values()
+        )
+        save()
     if "loader" in args.sections:
         rate = (figures.get("resnet50") or {}).get("trainer", {}).get("images_per_s")
         figures["loader"] = bench_loader(args, out, rate)
@@ -951,7 +1338,7 @@ def main() -> int:
     print(f"\n({figures['seconds']:.0f} s in all; logs and results in {out})")
     if not ok:
         return 1
-    return OVER_BUDGET_EXIT if budget.skipped else 0
+    return OVER_BUDGET_EXIT if budget.skipped or budget.cut else 0
 
 
 if __name__ == "__main__":

@@ -15,8 +15,14 @@
 #   bash scripts/ci/gpu_wheels.sh gpu_wheels          # beforehand, where the package index is reached
 #   GPU_CHECK_OUT=$PWD/out bash scripts/ci/gpu_check.sh   # on the node: at most GPU_CHECK_BUDGET_S
 #   bash scripts/ci/gpu_check.sh -k fit               # extra arguments go to pytest
+#   GPU_CHECK_SECOND=1 GPU_CHECK_OUT=$PWD/out2 bash scripts/ci/gpu_check.sh
+#                                                  # the second command (at most 450 s): the CUDA
+#                                                  # tests marked gpu_second (float8, context
+#                                                  # parallel, the MoE's grouped matmul) and
+#                                                  # bench_gpu.py --second (MoE, ring attention,
+#                                                  # float8 and FSDP2 against bf16 on llama3_1b)
 #   GPU_CHECK_FULL=1 bash scripts/ci/gpu_check.sh     # the long version: every CUDA test, 3 rounds
-#                                                  # of the benchmark and its loader section
+#                                                  # of the benchmark, every section of it
 #
 # What comes back fits what an offline node can hand back: the output folder gets at most 8
 # plain files, no folder: summary.txt (the table), machine.txt, setup.log, pytest.log (its tail:
@@ -30,38 +36,57 @@
 #   GPU_CHECK_OUT=DIR         the 8 files above (default: a new temporary folder)
 #   GPU_CHECK_VENV=DIR        keep the venv there and reuse it on the next run (default: a
 #                             temporary one, removed at the end)
-#   GPU_CHECK_BUDGET_S=S      the whole command, setup to table (default 500; 3000 with FULL)
-#   GPU_CHECK_TEST_S=S        at most this much of it for pytest (default 250; 2400 with FULL)
+#   GPU_CHECK_SECOND=1        the second command (the first leaves its parts out)
+#   GPU_CHECK_BUDGET_S=S      the whole command, setup to table (default 500; 450 with SECOND;
+#                             3000 with FULL)
+#   GPU_CHECK_TEST_S=S        at most this much of it for pytest (default 230; 170 with SECOND;
+#                             2400 with FULL)
 #   GPU_CHECK_BENCH_S=S       at most this much for the benchmark (default: what is left)
-#   GPU_CHECK_BENCH_ARGS="…"  bench_gpu.py's arguments (default --quick; "" with FULL)
+#   GPU_CHECK_BENCH_ARGS="…"  bench_gpu.py's arguments (default --quick; --second with SECOND;
+#                             "" with FULL)
 #   GPU_CHECK_BENCH=0         the tests only
 #   GPU_CHECK_TEST_TIMEOUT=S  seconds per CUDA test (default 200)
 # A part whose share runs out gets SIGINT (pytest then writes its report and its summary, and each
 # test's launches are killed as the test ends), 15 s of grace, then SIGKILL for its process group;
 # anything it started in a session of its own is found by a mark in its environment and killed.
-# Exit status: 1 if the setup failed, a CUDA test failed or errored, or pytest could not run,
-# collect or finish in its share; else 2 without a CUDA device (the setup and the collection
-# done, the tests skipped, nothing measured); else 3 if the benchmark failed or was cut short;
-# else 0. A signal or the whole budget running out ends it with 124, the table written.
+# Exit status: 1 if the setup failed, a CUDA test failed or errored, pytest could not run or
+# collect, or a benchmark launch failed; else 2 without a CUDA device (the setup and the
+# collection done, the tests skipped, nothing measured); else 3 if a part did not finish in its
+# share (what it finished passed: the budget was too short, not the code wrong); else 0. A signal
+# or the whole budget running out ends it with 124, the table written.
 set -uo pipefail
 cd "$(dirname "$0")/../.." || exit 1
 REPO=$(pwd)
 PYTHON=${PYTHON:-python3}
 WHEELS=${GPU_CHECK_WHEELS:-$REPO/gpu_wheels}
 FULL=${GPU_CHECK_FULL:-0}
+SECOND=${GPU_CHECK_SECOND:-0}
 TEST_TIMEOUT=${GPU_CHECK_TEST_TIMEOUT:-200}
+# Each command's tests (-m) and benchmark. The node is lent for minutes: the first command
+# checks the GPU lane (the CUDA tests but those marked gpu_second, the quick benchmark); the
+# second measures what the project claims beyond it (tests marked gpu_second: float8, context
+# parallel, the MoE's grouped matmul; bench_gpu.py --second), on the same node or the next.
 if [ "$FULL" = "1" ]; then
+    COMMAND="full"
     BUDGET=${GPU_CHECK_BUDGET_S:-3000}
     TEST_S=${GPU_CHECK_TEST_S:-2400}
-    SELECT=()
+    SELECT=(-m cuda)
     BENCH_ARGS=${GPU_CHECK_BENCH_ARGS-}
+elif [ "$SECOND" = "1" ]; then
+    COMMAND="second"
+    BUDGET=${GPU_CHECK_BUDGET_S:-450}
+    TEST_S=${GPU_CHECK_TEST_S:-170}
+    SELECT=(-m "cuda and gpu_second")
+    BENCH_ARGS=${GPU_CHECK_BENCH_ARGS---second}
 else
+    COMMAND="first"
     BUDGET=${GPU_CHECK_BUDGET_S:-500}
-    TEST_S=${GPU_CHECK_TEST_S:-250}
+    TEST_S=${GPU_CHECK_TEST_S:-230}
     # Two tests that others cover: the compiled gpt_tiny fit (the resnet18 one covers compile,
     # bf16 and the profiler through the CLI), FSDP2 over gloo on two ranks sharing the GPU (DDP
     # covers two ranks, FSDP2 its one-rank NCCL group).
-    SELECT=(-k "not (compiled_and_profiled and gpt_tiny) and not fsdp_over_gloo")
+    SELECT=(-m "cuda and not gpu_second"
+        -k "not (compiled_and_profiled and gpt_tiny) and not fsdp_over_gloo")
     BENCH_ARGS=${GPU_CHECK_BENCH_ARGS---quick}
 fi
 BENCH_S=${GPU_CHECK_BENCH_S:-}
@@ -161,29 +186,48 @@ FINISHED=0
 finish() { # the verdict, the table (printed last, kept as summary.txt) and the 8 files in OUT
     [ "$FINISHED" = 1 ] && return
     FINISHED=1
-    local status verdict
+    local status verdict tests_failed=0
+    # Whether a CUDA test failed or errored, from the JUnit report (a pytest stopped by its share
+    # writes one too, with the tests it finished).
+    if [ -f "$WORK/cuda_tests.xml" ]; then
+        "$PYTHON" -c 'import sys, xml.etree.ElementTree as ET
+cases = ET.parse(sys.argv[1]).getroot().iter("testcase")
+sys.exit(any(c.find(k) is not None for c in cases for k in ("failure", "error")))' \
+            "$WORK/cuda_tests.xml" 2>/dev/null || tests_failed=1
+    fi
+    local pytest_cut=0 bench_cut=0
+    [ "${pytest_rc:-0}" -eq 124 ] && pytest_cut=1
+    case "${bench_rc:-0}" in 3 | 124) bench_cut=1 ;; esac
     if [ -n "$interrupted" ]; then
         status=124
         verdict="STOPPED: $interrupted"
     elif [ -n "$SETUP_FAILED" ]; then
         status=1
         verdict="FAILED: setup: $SETUP_FAILED"
-    elif [ "${pytest_rc:-0}" -ne 0 ]; then
+    elif [ "$tests_failed" = 1 ]; then
+        status=1
+        verdict="FAILED: a CUDA test failed or errored (the rows above; pytest.log)"
+    elif [ "${pytest_rc:-0}" -ne 0 ] && [ "$pytest_cut" = 0 ]; then
         status=1
         case "$pytest_rc" in
-            124) verdict="FAILED: pytest did not finish in its ${TEST_SHARE:-?} s share" ;;
             5) verdict="FAILED: pytest collected no CUDA test" ;;
             *) verdict="FAILED: pytest exit code $pytest_rc" ;;
         esac
     elif [ "$cuda" -eq 0 ]; then
         status=2
         verdict="no CUDA device: the setup and the collection ran, the CUDA tests skipped, nothing was measured"
-    elif [ "${bench_rc:-0}" -eq 124 ] || [ "${bench_rc:-0}" -eq 3 ]; then
+        if [ "$pytest_cut" = 1 ]; then
+            verdict="$verdict (pytest not finished in its ${TEST_SHARE:-?} s share)"
+        fi
+    elif [ "${bench_rc:-0}" -ne 0 ] && [ "$bench_cut" = 0 ]; then
+        status=1
+        verdict="FAILED: a benchmark launch failed (exit code $bench_rc; bench.log)"
+    elif [ "$pytest_cut" = 1 ] || [ "$bench_cut" = 1 ]; then
         status=3
-        verdict="the CUDA tests passed; the benchmark was cut short by its share (bench.json has what it finished)"
-    elif [ "${bench_rc:-0}" -ne 0 ]; then
-        status=3
-        verdict="the CUDA tests passed; the benchmark FAILED (exit code $bench_rc, see bench.log)"
+        local parts=()
+        [ "$pytest_cut" = 1 ] && parts+=("pytest, in its ${TEST_SHARE:-?} s share")
+        [ "$bench_cut" = 1 ] && parts+=("the benchmark (the rows say which)")
+        verdict="not finished in its share: $(IFS=';'; echo "${parts[*]}"); what ran passed"
     else
         status=0
         verdict="passed"
@@ -191,7 +235,7 @@ finish() { # the verdict, the table (printed last, kept as summary.txt) and the 
     local summary=$WORK/summary.txt
     echo
     "$PYTHON" scripts/ci/gpu_check_summary.py "$WORK" "${pytest_rc:--1}" "${bench_rc:--1}" "$status" \
-        "$verdict" "$SETUP_S" "$TESTS_S" "$BENCH_RUN_S" "$((SECONDS - STARTED))" "$OUT" \
+        "$verdict" "$SETUP_S" "$TESTS_S" "$BENCH_RUN_S" "$((SECONDS - STARTED))" "$OUT" "$COMMAND" \
         >"$summary" 2>"$WORK/summary.err" ||
         {
             # The table's own failure must not lose the verdict.
@@ -244,7 +288,7 @@ setup_fail() {
     exit 1
 }
 
-echo "== setup (budget ${BUDGET} s in all; output folder $OUT)"
+echo "== setup: the $COMMAND command (budget ${BUDGET} s in all; output folder $OUT)"
 # The torch this project supports, as pyproject.toml declares it, against the node's.
 need=$(sed -n 's/^ *"torch>=\([0-9.]*\)".*/\1/p' pyproject.toml | head -n 1)
 if ! torch_line=$("$PYTHON" - "$need" 2>&1 <<'EOF'
@@ -410,27 +454,18 @@ cuda=$(cat "$WORK/cuda_available" 2>/dev/null || echo 0)
 TEST_SHARE=$(($(left) - GRACE))
 [ "$TEST_S" -lt "$TEST_SHARE" ] && TEST_SHARE=$TEST_S
 echo
-echo "== pytest tests/cuda -m cuda (${TEST_TIMEOUT} s per test, ${TEST_SHARE} s in all)"
+echo "== pytest tests/cuda ${SELECT[*]} (${TEST_TIMEOUT} s per test, ${TEST_SHARE} s in all)"
 tests_started=$SECONDS
 if [ "$TEST_SHARE" -lt 1 ]; then
     pytest_rc=124
     echo "gpu_check: no time left for the tests" | tee "$WORK/pytest.log"
 else
-    run_part pytest "$TEST_SHARE" "$WORK/pytest.log" "$VPY" -m pytest tests/cuda -m cuda \
+    run_part pytest "$TEST_SHARE" "$WORK/pytest.log" "$VPY" -m pytest tests/cuda \
         -p no:cacheprovider -rfEs --durations=0 --durations-min=1 --timeout="$TEST_TIMEOUT" \
         --junitxml="$WORK/cuda_tests.xml" ${SELECT[@]+"${SELECT[@]}"} "$@"
     pytest_rc=$part_rc
 fi
 TESTS_S=$((SECONDS - tests_started))
-
-if [ "$cuda" = "1" ] && [ "$(left)" -gt $((60 + 2 * GRACE)) ]; then
-    # parallel=auto's constants measured on this GPU (docs/parallel.md): a minute at most; the
-    # file goes back in the archive.
-    echo
-    echo "== python -m sdnet_trainer.plan.calibrate (60 s at most)"
-    run_part calibrate 60 "$WORK/calibrate.log" "$VPY" -m sdnet_trainer.plan.calibrate \
-        out="$WORK/calibration.json"
-fi
 
 if [ "${GPU_CHECK_BENCH:-1}" != "0" ] && [ "$cuda" = "1" ]; then
     BENCH_SHARE=$(($(left) - GRACE))
@@ -452,5 +487,14 @@ if [ "${GPU_CHECK_BENCH:-1}" != "0" ] && [ "$cuda" = "1" ]; then
         bench_rc=$part_rc
     fi
     BENCH_RUN_S=$((SECONDS - bench_started))
+fi
+
+if [ "$COMMAND" != "second" ] && [ "$cuda" = "1" ] && [ "$(left)" -gt $((60 + 2 * GRACE)) ]; then
+    # parallel=auto's constants measured on this GPU (docs/parallel.md): a minute at most, with
+    # what the benchmark left; the file goes back in the archive.
+    echo
+    echo "== python -m sdnet_trainer.plan.calibrate (60 s at most)"
+    run_part calibrate 60 "$WORK/calibrate.log" "$VPY" -m sdnet_trainer.plan.calibrate \
+        out="$WORK/calibration.json"
 fi
 finish

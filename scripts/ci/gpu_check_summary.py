@@ -4,11 +4,13 @@ achieved TFLOP/s beside the bf16 matmul measured in the same run, the time each 
 verdict.
 
     python scripts/ci/gpu_check_summary.py FOLDER PYTEST_RC BENCH_RC STATUS VERDICT \\
-        SETUP_S TESTS_S BENCH_S TOTAL_S [SHOWN]
+        SETUP_S TESTS_S BENCH_S TOTAL_S [SHOWN [COMMAND]]
 
 FOLDER holds torch.txt, cuda_tests.xml and bench.json; SHOWN is the folder the header names
-(where the check's files end up; default FOLDER). A return code of -1 means the part did not run.
-The table goes to stdout.
+(where the check's files end up; default FOLDER); COMMAND is which of the check's commands ran
+(first, second or full; default first). A return code of -1 means the part did not run. The
+table goes to stdout; its last part names, for every GPU claim of the docs (CLAIMS), whether this
+run measured it.
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ from __future__ import annotations
 import json
 import sys
 import xml.etree.ElementTree as ET
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -115,14 +118,14 @@ def bench_rows(figures: dict[str, Any]) -> list[tuple[str, str]]:
             value += achieved(cell.get("tflops_per_s"), peak)
         rows.append((f"{name} tokens/s", value))
         rows.append((f"{name} MFU (datasheet peak)", num(cell.get("mfu"), "{:.1%}")))
-        # The same launch with float8 matmuls (bench_gpu.py's float8 sections): tokens/s compare,
-        # the MFU would count its FLOPs against the bf16 peak.
-        float8 = cell.get("float8")
-        if float8:
-            value = float8.get("failed") or (
-                f"{num(float8['tokens_per_s'])} ({float8['speedup']:.2f}x bf16)"
-            )
-            rows.append((f"{name} float8 {float8['recipe']} tokens/s", value))
+    # The second command's sections (bench_gpu.py --second): a row per variant, against the one
+    # it is compared with.
+    for section in figures.get("variant_sections", ()):
+        rows_of = figures[section]["rows"]
+        for row in rows_of.values():
+            rows.append((f"{section}: {row['label']}", variant_cell(row, rows_of)))
+        if figures[section].get("float8_not_run"):
+            rows.append((f"{section}: float8", f"not run: {figures[section]['float8_not_run']}"))
     loader = figures.get("loader")
     if loader:
         rows.append(("loader JPEG images/s per core", num(loader["images_per_s_per_core"])))
@@ -134,7 +137,167 @@ def bench_rows(figures: dict[str, Any]) -> list[tuple[str, str]]:
         )
     if figures.get("skipped"):
         rows.append(("benchmark left out (budget)", ", ".join(figures["skipped"])))
+    if figures.get("cut"):
+        rows.append(("not finished in its share", ", ".join(figures["cut"])))
     return rows
+
+
+# ---------------------------------------------------------------------------- the claims
+# Every GPU claim docs/gpu.md and the README make, with the command that measures it and its
+# evidence: bench.json's figures (a section, or variants of one) or CUDA tests that passed (a
+# JUnit classname's module, optionally a test name's start). docs/gpu.md lists the same claims
+# (tests/unit/test_gpu_check.py holds the two together).
+
+
+@dataclass(frozen=True)
+class Claim:
+    text: str
+    command: str  # first | second | full: the command of the check that measures it
+    bench: str | None = None  # a bench.json section
+    variants: tuple[str, ...] = ()  # of that section: these variants' rows
+    tests: str | None = None  # tests/cuda module (and ::name start) whose tests must pass
+
+
+CLAIMS = (
+    Claim("bf16 matmul, sustained (the practical peak)", "first", bench="matmul"),
+    Claim("ResNet-50 through the Trainer against a hand-written loop", "first", bench="resnet50"),
+    Claim("gpt_1b tokens/s and MFU on one GPU", "first", bench="gpt_1b"),
+    Claim("llama3_1b tokens/s and MFU on one GPU", "first", bench="llama3_1b"),
+    Claim(
+        "float8 rowwise and tensorwise against bf16 on llama3_1b, eager",
+        "second",
+        bench="llama3_1b_variants",
+        variants=("float8_rowwise_eager", "float8_tensorwise_eager"),
+    ),
+    Claim(
+        "float8 rowwise and tensorwise against bf16 on llama3_1b, compiled",
+        "second",
+        bench="llama3_1b_variants",
+        variants=("float8_rowwise_compiled", "float8_tensorwise_compiled"),
+    ),
+    Claim(
+        "FSDP2 on one GPU against the plain model (llama3_1b)",
+        "second",
+        bench="llama3_1b_variants",
+        variants=("fsdp2_eager",),
+    ),
+    Claim(
+        "the MoE's grouped matmul in bf16 against the loop over experts",
+        "second",
+        bench="moe",
+        variants=("loop",),
+    ),
+    Claim(
+        "ring attention against the K/V all-gather and one process",
+        "second",
+        bench="cp",
+        variants=("ring", "allgather"),
+    ),
+    Claim(
+        "float8 training on the float8 kernels, FSDP2's float8 all-gather",
+        "second",
+        tests="test_float8_cuda",
+    ),
+    Claim(
+        "context parallel (ring, all-gather) trains as one process",
+        "second",
+        tests="test_context_parallel_cuda",
+    ),
+    Claim("the MoE's grouped matmul equals the loop over experts", "second", tests="test_moe_cuda"),
+    Claim(
+        "one-GPU fits: bf16, channels_last, compile, profiler, memory snapshot",
+        "first",
+        tests="test_fit_cuda::test_one_gpu_fit",
+    ),
+    Claim(
+        "DDP, FSDP2 and ZeRO-1 on a one-rank NCCL group",
+        "first",
+        tests="test_fit_cuda::test_one_rank_nccl",
+    ),
+    Claim(
+        "DDP's CUDA wrapper on two ranks trains as one process",
+        "first",
+        tests="test_two_ranks_cuda",
+    ),
+    Claim("no host synchronisation on a non-log step", "first", tests="test_verdict_cuda"),
+    Claim(
+        "checkpoints: pinned staging reused, resume bitwise with dropout",
+        "first",
+        tests="test_checkpoint_cuda",
+    ),
+    Claim(
+        "the loader's pinned side-stream copies and GPU decode", "first", tests="test_loader_cuda"
+    ),
+    Claim("the loader's JPEG images/s per core", "full", bench="loader"),
+)
+
+
+def _test_outcomes(out: Path) -> dict[str, str]:
+    """Each CUDA test's outcome by ``module::name``: passed, failed or skipped."""
+    report = out / "cuda_tests.xml"
+    if not report.exists():
+        return {}
+    outcomes = {}
+    for case in ET.parse(report).getroot().iter("testcase"):
+        kind = next((k for k in ("failure", "error", "skipped") if case.find(k) is not None), None)
+        outcome = {None: "passed", "skipped": "skipped"}.get(kind, "failed")
+        outcomes[_case_name(case)] = outcome
+    return outcomes
+
+
+def claim_status(
+    claim: Claim, figures: dict[str, Any], outcomes: dict[str, str], command: str
+) -> str:
+    """Whether this run measured ``claim``, and if not, why not."""
+    if claim.tests is not None:
+        found = [v for k, v in outcomes.items() if k.startswith(claim.tests)]
+        if found and all(v == "passed" for v in found):
+            return f"measured ({len(found)} tests passed)"
+        if "failed" in found:
+            return "FAILED (a test failed)"
+        if found and "passed" in found:
+            return f"partly ({found.count('passed')} of {len(found)} tests passed)"
+        if found:
+            return "not measured (skipped)"
+    else:
+        cell = figures.get(claim.bench or "")
+        if claim.variants and cell:
+            rows = [cell["rows"].get(v) for v in claim.variants]
+            done = [r for r in rows if r is not None and not r.get("failed")]
+            if len(done) == len(rows):
+                return "measured"
+            if done:
+                return f"partly ({len(done)} of {len(rows)})"
+            reasons = {str(r["failed"]) for r in rows if r is not None}
+            if not reasons:  # float8's rows, where float8 could not run here
+                reasons = {str(cell.get("float8_not_run") or "not run")}
+            return f"not measured ({'; '.join(sorted(reasons))})"
+        if cell and not claim.variants:
+            failed = cell.get("failed") if isinstance(cell, dict) else None
+            return f"not measured ({failed})" if failed else "measured"
+    if command != claim.command and command != "full":
+        return f"not measured: the {claim.command} command's"
+    return "not measured (not run)"
+
+
+def claim_rows(figures: dict[str, Any], out: Path, command: str) -> list[tuple[str, str]]:
+    outcomes = _test_outcomes(out)
+    return [
+        (f"claim: {claim.text}", claim_status(claim, figures, outcomes, command))
+        for claim in CLAIMS
+    ]
+
+
+def variant_cell(row: dict[str, Any], rows: dict[str, dict[str, Any]]) -> str:
+    """tokens/s of a variant and, against its reference, the ratio and the largest relative gap
+    between their losses at the log points; or why there are none."""
+    if row.get("failed"):
+        return str(row["failed"])
+    text = f"{num(row['tokens_per_s'])} tokens/s"
+    if row.get("ratio") is not None:
+        versus = rows[row["versus"]]["label"]
+        text += f" ({row['ratio']:.2f}x {versus}; losses within {row['loss_gap']:.1e})"
+    return text
 
 
 def no_bench_row(bench_rc: int) -> tuple[str, str]:
@@ -155,18 +318,23 @@ def main(argv: list[str]) -> int:
     verdict = argv[4]
     setup_s, tests_s, bench_s, total_s = map(int, argv[5:9])
     shown = argv[9] if len(argv) > 9 else str(out)
+    command = argv[10] if len(argv) > 10 else "first"
     # Written by the check's machine step (this table does not import torch: seconds, on every
     # path, and a node whose torch is broken still gets its table).
     torch_file = out / "torch.txt"
     rows = [("torch", torch_file.read_text().strip() if torch_file.exists() else "not read")]
+    rows.append(("command", command))
     rows += test_rows(out, pytest_rc)
     bench = out / "bench.json"
+    figures: dict[str, Any] = {}
     if bench.exists():
-        rows += bench_rows(json.loads(bench.read_text()))
+        figures = json.loads(bench.read_text())
+        rows += bench_rows(figures)
         if bench_rc in (124, 137):
             rows.append(("benchmarks", "stopped at the end of its share: the figures it finished"))
     else:
         rows.append(no_bench_row(bench_rc))
+    rows += claim_rows(figures, out, command)
     rows.append(
         ("seconds: setup, tests, benchmark, all", f"{setup_s}, {tests_s}, {bench_s}, {total_s}")
     )

@@ -1,0 +1,137 @@
+"""Several Trainer runs of one model in one launch: scripts/bench/bench_gpu.py's sections that
+compare variants of a run (float8 recipes against bf16, eager and compiled; FSDP2 against the
+plain model; the MoE's grouped matmul against its loop over experts; context parallel).
+
+    torchrun --standalone --nproc_per_node=N scripts/bench/_variants_worker.py OUT SPEC_JSON
+    python scripts/bench/_variants_worker.py OUT SPEC_JSON        (one process, no group)
+
+SPEC_JSON: ``{"variants": [{"name": ..., "keys": [...], "moe_loop": false}, ...],
+"share_gpu": false}``. Each variant is the Trainer's own run of its keys, in order, in this
+process (and its process group, where torchrun started one); its metrics are the Trainer's
+(``OUT/<name>/metrics.jsonl``, the loss at each log point among them). After every variant rank
+0 rewrites ``OUT/results.json`` with what has finished, so a launch stopped at the end of its
+share keeps the variants it finished.
+
+Why one process: a 1B model's initial values take 15-25 s to compute on the CPU, value by value
+(models/init.py), and a process start with CUDA some seconds more. The first variant is built
+as the Trainer builds any run; every later one starts from a CPU copy of the first's initial
+model (the Trainer's override path for a model with values: moved to the device, then
+parallelized as usual: float8 conversion, compile, FSDP2). Throughput does not depend on the
+values, and every variant starts from the same ones, so their losses compare too.
+
+``moe_loop``: the mixture of experts' loop over experts (one matmul per expert) instead of
+torch's grouped matmul, as on a device without the grouped kernel. ``share_gpu``: every rank on
+the one visible GPU (LOCAL_RANK 0, as tests/cuda/_two_rank_worker.py does; the group is gloo).
+"""
+
+from __future__ import annotations
+
+import copy
+import gc
+import json
+import os
+import sys
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from sdnet_trainer import Trainer, compose
+from sdnet_trainer.distributed import distributed_session
+from sdnet_trainer.distributed.ddp import unwrap
+from sdnet_trainer.lazy import freeze_imports
+from sdnet_trainer.preflight import validate
+
+RESULTS = "results.json"
+
+
+class FirstVariant(Trainer):
+    """The Trainer as any run builds it, keeping a CPU copy of its initial model (taken before
+    the first step changes it) for the variants after it."""
+
+    initial_copy: nn.Module | None = None
+
+    def setup(self) -> None:
+        super().setup()
+        if self.pipeline is None:
+            self.initial_copy = copy.deepcopy(unwrap(self.model)).to("cpu")
+
+
+class LaterVariant(Trainer):
+    """The Trainer starting from a copy of ``initial``, a CPU model with values: the override
+    path of ``Trainer.build_model`` (moved to the device, then parallelized)."""
+
+    def __init__(self, *args: Any, initial: nn.Module, **kwargs: Any) -> None:
+        self.initial = initial
+        super().__init__(*args, **kwargs)
+
+    def build_model(self) -> nn.Module:
+        return copy.deepcopy(self.initial)
+
+
+@contextmanager
+def moe_loop(enabled: bool) -> Iterator[None]:
+    """The MoE experts' loop path: grouped_mm_supported answers False while this is open."""
+    if not enabled:
+        yield
+        return
+    from sdnet_trainer.models.moe import experts
+
+    saved = experts.grouped_mm_supported
+    experts.grouped_mm_supported = lambda *args, **kwargs: False
+    try:
+        yield
+    finally:
+        experts.grouped_mm_supported = saved
+
+
+def release_device() -> None:
+    """Between variants: the previous run's memory and compiled graphs gone, the peak reset."""
+    gc.collect()
+    torch._dynamo.reset()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats()
+
+
+def main(out: Path, spec: dict[str, Any]) -> None:
+    if spec.get("share_gpu"):
+        os.environ["LOCAL_RANK"] = "0"  # every rank on the one visible GPU
+    variants = spec["variants"]
+    world_size = int(os.environ.get("WORLD_SIZE", "1"))
+    configs = [compose(variant["keys"]) for variant in variants]
+    for cfg in configs:
+        validate(cfg, world_size=world_size)  # what the command line checks before it starts
+    results: dict[str, Any] = {}
+    initial: nn.Module | None = None
+    with distributed_session(configs[0].dist, output_dir=out) as env:
+        for variant, cfg in zip(variants, configs, strict=True):
+            run_dir = out / variant["name"]
+            run_dir.mkdir(parents=True, exist_ok=True)
+            started = time.perf_counter()
+            with moe_loop(bool(variant.get("moe_loop"))):
+                trainer: Trainer
+                if initial is None:
+                    trainer = FirstVariant(cfg, output_dir=run_dir, env=env)
+                else:
+                    trainer = LaterVariant(cfg, output_dir=run_dir, env=env, initial=initial)
+                try:
+                    trainer.fit()
+                finally:
+                    trainer.close()
+            if isinstance(trainer, FirstVariant):
+                initial = trainer.initial_copy
+            results[variant["name"]] = {"seconds": time.perf_counter() - started}
+            del trainer
+            release_device()
+            if env.is_main:
+                (out / RESULTS).write_text(json.dumps(results, indent=1))
+
+
+if __name__ == "__main__":
+    freeze_imports()  # as the command line does in its processes
+    main(Path(sys.argv[1]), json.loads(sys.argv[2]))
