@@ -126,12 +126,34 @@ def test_bench_gpu_quick_is_the_short_profile(bench_gpu, monkeypatch):
     assert bench_gpu.parse_args().sections == ["llama3_1b", "loader"]
     monkeypatch.setattr(sys, "argv", ["bench_gpu.py"])
     full = bench_gpu.parse_args()
-    assert full.sections == ["matmul", "resnet50", "gpt_1b", "llama3_1b", "loader"]
+    assert full.sections == [
+        "matmul",
+        "resnet50",
+        "gpt_1b",
+        "llama3_1b",
+        "loader",
+        "moe",
+        "cp",
+        "llama3_1b_variants",
+    ]
     assert full.rounds == 3
     assert (full.gpt_steps, full.llama_steps) == (25, 20)
     # No 1B decoder on a CPU.
     monkeypatch.setattr(sys, "argv", ["bench_gpu.py", "--cpu-smoke"])
-    assert bench_gpu.parse_args().sections == ["matmul", "resnet50", "loader"]
+    assert bench_gpu.parse_args().sections == [
+        "matmul",
+        "resnet50",
+        "loader",
+        "moe",
+        "cp",
+        "llama3_1b_variants",
+    ]
+    # The GPU check's second command: the variants, cheapest first, with --quick's steps.
+    second = bench_gpu.parse_args(["--second"])
+    assert second.sections == ["matmul", "moe", "cp", "llama3_1b_variants"]
+    assert (second.llama_steps, second.timeout) == (10, 120.0)
+    with pytest.raises(SystemExit):
+        bench_gpu.parse_args(["--second", "--quick"])
 
 
 def test_bench_gpu_loader_workers_fit_in_dev_shm(bench_gpu, monkeypatch):

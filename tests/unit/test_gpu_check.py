@@ -38,7 +38,7 @@ from tests.support import REPO, gpu_image_python, run_command, start_command
 
 SCRIPT = REPO / "scripts" / "ci" / "gpu_check.sh"
 # What scripts/ci/gpu_lane_requirements.txt names: the wheels a GPU node gets from the folder.
-LANE = ("hydra-core", "omegaconf", "antlr4-python3-runtime")
+LANE = ("hydra-core", "omegaconf", "antlr4-python3-runtime", "torchao")
 DEAD = "http://127.0.0.1:9"  # the discard port: nothing answers there
 OFFLINE = {
     "PIP_NO_INDEX": "1",
@@ -200,12 +200,12 @@ def test_gpu_check_installs_offline_collects_every_cuda_test_and_exits_2_without
     counts = {k: int(suite.get(k, 0)) for k in ("tests", "errors", "failures", "skipped")}
     assert counts["tests"] >= 30 and counts["skipped"] == counts["tests"], counts
     assert counts["errors"] == counts["failures"] == 0, counts
-    # The cold compiles run last (tests/cuda/conftest.py): a share that runs out loses only them.
+    # The cold compile runs last (tests/cuda/conftest.py): a share that runs out loses only it.
     order = [case.get("name") for case in suite.iter("testcase")]
-    assert set(order[-2:]) == {
-        "test_one_gpu_fit_bf16_compiled_and_profiled[resnet18]",
-        "test_float8_rowwise_compiled_per_block_trains",
-    }, order
+    assert order[-1] == "test_one_gpu_fit_bf16_compiled_and_profiled[resnet18]", order
+    # The second command's tests are not the first's.
+    modules = {case.get("classname", "").rsplit(".", 1)[-1] for case in suite.iter("testcase")}
+    assert not modules & {"test_float8_cuda", "test_context_parallel_cuda", "test_moe_cuda"}
     assert "test_one_rank_nccl_process_group[zero1]" in order  # in the default profile now
     pytest_log = (out / "pytest.log").read_text()
     assert "no CUDA device" in pytest_log and "slowest durations" in pytest_log, pytest_log
@@ -226,12 +226,49 @@ def test_gpu_check_stops_pytest_at_the_end_of_its_share_and_still_reports(tmp_pa
     launch, out = _gpu_check(
         tmp_path, python, wheels, GPU_CHECK_VENV=str(venv), GPU_CHECK_TEST_S="3"
     )
-    assert launch.returncode == 1, launch.output
+    # Not a failure of the code under test: without a GPU, still "no CUDA device".
+    assert launch.returncode == 2, launch.output
     assert "pytest: its 3 s share ran out: SIGINT" in launch.output, launch.output
     assert_fits_the_way_back(out)
     summary = (out / "summary.txt").read_text()
-    assert "FAILED: pytest did not finish in its 3 s share (exit code 1)" in summary, summary
+    assert "(pytest not finished in its 3 s share) (exit code 2)" in summary, summary
+    assert "FAILED" not in summary, summary
     assert launch.output.rstrip().endswith(summary.rstrip())
+    assert_nothing_left(tmp_path)
+
+
+@whole_check
+@pytest.mark.parametrize("share", [None, "3"], ids=["whole", "stopped_by_its_share"])
+def test_the_second_command_collects_its_tests_and_exits_2_without_a_gpu(
+    tmp_path, image, venv, share
+):
+    """GPU_CHECK_SECOND=1: the CUDA tests marked gpu_second and bench_gpu.py --second; on the
+    CPU it installs, collects those tests alone and exits 2, whole or stopped by its share, with
+    what an offline node hands back."""
+    python, wheels = image
+    env = {"GPU_CHECK_VENV": str(venv), "GPU_CHECK_SECOND": "1"}
+    if share is not None:
+        env["GPU_CHECK_TEST_S"] = share
+    launch, out = _gpu_check(tmp_path, python, wheels, **env)
+    assert launch.returncode == 2, launch.output
+    assert "the second command (budget 450 s in all" in launch.output, launch.output
+    assert_fits_the_way_back(out)
+    summary = (out / "summary.txt").read_text()
+    assert "no CUDA device" in summary and "(exit code 2)" in summary, summary
+    assert re.search(r"^command +second$", summary, re.M), summary
+    # Every GPU claim has its row: the first command's are said to be that command's.
+    assert "claim: float8 rowwise and tensorwise against bf16 on llama3_1b, eager" in summary
+    assert re.search(r"claim: gpt_1b tokens/s .* not measured: the first command's", summary)
+    if share is None:
+        suite = ET.parse(out / "cuda_tests.xml").getroot()
+        names = {case.get("classname", "").rsplit(".", 1)[-1] for case in suite.iter("testcase")}
+        assert names == {
+            "test_float8_cuda",
+            "test_context_parallel_cuda",
+            "test_moe_cuda",
+        }, names
+    else:
+        assert "(pytest not finished in its 3 s share)" in summary, summary
     assert_nothing_left(tmp_path)
 
 
@@ -340,9 +377,7 @@ def test_the_table_has_a_row_for_each_decoder_section(scripts, tmp_path, capsys)
     run = bench_gpu.DecoderRun(llama, batch=8, micro=4, steps=10, compile=False)
     # The first log point (the first step's allocations) is left out; the median of the rest.
     rows = _metrics([9000.0, 31000.0, 30000.0, 32000.0, 31500.0], [0.1, 0.41, 0.40, 0.43, 0.42])
-    figures_llama = bench_gpu.decoder_summary(
-        rows, run=run, seconds=50.0, other=0.1, source=tmp_path
-    )
+    figures_llama = bench_gpu.decoder_summary(rows, run=run, seconds=50.0, other=0.1)
     assert figures_llama["tokens_per_s"] == 31250.0 and figures_llama["mfu"] == 0.415
     assert figures_llama["log_points"] == 4 and figures_llama["peak_memory_mb"] == 40005.0
     assert "31,250 tokens/s  MFU 41.5%" in capsys.readouterr().out  # bench_gpu's own line
@@ -435,6 +470,59 @@ def test_the_table_lists_only_the_decoders_that_ran(scripts, tmp_path, capsys):
     figures = {"device": "NVIDIA H100 80GB HBM3", "decoders": []}
     (tmp_path / "bench.json").write_text(json.dumps(figures))
     summary.main([str(tmp_path), "0", "0", "0", "passed", "1", "2", "3", "6"])
-    out = capsys.readouterr().out
+    out = "\n".join(
+        line for line in capsys.readouterr().out.splitlines() if not line.startswith("claim:")
+    )
     assert "tokens/s" not in out and "MFU" not in out
     assert "device" in out and "NVIDIA H100 80GB HBM3" in out
+
+
+def test_the_table_says_which_claims_this_run_measured(scripts, tmp_path, capsys):
+    """Each claim's row: measured where its figures or its passing tests are in this run's files;
+    partly, failed, or not measured with why (another command's, a share's end, float8 not run)."""
+    _, summary = scripts
+    (tmp_path / "cuda_tests.xml").write_text(JUNIT)
+    row = {"label": "x", "versus": None, "failed": None, "tokens_per_s": 1.0, "cut": False}
+    figures = {
+        "device": "NVIDIA H100 80GB HBM3",
+        "decoders": [],
+        "matmul": {"tflops_per_s": 790.0, "size": 8192, "dtype": "bfloat16"},
+        "variant_sections": ["moe", "cp"],
+        "moe": {"rows": {"grouped": row, "loop": row}},
+        "cp": {
+            "rows": {
+                "one_process": row,
+                "ring": {**row, "failed": "not finished in its share (80 s)", "cut": True},
+                "allgather": row,
+            }
+        },
+    }
+    (tmp_path / "bench.json").write_text(json.dumps(figures))
+    argv = [str(tmp_path), "1", "3", "1", "FAILED", "1", "2", "3", "6", "/out", "second"]
+    summary.main(argv)
+    cells = dict(
+        re.split(r"\s{2,}", line, maxsplit=1) for line in capsys.readouterr().out.splitlines()[1:]
+    )
+    claim = {name.removeprefix("claim: "): v for name, v in cells.items() if name[:6] == "claim:"}
+    assert list(claim) == [c.text for c in summary.CLAIMS]
+    assert claim["bf16 matmul, sustained (the practical peak)"] == "measured"
+    assert claim["the MoE's grouped matmul in bf16 against the loop over experts"] == "measured"
+    assert claim["ring attention against the K/V all-gather and one process"] == "partly (1 of 2)"
+    assert claim["gpt_1b tokens/s and MFU on one GPU"] == "not measured: the first command's"
+    assert claim["FSDP2 on one GPU against the plain model (llama3_1b)"] == (
+        "not measured (not run)"
+    )
+    # JUNIT: test_fit_cuda's test_a passed, test_b failed; test_verdict_cuda's only test errored.
+    assert claim["no host synchronisation on a non-log step"] == "FAILED (a test failed)"
+    loader = "the loader's pinned side-stream copies and GPU decode"
+    assert claim[loader] == "partly (1 of 2 tests passed)"
+
+
+def test_docs_list_every_claim_the_table_names(scripts):
+    """docs/gpu.md's table of claims is the table's list (gpu_check_summary.CLAIMS), in order,
+    each with the command that measures it."""
+    _, summary = scripts
+    text = (REPO / "docs" / "gpu.md").read_text()
+    section = text[text.index("### What each command measures") :]
+    rows = re.findall(r"^\| (.+?) \| (first|second|full) \|", section, re.M)
+    assert rows == [(c.text, c.command) for c in summary.CLAIMS]
