@@ -20,8 +20,10 @@ parallelized as usual: float8 conversion, compile, FSDP2). Throughput does not d
 values, and every variant starts from the same ones, so their losses compare too.
 
 ``moe_loop``: the mixture of experts' loop over experts (one matmul per expert) instead of
-torch's grouped matmul, as on a device without the grouped kernel. ``share_gpu``: every rank on
-the one visible GPU (LOCAL_RANK 0, as tests/cuda/_two_rank_worker.py does; the group is gloo).
+torch's grouped matmul, as on a device without the grouped kernel. results.json says, per
+variant, what ran: the grouped matmul's calls, FSDP2 or not, the float8 and compiled modules.
+``share_gpu``: every rank on the one visible GPU (LOCAL_RANK 0, as tests/cuda/_two_rank_worker.py
+does; the group is gloo).
 """
 
 from __future__ import annotations
@@ -74,19 +76,40 @@ class LaterVariant(Trainer):
 
 
 @contextmanager
-def moe_loop(enabled: bool) -> Iterator[None]:
-    """The MoE experts' loop path: grouped_mm_supported answers False while this is open."""
-    if not enabled:
-        yield
-        return
+def experts_path(*, loop: bool) -> Iterator[list[int]]:
+    """While open, the MoE experts take the loop over experts (``loop``: grouped_mm_supported
+    answers False) or their usual path; yields a one-item list counting the grouped matmul's
+    calls, so the results say which path ran."""
     from sdnet_trainer.models.moe import experts
 
-    saved = experts.grouped_mm_supported
-    experts.grouped_mm_supported = lambda *args, **kwargs: False
+    calls = [0]
+    grouped, supported = experts._GROUPED_MM, experts.grouped_mm_supported
+
+    def counted(*args: Any, **kwargs: Any) -> Any:
+        calls[0] += 1
+        return grouped(*args, **kwargs)
+
+    experts._GROUPED_MM = counted if grouped is not None else None
+    if loop:
+        experts.grouped_mm_supported = lambda *args, **kwargs: False
     try:
-        yield
+        yield calls
     finally:
-        experts.grouped_mm_supported = saved
+        experts._GROUPED_MM, experts.grouped_mm_supported = grouped, supported
+
+
+def built(model: nn.Module) -> dict[str, Any]:
+    """What the Trainer built, for the table to show the variant ran as named: sharded by FSDP2,
+    how many linear layers float8 converted, how many modules were compiled."""
+    from torch.distributed.fsdp import FSDPModule
+
+    modules = list(model.modules())
+    return {
+        "fsdp": any(isinstance(m, FSDPModule) for m in modules),
+        "float8_linears": sum(type(m).__name__ == "Float8Linear" for m in modules),
+        # Module.compile (compile.enabled) sets _compiled_call_impl on each block it compiles.
+        "compiled": sum(getattr(m, "_compiled_call_impl", None) is not None for m in modules),
+    }
 
 
 def release_device() -> None:
@@ -113,7 +136,7 @@ def main(out: Path, spec: dict[str, Any]) -> None:
             run_dir = out / variant["name"]
             run_dir.mkdir(parents=True, exist_ok=True)
             started = time.perf_counter()
-            with moe_loop(bool(variant.get("moe_loop"))):
+            with experts_path(loop=bool(variant.get("moe_loop"))) as grouped_calls:
                 trainer: Trainer
                 if initial is None:
                     trainer = FirstVariant(cfg, output_dir=run_dir, env=env)
@@ -121,11 +144,16 @@ def main(out: Path, spec: dict[str, Any]) -> None:
                     trainer = LaterVariant(cfg, output_dir=run_dir, env=env, initial=initial)
                 try:
                     trainer.fit()
+                    record = built(trainer.model)  # before close() lets the model go
                 finally:
                     trainer.close()
             if isinstance(trainer, FirstVariant):
                 initial = trainer.initial_copy
-            results[variant["name"]] = {"seconds": time.perf_counter() - started}
+            results[variant["name"]] = {
+                "seconds": time.perf_counter() - started,
+                "grouped_mm_calls": grouped_calls[0],
+                **record,
+            }
             del trainer
             release_device()
             if env.is_main:

@@ -2,7 +2,11 @@
 matmuls without float8 hardware: which layers convert, the loss curve against bf16, checkpoints
 and exports without float8 in them, FSDP2's float8 all-gather on a one-rank group, the tensor-
 parallel styles, and every refusal. FSDP2 on 2 processes against one: tests/distributed/
-test_layouts.py (llama_fsdp_float8); on a GPU: tests/cuda/test_float8_cuda.py."""
+test_layouts.py (llama_fsdp_float8); on a GPU: tests/cuda/test_float8_cuda.py.
+
+What computes in float8 here is the CPU's torch._scaled_mm, which not every torch offers for
+both recipes (torch 2.11's takes per-tensor scales only, so rowwise fails there): one tiny
+product per recipe, made once, says which; a test that needs the other is skipped, naming it."""
 
 from __future__ import annotations
 
@@ -43,6 +47,40 @@ from torchao.float8.float8_tensor_parallel import (  # noqa: E402
     Float8RowwiseParallel,
 )
 from torchao.float8.fsdp_utils import WeightWithDynamicFloat8CastTensor  # noqa: E402
+
+
+def _scaled_mm_refusal(recipe: str) -> str | None:
+    """Why this machine's CPU torch._scaled_mm cannot compute a product as ``recipe`` scales it
+    (float8_e4m3fn operands, fp32 scales: one per tensor, or one per row of the first operand
+    and per column of the second, as torchao passes them), or None where it can. Asked of a
+    16x16 product, not of the torch version: the CPU kernels differ by build and by CPU too."""
+    a = torch.ones(16, 16).to(torch.float8_e4m3fn)
+    b = torch.ones(16, 16).to(torch.float8_e4m3fn).t()  # column-major, as _scaled_mm wants it
+    shapes = {"tensorwise": ((), ()), "rowwise": ((16, 1), (1, 16))}[recipe]
+    scale_a, scale_b = (torch.ones(shape) for shape in shapes)
+    try:
+        out = torch._scaled_mm(a, b, scale_a=scale_a, scale_b=scale_b, out_dtype=torch.bfloat16)
+    except (RuntimeError, NotImplementedError) as exc:
+        reason = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        return f"torch {torch.__version__}'s CPU torch._scaled_mm refuses {recipe} scales: {reason}"
+    if not torch.equal(out, torch.full((16, 16), 16.0, dtype=torch.bfloat16)):
+        return f"torch {torch.__version__}'s CPU torch._scaled_mm computes {recipe} scales wrong"
+    return None
+
+
+SCALED_MM_REFUSALS = {recipe: _scaled_mm_refusal(recipe) for recipe in ("rowwise", "tensorwise")}
+
+
+def needs_scaled_mm(recipe: str) -> pytest.MarkDecorator:
+    """Skip where the CPU cannot compute ``recipe``'s float8 matmuls (the reason names why)."""
+    refusal = SCALED_MM_REFUSALS[recipe]
+    return pytest.mark.skipif(refusal is not None, reason=refusal or "")
+
+
+def recipes() -> list:
+    """rowwise and tensorwise, each skipped where the CPU cannot compute its matmuls."""
+    return [pytest.param(r, marks=needs_scaled_mm(r)) for r in ("rowwise", "tensorwise")]
+
 
 # llama3_debug: width 64, 4 query heads over 2 key/value heads (16 channels each), MLP 176 wide:
 # every projection's sizes are multiples of 16; the output layer (64 -> 256) is left alone.
@@ -97,23 +135,34 @@ def _train(run_dir, overrides, env=None) -> LossRecorder:
     return trainer
 
 
+class _Runs(dict):
+    """50 steps of llama3_debug in bf16 (``runs["bf16"]``) and with each float8 recipe (bf16
+    besides), each saved; each trained when a test first asks for it, so a recipe this CPU
+    cannot compute is never trained."""
+
+    def __init__(self, out) -> None:
+        super().__init__()
+        self.out = out
+
+    def __missing__(self, name: str) -> LossRecorder:
+        extra = [] if name == "bf16" else [f"precision.float8={name}"]
+        self[name] = _train(self.out / name, [*CURVE, *extra])
+        return self[name]
+
+
 @pytest.fixture(scope="module")
-def runs(tmp_path_factory) -> dict[str, LossRecorder]:
-    """50 steps of llama3_debug in bf16, and with each float8 recipe (bf16 besides), each saved."""
-    out = tmp_path_factory.mktemp("float8_runs")
-    recipes = {"bf16": [], "rowwise": ["precision.float8=rowwise"]}
-    recipes["tensorwise"] = ["precision.float8=tensorwise"]
-    return {name: _train(out / name, [*CURVE, *extra]) for name, extra in recipes.items()}
+def runs(tmp_path_factory) -> _Runs:
+    return _Runs(tmp_path_factory.mktemp("float8_runs"))
 
 
 # ---------------------------------------------------------------------- training
 
 
-@pytest.mark.parametrize("recipe", ["rowwise", "tensorwise"])
+@pytest.mark.parametrize("recipe", recipes())
 def test_float8_trains_a_llama_within_2_percent_of_bf16(runs, recipe):
     """Through the Trainer: built on the meta device, converted, then initialised (a float8 layer
     left out of the init steps would start from uninitialised memory, NaN at the first step)."""
-    run, bf16 = runs[recipe], runs["bf16"]
+    bf16, run = runs["bf16"], runs[recipe]
     converted = {n for n, m in run.built.named_modules() if isinstance(m, Float8Linear)}
     assert converted == {f"blocks.{i}.{p}" for i in range(2) for p in PROJECTIONS}
     assert len(run.losses) == len(bf16.losses) == STEPS
@@ -123,7 +172,8 @@ def test_float8_trains_a_llama_within_2_percent_of_bf16(runs, recipe):
     assert run.losses != bf16.losses  # float8 matmuls ran: not the bf16 curve itself
 
 
-def test_a_float8_checkpoint_holds_the_plain_models_weights(runs, tmp_path):
+@pytest.mark.parametrize("recipe", recipes())
+def test_a_float8_checkpoint_holds_the_plain_models_weights(runs, recipe, tmp_path):
     """The same names and fp32 tensors as a run without float8 (the checkpoint's metadata), and
     the export is the plain model's state dict, which a Llama without float8 loads."""
 
@@ -131,7 +181,7 @@ def test_a_float8_checkpoint_holds_the_plain_models_weights(runs, tmp_path):
         step = runs[name].output_dir / "checkpoints" / f"step_{STEPS:08d}"
         return FileSystemReader(str(step)).read_metadata().state_dict_metadata
 
-    plain, with_float8 = saved("bf16"), saved("rowwise")
+    plain, with_float8 = saved("bf16"), saved(recipe)
     assert plain.keys() == with_float8.keys()
     weights = [k for k in plain if k.startswith("model.") and k.endswith(".weight")]
     assert "model.blocks.0.attn.wq.weight" in weights
@@ -139,14 +189,14 @@ def test_a_float8_checkpoint_holds_the_plain_models_weights(runs, tmp_path):
         assert with_float8[key].properties.dtype == torch.float32, key
         assert with_float8[key].size == plain[key].size, key
 
-    step = runs["rowwise"].output_dir / "checkpoints" / f"step_{STEPS:08d}"
+    step = runs[recipe].output_dir / "checkpoints" / f"step_{STEPS:08d}"
     assert export_main([f"checkpoint={step}", "format=pt", f"out={tmp_path}"]) == 0
     exported = torch.load(tmp_path / "model.pt", weights_only=True)
     bare = build_model(compose(CURVE).model)
     assert exported.keys() == bare.state_dict().keys()
     assert {v.dtype for v in exported.values()} == {torch.float32}
     bare.load_state_dict(exported)
-    trained = runs["rowwise"].built.state_dict()
+    trained = runs[recipe].built.state_dict()
     torch.testing.assert_close(
         exported["blocks.1.mlp.w2.weight"], trained["blocks.1.mlp.w2.weight"]
     )
@@ -205,6 +255,7 @@ def test_the_filter_leaves_the_head_and_odd_sizes_alone_and_says_so(caplog):
     assert "head (the output layer)" in message
 
 
+@needs_scaled_mm("tensorwise")
 def test_llama_converts_every_projection_and_keeps_its_weights(tmp_path):
     """Through parallelize() on a one-process run: the model computes as before up to float8
     rounding, under the same parameter names."""
@@ -307,6 +358,7 @@ def test_tensorwise_tp_with_sequence_parallel_is_refused_on_gloo():
 # ---------------------------------------------------------------------- FSDP2 and TP styles
 
 
+@needs_scaled_mm("tensorwise")
 def test_tensorwise_fsdp_gathers_float8_weights_and_refreshes_their_scales(tmp_path, one_rank):
     """FSDP2 on a one-rank group: the weights are torchao's float8-casting tensors, whose scales
     are computed after every optimizer step; the run trains as the bare float8 model does. With
@@ -328,6 +380,7 @@ def test_tensorwise_fsdp_gathers_float8_weights_and_refreshes_their_scales(tmp_p
     torch.testing.assert_close(ema.losses, bare.losses, rtol=1e-5, atol=1e-6)
 
 
+@needs_scaled_mm("tensorwise")
 def test_tp_styles_follow_the_recipe(one_rank):
     """Tensorwise layers take torchao's float8 styles, rowwise and plain ones torch's; a
     tensorwise Llama under its TP plan (a one-rank mesh) computes what it computes unsharded."""
@@ -358,50 +411,62 @@ def test_tp_styles_follow_the_recipe(one_rank):
     torch.testing.assert_close(grad.full_tensor(), model.blocks[1].mlp.w2.weight.grad)
 
 
-# ---------------------------------------------------------------------- imports
+# ---------------------------------------------------------------------- the GPU check's rows
 
 
-# ---------------------------------------------------------------------- the GPU check's row
-
-
-def test_the_gpu_checks_float8_launch_passes_preflight_and_makes_its_row(monkeypatch, tmp_path):
-    """scripts/bench/bench_gpu.py's llama3_1b section launches again with precision.float8=
-    rowwise: a config the preflight accepts on an H100 and refuses on an A100; the GPU check's
-    table gives its tokens/s beside the bf16 launch's."""
-    import argparse
+def test_the_gpu_checks_float8_variants_pass_preflight_and_make_their_rows(monkeypatch):
+    """scripts/bench/bench_gpu.py's llama3_1b_variants section (the GPU check's second command)
+    runs llama3_1b with each float8 recipe, eager and compiled: configs the preflight accepts on
+    an H100 and refuses on an A100; the GPU check's table gives each one's tokens/s against
+    bf16's, or why float8 did not run."""
     import importlib
 
     monkeypatch.syspath_prepend(str(REPO / "scripts" / "bench"))
     monkeypatch.syspath_prepend(str(REPO / "scripts" / "ci"))
     bench_gpu = importlib.import_module("bench_gpu")
     summary = importlib.import_module("gpu_check_summary")
-    llama = next(dec for dec in bench_gpu.DECODERS if dec.float8 is not None)
-    args = argparse.Namespace(llama_batch=8, llama_micro=4, llama_steps=10, llama_compile=False)
-    run = bench_gpu.DecoderRun.from_args(args, llama)
-    keys = bench_gpu.decoder_keys(run, tmp_path, float8=llama.float8)
-    cfg = compose([key for key in keys if not key.startswith("hydra.")])
-    assert (cfg.model.name, cfg.precision.dtype, cfg.precision.float8) == (
-        "llama",
-        "bf16",
-        "rowwise",
+    args = bench_gpu.parse_args(["--second"])
+    launches = bench_gpu.section_launches(args, "llama3_1b_variants", float8=True)
+    variants = [v for launch in launches for v in launch.variants]
+    float8_variants = {v.name: v for v in variants if any("precision.float8=" in k for k in v.keys)}
+    assert sorted(float8_variants) == sorted(
+        f"float8_{recipe}_{mode}"
+        for recipe in ("rowwise", "tensorwise")
+        for mode in ("eager", "compiled")
     )
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
     monkeypatch.delenv("LOCAL_RANK", raising=False)
     monkeypatch.delenv("RANK", raising=False)
-    _gpu(monkeypatch, "NVIDIA H100 80GB HBM3", (9, 0))
-    validate(cfg, world_size=1)
-    _gpu(monkeypatch, "NVIDIA A100-SXM4-80GB", (8, 0))
-    with pytest.raises(ConfigError, match="compute capability 8.0"):
+    for name, variant in float8_variants.items():
+        cfg = compose([key for key in variant.keys if not key.startswith("hydra.")])
+        recipe = name.split("_")[1]
+        assert (cfg.model.name, cfg.precision.dtype, cfg.precision.float8) == (
+            "llama",
+            "bf16",
+            recipe,
+        )
+        _gpu(monkeypatch, "NVIDIA H100 80GB HBM3", (9, 0))
         validate(cfg, world_size=1)
+        _gpu(monkeypatch, "NVIDIA A100-SXM4-80GB", (8, 0))
+        with pytest.raises(ConfigError, match="compute capability 8.0"):
+            validate(cfg, world_size=1)
 
-    bf16 = {"tokens_per_s": 30000.0, "mfu": 0.4, "tflops_per_s": 396.0, "compiled": True}
-    float8_cell = {"recipe": "rowwise", "name": "llama3_1b float8 rowwise", "tokens_per_s": 36000.0}
-    figures = {
-        "decoders": ["llama3_1b"],
-        "llama3_1b": {**bf16, "float8": {**float8_cell, "speedup": 1.2}},
+    bf16 = {"label": "bf16 eager", "versus": None, "failed": None, "tokens_per_s": 30000.0}
+    rowwise = {
+        "label": "float8 rowwise eager",
+        "versus": "bf16_eager",
+        "failed": None,
+        "tokens_per_s": 36000.0,
+        "ratio": 1.2,
+        "loss_gap": 0.01,
     }
+    section = {"rows": {"bf16_eager": bf16, "float8_rowwise_eager": rowwise}}
+    figures = {"variant_sections": ["llama3_1b_variants"], "llama3_1b_variants": section}
     rows = dict(summary.bench_rows(figures))
-    assert rows["llama3_1b float8 rowwise tokens/s"] == "36,000 (1.20x bf16)"
-    figures["llama3_1b"]["float8"] = {**float8_cell, "failed": "not run: torchao is not installed"}
+    assert rows["llama3_1b_variants: float8 rowwise eager"] == (
+        "36,000 tokens/s (1.20x bf16 eager; losses within 1.0e-02)"
+    )
+    section = {"rows": {"bf16_eager": bf16}, "float8_not_run": "torchao is not installed"}
+    figures["llama3_1b_variants"] = section
     rows = dict(summary.bench_rows(figures))
-    assert rows["llama3_1b float8 rowwise tokens/s"] == "not run: torchao is not installed"
+    assert rows["llama3_1b_variants: float8"] == "not run: torchao is not installed"
