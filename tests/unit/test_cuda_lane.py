@@ -13,11 +13,10 @@ import textwrap
 
 import pytest
 import torch
-import yaml
 
 from sdnet_trainer import compose
 from sdnet_trainer.errors import ConfigError
-from tests.support import REPO, TINY, bench_main_in_process, main_in_process, run_command
+from tests.support import REPO, TINY, bench_main_in_process, run_command
 
 CI, BENCH = REPO / "scripts" / "ci", REPO / "scripts" / "bench"
 
@@ -285,37 +284,6 @@ def test_bench_gpu_llama3_1b_launch_passes_preflight_for_one_gpu(bench_gpu, tmp_
     validate(compose(_config_keys(bench_gpu.decoder_keys(gpt_run, tmp_path))), world_size=1)
 
 
-@pytest.mark.usefixtures("main_in_this_process")
-@pytest.mark.parametrize("section", ["gpt_1b", "llama3_1b"])
-def test_bench_gpu_decoder_launch_composes_through_the_cli(
-    bench_gpu, section, tmp_path, monkeypatch, capfd
-):
-    """The decoder launch of --quick, word for word as bench_gpu starts it, through the command
-    line's own main (``--cfg job --resolve``) with only dist.device=cuda swapped for the CPU: a
-    typo in a key or an interpolation fails here, not on the GPU node."""
-    monkeypatch.chdir(tmp_path)
-    monkeypatch.setattr(sys, "argv", ["bench_gpu.py", "--quick"])
-    args = bench_gpu.parse_args()
-    decoder = next(dec for dec in bench_gpu.DECODERS if dec.section == section)
-    run = bench_gpu.DecoderRun.from_args(args, decoder)
-    cmd = bench_gpu.decoder_command(run, tmp_path / section)
-    assert cmd[:3] == [sys.executable, "-m", "sdnet_trainer"]
-    keys = cmd[3:]
-    assert keys.count("dist.device=cuda") == 1
-    keys = ["dist.device=cpu" if key == "dist.device=cuda" else key for key in keys]
-    code, output = main_in_process([*keys, "--cfg", "job", "--resolve"], monkeypatch, capfd)
-    assert code == 0, output
-    cfg = yaml.safe_load(output)
-    family = cfg["model"][decoder.family]
-    assert cfg["model"]["name"] == decoder.family
-    assert cfg["data"]["vocab_size"] == family["vocab_size"] > 30000  # the model's vocabulary
-    assert cfg["data"]["seq_len"] == bench_gpu.DECODER_SEQ_LEN
-    assert cfg["loop"]["max_steps"] == decoder.quick_steps
-    assert cfg["loop"]["global_batch_size"] == run.batch
-    assert cfg["precision"]["dtype"] == "bf16" and cfg["logging"]["flops"]
-    assert not (tmp_path / section).exists()  # --cfg only prints
-
-
 @pytest.mark.full  # seconds: out of the quick tier
 def test_bench_gpu_machinery_runs_on_the_cpu(tmp_path, monkeypatch, capfd):
     """--cpu-smoke: both ResNet sides launched and timed (a ResNet-18 at 32x32, fp32), the loader
@@ -354,3 +322,41 @@ def test_bench_gpu_machinery_runs_on_the_cpu(tmp_path, monkeypatch, capfd):
     assert figures["decoders"] == []  # no 1B decoder on a CPU
     assert "gpt_1b" not in figures and "llama3_1b" not in figures
     assert "2,470 images/s" in output and "trainer / hand" in output
+
+
+@pytest.mark.full  # a minute of launches: out of the quick tier
+def test_bench_gpu_second_command_machinery_runs_on_the_cpu(tmp_path, monkeypatch, capfd):
+    """--second --cpu-smoke: the variants worker's launches as on the node (one process; torchrun
+    of one for FSDP2's group; two ranks for context parallel), on the debug models. Each variant
+    ran as named (the worker's record), the later variants started from the first's weights (the
+    same losses as it, to rounding), and the table and JSON gpu_check.sh reads are written."""
+    figures_file = tmp_path / "figures.json"
+    argv = ["--second", "--cpu-smoke", "--sections", "moe,cp,llama3_1b_variants"]
+    argv += ["--out", str(tmp_path / "out"), "--json", str(figures_file)]
+    code, output = bench_main_in_process(
+        "bench_gpu", argv, cwd=tmp_path, monkeypatch=monkeypatch, capfd=capfd
+    )
+    assert code == 0, output
+    figures = json.loads(figures_file.read_text())
+    assert figures["variant_sections"] == ["moe", "cp", "llama3_1b_variants"]
+    rows = {s: figures[s]["rows"] for s in figures["variant_sections"]}
+    for section in rows.values():
+        for name, row in section.items():
+            assert row["failed"] is None and row["tokens_per_s"] > 0, (name, row)
+            assert row["log_points"] >= 2, (name, row)
+    moe, cp, llama = rows["moe"], rows["cp"], rows["llama3_1b_variants"]
+    # The grouped matmul ran in one and not in the other: the loop is really the loop.
+    assert moe["grouped"]["built"]["grouped_mm_calls"] > 0
+    assert moe["loop"]["built"]["grouped_mm_calls"] == 0
+    assert moe["loop"]["versus"] == "grouped" and moe["loop"]["loss_gap"] < 1e-2
+    # Context parallel against one process (the ring is CUDA's: not on the CPU).
+    assert list(cp) == ["one_process", "allgather"]
+    assert cp["allgather"]["versus"] == "one_process" and cp["allgather"]["loss_gap"] < 1e-3
+    # FSDP2 sharded the copy of the plain run's initial model, and trained it alike.
+    assert llama["bf16_eager"]["built"]["fsdp"] is False
+    assert llama["fsdp2_eager"]["built"]["fsdp"] is True
+    first = llama["bf16_eager"]["losses"][0]
+    assert llama["fsdp2_eager"]["losses"][0] == pytest.approx(first, rel=1e-4)  # bf16 rounding
+    assert llama["fsdp2_eager"]["loss_gap"] < 1e-3 and llama["fsdp2_eager"]["ratio"] > 0
+    assert "float8 kernels are the GPU's" in figures["llama3_1b_variants"]["float8_not_run"]
+    assert "FSDP2 bf16 eager" in output and "x bf16 eager" in output
