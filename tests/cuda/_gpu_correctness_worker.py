@@ -1,6 +1,11 @@
 """Worker for tests/cuda/test_gpu_correctness_cuda.py: one rank under torchrun on one GPU (NCCL).
 
-    python -m torch.distributed.run --standalone --nproc_per_node=1 _gpu_correctness_worker.py OUT
+    python -m torch.distributed.run --standalone --nproc_per_node=1 _gpu_correctness_worker.py \
+        OUT KEY=V...
+
+The session is the one of the config the overrides compose (the test passes
+``tests/cuda/launches.py``'s ``nccl_group``: dist.device=cuda, dist.timeout_s=300), opened with
+``cpu_collectives`` (NCCL + gloo).
 
 Saves what the test checks to OUT/results.pt:
 
@@ -34,7 +39,8 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import CPUOffloadPolicy, fully_shard
 from torch.nn.parallel import DistributedDataParallel
 
-from sdnet_trainer.config.schema import CommConfig, DistConfig
+from sdnet_trainer.config import compose
+from sdnet_trainer.config.schema import CommConfig
 from sdnet_trainer.distributed import distributed_session
 from sdnet_trainer.distributed.comm import GradientComm
 from sdnet_trainer.distributed.env import shorten_timeout
@@ -126,8 +132,8 @@ def _recorded() -> dict[str, Any]:
     }
 
 
-def main(out_dir: Path) -> None:
-    cfg = DistConfig(device="cuda", timeout_s=300)
+def main(out_dir: Path, overrides: list[str]) -> None:
+    cfg = compose(overrides).dist
     with distributed_session(cfg, output_dir=out_dir, cpu_collectives=True) as env:
         results = {
             "flight_recorder": {k: os.environ.get(k) for k in FLIGHT_RECORDER_KEYS},
@@ -141,4 +147,4 @@ def main(out_dir: Path) -> None:
 
 if __name__ == "__main__":
     freeze_imports()  # as the CLI does in its processes
-    main(Path(sys.argv[1]))
+    main(Path(sys.argv[1]), sys.argv[2:])

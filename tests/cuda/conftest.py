@@ -1,14 +1,19 @@
-"""The order of the CUDA tests (the heaviest run last), and their one-rank GPU process group.
+"""The order of the CUDA tests (the heaviest run last), which of the GPU check's two commands runs
+each, and their one-rank GPU process group.
 
 scripts/ci/gpu_check.sh gives its pytest one time budget for all the CUDA tests. A test marked
 ``@pytest.mark.run_last`` (a cold inductor compile takes most of a minute) runs after every other
 test of the session, so that a budget that runs out loses only such tests. Among themselves they
 keep their collection order.
 
-The marker is registered here, beside the one hook that reads it; ``--strict-markers``
-(pyproject.toml) holds it as for the others, since this file is loaded before the modules of
-tests/cuda/ are imported. This hook runs after tests/conftest.py's (which gives tiers and skips)
-and after ``-m`` / ``-k`` deselection: it only reorders what is left.
+The check runs the CUDA tests in two commands: its first selects ``-m "cuda and not gpu_second"``,
+its second (``GPU_CHECK_SECOND=1``) ``-m "cuda and gpu_second"``. ``@pytest.mark.gpu_second``
+puts a test (or a whole module, through ``pytestmark``) in the second.
+
+The markers are registered here, beside the hook that reads ``run_last``; ``--strict-markers``
+(pyproject.toml) holds them as the others, since this file is loaded before the modules of
+tests/cuda/ are imported. The reordering hook runs after tests/conftest.py's (which gives tiers
+and skips) and after ``-m`` / ``-k`` deselection: it only reorders what is left.
 """
 
 from __future__ import annotations
@@ -19,11 +24,17 @@ from typing import Any
 import pytest
 
 RUN_LAST = "run_last"
+GPU_SECOND = "gpu_second"
 
 
 def pytest_configure(config: pytest.Config) -> None:
     config.addinivalue_line(
         "markers", f"{RUN_LAST}: runs after every other test (tests/cuda/conftest.py)"
+    )
+    config.addinivalue_line(
+        "markers",
+        f"{GPU_SECOND}: runs in the GPU check's second command (GPU_CHECK_SECOND=1), not its "
+        f"first (tests/cuda/conftest.py)",
     )
 
 

@@ -15,26 +15,22 @@ import torch
 
 from tests.cuda._two_rank_worker import FULL_PARAMS
 from tests.cuda.test_two_ranks_cuda import _run
-from tests.support import CUDA, FINAL_STATE, assert_on_cuda, read_probe
+from tests.support import FINAL_STATE, assert_on_cuda, read_probe
 
-pytestmark = pytest.mark.cuda
-
-LLAMA = [
-    "model=llama3_debug",
-    "data=tokens",
-    "data.seq_len=64",
-    "data.vocab_size=256",
-    "data.val_size=32",
-]
+# The GPU check's second command runs these (tests/cuda/conftest.py).
+pytestmark = [pytest.mark.cuda, pytest.mark.gpu_second]
 
 
 @pytest.mark.timeout(300)
-@pytest.mark.parametrize("attention", ["ring", "allgather"])
-def test_context_parallel_on_cuda_matches_one_process(tmp_path, attention):
-    keys = [*CUDA, *LLAMA]
-    single = _run(tmp_path, "single", keys, nproc=None)
-    cp = ["parallel.cp=2", f"parallel.cp_attention={attention}"]
-    double = _run(tmp_path, f"cp_{attention}", [*keys, *cp], nproc=2)
+@pytest.mark.parametrize(
+    "name", [pytest.param("cp_ring", id="ring"), pytest.param("cp_allgather", id="allgather")]
+)
+def test_context_parallel_on_cuda_matches_one_process(tmp_path, name):
+    # Each launch is the shared two-rank run, then the Llama's keys, then context parallel's,
+    # each key once (tests/cuda/launches.py): model=llama3_debug in place of the shared run's
+    # model=simple_cnn, which, put after the Llama's, won and trained the CNN on tokens.
+    single = _run(tmp_path, "cp_single")
+    double = _run(tmp_path, name)
     reference = torch.load(single / FINAL_STATE, weights_only=True)
     run = torch.load(double / FINAL_STATE, weights_only=True)
     assert run["losses"] == pytest.approx(reference["losses"], rel=1e-3, abs=1e-5)

@@ -23,9 +23,8 @@ from torch.distributed.fsdp import FSDPModule
 
 from sdnet_trainer import compose
 from sdnet_trainer.distributed import distributed_session
+from tests.cuda.launches import FP16_INIT_SCALE, LAUNCHES
 from tests.support import (
-    CUDA,
-    TINY_RUN,
     ProbeTrainer,
     assert_on_cuda,
     read_jsonl,
@@ -35,7 +34,6 @@ from tests.support import (
 
 pytestmark = pytest.mark.cuda
 
-PROBE = "trainer._target_=tests.support.ProbeTrainer"
 # Keys every log point of metrics.jsonl carries (hooks.MetricsHook).
 LOG_KEYS = {
     "train/loss",
@@ -47,20 +45,13 @@ LOG_KEYS = {
     "perf/peak_memory_mb",
     "perf/tflops_per_s",
 }
-# ResNet-18 (ImageNet stem) on 64x64 synthetic images; gpt_tiny on the synthetic token language.
-# 30 steps: the first compile of each block takes most of the minute, so both cases run after
-# every other CUDA test (tests/cuda/conftest.py).
-MODELS = {
-    "resnet18": [
-        "model=resnet18",
-        "model.channels_last=true",
-        "data.image_size=64",
-        "data.train_size=1024",
-        "data.val_size=128",
-        "optim.lr=0.05",
-    ],
-    "gpt_tiny": ["model=gpt_tiny", "data=tokens", "optim=adamw", "optim.lr=3e-3"],
-}
+# ResNet-18 (ImageNet stem) on 64x64 synthetic images; gpt_tiny on the synthetic token language
+# (tests/cuda/launches.py). 30 steps: the first compile of each block takes most of the minute,
+# so both cases run after every other CUDA test (tests/cuda/conftest.py).
+COMPILED = [
+    pytest.param("fit_compiled_resnet18", id="resnet18"),
+    pytest.param("fit_compiled_gpt_tiny", id="gpt_tiny"),
+]
 
 
 def _losses(rows: list[dict]) -> list[float]:
@@ -69,26 +60,14 @@ def _losses(rows: list[dict]) -> list[float]:
 
 @pytest.mark.run_last  # cold inductor compiles: after every other test (tests/cuda/conftest.py)
 @pytest.mark.timeout(300)
-@pytest.mark.parametrize("model", list(MODELS))  # resnet18 first: gpt_tiny is the one to lose
-def test_one_gpu_fit_bf16_compiled_and_profiled(tmp_path, model):
+@pytest.mark.parametrize("name", COMPILED)  # resnet18 first: gpt_tiny is the one to lose
+def test_one_gpu_fit_bf16_compiled_and_profiled(tmp_path, name):
+    model = name.removeprefix("fit_compiled_")
     run_dir = tmp_path / "run"
     launch = run_cli(
-        [
-            *CUDA,
-            *MODELS[model],
-            PROBE,
-            "precision=bf16",
-            "compile=on",
-            "profile=on",
-            "profile.memory_snapshot=true",
-            "sched=constant",
-            "loop.max_steps=30",
-            "loop.global_batch_size=64",
-            "loop.eval_at_epoch_end=false",
-            "logging.log_every_n_steps=5",
-            f"hydra.run.dir={run_dir}",
-        ],
+        [*LAUNCHES[name].keys, f"hydra.run.dir={run_dir}"],
         cwd=tmp_path,
+        nproc=LAUNCHES[name].nproc,
         timeout=270,
         fork=False,
     )
@@ -153,20 +132,8 @@ class OverflowTrainer(ProbeTrainer):
 
 
 def test_fp16_overflow_step_is_skipped_by_the_grad_scaler_and_counted(tmp_path):
-    init_scale = 1024.0
-    cfg = compose(
-        [
-            *CUDA,
-            *TINY_RUN,
-            "precision=fp16",
-            f"precision.init_scale={init_scale}",
-            "precision.growth_interval=1000",  # no growth within the run: the scale only halves
-            "loop.max_steps=6",
-            "logging.log_every_n_steps=1",
-            "loop.eval_at_end=false",
-            "checkpoint.save_on_exit=false",
-        ]
-    )
+    init_scale = FP16_INIT_SCALE  # precision.growth_interval=1000: the scale only halves
+    cfg = compose(LAUNCHES["fp16_overflow"].keys)
     with distributed_session(cfg.dist) as env:
         assert env.device.type == "cuda"
         trainer = OverflowTrainer(cfg, output_dir=tmp_path, env=env)
@@ -207,36 +174,27 @@ class ShardedProbe(ProbeTrainer):
 # and ZeRO-1 shards the optimizer over the group of one, but DDP wraps only over more than one
 # data-parallel rank, so parallel=ddp trains the bare model (the case's id says so).
 ONE_RANK_LAYOUTS = [
-    pytest.param("ddp", id="ddp_unwrapped"),
-    pytest.param("fsdp", id="fsdp"),
-    pytest.param("zero1", id="zero1"),
+    pytest.param("one_rank_nccl_ddp", id="ddp_unwrapped"),
+    pytest.param("one_rank_nccl_fsdp", id="fsdp"),
+    pytest.param("one_rank_nccl_zero1", id="zero1"),
 ]
 
 
 @pytest.mark.timeout(240)
-@pytest.mark.parametrize("strategy", ONE_RANK_LAYOUTS)
-def test_one_rank_nccl_process_group(tmp_path, strategy):
+@pytest.mark.parametrize("name", ONE_RANK_LAYOUTS)
+def test_one_rank_nccl_process_group(tmp_path, name):
     """torchrun with one process: the NCCL group carries the step's agreement, the metrics'
     gathers, the evaluation's reduction and the checkpoint's collectives; FSDP2 shards the model
     over the one-rank mesh (its parameters DTensors); ZeRO-1 shards its optimizer over the group.
     At world size 1 nothing is wrapped in DDP (parallelize wraps DDP only over more than one
     data-parallel rank), and the probe asserts that: the ``ddp_unwrapped`` case checks the group,
     the device and the checkpoints of the bare model."""
+    strategy = name.removeprefix("one_rank_nccl_")
     run_dir = tmp_path / "run"
     launch = run_cli(
-        [
-            *CUDA,
-            *TINY_RUN,
-            "trainer._target_=tests.cuda.test_fit_cuda.ShardedProbe",
-            "dist.backend=nccl",
-            f"parallel={strategy}",
-            "loop.max_steps=20",
-            "checkpoint.every_n_steps=10",
-            "checkpoint.async_save=true",
-            f"hydra.run.dir={run_dir}",
-        ],
+        [*LAUNCHES[name].keys, f"hydra.run.dir={run_dir}"],
         cwd=tmp_path,
-        nproc=1,
+        nproc=LAUNCHES[name].nproc,
         timeout=210,
         fork=False,
     )

@@ -25,36 +25,20 @@ from torch.distributed.fsdp import FSDPModule
 from sdnet_trainer.config import compose
 from sdnet_trainer.distributed.env import DistEnv
 from sdnet_trainer.preflight import validate
+from tests.cuda.launches import LAUNCHES
 from tests.cuda.test_fsdp_cuda import DeviceRecorder
-from tests.support import CUDA, assert_on_cuda
+from tests.support import assert_on_cuda
 
-pytestmark = pytest.mark.cuda
+# The GPU check's second command runs these (tests/cuda/conftest.py).
+pytestmark = [pytest.mark.cuda, pytest.mark.gpu_second]
 pytest.importorskip("torchao.float8", reason="the float8 extra (torchao) is not installed")
 from torchao.float8.float8_linear import Float8Linear  # noqa: E402  (after the skip)
 from torchao.float8.fsdp_utils import WeightWithDynamicFloat8CastTensor  # noqa: E402
 
 DEVICE = torch.device("cuda", 0)
-# llama3_debug: every projection's sizes are multiples of 16, and so are a micro-batch's tokens
-# (4 sequences of 32), which the float8 kernels need for the weight gradients.
-LLAMA = [
-    *CUDA,
-    "model=llama3_debug",
-    "data=tokens",
-    "data.seq_len=32",
-    "data.vocab_size=256",
-    "data.train_size=512",
-    "optim=adamw",
-    "optim.lr=3e-3",
-    "sched=constant",
-    "precision=bf16",
-    "loop.max_steps=30",
-    "loop.global_batch_size=8",
-    "loop.grad_accum_steps=2",
-    "loop.eval_at_end=false",
-    "loop.eval_at_epoch_end=false",
-    "logging.trackers=[]",
-    "checkpoint.save_on_exit=false",
-]
+# llama3_debug in bf16, 30 steps (tests/cuda/launches.py: FLOAT8_LLAMA): every projection's sizes
+# are multiples of 16, and so are a micro-batch's tokens (4 sequences of 32), which the float8
+# kernels need for the weight gradients.
 PROJECTIONS = 14  # 2 blocks x (wq, wk, wv, wo, w1, w3, w2); the output layer stays in bf16
 
 
@@ -71,8 +55,9 @@ def _needs_float8_tensor_cores() -> None:
 LossRecorder = DeviceRecorder
 
 
-def _fit(tmp_path, overrides: list[str], env: DistEnv | None = None) -> LossRecorder:
-    cfg = compose(overrides)
+def _fit(tmp_path, name: str, env: DistEnv | None = None) -> LossRecorder:
+    """The launch ``LAUNCHES[name]`` in this process."""
+    cfg = compose(LAUNCHES[name].keys)
     validate(cfg, world_size=1)  # the launch's own check: this GPU has float8 tensor cores
     trainer = LossRecorder(cfg, output_dir=tmp_path, env=env)
     trainer.fit()
@@ -106,14 +91,20 @@ def _assert_trains(run: LossRecorder, reference: LossRecorder) -> None:
 def bf16(tmp_path_factory) -> LossRecorder:
     """The same run without float8 (only where float8 can run: the skip comes first)."""
     _needs_float8_tensor_cores()
-    return _fit(tmp_path_factory.mktemp("bf16"), LLAMA)
+    return _fit(tmp_path_factory.mktemp("bf16"), "float8_bf16")
 
 
 @pytest.mark.timeout(300)
-@pytest.mark.parametrize("recipe", ["rowwise", "tensorwise"])
-def test_float8_trains_on_the_gpus_float8_kernels(tmp_path, bf16, recipe):
+@pytest.mark.parametrize(
+    "name",
+    [
+        pytest.param("float8_rowwise", id="rowwise"),
+        pytest.param("float8_tensorwise", id="tensorwise"),
+    ],
+)
+def test_float8_trains_on_the_gpus_float8_kernels(tmp_path, bf16, name):
     _needs_float8_tensor_cores()
-    run = _fit(tmp_path, [*LLAMA, f"precision.float8={recipe}"])
+    run = _fit(tmp_path, name)
     converted = [m for m in run.model.modules() if isinstance(m, Float8Linear)]
     assert len(converted) == PROJECTIONS
     assert_on_cuda(run.model, [m.weight for m in converted])
@@ -127,7 +118,7 @@ def test_float8_trains_on_the_gpus_float8_kernels(tmp_path, bf16, recipe):
 @pytest.mark.timeout(400)
 def test_float8_rowwise_compiled_per_block_trains(tmp_path, bf16):
     _needs_float8_tensor_cores()
-    run = _fit(tmp_path, [*LLAMA, "precision.float8=rowwise", "compile=on"])
+    run = _fit(tmp_path, "float8_rowwise_compiled")
     assert_on_cuda(run.model)
     assert torch._inductor.config.emulate_precision_casts  # torchtitan's fix for rowwise + compile
     _assert_trains(run, bf16)
@@ -136,7 +127,7 @@ def test_float8_rowwise_compiled_per_block_trains(tmp_path, bf16):
 @pytest.mark.timeout(300)
 def test_tensorwise_fsdp_gathers_float8_weights_over_nccl(tmp_path, one_rank, bf16):
     _needs_float8_tensor_cores()
-    run = _fit(tmp_path, [*LLAMA, "parallel=fsdp", "precision.float8=tensorwise"], one_rank)
+    run = _fit(tmp_path, "float8_tensorwise_fsdp", one_rank)
     assert isinstance(run.model, FSDPModule)
     wq = run.model.blocks[0].attn.wq
     local = wq.weight._local_tensor

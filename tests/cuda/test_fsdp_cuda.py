@@ -23,35 +23,11 @@ from sdnet_trainer import Trainer
 from sdnet_trainer.config import compose
 from sdnet_trainer.distributed.env import DistEnv
 from sdnet_trainer.preflight import validate
+from tests.cuda.launches import LAUNCHES
 
 pytestmark = pytest.mark.cuda
 
 DEVICE = torch.device("cuda", 0)
-COMMON = [
-    "dist.device=cuda",
-    "parallel=fsdp",
-    "optim=sgd",
-    "optim.lr=0.05",
-    "optim.momentum=0.9",
-    "sched=constant",
-    "loop.max_steps=4",
-    "loop.global_batch_size=16",
-    "loop.grad_accum_steps=2",
-    "loop.eval_at_end=false",
-    "loop.eval_at_epoch_end=false",
-    "logging.trackers=[jsonl]",
-    "checkpoint.save_on_exit=false",
-]
-GPT = [*COMMON, "model=gpt_tiny", "data=tokens", "data.train_size=256"]
-# BatchNorm: the buffers (running statistics) that stay on the GPU under offload.
-RESNET = [
-    *COMMON,
-    "model=resnet18",
-    "model.cifar_stem=true",
-    "data.image_size=16",
-    "data.train_size=256",
-    "precision=fp32",
-]
 
 
 class DeviceRecorder(Trainer):
@@ -72,8 +48,9 @@ class DeviceRecorder(Trainer):
         return out
 
 
-def _fit(tmp_path, overrides: list[str], env: DistEnv | None) -> DeviceRecorder:
-    cfg = compose(overrides)
+def _fit(tmp_path, name: str, env: DistEnv | None, *run_keys: str) -> DeviceRecorder:
+    """The launch ``LAUNCHES[name]`` in this process, ``run_keys`` (this run's paths) after it."""
+    cfg = compose([*LAUNCHES[name].keys, *run_keys])
     validate(cfg, world_size=1)
     trainer = DeviceRecorder(cfg, output_dir=tmp_path, env=env)
     trainer.fit()
@@ -84,8 +61,8 @@ def _fit(tmp_path, overrides: list[str], env: DistEnv | None) -> DeviceRecorder:
 
 @pytest.mark.timeout(600)
 def test_one_rank_fsdp_bf16_accumulates_checkpoints_and_resumes(tmp_path, one_rank):
-    run = [*GPT, "precision=bf16", f"checkpoint.dir={tmp_path}/ck"]
-    trainer = _fit(tmp_path / "full", [*run, "checkpoint.every_n_steps=2"], one_rank)
+    checkpoints = f"checkpoint.dir={tmp_path}/ck"
+    trainer = _fit(tmp_path / "full", "fsdp_bf16_checkpointed", one_rank, checkpoints)
     assert trainer.device.type == "cuda" and trainer.batch_devices == {"cuda"}
     assert isinstance(trainer.model, FSDPModule)
     params = list(trainer.model.parameters())
@@ -98,8 +75,10 @@ def test_one_rank_fsdp_bf16_accumulates_checkpoints_and_resumes(tmp_path, one_ra
     # Resume from the step-2 checkpoint: steps 3 and 4 again, the same losses.
     resumed = _fit(
         tmp_path / "resumed",
-        [*run, f"checkpoint.resume={tmp_path}/ck/step_00000002"],
+        "fsdp_bf16_resumed",
         one_rank,
+        checkpoints,
+        f"checkpoint.resume={tmp_path}/ck/step_00000002",
     )
     assert resumed.batch_devices == {"cuda"} and isinstance(resumed.model, FSDPModule)
     torch.testing.assert_close(resumed.losses, trainer.losses[2:], rtol=1e-3, atol=1e-3)
@@ -110,7 +89,7 @@ def test_one_rank_fsdp_bf16_accumulates_checkpoints_and_resumes(tmp_path, one_ra
 
 @pytest.mark.timeout(600)
 def test_cpu_offload_from_meta_keeps_shards_on_the_cpu_and_trains_as_without(tmp_path, one_rank):
-    offloaded = _fit(tmp_path / "offload", [*RESNET, "parallel.fsdp.cpu_offload=true"], one_rank)
+    offloaded = _fit(tmp_path / "offload", "fsdp_cpu_offload", one_rank)
     assert offloaded.device.type == "cuda" and offloaded.batch_devices == {"cuda"}
     model = offloaded.model
     assert isinstance(model, FSDPModule)
@@ -123,7 +102,7 @@ def test_cpu_offload_from_meta_keeps_shards_on_the_cpu_and_trains_as_without(tmp
     assert all(math.isfinite(v) for v in offloaded.losses)
     offloaded.close()
 
-    on_gpu = _fit(tmp_path / "gpu", RESNET, one_rank)
+    on_gpu = _fit(tmp_path / "gpu", "fsdp_on_gpu", one_rank)
     assert {p.device.type for p in on_gpu.model.parameters()} == {"cuda"}
     # The same computation, with the optimizer's update on the CPU: equal up to float rounding.
     torch.testing.assert_close(offloaded.losses, on_gpu.losses, rtol=1e-3, atol=1e-4)

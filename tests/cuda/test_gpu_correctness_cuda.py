@@ -32,11 +32,10 @@ from sdnet_trainer.runtime import rng
 from sdnet_trainer.training.checkpointer import Checkpointer
 from sdnet_trainer.training.state import RunState
 from tests.cuda import _gpu_correctness_worker as worker
+from tests.cuda.launches import LAUNCHES
 from tests.support import (
-    CUDA,
     PROBE_FILE,
     REPO,
-    TINY_RUN,
     assert_on_cuda,
     cli_env,
     read_probe,
@@ -54,7 +53,14 @@ GPU = torch.device("cuda", 0)
 @pytest.fixture(scope="module")
 def group_results(tmp_path_factory) -> tuple[dict, Path]:
     out_dir = tmp_path_factory.mktemp("gpu_group")
-    launch = run_cli([str(out_dir)], cwd=out_dir, nproc=1, script=Path(worker.__file__), fork=False)
+    group = LAUNCHES["nccl_group"]
+    launch = run_cli(
+        [str(out_dir), *group.keys],
+        cwd=out_dir,
+        nproc=group.nproc,
+        script=Path(worker.__file__),
+        fork=False,
+    )
     assert launch.returncode == 0, launch.output
     return torch.load(out_dir / "results.pt", weights_only=False), out_dir
 
@@ -110,15 +116,9 @@ def test_release_lets_the_cuda_ddp_model_go(group_results):
 def test_a_short_run_with_the_default_watchdog_exits_promptly(tmp_path):
     run_dir = tmp_path / "run"
     launch = run_cli(
-        [
-            *CUDA,
-            *TINY_RUN,
-            "trainer._target_=tests.support.ProbeTrainer",
-            "loop.max_steps=4",
-            f"hydra.run.dir={run_dir}",
-        ],
+        [*LAUNCHES["watchdog_short_run"].keys, f"hydra.run.dir={run_dir}"],
         cwd=tmp_path,
-        nproc=1,
+        nproc=LAUNCHES["watchdog_short_run"].nproc,
         fork=False,
     )
     ended = time.time()
@@ -238,7 +238,7 @@ def test_local_rank_beyond_the_gpus_is_a_config_error(monkeypatch, tmp_path):
     with pytest.raises(ConfigError, match=rf"LOCAL_RANK={count} .* shows {count} CUDA device"):
         validate_dist(cfg)
     launch = run_cli(
-        [*CUDA, *TINY_RUN, "loop.max_steps=1", f"hydra.run.dir={tmp_path / 'run'}"],
+        [*LAUNCHES["local_rank_beyond"].keys, f"hydra.run.dir={tmp_path / 'run'}"],
         cwd=tmp_path,
         env={"LOCAL_RANK": str(count)},
         fork=False,

@@ -10,34 +10,21 @@ from torch import nn
 from sdnet_trainer import Trainer, compose
 from sdnet_trainer.distributed import distributed_session
 from sdnet_trainer.models import build_model
-from tests.support import CUDA, assert_on_cuda
+from tests.cuda.launches import LAUNCHES
+from tests.support import assert_on_cuda
 
 pytestmark = pytest.mark.cuda
 
-RUNS = {
-    "gpt_tiny": [
-        "model=gpt_tiny",
-        "data=tokens",
-        "data.train_size=32",
-        "data.val_size=8",
-        "loop.global_batch_size=8",
-    ],
-    # BatchNorm buffers, a replaced stem, channels_last parameters.
-    "resnet18": [
-        "model=resnet18",
-        "model.cifar_stem=true",
-        "model.channels_last=true",
-        "data.image_size=16",
-        "data.train_size=32",
-        "data.val_size=8",
-        "loop.global_batch_size=8",
-    ],
-}
+# gpt_tiny; and resnet18 with BatchNorm buffers, a replaced stem, channels_last parameters.
+BUILDS = [
+    pytest.param("build_gpt_tiny", id="gpt_tiny"),
+    pytest.param("build_resnet18", id="resnet18"),
+]
 
 
-@pytest.mark.parametrize("name", sorted(RUNS))
+@pytest.mark.parametrize("name", BUILDS)
 def test_stock_model_initialised_on_the_gpu_equals_the_cpu_build(tmp_path, monkeypatch, name):
-    cfg = compose([*CUDA, *RUNS[name], "loop.seed=13"])
+    cfg = compose(LAUNCHES[name].keys)  # loop.seed=13: the CPU build below draws from seed 13
     allocated: list[torch.device] = []
     to_empty = nn.Module.to_empty
 
@@ -71,7 +58,7 @@ def test_a_layout_larger_than_the_free_gpu_memory_is_refused_before_allocating(t
     from sdnet_trainer.errors import ConfigError
     from sdnet_trainer.training.fits import available_bytes, in_units
 
-    cfg = compose([*CUDA, *RUNS["gpt_tiny"]])
+    cfg = compose(LAUNCHES["fits_gpt_tiny"].keys)
     device = torch.device("cuda", torch.cuda.current_device())
     free, total = torch.cuda.mem_get_info(device)
     room = available_bytes(cfg, device)
@@ -79,7 +66,7 @@ def test_a_layout_larger_than_the_free_gpu_memory_is_refused_before_allocating(t
     assert 0 < room[0] <= total
     # A GPT as wide as the whole device's memory, in fp32 weights alone: it cannot fit.
     dim = int((total / 4 / 12) ** 0.5 // 64 * 64) + 64
-    wide = [*CUDA, *RUNS["gpt_tiny"], f"model.gpt.dim={dim}"]
+    wide = [*LAUNCHES["fits_gpt_tiny"].keys, f"model.gpt.dim={dim}"]
     before = torch.cuda.memory_allocated(device)
     with distributed_session(cfg.dist) as env:
         assert env.device.type == "cuda"

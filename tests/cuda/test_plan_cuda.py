@@ -11,7 +11,8 @@ import torch
 from sdnet_trainer.config import compose
 from sdnet_trainer.plan import calibrate
 from sdnet_trainer.plan.hardware import hardware, read_calibration
-from tests.support import CUDA, assert_on_cuda
+from tests.cuda.launches import LAUNCHES
+from tests.support import assert_on_cuda
 
 pytestmark = pytest.mark.cuda
 
@@ -19,7 +20,7 @@ pytestmark = pytest.mark.cuda
 def test_the_planner_reads_the_gpu(tmp_path, monkeypatch):
     device = torch.device("cuda", 0)
     assert_on_cuda(device)
-    cfg = compose([*CUDA, "model=gpt_tiny", "data=tokens", "parallel=auto", "precision=bf16"])
+    cfg = compose(LAUNCHES["plan_auto"].keys)
     hw = hardware(cfg, device)
     total = torch.cuda.get_device_properties(device).total_memory
     assert hw.memory == int(0.85 * total) and "cuda:0's memory" in hw.memory_source

@@ -23,55 +23,48 @@ import torch
 
 from sdnet_trainer.checkpoint.manager import CheckpointManager
 from tests.cuda._two_rank_worker import FULL_PARAMS
-from tests.support import CUDA, FINAL_STATE, TINY_RUN, assert_on_cuda, read_probe, run_cli
+from tests.cuda.launches import LAUNCHES, TWO_RANK_STEPS
+from tests.support import FINAL_STATE, assert_on_cuda, read_probe, run_cli
 
 pytestmark = pytest.mark.cuda
 
 WORKER = Path(__file__).with_name("_two_rank_worker.py")
-STEPS = 8
-RUN = [
-    *TINY_RUN,
-    "dist.backend=gloo",
-    "precision.tf32=false",  # fp32 math: the two layouts agree to rounding
-    f"loop.max_steps={STEPS}",
-    "loop.global_batch_size=32",
-    "loop.eval_at_end=false",
-    "checkpoint.every_n_steps=4",
-    "checkpoint.async_save=true",
-    "checkpoint.keep_last=2",
-]
+STEPS = TWO_RANK_STEPS
 
 
-def _run(tmp_path: Path, name: str, device_keys: list[str], nproc: int | None) -> Path:
+def _run(tmp_path: Path, name: str) -> Path:
+    """The launch ``LAUNCHES[name]`` through the worker, into ``tmp_path/name``: its overrides as
+    registered, in their order, and its world size; the worker's one argument of its own, the
+    output folder, goes first. Nothing is added to the overrides here, so no caller's keys can
+    land after the shared ones and lose to them (tests/unit/test_cuda_launches.py checks each
+    launch on the CPU)."""
+    launch = LAUNCHES[name]
     out = tmp_path / name
     out.mkdir()
-    launch = run_cli(
-        [str(out), *device_keys, *RUN],
+    result = run_cli(
+        [str(out), *launch.keys],
         cwd=tmp_path,
-        nproc=nproc,
+        nproc=launch.nproc,
         script=WORKER,
         timeout=200,
         fork=False,
     )
-    assert launch.returncode == 0, launch.output
+    assert result.returncode == 0, result.output
     return out
 
 
-def two_ranks_against_one(
-    tmp_path: Path, device_keys: list[str], strategy: str
-) -> dict[str, list[dict]]:
-    """Runs the reference and the two-rank run with ``parallel=strategy``, checks that they
-    trained alike and that the two-rank run's last checkpoint holds its final weights; returns
-    their probes."""
-    keys = [*device_keys, f"parallel={strategy}"]
-    single = _run(tmp_path, "single", keys, nproc=None)
-    double = _run(tmp_path, "two", keys, nproc=2)
+def two_ranks_against_one(tmp_path: Path, single_run: str, two_ranks: str) -> dict[str, list[dict]]:
+    """Runs the reference (launch ``single_run``) and the two-rank run (``two_ranks``), checks
+    that they trained alike and that the two-rank run's last checkpoint holds its final weights;
+    returns their probes."""
+    single = _run(tmp_path, single_run)
+    double = _run(tmp_path, two_ranks)
     reference = torch.load(single / FINAL_STATE, weights_only=True)
     run = torch.load(double / FINAL_STATE, weights_only=True)
     want = torch.load(single / FULL_PARAMS, weights_only=True)
     got = torch.load(double / FULL_PARAMS, weights_only=True)
 
-    if strategy == "ddp":
+    if "parallel=ddp" in LAUNCHES[two_ranks].keys:
         # Every step reduced the gradients through DDP's buckets (a CUDA module: over gloo).
         assert len(run["allreduce_calls"]) == STEPS and min(run["allreduce_calls"]) >= 1, run
     assert run["losses"] == pytest.approx(reference["losses"], rel=1e-3, abs=1e-5)
@@ -102,7 +95,7 @@ def two_ranks_against_one(
 
 @pytest.mark.timeout(300)
 def test_ddp_over_gloo_with_cuda_tensors_on_one_gpu_matches_one_process(tmp_path):
-    probes = two_ranks_against_one(tmp_path, CUDA, "ddp")
+    probes = two_ranks_against_one(tmp_path, "ddp_single", "ddp_two_ranks")
     for probe in probes["single"] + probes["two"]:
         # Model and batches on the GPU in every process: nothing fell back to the CPU.
         assert_on_cuda(probe["device"], probe["batch_devices"])
@@ -116,7 +109,7 @@ def test_ddp_over_gloo_with_cuda_tensors_on_one_gpu_matches_one_process(tmp_path
 
 @pytest.mark.timeout(300)
 def test_fsdp_over_gloo_with_cuda_tensors_on_one_gpu_matches_one_process(tmp_path):
-    probes = two_ranks_against_one(tmp_path, CUDA, "fsdp")
+    probes = two_ranks_against_one(tmp_path, "fsdp_single", "fsdp_two_ranks")
     for probe in probes["single"] + probes["two"]:
         assert_on_cuda(probe["device"], probe["batch_devices"])
         assert probe["steps"] == STEPS, probe

@@ -14,19 +14,17 @@ from sdnet_trainer import HookBase, Trainer, compose
 from sdnet_trainer.distributed import distributed_session
 from sdnet_trainer.training.health import NonFiniteError
 from sdnet_trainer.training.hooks import MetricsHook
-from tests.support import CUDA, TINY_RUN, assert_on_cuda
+from tests.cuda.launches import LAUNCHES, VERDICT_RUN, VERDICT_SYNC_CHECK
+from tests.support import assert_on_cuda
 
 pytestmark = pytest.mark.cuda
 
-LOG_EVERY = 4
 # The first steps are not checked: they compile, autotune and allocate (pinned buffers included).
 WARM_UP_STEPS = 2
-RUN = [*TINY_RUN, f"logging.log_every_n_steps={LOG_EVERY}"]
-GPU = [*RUN, *CUDA]
-# The sync check's run: 11 steps (the last, a log point of its own, is no multiple of LOG_EVERY),
-# then the product's end of a run (the last verdict, the final evaluation, the save on exit).
-# No periodic evaluation or checkpoint: sync_check_armed asks the metrics hook only.
-SYNC_CHECK_RUN = ["loop.max_steps=11"]
+# The launches' parts without the device, which tests/unit/test_cuda_windows.py runs on the CPU:
+# the tiny run logging every 4 steps, and the sync check's 11 steps (tests/cuda/launches.py).
+RUN = list(VERDICT_RUN)
+SYNC_CHECK_RUN = list(VERDICT_SYNC_CHECK)
 
 
 class _SyncsOff(HookBase):
@@ -45,10 +43,11 @@ class _OnDevice(Trainer):
         return super().compute_loss(batch)
 
 
-def _fit(trainer_class: type[Trainer], overrides: list[str], tmp_path) -> Trainer:
-    """A one-process run on the GPU: the session resolves dist.device=cuda to cuda:0 (a Trainer
-    built without an env would train on the CPU, where no sync check can fire)."""
-    cfg = compose([*GPU, *overrides])
+def _fit(trainer_class: type[Trainer], name: str, tmp_path) -> Trainer:
+    """The launch ``LAUNCHES[name]``, one process on the GPU: the session resolves
+    dist.device=cuda to cuda:0 (a Trainer built without an env would train on the CPU, where no
+    sync check can fire)."""
+    cfg = compose(LAUNCHES[name].keys)
     with distributed_session(cfg.dist) as env:
         assert env.device.type == "cuda"
         trainer = trainer_class(cfg, output_dir=tmp_path, env=env)
@@ -80,7 +79,7 @@ class NoSyncOnNonLogSteps(_OnDevice):
 
 
 def test_non_log_steps_do_not_synchronise_with_the_gpu(tmp_path):
-    trainer = _fit(NoSyncOnNonLogSteps, SYNC_CHECK_RUN, tmp_path)
+    trainer = _fit(NoSyncOnNonLogSteps, "verdict_sync_check", tmp_path)
     assert trainer.stepper.deferred and trainer.state.step == 11
     assert_on_cuda(trainer.model, trainer.batch_devices)
 
@@ -105,7 +104,7 @@ class _NanAt(_OnDevice):
 
 
 def test_a_nonfinite_step_on_the_gpu_aborts_during_the_next_step(tmp_path):
-    cfg = compose([*GPU, "loop.max_steps=6"])
+    cfg = compose(LAUNCHES["verdict_nonfinite"].keys)
     with distributed_session(cfg.dist) as env:
         trainer = _NanAt(cfg, output_dir=tmp_path, env=env)
         with pytest.raises(NonFiniteError, match="at step 3 on rank 0: loss"):
