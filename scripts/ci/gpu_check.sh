@@ -9,9 +9,10 @@
 # wheel folder made beforehand by scripts/ci/gpu_wheels.sh (pip never reads an index), and the
 # project installed in place without dependencies. Then it shows the machine (nvidia-smi, torch,
 # CUDA, cuDNN, NCCL, /dev/shm, the host name), runs the CUDA tests (tests/cuda, -m cuda; the
-# cold-compile tests last), measures parallel=auto's constants (sdnet_trainer.plan.calibrate:
-# calibration.json in the archive), runs scripts/bench/bench_gpu.py (a bf16 matmul first: the
-# practical peak the table compares every throughput with), and prints one table, last.
+# cold-compile tests last), runs scripts/bench/bench_gpu.py (a bf16 matmul first: the practical
+# peak the table compares every throughput with), measures parallel=auto's constants where the
+# benchmark left a minute (sdnet_trainer.plan.calibrate: calibration.json in the archive), and
+# prints one table, last, which ends with a row per GPU claim of the docs: measured or not, why.
 #   bash scripts/ci/gpu_wheels.sh gpu_wheels          # beforehand, where the package index is reached
 #   GPU_CHECK_OUT=$PWD/out bash scripts/ci/gpu_check.sh   # on the node: at most GPU_CHECK_BUDGET_S
 #   bash scripts/ci/gpu_check.sh -k fit               # extra arguments go to pytest

@@ -156,6 +156,7 @@ class Claim:
     bench: str | None = None  # a bench.json section
     variants: tuple[str, ...] = ()  # of that section: these variants' rows
     tests: str | None = None  # tests/cuda module (and ::name start) whose tests must pass
+    file: str | None = None  # a file the check writes beside the table where it measured it
 
 
 CLAIMS = (
@@ -229,6 +230,11 @@ CLAIMS = (
         "the loader's pinned side-stream copies and GPU decode", "first", tests="test_loader_cuda"
     ),
     Claim("the loader's JPEG images/s per core", "full", bench="loader"),
+    Claim(
+        "parallel=auto's constants measured on this GPU (calibration.json)",
+        "first",
+        file="calibration.json",
+    ),
 )
 
 
@@ -246,10 +252,13 @@ def _test_outcomes(out: Path) -> dict[str, str]:
 
 
 def claim_status(
-    claim: Claim, figures: dict[str, Any], outcomes: dict[str, str], command: str
+    claim: Claim, figures: dict[str, Any], outcomes: dict[str, str], command: str, out: Path
 ) -> str:
     """Whether this run measured ``claim``, and if not, why not."""
-    if claim.tests is not None:
+    if claim.file is not None:
+        if (out / claim.file).exists():
+            return "measured"
+    elif claim.tests is not None:
         found = [v for k, v in outcomes.items() if k.startswith(claim.tests)]
         if found and all(v == "passed" for v in found):
             return f"measured ({len(found)} tests passed)"
@@ -283,7 +292,7 @@ def claim_status(
 def claim_rows(figures: dict[str, Any], out: Path, command: str) -> list[tuple[str, str]]:
     outcomes = _test_outcomes(out)
     return [
-        (f"claim: {claim.text}", claim_status(claim, figures, outcomes, command))
+        (f"claim: {claim.text}", claim_status(claim, figures, outcomes, command, out))
         for claim in CLAIMS
     ]
 
