@@ -40,12 +40,14 @@ from pathlib import Path
 from typing import Any
 
 import torch
+import torch._inductor.config
 from torch import nn
 
 from sdnet_trainer import Trainer, compose
 from sdnet_trainer.distributed import distributed_session
 from sdnet_trainer.distributed.ddp import unwrap
 from sdnet_trainer.lazy import freeze_imports
+from sdnet_trainer.observability import setup_logging
 from sdnet_trainer.preflight import validate
 
 RESULTS = "results.json"
@@ -72,6 +74,11 @@ class LaterVariant(Trainer):
         super().__init__(*args, **kwargs)
 
     def build_model(self) -> nn.Module:
+        if torch.get_default_device().type == "meta":
+            # The FLOP counter's shape-only build (observability/flops.py): a copy of the CPU
+            # model would not be on the meta device, and the counter would fall back to a real
+            # forward and backward on the CPU, minutes for a 1B model.
+            return super().build_model()
         return copy.deepcopy(self.initial)
 
 
@@ -113,9 +120,10 @@ def built(model: nn.Module) -> dict[str, Any]:
 
 
 def release_device() -> None:
-    """Between variants: the previous run's memory and compiled graphs gone, the peak reset."""
-    gc.collect()
+    """Between variants: the previous run's compiled graphs, then its memory (compiled blocks
+    are held in reference cycles, which the collection after the reset frees), the peak reset."""
     torch._dynamo.reset()
+    gc.collect()
     if torch.cuda.is_available():
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats()
@@ -126,16 +134,22 @@ def main(out: Path, spec: dict[str, Any]) -> None:
         os.environ["LOCAL_RANK"] = "0"  # every rank on the one visible GPU
     variants = spec["variants"]
     world_size = int(os.environ.get("WORLD_SIZE", "1"))
+    # As the command line sets it up: the console (the launch's log) and OUT/train.log.
+    setup_logging(out, rank=int(os.environ.get("RANK", "0")))
     configs = [compose(variant["keys"]) for variant in variants]
     for cfg in configs:
         validate(cfg, world_size=world_size)  # what the command line checks before it starts
     results: dict[str, Any] = {}
     initial: nn.Module | None = None
+    inductor_config = torch._inductor.config.save_config()
     with distributed_session(configs[0].dist, output_dir=out) as env:
         for variant, cfg in zip(variants, configs, strict=True):
             run_dir = out / variant["name"]
             run_dir.mkdir(parents=True, exist_ok=True)
             started = time.perf_counter()
+            # A run may set inductor's options for the process (float8 rowwise compiled sets
+            # emulate_precision_casts): each variant starts from the launch's own.
+            torch._inductor.config.load_config(inductor_config)
             with experts_path(loop=bool(variant.get("moe_loop"))) as grouped_calls:
                 trainer: Trainer
                 if initial is None:

@@ -71,8 +71,9 @@ steps), 15 gpt_1b steps, 10 llama3_1b steps, at most 120 s per launch: the figur
 check, noisier than the default's medians. Its length on a GPU has not been measured yet; budget
 it (--budget-s) rather than trust an estimate: each 1B decoder's launch spends 15-25 s
 initialising its weights on the CPU before its first step.
---second: the matmul, then moe, cp and llama3_1b_variants with --quick's steps (the compiled
-float8 runs last: a share that runs out loses them first).
+--second: the matmul, then llama3_1b_variants, moe and cp with --quick's steps; under
+--budget-s the variants' launch leaves moe and cp what they need to finish, and its compiled
+runs come last in it (a share that runs out loses them first).
 
 --budget-s S: the whole benchmark within S seconds (the GPU check gives it its share): each
 launch's timeout is cut to what is left, a launch that would get under 20 s is skipped and said
@@ -119,10 +120,12 @@ SECTIONS = (
     "llama3_1b_variants",
 )
 QUICK_SECTIONS = ("matmul", "resnet50", "gpt_1b", "llama3_1b")
-# The GPU check's second command (--second), in the order they run: the cheap ones first, so
-# that a share that runs out loses the compiled float8 runs (the last variants of the last launch).
-SECOND_SECTIONS = ("matmul", "moe", "cp", "llama3_1b_variants")
-VARIANT_SECTIONS = ("moe", "cp", "llama3_1b_variants")
+# The GPU check's second command (--second), in the order they run: llama3_1b's variants first
+# (float8 and FSDP2: the claims it is for), its launch's time cut so as to leave the later
+# sections what they need to finish (VariantsLaunch.least_s); its compiled runs come last in it,
+# so a share too short loses them first.
+SECOND_SECTIONS = ("matmul", "llama3_1b_variants", "moe", "cp")
+VARIANT_SECTIONS = ("llama3_1b_variants", "moe", "cp")
 SIDES = ("trainer", "hand")
 SPEC_ENV = "SDNET_GPU_BENCH"
 NO_CUDA_EXIT = 2
@@ -152,11 +155,12 @@ class Budget:
         self.skipped: list[str] = []
         self.cut: list[str] = []
 
-    def timeout(self, wanted: float, what: str) -> float | None:
-        """The timeout to give launch ``what``; None (and recorded) if it does not fit."""
+    def timeout(self, wanted: float, what: str, *, reserve: float = 0.0) -> float | None:
+        """The timeout to give launch ``what``, keeping ``reserve`` seconds for the launches
+        after it; None (and recorded) if it does not fit."""
         if self.deadline is None:
             return wanted
-        left = self.deadline - time.monotonic()
+        left = self.deadline - time.monotonic() - reserve
         if left < MIN_LAUNCH_S:
             self.skipped.append(what)
             print(f"  {what}: skipped, {max(left, 0):.0f} s of the budget left", flush=True)
@@ -728,7 +732,10 @@ class VariantsLaunch:
     variants: tuple[Variant, ...]
     nproc: int | None = None
     share_gpu: bool = False
-    timeout: float = 300.0
+    timeout: float = 180.0
+    # What it needs to finish its first variant (start-up, initialisation, the steps): kept back
+    # for it from the launches before it, under --budget-s.
+    least_s: float = 30.0
 
     def command(self, out: Path) -> list[str]:
         spec = {
@@ -790,7 +797,10 @@ def llama3_1b_variants(args: argparse.Namespace, device: str, float8: bool) -> l
                     ran_as=(("fsdp", True), ("float8_linears", False)),
                 )
             )
-    return [VariantsLaunch("llama3_1b_variants", tuple(variants), nproc=1, timeout=420.0)]
+    launch = VariantsLaunch(
+        "llama3_1b_variants", tuple(variants), nproc=1, timeout=420.0, least_s=60.0
+    )
+    return [launch]
 
 
 def moe_variants(args: argparse.Namespace, device: str) -> list[VariantsLaunch]:
@@ -835,7 +845,7 @@ def moe_variants(args: argparse.Namespace, device: str) -> list[VariantsLaunch]:
             ran_as=(("grouped_mm_calls", False),),
         ),
     )
-    return [VariantsLaunch("moe", variants, timeout=240.0)]
+    return [VariantsLaunch("moe", variants, timeout=240.0, least_s=45.0)]
 
 
 def cp_variants(args: argparse.Namespace, device: str) -> list[VariantsLaunch]:
@@ -885,7 +895,6 @@ def cp_variants(args: argparse.Namespace, device: str) -> list[VariantsLaunch]:
                 ),
                 nproc=2,
                 share_gpu=True,
-                timeout=180.0,
             )
             for attention in attentions
         ),
@@ -918,13 +927,16 @@ def float8_missing(args: argparse.Namespace) -> str | None:
 
 
 def bench_variants(
-    args: argparse.Namespace, section: str, out: Path, budget: Budget
+    args: argparse.Namespace, section: str, out: Path, budget: Budget, *, reserve: float = 0.0
 ) -> dict[str, Any]:
     """A section's launches and one row per variant: its figures, or why there are none, and
-    its tokens/s and losses against the variant it is compared with."""
+    its tokens/s and losses against the variant it is compared with. ``reserve``: the seconds the
+    sections after this one need (each launch leaves them, and its own section's later ones)."""
     rows: dict[str, dict[str, Any]] = {}
     missing = float8_missing(args) if section == "llama3_1b_variants" else None
-    for launch in section_launches(args, section, float8=missing is None):
+    launches = section_launches(args, section, float8=missing is None)
+    for i, launch in enumerate(launches):
+        later = reserve + sum(other.least_s for other in launches[i + 1 :])
         folder = out / section / launch.name
         shutil.rmtree(folder, ignore_errors=True)
         folder.mkdir(parents=True)
@@ -932,7 +944,7 @@ def bench_variants(
         print(f"\n== {section}: {names}", flush=True)
         log = out / section / f"{launch.name}.log"
         outcome = None
-        allowed = budget.timeout(launch.timeout, f"{section} {launch.name}")
+        allowed = budget.timeout(launch.timeout, f"{section} {launch.name}", reserve=later)
         if allowed is None:
             outcome = "not run: not enough of the budget left"
         else:
@@ -1361,9 +1373,16 @@ def main() -> int:
             ok &= not cell.get("failed") or bool(cell.get("cut"))
             save()
     # The second command's sections, each a row per variant in the table.
-    figures["variant_sections"] = [s for s in VARIANT_SECTIONS if s in args.sections]
-    for section in figures["variant_sections"]:
-        figures[section] = bench_variants(args, section, out, budget)
+    sections = [s for s in VARIANT_SECTIONS if s in args.sections]
+    figures["variant_sections"] = sections
+    for i, section in enumerate(sections):
+        # What the sections after this one need to finish at all, kept back from this one.
+        reserve = sum(
+            launch.least_s
+            for later in sections[i + 1 :]
+            for launch in section_launches(args, later, float8=False)
+        )
+        figures[section] = bench_variants(args, section, out, budget, reserve=reserve)
         ok &= all(row["failed"] is None or row["cut"] for row in figures[section]["rows"].values())
         save()
     if "loader" in args.sections:

@@ -141,7 +141,7 @@ def test_bench_gpu_quick_is_the_short_profile(bench_gpu, monkeypatch):
     ]
     # The GPU check's second command: the variants, cheapest first, with --quick's steps.
     second = bench_gpu.parse_args(["--second"])
-    assert second.sections == ["matmul", "moe", "cp", "llama3_1b_variants"]
+    assert second.sections == ["matmul", "llama3_1b_variants", "moe", "cp"]
     assert (second.llama_steps, second.timeout) == (10, 120.0)
     with pytest.raises(SystemExit):
         bench_gpu.parse_args(["--second", "--quick"])
@@ -170,6 +170,10 @@ def test_bench_gpu_budget_cuts_timeouts_and_skips_what_does_not_fit(bench_gpu, m
     clock[0] += 15
     assert budget.timeout(120.0, "llama3_1b") is None  # 15 s left: under MIN_LAUNCH_S
     assert budget.skipped == ["llama3_1b"]
+    # A launch leaves what the launches after it need: 100 s left, 50 kept back.
+    budget = bench_gpu.Budget(100.0)
+    assert budget.timeout(420.0, "llama3_1b_variants", reserve=50.0) == 50.0
+    assert budget.timeout(420.0, "too much kept back", reserve=90.0) is None
 
 
 def test_bench_gpu_decoder_options_are_per_section(bench_gpu, monkeypatch):
@@ -330,7 +334,7 @@ def test_bench_gpu_second_command_machinery_runs_on_the_cpu(tmp_path, monkeypatc
     )
     assert code == 0, output
     figures = json.loads(figures_file.read_text())
-    assert figures["variant_sections"] == ["moe", "cp", "llama3_1b_variants"]
+    assert figures["variant_sections"] == ["llama3_1b_variants", "moe", "cp"]
     rows = {s: figures[s]["rows"] for s in figures["variant_sections"]}
     for section in rows.values():
         for name, row in section.items():
@@ -351,4 +355,12 @@ def test_bench_gpu_second_command_machinery_runs_on_the_cpu(tmp_path, monkeypatc
     assert llama["fsdp2_eager"]["losses"][0] == pytest.approx(first, rel=1e-4)  # bf16 rounding
     assert llama["fsdp2_eager"]["loss_gap"] < 1e-3 and llama["fsdp2_eager"]["ratio"] > 0
     assert "float8 kernels are the GPU's" in figures["llama3_1b_variants"]["float8_not_run"]
+    # A later variant's FLOP count is the meta build's, as the first's: not a real forward and
+    # backward of a CPU copy (minutes for a 1B model), and the same count.
+    log = tmp_path / "out" / "llama3_1b_variants" / "llama3_1b_variants" / "train.log"
+    assert "world size 1 on cpu" in log.read_text()  # the Trainer's own log, both runs
+    assert "CPU copy" not in log.read_text()
+    assert llama["fsdp2_eager"]["tflops_per_s"] / llama["fsdp2_eager"]["tokens_per_s"] == (
+        pytest.approx(llama["bf16_eager"]["tflops_per_s"] / llama["bf16_eager"]["tokens_per_s"])
+    )
     assert "FSDP2 bf16 eager" in output and "x bf16 eager" in output
