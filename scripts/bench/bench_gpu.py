@@ -758,10 +758,9 @@ def llama3_1b_variants(args: argparse.Namespace, device: str, float8: bool) -> l
     under FSDP2 on its one-rank group, eager; then bf16 and both recipes compiled per block. One
     launch: one initialisation, one process start (torchrun: FSDP2 needs the group)."""
     run = DecoderRun.from_args(args, DECODERS[1])
-    model, family = ("llama3_debug", "llama") if args.cpu_smoke else ("llama3_1b", "llama")
     base = token_run_keys(
-        model=model,
-        family=family,
+        model="llama3_debug" if args.cpu_smoke else run.decoder.section,
+        family=run.decoder.family,
         batch=run.batch,
         micro=run.micro,
         steps=run.steps,
