@@ -12,8 +12,8 @@ process (and its process group, where torchrun started one); its metrics are the
 0 rewrites ``OUT/results.json`` with what has finished, so a launch stopped at the end of its
 share keeps the variants it finished.
 
-Why one process: a 1B model's initial values take 15-25 s to compute on the CPU, value by value
-(models/init.py), and a process start with CUDA some seconds more. The first variant is built
+Why one process: a process start with CUDA takes some seconds, and the imports, the data and
+the model's build more; one process pays them once. The first variant is built
 as the Trainer builds any run; every later one starts from a CPU copy of the first's initial
 model (the Trainer's override path for a model with values: moved to the device, then
 parallelized as usual: float8 conversion, compile, FSDP2). Throughput does not depend on the

@@ -69,8 +69,9 @@ How
 --quick: the matmul, ResNet-50, gpt_1b and llama3_1b, one round of each ResNet-50 side (10 + 30
 steps), 15 gpt_1b steps, 10 llama3_1b steps, at most 120 s per launch: the figures of a short
 check, noisier than the default's medians. Its length on a GPU has not been measured yet; budget
-it (--budget-s) rather than trust an estimate: each 1B decoder's launch spends 15-25 s
-initialising its weights on the CPU before its first step.
+it (--budget-s) rather than trust an estimate. A decoder's weights are initialised on the GPU,
+each value computed where it is kept (models/init_values.py); on the CPU the same start is
+measured by scripts/bench/bench_start.py.
 --second: the matmul, then llama3_1b_variants, moe and cp with --quick's steps; under
 --budget-s the variants' launch leaves moe and cp what they need to finish, and its compiled
 runs come last in it (a share that runs out loses them first).

@@ -2,15 +2,18 @@
 checkpoint folder, which ``transformers.AutoModelForCausalLM.from_pretrained(out)`` loads as it is.
 
 Written: ``config.json`` (the architecture, the family's ``hf.config``: the Llama's
-``models/llama/hf.py`` ``hf_config_of``), the weights under Hugging Face's names (``hf.tensors``)
-in safetensors shards of at most :data:`SHARD_BYTES` (``model-00001-of-0000N.safetensors``)
-with their index ``model.safetensors.index.json``, and the run's tokenizer files when its config
-names a local tokenizer (``data.tokenizer``: a folder holding them, or a ``tokenizer.json``). A
-run that started from a Hugging Face folder (``model.weights=hf:PATH`` or ``model.hf_config``)
-passes on that config's special token ids and its ``generation_config.json``; otherwise the ids
-are null (transformers' defaults, 1 and 2, are not Llama 3's). A tied output layer is stored
-once, as the embedding, and ``tie_word_embeddings`` says so. The tensors keep the checkpoint's
-dtype (float32 for a run's weights and its average).
+``models/llama/hf.py`` ``hf_config_of``), the weights under Hugging Face's names (``hf.tensors``:
+the family's state-dict adapter) in safetensors shards of at most :data:`SHARD_BYTES`
+(``model-00001-of-0000N.safetensors``) with their index ``model.safetensors.index.json``, both
+written by torch's DCP through its ``HuggingFaceStorageWriter``, and the run's tokenizer files
+when its config names a local tokenizer (``data.tokenizer``: a folder holding them, or a
+``tokenizer.json``). A run that started from a Hugging Face folder (``model.weights=hf:PATH`` or
+``model.hf_config``) passes on that config's special token ids and its
+``generation_config.json``; otherwise the ids are null (transformers' defaults, 1 and 2, are not
+Llama 3's). A tied output layer is stored once, as the embedding, and ``tie_word_embeddings``
+says so. The tensors keep the checkpoint's dtype (float32 for a run's weights and its average).
+Every file goes into the export's staging folder, published by renames once all are written
+(``export/output.py``): a failed write leaves no half-written folder.
 """
 
 from __future__ import annotations
@@ -20,11 +23,14 @@ import logging
 import os
 import shutil
 import stat
+import warnings
 from pathlib import Path
 from typing import Any
 
 import torch
 from torch import nn
+from torch.distributed import checkpoint as dcp
+from torch.distributed.checkpoint import HuggingFaceStorageWriter
 
 from sdnet_trainer.data.tokenizer import load_tokenizer
 from sdnet_trainer.errors import ConfigError
@@ -71,23 +77,21 @@ def write_hf(
             f"(model.name={' or '.join(with_adapter)}); this checkpoint's model is a "
             f"{type(model).__name__}: use format=pt or safetensors"
         )
-    from safetensors.torch import save_file
-
     tensors = {
-        name: value.detach().cpu().contiguous() for name, value in family.hf.tensors(model).items()
+        name: value.detach().contiguous() for name, value in family.hf.tensors(model).items()
     }
     dtype = next(iter(tensors.values())).dtype
+    # Each tensor's file, 1..N: DCP's Hugging Face writer names them model-0000i-of-0000N and
+    # writes the index beside them (weight_map, metadata.total_size), as transformers does.
     shards = _shards(tensors, shard_bytes)
-    weight_map: dict[str, str] = {}
-    written = []
-    for i, names in enumerate(shards, start=1):
-        file = f"model-{i:05d}-of-{len(shards):05d}.safetensors"
-        save_file({n: tensors[n] for n in names}, str(folder / file), metadata={"format": "pt"})
-        weight_map.update(dict.fromkeys(names, file))
-        written.append(file)
-    total = sum(t.numel() * t.element_size() for t in tensors.values())
-    index = {"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))}
-    (folder / INDEX_FILE).write_text(json.dumps(index, indent=2) + "\n")
+    files = {name: i for i, names in enumerate(shards, start=1) for name in names}
+    writer = HuggingFaceStorageWriter(str(folder), fqn_to_index_mapping=files)
+    with warnings.catch_warnings():
+        # One process writes the whole model; DCP says it assumes one process.
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+        dcp.save(tensors, storage_writer=writer, no_dist=True)
+    index = json.loads((folder / INDEX_FILE).read_text())
+    written = sorted(set(index["weight_map"].values()))
     config = {**family.hf.config(model, dtype), **_token_ids(source)}
     (folder / HF_CONFIG).write_text(json.dumps(config, indent=2) + "\n")
     written += [INDEX_FILE, HF_CONFIG]

@@ -34,7 +34,16 @@ from sdnet_trainer.config.schema import Config
 from sdnet_trainer.data import is_language_model_data
 from sdnet_trainer.errors import ConfigError
 from sdnet_trainer.lazy import loaded_types
-from sdnet_trainer.models.init import InitStep, construction_resets, materialize
+from sdnet_trainer.models.init import (
+    Draw,
+    InitStep,
+    SeedDraw,
+    construction_resets,
+    draw_seed,
+    materialize,
+    without_parameters,
+)
+from sdnet_trainer.models.init_values import Constant, Distribution, Normal
 from sdnet_trainer.models.parallel_spec import DecoderLayout
 
 
@@ -105,14 +114,6 @@ def check_sequence_shards(seq_len: int, *, tp: int, sequence_parallel: bool, nam
 INIT_STD = 0.02
 
 
-def normal_init(module: nn.Module, *, std: float) -> None:
-    """normal(0, std) weight, zero bias (where there is one)."""
-    nn.init.normal_(module.weight, mean=0.0, std=std)  # type: ignore[arg-type]
-    bias = getattr(module, "bias", None)
-    if bias is not None:
-        nn.init.zeros_(bias)
-
-
 class Decoder(nn.Module):
     """Base of the decoder families: subclasses build ``embed``, ``blocks``, ``norm`` and
     ``head``, set ``layout``, and check their sizes against a tensor-parallel degree in
@@ -138,45 +139,76 @@ class Decoder(nn.Module):
             x = block(x)
         return self.head(self.norm(x))
 
+    def __init__(self) -> None:
+        super().__init__()
+        # The seed of every parameter's Draw (models/init.py): the one number construction draws
+        # from the CPU generator, so a build after torch.manual_seed(s) has the same weights on
+        # the CPU and on the meta device, materialised later on any layout.
+        self.init_seed = draw_seed()
+        # The layers a CPU build constructs draw their defaults (nn.Linear's), which the Draws
+        # replace; apply_own_init puts the generator back here, where a meta build leaves it.
+        self._generator_after_seed = torch.get_rng_state()
+
     @torch.no_grad()
     def init_weights(self) -> None:
-        """Every parameter as construction sets it (the layers' default draws, then the family's
-        own init, :meth:`init_steps`), from the CPU generator's current state; works on a model
+        """Every parameter as construction sets it (:meth:`init_steps`); works on a model
         materialised from the meta device and on sharded (DTensor) parameters alike."""
         materialize(self.init_steps())
 
     def init_steps(self) -> list[InitStep]:
-        """Construction's draws (each layer's ``reset_parameters`` as constructed), then the
-        family's own init (:meth:`own_init_steps`): the order a CPU build draws them in."""
-        return construction_resets(self.modules()) + self.own_init_steps()
+        """The seed's draw again (:class:`SeedDraw`: the generator then ends where a CPU build
+        leaves it), construction's resets of the modules that own no parameters (computed
+        buffers: rotary frequencies, routing statistics), then every parameter's :class:`Draw`
+        (:meth:`own_init_steps`)."""
+        buffers = without_parameters(construction_resets(self.modules()))
+        return [InitStep(self, SeedDraw()), *buffers, *self.own_init_steps()]
 
     def own_init_steps(self) -> list[InitStep]:
-        """GPT-2's init, which every family here follows: normal(0, 0.02) weights of the linear
-        layers and embeddings, the projections that write into the residual stream (``wo``,
-        ``w2``) at 0.02/sqrt(2 n_layers) so the stream's variance does not grow with depth; and
-        in the same walk, for any other module, the family's :meth:`module_init`."""
+        """Every parameter's Draw from its distribution (:meth:`distribution`), under its name in
+        the model as built (a tied weight once, as the embedding)."""
         residual_std = INIT_STD / math.sqrt(2 * self.n_layers)
         steps = []
-        for name, module in self.named_modules():
-            if isinstance(module, (nn.Linear, nn.Embedding)):
-                std = residual_std if name.endswith((".wo", ".w2")) else INIT_STD
-                steps.append(InitStep(module, partial(normal_init, std=std)))
-            elif (init := self.module_init(module, residual_std=residual_std)) is not None:
-                steps.append(InitStep(module, init))
+        for key, _ in self.named_parameters():
+            owner, _, name = key.rpartition(".")
+            module = self.get_submodule(owner)
+            dist = self.distribution(key, module, name, residual_std=residual_std)
+            steps.append(InitStep(module, Draw(name, key, dist, self.init_seed)))
         return steps
 
-    def module_init(
-        self, module: nn.Module, *, residual_std: float
-    ) -> Callable[[nn.Module], None] | None:
-        """A family's init of ``module``, a module other than the linear layers and embeddings
-        (the GPT's LayerNorms, a mixture of experts' stacked experts); None: its construction's."""
+    def distribution(
+        self, key: str, module: nn.Module, name: str, *, residual_std: float
+    ) -> Distribution:
+        """GPT-2's init, which every family here follows: normal(0, 0.02) weights of the linear
+        layers and embeddings, the projections that write into the residual stream (``wo``,
+        ``w2``) at 0.02/sqrt(2 n_layers) so the stream's variance does not grow with depth, zero
+        biases, LayerNorms at identity; any other parameter as the family's
+        :meth:`module_distribution` says."""
+        if isinstance(module, (nn.Linear, nn.Embedding)):
+            if name == "bias":
+                return Constant(0.0)
+            return Normal(residual_std if key.endswith((".wo.weight", ".w2.weight")) else INIT_STD)
+        if isinstance(module, nn.LayerNorm):
+            return Constant(1.0 if name == "weight" else 0.0)
+        dist = self.module_distribution(module, name, residual_std=residual_std)
+        if dist is None:
+            raise TypeError(f"{type(self).__name__} declares no initial distribution for {key}")
+        return dist
+
+    def module_distribution(
+        self, module: nn.Module, name: str, *, residual_std: float
+    ) -> Distribution | None:
+        """A family's distribution for parameter ``name`` of ``module``, a module other than the
+        linear layers, embeddings and LayerNorms (an RMSNorm, a mixture of experts' stacked
+        experts); None: none declared (an error)."""
         return None
 
     @torch.no_grad()
     def apply_own_init(self) -> None:
-        """At construction, once the layers have drawn their defaults: :meth:`own_init_steps`."""
+        """At the end of construction: every parameter's Draw (nothing on the meta device), and
+        the generator put back to where the seed's draw left it."""
         for step in self.own_init_steps():
             step.fn(step.module)
+        torch.set_rng_state(self.__dict__.pop("_generator_after_seed"))
 
     def _apply(self, fn: Any, recurse: bool = True) -> Any:
         # Module._apply (to(), to_empty(): the allocation after a meta build) makes a new
@@ -373,7 +405,6 @@ __all__ = [
     "INIT_STD",
     "Decoder",
     "Replicated",
-    "normal_init",
     "apply_decoder_tp",
     "tensor_parallel_styles",
 ]

@@ -26,7 +26,8 @@ from sdnet_trainer.errors import ConfigError
 @dataclass(frozen=True)
 class HFAdapter:
     """A family's Hugging Face side: ``format=hf`` writes ``tensors(model)`` (Hugging Face's
-    names, a tied tensor once) and ``config(model, dtype)`` as config.json."""
+    names, a tied tensor once: the family's state-dict adapter, whose names ``model.weights=hf:``
+    reads too) through DCP's Hugging Face writer, and ``config(model, dtype)`` as config.json."""
 
     tensors: Callable[[nn.Module], dict[str, torch.Tensor]]
     config: Callable[[nn.Module, torch.dtype], dict[str, Any]]
@@ -37,7 +38,9 @@ class HFWeights:
     """A family's reader of ``model.weights=hf:PATH`` into the Trainer's meta build:
     ``check(model, folder)`` compares the model built on the meta device with what the folder's
     files declare, before anything is allocated (a ConfigError naming the tensor and the file);
-    ``load(model, folder)`` fills the parameters this rank holds, after sharding."""
+    ``load(model, folder)`` fills the parameters this rank holds, after sharding (checked again,
+    then read by DCP's Hugging Face reader into the family's state-dict adapter's view of the
+    model: ``models/hf_folder.py``'s ``read_folder``)."""
 
     check: Callable[[nn.Module, Path], object]
     load: Callable[[nn.Module, Path], None]

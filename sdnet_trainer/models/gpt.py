@@ -16,7 +16,6 @@ three consumers through :class:`~sdnet_trainer.models.decoder.Decoder` and the G
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -159,14 +158,8 @@ class GPT(Decoder):
         )
         self.norm = nn.LayerNorm(dim)
         self.head = nn.Linear(dim, vocab_size, bias=False)
-        # The layers drew their defaults as they were built; the GPT-2 init follows.
+        # Every parameter from its distribution (Decoder.distribution: GPT-2's init).
         self.apply_own_init()
-
-    def module_init(
-        self, module: nn.Module, *, residual_std: float
-    ) -> Callable[[nn.Module], None] | None:
-        """LayerNorms at identity."""
-        return _identity_norm if isinstance(module, nn.LayerNorm) else None
 
     def check_tensor_parallel(self, tp: int, *, sequence_parallel: bool) -> None:
         """Whether this GPT shards over ``tp`` ranks (see :meth:`Decoder.apply_tensor_parallel`)."""
@@ -179,11 +172,6 @@ class GPT(Decoder):
             tp=tp,
             sequence_parallel=sequence_parallel,
         )
-
-
-def _identity_norm(module: nn.Module) -> None:
-    nn.init.ones_(module.weight)  # type: ignore[arg-type]
-    nn.init.zeros_(module.bias)  # type: ignore[arg-type]
 
 
 def validate_gpt(cfg: Config, *, tp: int) -> None:

@@ -14,19 +14,42 @@ read through safetensors itself; no tensor's values are read.
 The files are opened as data: JSON of bounded size with typed fields; weight files are plain names
 directly in the folder, opened without following symbolic links and only if they are regular
 files (:func:`open_safetensors`).
+
+Once checked, the values are read by torch's DCP through its ``HuggingFaceStorageReader``
+(:func:`read_folder`) into a state dict that a family's state-dict adapter makes of the model
+(Hugging Face's names, values over the model's own storage: DTensors, plain tensors, or views of
+them), so each rank reads only the elements of its own shards. The reader's metadata is the
+checked headers (the files the index names, not every ``*.safetensors`` the folder holds), and
+it reads each file through the descriptor opened as above.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import errno
 import json
+import math
 import os
 import stat
-from collections.abc import Iterable, Iterator
-from contextlib import contextmanager
+import warnings
+from collections.abc import Iterable, Iterator, Mapping
+from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, NamedTuple
+
+import torch
+from torch.distributed import checkpoint as dcp
+from torch.distributed.checkpoint import HuggingFaceStorageReader
+from torch.distributed.checkpoint.metadata import (
+    ChunkStorageMetadata,
+    Metadata,
+    MetadataIndex,
+    StorageMeta,
+    TensorProperties,
+    TensorStorageMetadata,
+)
+from torch.distributed.checkpoint.planner import LoadPlan
 
 from sdnet_trainer.config.schema import ModelConfig
 from sdnet_trainer.errors import ConfigError
@@ -234,6 +257,111 @@ def listed(names: list[str]) -> str:
     return ", ".join(names[:_LISTED]) + more
 
 
+# ---------------------------------------------------------------------- reading the values
+
+
+class Block(NamedTuple):
+    """Where a key of an adapter's state that is not a stored tensor's own name is in the folder:
+    stored tensor ``name`` from ``offsets`` on (one per dimension), in the key's shape (the up
+    projection's rows of a fused ``gate_up_proj``)."""
+
+    name: str
+    offsets: tuple[int, ...]
+
+
+@dataclass(frozen=True)
+class HFState:
+    """What a family's state-dict adapter makes of a model: Hugging Face's names (or the keys of
+    ``blocks``) -> tensors over the model's own storage (its DTensors, plain tensors, views of
+    either), so that reading into them fills the model's parameters."""
+
+    tensors: dict[str, torch.Tensor]
+    blocks: dict[str, Block] = dataclasses.field(default_factory=dict)
+
+
+def read_folder(state: HFState, folder: Path, stored: Mapping[str, StoredTensor]) -> int:
+    """Fill ``state``'s tensors from the folder, whose headers ``stored`` were checked against the
+    model (:func:`check_stored`), through DCP's ``HuggingFaceStorageReader``: each rank reads only
+    the elements its tensors hold (a DTensor's local shard), converted to their dtype as they are
+    copied. Tensors on the meta device (units a pipeline split gave to other ranks) are skipped.
+    The bytes read."""
+    tensors = {key: t for key, t in state.tensors.items() if not t.is_meta}
+    sources = {
+        key: (state.blocks.get(key, Block(key, (0,) * t.dim())), tuple(t.shape))
+        for key, t in tensors.items()
+    }
+    files = sorted({stored[block.name].file for block, _ in sources.values()})
+    with ExitStack() as opened:
+        paths = {file: opened.enter_context(regular_file(folder, file)) for file in files}
+        reader = _CheckedReader(folder, sources, stored, paths)
+        with warnings.catch_warnings():
+            # no_dist: a rank reads its own shards and needs nothing from the others, so no
+            # collective runs and ranks whose state differs (pipeline stages, expert-parallel
+            # ranks), or a process alone (export's rebuild), read alike. DCP says it assumes one
+            # process.
+            warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+            dcp.load(tensors, storage_reader=reader, no_dist=True)
+    return reader.bytes_read
+
+
+class _File(NamedTuple):
+    relative_path: str  # what the stock reader's read_data opens: the checked descriptor's path
+
+
+class _CheckedReader(HuggingFaceStorageReader):
+    """DCP's Hugging Face reader over a checked folder. Its metadata is the checked headers of
+    the tensors read, where the stock reader would open every ``*.safetensors`` in the folder
+    (the index ignored) and take offsets from a header's own field; a block's key reads its
+    stored tensor's elements at the block's offsets; each file is read through the descriptor
+    :func:`regular_file` holds open. The reading itself is the stock reader's."""
+
+    def __init__(
+        self,
+        folder: Path,
+        sources: dict[str, tuple[Block, tuple[int, ...]]],
+        stored: Mapping[str, StoredTensor],
+        paths: dict[str, str],
+    ) -> None:
+        super().__init__(str(folder))
+        self._sources, self._stored, self._paths = sources, stored, paths
+        self.bytes_read = 0
+
+    def _dtype(self, name: str) -> torch.dtype:
+        dtype: torch.dtype = getattr(torch, FLOAT_DTYPES[self._stored[name].dtype])
+        return dtype
+
+    def _origin(self, name: str) -> MetadataIndex:
+        return MetadataIndex(name, [0] * len(self._stored[name].shape))
+
+    def read_metadata(self) -> Metadata:
+        # Each key one whole chunk; the files by the stored tensor the reads go to (a block's
+        # reads are moved to it in prepare_local_plan).
+        tensors: dict[str, Any] = {}
+        files: dict[MetadataIndex, Any] = {}
+        for key, (block, shape) in self._sources.items():
+            size = torch.Size(shape)
+            whole = ChunkStorageMetadata(offsets=torch.Size([0] * len(shape)), sizes=size)
+            properties = TensorProperties(dtype=self._dtype(block.name))
+            tensors[key] = TensorStorageMetadata(properties, size, [whole])
+            files[self._origin(block.name)] = _File(self._paths[self._stored[block.name].file])
+        return Metadata(tensors, storage_data=files, storage_meta=StorageMeta(load_id=self.load_id))
+
+    def prepare_local_plan(self, plan: LoadPlan) -> LoadPlan:
+        # The stock read_data slices storage_index's tensor at storage_offsets: a block's reads
+        # become reads of its stored tensor, shifted by the block's offsets.
+        items = []
+        for item in plan.items:
+            block, _ = self._sources[item.storage_index.fqn]
+            at = [offset + shift for offset, shift in zip(item.storage_offsets, block.offsets)]
+            items.append(
+                dataclasses.replace(
+                    item, storage_index=self._origin(block.name), storage_offsets=torch.Size(at)
+                )
+            )
+            self.bytes_read += math.prod(item.lengths) * self._dtype(block.name).itemsize
+        return dataclasses.replace(plan, items=items)
+
+
 # ---------------------------------------------------------------------- untrusted files
 
 
@@ -258,11 +386,24 @@ def _read_json(file: Path, *, key: str) -> Any:
 
 @contextmanager
 def open_safetensors(folder: Path, name: str, *, key: str = "model.weights") -> Iterator[Any]:
-    """safetensors' ``safe_open`` of ``folder/name``, a regular file there: opened first with
-    O_NOFOLLOW (a symbolic link is refused) and read through that descriptor, so the file
-    checked is the file read. ``key`` names the setting that gave the folder, for the errors."""
+    """safetensors' ``safe_open`` of ``folder/name``, a regular file there (:func:`regular_file`).
+    ``key`` names the setting that gave the folder, for the errors."""
     from safetensors import SafetensorError, safe_open
 
+    with regular_file(folder, name, key=key) as via:
+        try:
+            handle = safe_open(via, framework="pt")
+        except (SafetensorError, OSError, ValueError) as err:
+            raise ConfigError(f"{key}: {folder / name} is not a safetensors file: {err}") from None
+        with handle as f:
+            yield f
+
+
+@contextmanager
+def regular_file(folder: Path, name: str, *, key: str = "model.weights") -> Iterator[str]:
+    """The path to read ``folder/name`` through, a regular file there: opened first with
+    O_NOFOLLOW (a symbolic link is refused) and read through that descriptor while the context
+    lasts, so the file checked is the file read."""
     path = folder / name
     if not _plain_name(name):
         raise ConfigError(f"{key}: refusing {name!r}: not a file name inside {folder}")
@@ -281,20 +422,16 @@ def open_safetensors(folder: Path, name: str, *, key: str = "model.weights") -> 
     try:
         if not stat.S_ISREG(os.fstat(fd).st_mode):
             raise ConfigError(f"{key}: {path} is not a regular file")
-        via = f"/proc/self/fd/{fd}" if os.path.isdir("/proc/self/fd") else str(path)
-        try:
-            handle = safe_open(via, framework="pt")
-        except (SafetensorError, OSError, ValueError) as err:
-            raise ConfigError(f"{key}: {path} is not a safetensors file: {err}") from None
-        with handle as f:
-            yield f
+        yield f"/proc/self/fd/{fd}" if os.path.isdir("/proc/self/fd") else str(path)
     finally:
         os.close(fd)
 
 
 __all__ = [
+    "Block",
     "CONFIG_FILE",
     "FLOAT_DTYPES",
+    "HFState",
     "HF_PREFIX",
     "INDEX_FILE",
     "SINGLE_FILE",
@@ -304,7 +441,9 @@ __all__ = [
     "hf_weights_folder",
     "listed",
     "open_safetensors",
+    "read_folder",
     "read_hf_config",
+    "regular_file",
     "stored_tensors",
     "weight_files",
 ]

@@ -1,25 +1,26 @@
-"""Initialise a model built on the meta device, after it has been parallelized, to exactly the
-weights a CPU build with the same seed gives.
+"""Initialise a model built on the meta device, after it has been parallelized, to the weights a
+CPU build with the same seed gives.
 
 A large model is never whole on a rank: the Trainer builds it under ``torch.device("meta")``
 (shapes only), shards it (tensor parallel, FSDP), allocates this rank's pieces with
 :func:`allocate` (``Module.to_empty``; under FSDP's CPU offload the parameters in CPU memory, the
 buffers on the device) and only then writes values, with :func:`materialize`.
 
-The values are *full-tensor equivalent* and equal to the CPU build's. An init is a list of
-:class:`InitStep`, in the order a CPU build draws random numbers (construction's
-``reset_parameters`` calls, then the model's own init). :func:`materialize` runs each step on a
-full-size CPU stand-in of its module's tensors, drawing from the CPU generator exactly as
-construction does, and copies into each real tensor the part this rank holds (its DTensor shard,
-or the whole tensor). Every rank runs every step, so the generator stays in step on all ranks
-with no communication, and tensors a pipeline split removed from this rank still draw their
-numbers (the later ones then match) but are not kept. At most one module's full tensors exist at
-a time: for ``gpt_1b``, the token embedding (vocabulary x dim).
+An init is a list of :class:`InitStep`, each setting one module's own tensors. Two kinds:
 
-The alternative, drawing on each shard with DTensor's offset-based RNG, would give values that
-depend on the layout's device RNG rather than the seed's CPU stream, so a sharded run would not
-start from the single process's weights and checkpoints/reference comparisons across layouts
-would no longer line up.
+- A :class:`Draw` sets one parameter to a distribution's values at its elements' indices, from a
+  counter-based stream keyed by the model's seed and the parameter's name
+  (``models/init_values.py``). Each rank computes exactly its shard, on its device, with no full
+  tensor and no communication, and every layout gets the same values. The project's families
+  (``models/decoder.py``: GPT, Llama, MoE) declare every parameter this way; their one random
+  draw at construction is the seed, from the CPU generator.
+- Any other step is *replayed*: it runs on full-size CPU stand-ins of its module's tensors,
+  drawing from the CPU generator exactly as construction does, and each real tensor receives the
+  part this rank holds. Every rank runs every step, so the generator stays in step on all ranks
+  with no communication. This keeps torchvision's ResNets, a user's module with ``init_steps()``
+  and peft's adapters exact to their CPU build; it costs each rank the whole model's draws, one
+  module's full tensors at a time, and suits models of their size. The families use it only for
+  computed buffers (rotary frequencies, routing statistics).
 """
 
 from __future__ import annotations
@@ -35,6 +36,7 @@ from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tenso
 from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
 from sdnet_trainer.lazy import loaded_types
+from sdnet_trainer.models.init_values import Distribution, fill
 
 if TYPE_CHECKING:
     from torchvision.models.resnet import ResNet
@@ -46,6 +48,44 @@ class InitStep:
 
     module: nn.Module
     fn: Callable[[nn.Module], None]
+
+
+class Direct:
+    """An :class:`InitStep`'s ``fn`` that :func:`materialize` runs on the real module itself
+    (its tensors as allocated, DTensor shards included), not on full-size CPU stand-ins."""
+
+
+def draw_seed() -> int:
+    """A model's init seed: one 64-bit draw from the CPU generator."""
+    return int(torch.randint(-(2**63), 2**63 - 1, (), dtype=torch.int64, device="cpu"))
+
+
+class SeedDraw(Direct):
+    """Construction's draw of the seed (:func:`draw_seed`), made again and discarded (the
+    :class:`Draw` steps hold the seed): the CPU generator then ends where a CPU build leaves
+    it, so what is initialised after the model (LoRA's adapters) draws the same numbers."""
+
+    def __call__(self, module: nn.Module) -> None:
+        draw_seed()
+
+
+@dataclass(frozen=True)
+class Draw(Direct):
+    """An :class:`InitStep`'s ``fn`` that sets the module's parameter ``name`` to ``dist``'s
+    values at its elements' indices in the whole tensor, from the stream of (``seed``, ``key``):
+    ``key`` is the parameter's name in the model as built, so a name the layout changes (a
+    pipeline stage's, a wrapper's) draws the same numbers. Works on a whole tensor, a DTensor
+    (this rank's block) and, doing nothing, on a meta tensor (not on this rank)."""
+
+    name: str
+    key: str
+    dist: Distribution
+    seed: int
+
+    def __call__(self, module: nn.Module) -> None:
+        tensor = module._parameters[self.name]
+        assert tensor is not None, f"{self.key} is not a parameter"
+        fill(tensor, self.dist, seed=self.seed, key=self.key)
 
 
 class _DeclaresInit(Protocol):
@@ -207,7 +247,8 @@ def allocate(module: nn.Module, device: torch.device, *, cpu_offload: bool = Fal
 
 @torch.no_grad()
 def materialize(steps: list[InitStep]) -> None:
-    """Run ``steps`` on full-size CPU stand-ins, in order, writing into every real tensor that is
+    """Run ``steps`` in order: a :class:`Direct` one (a :class:`Draw`: this rank's block) on the
+    real module, any other on full-size CPU stand-ins, writing into every real tensor that is
     allocated (not on the meta device) this rank's part of the result. The CPU generator's state
     on entry plays the role of its state at the start of a CPU build."""
     # Scratch buffers back every step's stand-ins, one per position among a module's own tensors
@@ -216,6 +257,8 @@ def materialize(steps: list[InitStep]) -> None:
     # each stand-in needs its own version counter (below).
     slots: list[int] = []
     for step in steps:
+        if isinstance(step.fn, Direct):
+            continue
         for i, t in enumerate(_own_tensors(step.module).values()):
             nbytes = t.numel() * t.element_size()
             if i == len(slots):
@@ -225,6 +268,9 @@ def materialize(steps: list[InitStep]) -> None:
     scratch = [torch.empty(n, dtype=torch.uint8) for n in slots]
     for step in steps:
         module = step.module
+        if isinstance(step.fn, Direct):
+            step.fn(module)  # a Draw computes this rank's block itself, on its device
+            continue
         real = _own_tensors(module)
         if not real:
             continue
@@ -281,11 +327,15 @@ def write_full(real: torch.Tensor, full: torch.Tensor) -> None:
 __all__ = [
     "CONSTRUCTION_STEPS",
     "REPLACED_STEM",
+    "Direct",
+    "Draw",
+    "SeedDraw",
     "ZERO_INIT_RESIDUAL",
     "InitStep",
     "allocate",
     "build_deferred",
     "construction_resets",
+    "draw_seed",
     "init_steps",
     "materialize",
     "resnet_init_steps",

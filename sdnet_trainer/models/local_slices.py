@@ -1,57 +1,18 @@
-"""A rank's part of a full tensor, read block by block: what loading a folder of whole tensors
-into a sharded model needs (the Llama's and the MoE's ``model.weights=hf:PATH``).
+"""The global indices a rank's block of a tensor holds, per dimension: what initialising a
+sharded parameter value by value needs (``models/init_values.py``: each element's value is a
+function of its index in the whole tensor; the dry run counts the same way).
 
 For a DTensor (tensor parallel, FSDP, expert parallel's experts sharded by expert and FSDP's
-shards of those) the global indices the rank holds along each dimension are cut by the tensor's
-own placements, by torch's own cutting of an index range and without communication; so strided
-shards (FSDP over another dimension's shards) read right. Each run of consecutive indices is one
-block read, through the caller's ``read``.
+shards of those) the indices along each dimension are cut by the tensor's own placements, by
+torch's own cutting of an index range and without communication; so strided shards (FSDP over
+another dimension's shards) come out right.
 """
 
 from __future__ import annotations
 
-import itertools
-from collections.abc import Callable
-
 import torch
 from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
 from torch.distributed.tensor.placement_types import Placement, _StridedShard
-
-
-@torch.no_grad()
-def copy_local(target: torch.Tensor, read: Callable[[tuple[slice, ...]], torch.Tensor]) -> int:
-    """Copy into ``target`` the part of the full tensor this rank holds, ``read(block)`` giving
-    the full tensor's block at global slices; bytes read."""
-    if target.is_meta:
-        return 0  # not on this rank (pruned by a pipeline split) or never allocated
-    local = target.to_local() if isinstance(target, DTensor) else target
-    runs = local_runs(target)
-    held = tuple(sum(stop - start for start, stop in dim) for dim in runs)
-    if held != tuple(local.shape):
-        raise RuntimeError(f"local shard {tuple(local.shape)} is not the indices held {held}")
-    return copy_runs(local, runs, read)
-
-
-def copy_runs(
-    local: torch.Tensor,
-    runs: list[list[tuple[int, int]]],
-    read: Callable[[tuple[slice, ...]], torch.Tensor],
-) -> int:
-    """Fill ``local`` from the full tensor's blocks: ``runs[d]``, the (start, stop) ranges of
-    global indices along dimension d that ``local`` holds, in order; bytes read."""
-    placed = []
-    for dim_runs in runs:
-        at, pairs = 0, []
-        for start, stop in dim_runs:
-            pairs.append((slice(start, stop), slice(at, at + stop - start)))
-            at += stop - start
-        placed.append(pairs)
-    total = 0
-    for pieces in itertools.product(*placed):
-        block = read(tuple(full for full, _ in pieces))
-        local[tuple(part for _, part in pieces)].copy_(block)
-        total += block.numel() * block.element_size()
-    return total
 
 
 def local_runs(target: torch.Tensor) -> list[list[tuple[int, int]]]:
@@ -96,4 +57,4 @@ def _runs(indices: list[int]) -> list[tuple[int, int]]:
     return runs
 
 
-__all__ = ["copy_local", "copy_runs", "local_runs"]
+__all__ = ["local_runs"]

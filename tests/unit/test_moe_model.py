@@ -9,6 +9,7 @@ nothing is downloaded."""
 from __future__ import annotations
 
 import json
+import math
 import shutil
 
 import pytest
@@ -25,10 +26,9 @@ from sdnet_trainer.export import config_yaml
 from sdnet_trainer.export.hf import write_hf
 from sdnet_trainer.models import build_model
 from sdnet_trainer.models.init import build_deferred, materialize
-from sdnet_trainer.models.local_slices import copy_runs
 from sdnet_trainer.models.moe import GroupedExperts, MoE, MoEDecoder, experts
-from sdnet_trainer.models.moe.hf import FUSED, QWEN3, stored_as, written_layout
-from sdnet_trainer.models.moe.weights import load_hf_weights, read_block
+from sdnet_trainer.models.moe.hf import QWEN3
+from sdnet_trainer.models.moe.weights import load_hf_weights
 from sdnet_trainer.models.parallel_spec import pipeline_units
 from sdnet_trainer.models.registry import hf_weights_reader, model_family
 from sdnet_trainer.preflight import validate
@@ -522,38 +522,52 @@ def test_a_rank_loads_and_initialises_only_its_shards(rank_1_of_4, qwen3_saved):
     _assert_rank_holds(meta, cpu)
 
 
-def _read_runs(folder, layout, runs) -> tuple[torch.Tensor, int, list[str]]:
-    """Layer 1's up projections at ``runs`` read from ``folder``: the block, the bytes read and
-    the tensors opened."""
-    from contextlib import ExitStack
-
-    from sdnet_trainer.models.hf_folder import open_safetensors, stored_tensors
-
-    stored, opened = stored_tensors(folder), []
-    source = stored_as("blocks.1.mlp.experts.w3", (4, 16, 32), layout)
-    assert source is not None
-    local = torch.empty(*(sum(b - a for a, b in dim) for dim in runs))
-    with ExitStack() as files:
-
-        def tensor(name: str):
-            opened.append(name)
-            handle = files.enter_context(open_safetensors(folder, stored[name].file))
-            return handle.get_slice(name)
-
-        read = copy_runs(local, runs, lambda block: read_block(source, tensor, block))
-    return local, read, opened
+@pytest.fixture(scope="module")
+def qwen3_fused(tmp_path_factory):
+    """The same Qwen3-MoE in transformers 5's fused layout (saved outside any process group:
+    transformers writes config.json on the main process only)."""
+    folder = tmp_path_factory.mktemp("qwen3_fused")
+    _hf_model("qwen3_moe").save_pretrained(folder, save_original_format=False)
+    return folder
 
 
-def test_a_block_is_read_from_its_experts_rows_and_columns_only(qwen3_saved, tmp_path):
-    """Explicit runs of global indices (experts 0, 2, 3; rows 4..12) from both layouts; only the
-    experts in the runs are opened."""
-    _hf_model("qwen3_moe").save_pretrained(tmp_path, save_original_format=False)
-    full = _load(qwen3_saved).blocks[1].mlp.experts.w3.detach()
-    expected = torch.cat([full[0:1, 4:12], full[2:4, 4:12]])
-    runs = [[(0, 1), (2, 4)], [(4, 12)], [(0, 32)]]
-    for folder, layout in ((qwen3_saved, written_layout(QWEN3)), (tmp_path, FUSED)):
-        local, read, opened = _read_runs(folder, layout, runs)
-        torch.testing.assert_close(local, expected, rtol=0, atol=0)
-        assert read == expected.numel() * 4
-        if layout is not FUSED:
-            assert not any(".experts.1." in name for name in opened)
+def test_a_rank_reads_only_its_experts_rows_and_columns(qwen3_saved, qwen3_fused, rank_1_of_4):
+    """Experts split by expert over ep and by row over dp (rank 1 of 4 holds experts 2 and 3,
+    rows 0..8 of each): the rank's blocks are read from both layouts, and nothing else: in the
+    per-expert layout only the tensors of its experts, in the fused one only its rows."""
+    from torch.distributed.checkpoint import HuggingFaceStorageReader
+
+    reference = _load(qwen3_saved)
+    placements = (Shard(1), Shard(0))  # (dp, ep)
+    for folder in (qwen3_saved, qwen3_fused):
+        model = build_model(compose(_cfg(folder)).model)
+        for module in model.modules():
+            if isinstance(module, GroupedExperts):
+                for name in ("w1", "w2", "w3"):
+                    full = module.get_parameter(name).detach()
+                    shard = distribute_tensor(full, rank_1_of_4, placements, src_data_rank=None)
+                    module.register_parameter(name, nn.Parameter(shard))
+        w3 = model.blocks[1].mlp.experts.w3
+        assert w3.to_local().shape == (2, 8, 32)
+        reads: list[tuple[str, tuple[int, ...], tuple[int, ...]]] = []
+        stock = HuggingFaceStorageReader._process_read_request
+
+        def record(self, f, req, planner, stock=stock, reads=reads):
+            reads.append((req.storage_index.fqn, tuple(req.storage_offsets), tuple(req.lengths)))
+            return stock(self, f, req, planner)
+
+        with pytest.MonkeyPatch.context() as patch:
+            patch.setattr(HuggingFaceStorageReader, "_process_read_request", record)
+            load_hf_weights(model, folder)
+        _assert_rank_holds(model, reference)
+        held = sum(p.to_local().numel() for p in model.parameters() if isinstance(p, DTensor))
+        held += sum(p.numel() for p in model.parameters() if not isinstance(p, DTensor))
+        assert sum(math.prod(lengths) for *_, lengths in reads) == held  # each element once
+        up = [r for r in reads if r[0].startswith("model.layers.1.mlp.experts.")]
+        if folder == qwen3_saved:
+            assert {r[0] for r in up if ".up_proj." in r[0]} == {
+                f"model.layers.1.mlp.experts.{e}.up_proj.weight" for e in (2, 3)
+            }
+            assert all(r[1:] == ((0, 0), (8, 32)) for r in up if ".up_proj." in r[0])
+        else:  # the gate's rows 0..16, then the up projection's 16..32: rows 16..24 of 2, 3
+            assert ("model.layers.1.mlp.experts.gate_up_proj", (2, 16, 0), (2, 8, 32)) in up

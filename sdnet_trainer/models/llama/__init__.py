@@ -1,6 +1,7 @@
-"""The Llama family (``model.name=llama``): its model (``model.py``), its Hugging Face adapter
-(``hf.py``: names, config.json, ``model.weights=hf:PATH``), its serving cache (the same tensors
-as a ``transformers.LlamaForCausalLM``, ``models/hf_twin.py``), and the family's entry
+"""The Llama family (``model.name=llama``): its model (``model.py``), its Hugging Face side
+(``state_dict_adapter.py``: its tensors under Hugging Face's names; ``hf.py``: config.json and
+``model.weights=hf:PATH``), its serving cache (the same tensors as a
+``transformers.LlamaForCausalLM``, ``models/hf_twin.py``), and the family's entry
 (:data:`FAMILY`) that ``models/registry.py`` lists. Its tensor-parallel plan and pipeline units
 are the decoder machinery's it shares with the GPT (``models/parallel_spec.py``)."""
 
@@ -29,7 +30,6 @@ from sdnet_trainer.models.llama.hf import (
     hf_config_of,
     llama_sizes_from_hf,
     load_hf_weights,
-    to_hf_name,
 )
 from sdnet_trainer.models.llama.model import (
     Llama,
@@ -37,6 +37,7 @@ from sdnet_trainer.models.llama.model import (
     check_tensor_parallel,
     validate_llama,
 )
+from sdnet_trainer.models.llama.state_dict_adapter import to_hf, to_hf_name
 
 NAME = "llama"
 
@@ -57,18 +58,14 @@ def llama_sizes(cfg: ModelConfig) -> dict[str, Any]:
 
 
 def hf_tensors(model: nn.Module) -> dict[str, torch.Tensor]:
-    """The Llama's tensors under Hugging Face's names; a tied output layer once, as the
-    embedding (transformers ties it back)."""
+    """The Llama's tensors under Hugging Face's names (its state-dict adapter's); a tied output
+    layer once, as the embedding (transformers ties it back)."""
     if not isinstance(model, Llama):
         raise ConfigError(
             f"model.name={NAME}'s Hugging Face names are a Llama's; this model is a "
             f"{type(model).__name__}"
         )
-    return {
-        to_hf_name(name): value
-        for name, value in model.state_dict().items()
-        if not (model.tie_embeddings and name == "head.weight")
-    }
+    return to_hf(model.state_dict(), tied=model.tie_embeddings).tensors
 
 
 def generation_model(model: nn.Module) -> nn.Module | None:

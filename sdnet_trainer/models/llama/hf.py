@@ -1,27 +1,25 @@
-"""Hugging Face Llama checkpoints in and out: the config and name mapping (kept as data), and the
-loading of a safetensors folder into a model that may be sharded.
+"""Hugging Face Llama checkpoints in and out: config.json <-> ``model.llama`` (kept as data), and
+``model.weights=hf:PATH`` read into a model that may be sharded.
 
 A Hugging Face Llama folder holds ``config.json`` and its weights, ``model.safetensors`` or
-shards named by ``model.safetensors.index.json``. This project's :class:`Llama` uses the same
-rotary layout as ``transformers`` (``rotate_half``), so the query and key projections load as they
-are stored, with no permutation; only the names differ (:data:`HF_NAMES`).
-
-:func:`load_hf_weights` fills a model *after* it is sharded: for each of its tensors a rank reads
-only the block it holds (a DTensor's local shard of FSDP and/or tensor parallelism, or the whole
-tensor where it is not sharded, nothing for the units a pipeline split removed), through
-safetensors' lazy slices of the memory-mapped file. No rank reads the whole model.
+shards named by ``model.safetensors.index.json``. The tensor names are the family's state-dict
+adapter's (``state_dict_adapter.py``: the same rotary layout as ``transformers``, so no
+permutation).
 
 The folder is untrusted input (``models/hf_folder.py`` reads it): :func:`check_hf_weights`
 compares the model built on the meta device, before anything is allocated, with what the files'
 headers declare (every name, shape and dtype; a tied output layer against the stored one; the
-``torch_dtype`` field), and :func:`load_hf_weights` checks again before it reads a value.
+``torch_dtype`` field). :func:`load_hf_weights` fills the model *after* it is sharded: it checks
+again, then DCP's Hugging Face reader reads into the adapter's state of the model
+(:func:`~sdnet_trainer.models.hf_folder.read_folder`), each rank only the elements of its shards
+(a DTensor's local shard of FSDP and/or tensor parallelism, the whole tensor where it is not
+sharded, nothing for the units a pipeline split removed). No rank reads the whole model.
 """
 
 from __future__ import annotations
 
 import logging
 import re
-from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
@@ -35,29 +33,15 @@ from sdnet_trainer.models.hf_folder import (
     check_dtype_field,
     check_stored,
     open_safetensors,
+    read_folder,
     read_hf_config,
     stored_tensors,
 )
-from sdnet_trainer.models.local_slices import copy_local
+from sdnet_trainer.models.llama.state_dict_adapter import HF_NAMES, from_hf_name, to_hf, to_hf_name
 from sdnet_trainer.models.lora import base_state
 
 logger = logging.getLogger(__name__)
 
-# This project's parameter names -> Hugging Face LlamaForCausalLM's ({i}: the layer).
-HF_NAMES: tuple[tuple[str, str], ...] = (
-    ("embed.tok.weight", "model.embed_tokens.weight"),
-    ("blocks.{i}.norm1.weight", "model.layers.{i}.input_layernorm.weight"),
-    ("blocks.{i}.attn.wq.weight", "model.layers.{i}.self_attn.q_proj.weight"),
-    ("blocks.{i}.attn.wk.weight", "model.layers.{i}.self_attn.k_proj.weight"),
-    ("blocks.{i}.attn.wv.weight", "model.layers.{i}.self_attn.v_proj.weight"),
-    ("blocks.{i}.attn.wo.weight", "model.layers.{i}.self_attn.o_proj.weight"),
-    ("blocks.{i}.norm2.weight", "model.layers.{i}.post_attention_layernorm.weight"),
-    ("blocks.{i}.mlp.w1.weight", "model.layers.{i}.mlp.gate_proj.weight"),
-    ("blocks.{i}.mlp.w3.weight", "model.layers.{i}.mlp.up_proj.weight"),
-    ("blocks.{i}.mlp.w2.weight", "model.layers.{i}.mlp.down_proj.weight"),
-    ("norm.weight", "model.norm.weight"),
-    ("head.weight", "lm_head.weight"),
-)
 # Stored by some older exports, recomputed here: skipped when found.
 _IGNORED = re.compile(r"model\.layers\.\d+\.self_attn\.rotary_emb\.inv_freq")
 
@@ -71,49 +55,6 @@ CONFIG_KEYS: tuple[tuple[str, str], ...] = (
     ("hidden_dim", "intermediate_size"),
 )
 _ROPE_KEYS = ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
-
-
-class NameMap:
-    """This project's parameter names <-> a Hugging Face model's, from (ours, theirs) templates
-    (``{i}``: the layer); a name no template matches translates to None."""
-
-    def __init__(self, pairs: Iterable[tuple[str, str]]) -> None:
-        pairs = tuple(pairs)
-        self._to_hf = [(_pattern(ours), hf) for ours, hf in pairs]
-        self._from_hf = [(_pattern(hf), ours) for ours, hf in pairs]
-
-    def to_hf(self, name: str) -> str | None:
-        return _translate(name, self._to_hf)
-
-    def from_hf(self, name: str) -> str | None:
-        return _translate(name, self._from_hf)
-
-
-def _pattern(template: str) -> re.Pattern[str]:
-    return re.compile(re.escape(template).replace(re.escape("{i}"), r"(\d+)") + "$")
-
-
-def _translate(name: str, table: list[tuple[re.Pattern[str], str]]) -> str | None:
-    for pattern, template in table:
-        match = pattern.match(name)
-        if match:
-            return template.replace("{i}", match.group(1)) if match.groups() else template
-    return None
-
-
-_NAMES = NameMap(HF_NAMES)
-
-
-def to_hf_name(name: str) -> str:
-    hf = _NAMES.to_hf(name)
-    if hf is None:
-        raise KeyError(f"{name} has no Hugging Face Llama name")
-    return hf
-
-
-def from_hf_name(name: str) -> str | None:
-    """This project's name for a Hugging Face Llama tensor name (None: not a Llama weight)."""
-    return _NAMES.from_hf(name)
 
 
 # ---------------------------------------------------------------------- config.json
@@ -276,35 +217,24 @@ def check_tied(folder: Path, stored: dict[str, StoredTensor], source: str) -> No
 
 def load_hf_weights(model: nn.Module, folder: Path) -> None:
     """Fill every parameter of ``model`` (a Llama, possibly sharded or pruned to pipeline stages)
-    this rank holds from the Hugging Face folder, each from the slice of its file it holds;
+    this rank holds from the Hugging Face folder, each from the elements of its file it holds;
     checked first (:func:`check_hf_weights`)."""
     stored = check_hf_weights(model, folder)
-    state = base_state(model, keep_vars=True)
-    by_file: dict[str, list[tuple[str, str]]] = {}
-    seen: set[int] = set()
-    for ours, target in state.items():
-        if id(target) in seen:
-            continue  # a tied weight: read once, under the embedding's name (which comes first)
-        seen.add(id(target))
-        hf_name = to_hf_name(ours)
-        by_file.setdefault(stored[hf_name].file, []).append((hf_name, ours))
-    read_bytes = 0
-    for file, names in sorted(by_file.items()):
-        with open_safetensors(folder, file) as f:
-            for hf_name, ours in names:
-                read_bytes += copy_local(state[ours], f.get_slice(hf_name).__getitem__)
+    state = to_hf(base_state(model), tied=bool(getattr(model, "tie_embeddings", False)))
+    read = read_folder(state, folder, stored)
     logger.info(
         "loaded %d tensors from %s (%.1f MB read by this rank)",
-        len(seen),
+        len(state.tensors),
         folder,
-        read_bytes / 2**20,
+        read / 2**20,
     )
 
 
+# HF_NAMES, from_hf_name and to_hf_name are the adapter's (state_dict_adapter.py), listed here too
+# for the code that imports them from this module.
 __all__ = [
     "CONFIG_KEYS",
     "HF_NAMES",
-    "NameMap",
     "check_hf_weights",
     "from_hf_name",
     "hf_config_of",

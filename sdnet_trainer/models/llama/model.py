@@ -31,6 +31,7 @@ from sdnet_trainer.models.decoder import (
     check_sequence,
     check_sequence_shards,
 )
+from sdnet_trainer.models.init_values import Constant, Distribution
 from sdnet_trainer.models.parallel_spec import LLAMA_LAYOUT
 from sdnet_trainer.models.rotary import ROPE_TYPES, Rotary
 
@@ -77,6 +78,11 @@ class RMSNorm(nn.Module):
         x = x.float()
         x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
         return self.weight * x.to(dtype)
+
+
+def norm_distribution(module: nn.Module) -> Distribution | None:
+    """An RMSNorm's weight starts at one (the identity)."""
+    return Constant(1.0) if isinstance(module, RMSNorm) else None
 
 
 class Attention(nn.Module):
@@ -216,6 +222,11 @@ class Llama(Decoder):
         self.head = nn.Linear(dim, vocab_size, bias=False)
         self._tie()
         self.apply_own_init()
+
+    def module_distribution(
+        self, module: nn.Module, name: str, *, residual_std: float
+    ) -> Distribution | None:
+        return norm_distribution(module)
 
     def check_tensor_parallel(self, tp: int, *, sequence_parallel: bool) -> None:
         check_tensor_parallel(

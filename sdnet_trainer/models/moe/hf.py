@@ -20,9 +20,8 @@ scaling, another activation.
 
 from __future__ import annotations
 
-import logging
 import re
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
 
@@ -30,13 +29,9 @@ import torch
 from torch import nn
 
 from sdnet_trainer.errors import ConfigError
-from sdnet_trainer.models.hf_twin import transformers_twin
-from sdnet_trainer.models.llama.hf import HF_NAMES as LLAMA_HF_NAMES
-from sdnet_trainer.models.llama.hf import NameMap
-from sdnet_trainer.models.moe.experts import GroupedExperts
+from sdnet_trainer.models.llama.state_dict_adapter import HF_NAMES as LLAMA_HF_NAMES
+from sdnet_trainer.models.llama.state_dict_adapter import NameMap
 from sdnet_trainer.models.moe.model import MoEDecoder
-
-logger = logging.getLogger(__name__)
 
 QWEN3, MIXTRAL = "qwen3_moe", "mixtral"
 MODEL_TYPES = (QWEN3, MIXTRAL)
@@ -366,60 +361,6 @@ def hf_config_of(model: nn.Module, *, dtype: torch.dtype) -> dict[str, Any]:
     return {"model_type": model_type, **config, **common, **specific}
 
 
-def hf_tensors(model: nn.Module, layout: Layout | None = None) -> dict[str, torch.Tensor]:
-    """The model's tensors under Hugging Face's names, in ``layout`` (default: the hub's per-expert
-    one, which ``format=hf`` writes: each expert's projections as tensors of their own, views of
-    the stacked experts); a tied output layer once, as the embedding (transformers ties it back).
-    In the fused layout a layer's gate and up projections become one new tensor, gate rows first."""
-    layout = layout or written_layout(hf_model_type(model))
-    tensors: dict[str, torch.Tensor] = {}
-    halves: dict[str, dict[int, torch.Tensor]] = {}  # a fused gate_up_proj's, by row offset
-    for name, value in model.state_dict().items():
-        stored = stored_as(name, tuple(value.shape), layout)
-        if stored is None or (getattr(model, "tie_embeddings", False) and name == "head.weight"):
-            continue  # the routing bias (refused above unless zero), a tied output layer
-        if stored.per_expert:
-            tensors.update(zip(stored.names, value.unbind(0), strict=True))
-        elif stored.shape != tuple(value.shape):
-            halves.setdefault(stored.names[0], {})[stored.row_offset] = value
-        else:
-            tensors[stored.names[0]] = value
-    for fused, parts in halves.items():
-        tensors[fused] = torch.cat([parts[offset] for offset in sorted(parts)], dim=1)
-    return tensors
-
-
-# ---------------------------------------------------------------------- serving
-
-
-def generation_model(model: nn.Module) -> nn.Module | None:
-    """Serving's KV cache: the ``transformers`` Qwen3-MoE or Mixtral model of this model's own
-    tensors, in the expert layout that release builds. Under transformers 5's fused experts the
-    model's ``w1`` and ``w3`` become the halves of the twin's ``gate_up_proj``, so the weights
-    stay held once. None (a warning: served without the cache) for a model neither type holds."""
-    if not isinstance(model, MoEDecoder):
-        return None
-    try:
-        config = hf_config_of(model, dtype=next(model.parameters()).dtype)
-    except ConfigError as err:  # hf_model_type's: a model neither type holds
-        logger.warning("serving without a KV cache: %s", err)
-        return None
-    model_type = config["model_type"]
-
-    def tensors(wanted: Mapping[str, torch.Size]) -> dict[str, torch.Tensor]:
-        theirs = hf_tensors(model, layout_of(model_type, wanted))
-        for name, experts in model.named_modules():  # blocks.{i}.mlp.experts
-            if not isinstance(experts, GroupedExperts):
-                continue
-            fused = theirs.get(GATE_UP.format(i=name.split(".")[1]))
-            if fused is not None:
-                rows = experts.w1.shape[1]
-                experts.w1.data, experts.w3.data = fused[:, :rows], fused[:, rows:]
-        return theirs
-
-    return transformers_twin(model, config=config, tensors=tensors)
-
-
 __all__ = [
     "FUSED",
     "to_hf_name",
@@ -430,10 +371,8 @@ __all__ = [
     "Layout",
     "Stored",
     "config_fields",
-    "generation_model",
     "hf_config_of",
     "hf_model_type",
-    "hf_tensors",
     "layout_of",
     "moe_sizes_from_hf",
     "stored_as",

@@ -43,7 +43,8 @@ from sdnet_trainer.models.decoder import (
     check_head_shards,
     check_sequence_shards,
 )
-from sdnet_trainer.models.llama.model import Attention, Embedding, RMSNorm
+from sdnet_trainer.models.init_values import Distribution, Normal
+from sdnet_trainer.models.llama.model import Attention, Embedding, RMSNorm, norm_distribution
 from sdnet_trainer.models.moe.experts import LOAD_BALANCE, GroupedExperts, MoE
 from sdnet_trainer.models.parallel_spec import MOE_LAYOUT
 
@@ -162,14 +163,14 @@ class MoEDecoder(Decoder):
         self._tie()
         self.apply_own_init()
 
-    def module_init(
-        self, module: nn.Module, *, residual_std: float
-    ) -> Callable[[nn.Module], None] | None:
+    def module_distribution(
+        self, module: nn.Module, name: str, *, residual_std: float
+    ) -> Distribution | None:
         """The stacked experts as linear layers (``w2`` writes into the residual stream); the
-        MoE layers' buffers (routing bias, counters) at zero, as their construction sets them."""
+        RMSNorms at one."""
         if isinstance(module, GroupedExperts):
-            return partial(_experts_init, residual_std=residual_std)
-        return None
+            return Normal(residual_std if name == "w2" else INIT_STD)
+        return norm_distribution(module)
 
     def check_tensor_parallel(self, tp: int, *, sequence_parallel: bool) -> None:
         check_tensor_parallel(
@@ -220,13 +221,6 @@ def _moe_block_plan(block: nn.Module, stream: Placement) -> dict[str, ParallelSt
         for name in ("attn.q_norm", "attn.k_norm"):
             plan[name] = SequenceParallel(sequence_dim=2, use_local_output=True)
     return plan
-
-
-def _experts_init(module: nn.Module, *, residual_std: float) -> None:
-    experts: Any = module  # a GroupedExperts: its three stacked weights
-    nn.init.normal_(experts.w1, mean=0.0, std=INIT_STD)
-    nn.init.normal_(experts.w3, mean=0.0, std=INIT_STD)
-    nn.init.normal_(experts.w2, mean=0.0, std=residual_std)
 
 
 def check_sizes(sizes: dict[str, Any], named: Named = _MODEL_MOE) -> None:

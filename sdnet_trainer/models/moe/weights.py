@@ -1,31 +1,26 @@
 """``model.weights=hf:PATH`` for the MoE family: a Qwen3-MoE or Mixtral folder checked against the
 model built on the meta device before anything is allocated, then read into the model after it
-is sharded, each rank reading only the slices it holds.
+is sharded, each rank reading only the elements it holds.
 
 The check (:func:`check_hf_weights`) compares every name, shape and dtype the files' headers
 declare with the meta model (``models/hf_folder.py``), the expert count of each layer with
 config.json's first, so that a folder whose experts are not its config's is named by its file.
 
-The load (:func:`load_hf_weights`) fills each tensor's local block: for a DTensor (tensor parallel,
-FSDP, expert parallel's experts sharded by expert and FSDP's shards of those) the global indices
-the rank holds along each dimension are cut by the tensor's own placements
-(``models/local_slices.py``), and only those are read, through safetensors' lazy slices of the
-memory-mapped files. The stacked experts come from one tensor per expert in the hub's layout (only
-the rank's experts are opened, and of each only its rows and columns), or from transformers 5's
-fused tensors.
+The load (:func:`load_hf_weights`) checks again, then DCP's Hugging Face reader reads into the
+family's state-dict adapter's view of the model (``state_dict_adapter.py``:
+:func:`~sdnet_trainer.models.moe.state_dict_adapter.to_hf`) in the folder's layout: the hub's
+tensor per expert (only the experts this rank holds are read, and of each only its block), or
+transformers 5's fused tensors; every tensor's local shard of tensor parallelism, FSDP, expert
+parallelism (:func:`~sdnet_trainer.models.hf_folder.read_folder`).
 """
 
 from __future__ import annotations
 
 import logging
 import re
-from collections.abc import Callable
-from contextlib import ExitStack
-from functools import partial
 from pathlib import Path
 from typing import Any
 
-import torch
 from torch import nn
 
 from sdnet_trainer.errors import ConfigError
@@ -34,21 +29,13 @@ from sdnet_trainer.models.hf_folder import (
     StoredTensor,
     check_dtype_field,
     check_stored,
-    open_safetensors,
+    read_folder,
     read_hf_config,
     stored_tensors,
 )
 from sdnet_trainer.models.llama.hf import check_tied
-from sdnet_trainer.models.local_slices import copy_local
-from sdnet_trainer.models.lora import base_state
-from sdnet_trainer.models.moe.hf import (
-    MODEL_TYPES,
-    Layout,
-    Stored,
-    config_fields,
-    layout_of,
-    stored_as,
-)
+from sdnet_trainer.models.moe.hf import MODEL_TYPES, Layout, config_fields, layout_of, stored_as
+from sdnet_trainer.models.moe.state_dict_adapter import hf_sources, model_state, to_hf
 
 logger = logging.getLogger(__name__)
 
@@ -57,9 +44,6 @@ _FUSED_TENSOR = (".mlp.experts.gate_up_proj", ".mlp.experts.down_proj")
 # Per block, the tensors of every MoE decoder, and those of one with query/key norms.
 _BLOCK = ("norm1", "attn.wq", "attn.wk", "attn.wv", "attn.wo", "norm2", "mlp.router")
 _QK_NORMS = ("attn.q_norm", "attn.k_norm")
-
-# One of the folder's tensors by name, as safetensors' lazy slice.
-Opener = Callable[[str], Any]
 
 
 def _folder_layout(folder: Path, stored: dict[str, StoredTensor]) -> tuple[dict[str, Any], Layout]:
@@ -71,24 +55,6 @@ def _folder_layout(folder: Path, stored: dict[str, StoredTensor]) -> tuple[dict[
             f"not a Qwen3-MoE or Mixtral checkpoint"
         )
     return config, layout_of(model_type, stored)
-
-
-def _sources(model: nn.Module, layout: Layout) -> dict[str, Stored]:
-    """Where each of ``model``'s tensors is in a folder of ``layout`` (its buffers, the routing
-    bias included, are not stored: they start at zero)."""
-    buffers = {name for name, _ in model.named_buffers()}
-    sources = {}
-    for name, tensor in base_state(model, keep_vars=True).items():
-        if name in buffers:
-            continue
-        stored = stored_as(name, tuple(tensor.shape), layout)
-        if stored is None:
-            raise ConfigError(
-                f"model.weights: the model's {name} has no counterpart in a Qwen3-MoE or Mixtral "
-                f"checkpoint (shared experts: leave model.kwargs.num_shared_experts unset)"
-            )
-        sources[name] = stored
-    return sources
 
 
 def _whole_model_names(model: nn.Module, layout: Layout) -> set[str]:
@@ -152,21 +118,16 @@ def check_hf_weights(model: nn.Module, folder: Path) -> dict[str, StoredTensor]:
     return _checked(model, folder)[0]
 
 
-def _checked(model: nn.Module, folder: Path) -> tuple[dict[str, StoredTensor], dict[str, Stored]]:
-    """:func:`check_hf_weights`'s checks; the stored tensors, and where each of the model's is."""
+def _checked(model: nn.Module, folder: Path) -> tuple[dict[str, StoredTensor], Layout]:
+    """:func:`check_hf_weights`'s checks; the stored tensors, and the folder's layout."""
     stored = stored_tensors(folder)
     config, layout = _folder_layout(folder, stored)
     moe: Any = model  # its sizes are plain attributes
     field = config_fields(config)["num_experts"]
     _check_expert_count(stored, folder, layout, experts=moe.num_experts, field=field)
-    sources = _sources(model, layout)
     tied = bool(getattr(model, "tie_embeddings", False))
-    expected = {
-        name: source.shape
-        for ours, source in sources.items()
-        if not (tied and ours == "head.weight")
-        for name in source.names
-    }
+    sources = hf_sources(model_state(model), layout, tied=tied)
+    expected = {name: source.shape for source in sources.values() for name in source.names}
     optional = ["lm_head.weight"] if tied else []
     what = f"the {config['model_type']} model of its {CONFIG_FILE}"
     known = _whole_model_names(model, layout)
@@ -175,54 +136,23 @@ def _checked(model: nn.Module, folder: Path) -> tuple[dict[str, StoredTensor], d
     if tied and {"lm_head.weight", "model.embed_tokens.weight"} <= set(stored):
         check_tied(folder, stored, source)
     check_dtype_field(config, stored, source)
-    return stored, sources
+    return stored, layout
 
 
 def load_hf_weights(model: nn.Module, folder: Path) -> None:
     """Fill every parameter of ``model`` (a MoE decoder, possibly sharded or pruned to pipeline
-    stages) this rank holds from the Hugging Face folder, each from the slices of its files it
+    stages) this rank holds from the Hugging Face folder, each from the elements of its files it
     holds; checked first (:func:`check_hf_weights`)."""
-    stored, sources = _checked(model, folder)
-    state = base_state(model, keep_vars=True)
-    read_bytes, seen = 0, set()
-    with ExitStack() as files:
-        opened: dict[str, Any] = {}
-
-        def tensor(name: str) -> Any:
-            file = stored[name].file
-            if file not in opened:
-                opened[file] = files.enter_context(open_safetensors(folder, file))
-            return opened[file].get_slice(name)
-
-        for ours, source in sources.items():
-            target = state[ours]
-            if id(target) in seen:
-                continue  # a tied weight: read once, under the embedding's name (which comes first)
-            seen.add(id(target))
-            read_bytes += copy_local(target, partial(read_block, source, tensor))
+    stored, layout = _checked(model, folder)
+    tied = bool(getattr(model, "tie_embeddings", False))
+    state = to_hf(model_state(model), layout, tied=tied)
+    read = read_folder(state, folder, stored)
     logger.info(
         "loaded %d tensors from %s (%.1f MB read by this rank)",
-        len(seen),
+        len(state.tensors),
         folder,
-        read_bytes / 2**20,
+        read / 2**20,
     )
 
 
-# ---------------------------------------------------------------------- a rank's slices
-
-
-def read_block(source: Stored, tensor: Opener, block: tuple[slice, ...]) -> torch.Tensor:
-    """The block of the model's tensor at global ``block`` (one slice per dimension), read from
-    where ``source`` says it is: per expert, only the experts in the block's first slice."""
-    if source.per_expert:
-        experts, rest = block[0], block[1:]
-        names = source.names[experts.start : experts.stop]
-        return torch.stack([tensor(name)[rest] for name in names])
-    if source.row_offset:
-        rows = block[1]
-        shifted = slice(rows.start + source.row_offset, rows.stop + source.row_offset)
-        block = (block[0], shifted, *block[2:])
-    return tensor(source.names[0])[block]
-
-
-__all__ = ["check_hf_weights", "load_hf_weights", "read_block"]
+__all__ = ["check_hf_weights", "load_hf_weights"]
