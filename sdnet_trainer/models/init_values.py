@@ -10,26 +10,29 @@ bitwise equal weights, at a cost that grows with the shard.
 
 Bitwise equal also means the arithmetic may not depend on where an element sits in a chunk, nor on
 the CPU's vector width, the thread count or the device: torch's CPU kernels run a vectorised
-transcendental (``log``, ``cos``) on the body of a chunk and the scalar libm one on its tail, and
-the two differ in the last bit. So every step here is an integer operation or one of IEEE's
-correctly rounded float32 operations (``+ - * /``, ``sqrt``, conversions), each in its own kernel
-(no fused multiply-add, no division turned into a multiplication by a reciprocal): the logarithm
-and the sine and cosine are written as polynomials of those. The values are then the same on any
-CPU and on CUDA.
+transcendental (``log``, ``erfinv``) on the body of a chunk and the scalar libm one on its tail,
+and the two differ in the last bit. So every step here is an integer operation, a table lookup or
+one of IEEE's correctly rounded float32 operations (``+ - *``, conversions), each in its own
+kernel (no fused multiply-add): a normal value is the standard normal's quantile function,
+tabulated once and interpolated linearly between its 2^16 + 1 points, at a uniform number of 24
+bits. The values are then the same on any CPU and on CUDA.
 
-A standard normal takes a counter per *pair* of elements (Box-Muller gives two values from one
-64-bit draw): elements ``2p`` and ``2p + 1`` share counter ``p``. A shard whose rows start at odd
-indices computes one value of a pair it does not keep at each end of a row.
+One 64-bit draw gives two values (its two 32-bit words): elements ``2p`` and ``2p + 1`` share
+counter ``p``. A shard whose rows start at odd indices computes one value of a pair it does not
+keep at each end of a row.
 """
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import math
+import statistics
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
 import torch
+from torch import nn
 from torch.distributed.tensor import DTensor
 
 from sdnet_trainer.models.local_slices import local_runs
@@ -52,44 +55,11 @@ def _f32(value: float) -> float:
 _GAMMA = 0x9E3779B97F4A7C15
 _MIX = ((30, 0xBF58476D1CE4E5B9), (27, 0x94D049BB133111EB), (31, None))
 _TWO_M24 = 2.0**-24  # exact in float32
-_LN2 = _f32(math.log(2.0))
-_SQRT2_FRACTION = 0x3504F3  # the 23 fraction bits of sqrt(2) in float32
-_QUARTER_PI = _f32(math.pi / 4)
-# ln m = 2 atanh(s), s = (m - 1) / (m + 1), |s| <= 0.172 for m in [sqrt(1/2), sqrt(2)): the odd
-# series to s^7 is within 3e-8 of it, half a float32 step of ln m's range.
-_ATANH = tuple(_f32(1.0 / (2 * k + 1)) for k in range(4))
-# cos and sin on [-pi/4, pi/4] by Taylor polynomials to x^8 and x^9 (errors below 3e-8).
-_COS = tuple(_f32((-1) ** k / math.factorial(2 * k)) for k in range(5))
-_SIN = tuple(_f32((-1) ** k / math.factorial(2 * k + 1)) for k in range(5))
-# Giles (2010), "Approximating the erfinv function": single precision, from w = -ln(1 - x^2).
-_ERFINV_CENTRAL = tuple(
-    _f32(c)
-    for c in (
-        1.50140941,
-        0.246640727,
-        -0.00417768164,
-        -0.00125372503,
-        0.00021858087,
-        -4.39150654e-06,
-        -3.5233877e-06,
-        3.43273939e-07,
-        2.81022636e-08,
-    )
-)
-_ERFINV_TAIL = tuple(
-    _f32(c)
-    for c in (
-        2.83297682,
-        1.00167406,
-        0.00943887047,
-        -0.0076224613,
-        0.00573950773,
-        -0.00367342844,
-        0.00134934322,
-        0.000100950558,
-        -0.000200214257,
-    )
-)
+# The standard normal's quantile function tabulated at k / 2^16 (k = 0 .. 2^16; the ends at half a
+# 24-bit step from 0 and 1, where it is infinite), between which a value is interpolated linearly:
+# within 1e-8 of the exact quantile wherever |z| < 3.7 (the derivative's change across a cell is
+# tiny there), within a few hundredths in the last cells of the tails (probability 3e-5).
+_TABLE_BITS = 16
 # Pairs per chunk: about 1.5 MiB of int64 counters and a few float32 temporaries, in cache.
 _CHUNK_PAIRS = 1 << 16
 
@@ -162,7 +132,11 @@ def fill(target: torch.Tensor, dist: Distribution, *, seed: int, key: str) -> in
         return 0
     # A contiguous plain tensor is written in place, chunk by chunk; anything else (a strided
     # view, a float8 training wrapper around the weight) through one buffer of the shard's size.
-    direct = type(local) is torch.Tensor and local.is_contiguous() and local.dtype.is_floating_point
+    direct = (
+        type(local) in (torch.Tensor, nn.Parameter)
+        and local.is_contiguous()
+        and local.dtype.is_floating_point
+    )
     out = local if direct else torch.empty(local.shape, dtype=torch.float32, device=local.device)
     flat, key_stream, generated = out.view(-1), stream(seed, key), 0
     bases, inner = _rows(local_runs(target), target.shape, out.device)
@@ -242,8 +216,10 @@ def _fill_rows(out: torch.Tensor, starts: torch.Tensor, dist: Distribution, key:
     odd = starts & 1
     aligned = not bool(odd.any())
     pairs = _pairs(width, aligned=aligned)
-    counters = (starts >> 1).unsqueeze(1) + torch.arange(pairs, device=device)
-    values = _pair_values(_hash(counters.view(-1), key), dist).view(rows, 2 * pairs)
+    # key + counter * gamma for every pair of every row: the row's first counter's term plus the
+    # pairs' offsets' (one broadcast add, where counters, a multiplication and an add take three).
+    weyl = ((starts >> 1) * _signed(_GAMMA) + key).unsqueeze(1) + _offsets(pairs, device)
+    values = _pair_values(_mix(weyl.view(-1)), dist).view(rows, 2 * pairs)
     if aligned:
         out.copy_(values[:, :width])
     else:
@@ -251,11 +227,21 @@ def _fill_rows(out: torch.Tensor, starts: torch.Tensor, dist: Distribution, key:
     return values.numel()
 
 
+@functools.lru_cache(maxsize=8)
+def _offsets(pairs: int, device: torch.device) -> torch.Tensor:
+    """``counter * gamma`` for the counters ``0 .. pairs`` (int64, wrapping)."""
+    return torch.arange(pairs, device=device).mul_(_signed(_GAMMA))
+
+
 def _hash(counters: torch.Tensor, key: int) -> torch.Tensor:
-    """SplitMix64's output for each counter in the stream ``key``: the finaliser of
-    ``key + counter * gamma``. int64 multiplication wraps (two's complement), as unsigned 64-bit
-    arithmetic does; the logical right shifts are arithmetic ones masked."""
-    z = counters.mul_(_signed(_GAMMA)).add_(key)
+    """SplitMix64's output for each counter in the stream ``key``."""
+    return _mix(counters.mul(_signed(_GAMMA)).add_(key))
+
+
+def _mix(z: torch.Tensor) -> torch.Tensor:
+    """SplitMix64's finaliser of ``key + counter * gamma``, in place. int64 multiplication
+    wraps (two's complement), as unsigned 64-bit arithmetic does; the logical right shifts are
+    arithmetic ones masked."""
     t = torch.empty_like(z)
     for shift, multiplier in _MIX:
         torch.bitwise_right_shift(z, shift, out=t)
@@ -267,7 +253,7 @@ def _hash(counters: torch.Tensor, key: int) -> torch.Tensor:
 
 def _words(z: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Each 64-bit hash's high and low 32 bits, as int32 (half the width of the int64 lanes, so
-    the fields are cut at twice the speed)."""
+    the fields are cut at twice the speed): element ``2p``'s and element ``2p + 1``'s."""
     return (z >> 32).to(torch.int32), z.to(torch.int32)
 
 
@@ -277,88 +263,66 @@ def _unit(word: torch.Tensor) -> torch.Tensor:
 
 
 def _pair_values(z: torch.Tensor, dist: Distribution) -> torch.Tensor:
-    """(n,) hashes -> (n, 2) float32 values of ``dist``: two per hash."""
+    """(n,) hashes -> (n, 2) float32 values of ``dist``: one per 32-bit word."""
     high, low = _words(z)
     if isinstance(dist, Normal):
-        values = _normal_pairs(high, low)
-        return values.mul_(_f32(dist.std)).add_(_f32(dist.mean))
+        values = _interleave(_standard_normal(high), _standard_normal(low))
+        values.mul_(_f32(dist.std))
+        return values.add_(_f32(dist.mean)) if dist.mean else values
     if isinstance(dist, Uniform):
         values = _interleave(_unit(high), _unit(low))
         return values.mul_(_f32(dist.high - dist.low)).add_(_f32(dist.low))
     if isinstance(dist, TruncatedNormal):
-        return _truncated_pairs(high, low, dist)
+        return _interleave(_truncated(high, dist), _truncated(low, dist))
     raise TypeError(f"no counter-based generator for {dist!r}")
 
 
-def _polynomial(x: torch.Tensor, coefficients: tuple[float, ...]) -> torch.Tensor:
-    """sum_k c_k x^k by Horner's rule, one rounded multiply and add at a time."""
-    acc = torch.mul(x, coefficients[-1]).add_(coefficients[-2])
-    for c in reversed(coefficients[:-2]):
-        acc.mul_(x).add_(c)
-    return acc
+@functools.lru_cache(maxsize=8)
+def _quantiles(device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """The quantile table (float32) and its differences between neighbours, on ``device``.
+    Computed once in float64 by Python's own inverse normal (the same bits on every rank of a
+    platform), made exactly symmetric, rounded to float32 on the host and copied as they are."""
+    cells = 1 << _TABLE_BITS
+    inverse = statistics.NormalDist().inv_cdf
+    lower = [inverse(max(k / cells, _TWO_M24 / 2)) for k in range(cells // 2)]
+    table = torch.tensor([*lower, 0.0, *(-q for q in reversed(lower))], dtype=torch.float32)
+    return table.to(device), (table[1:] - table[:-1]).to(device)
 
 
-def _log(x: torch.Tensor) -> torch.Tensor:
-    """Natural logarithm of positive normal float32 numbers, from their bits: x = m 2^e with m
-    in [sqrt(1/2), sqrt(2)) (integer operations: a mantissa at or above sqrt(2)'s takes the
-    exponent of [1/2, 1)), then ln m by the atanh series."""
-    bits = x.view(torch.int32)
-    fraction = bits & 0x7FFFFF
-    # 1 where the mantissa 1.fraction >= sqrt(2) (fraction >= 0x3504F3), else 0.
-    high = (fraction + (0x800000 - _SQRT2_FRACTION)) >> 23
-    mantissa = fraction.bitwise_or_((127 - high) << 23).view(torch.float32)
-    e = ((bits >> 23) - 127 + high).to(torch.float32)
-    s = (mantissa - 1.0).div_(mantissa + 1.0)
-    series = _polynomial(s * s, _ATANH).mul_(s).mul_(2.0)
-    return e.mul_(_LN2).add_(series)
+def _quantile(position: torch.Tensor, fraction: torch.Tensor) -> torch.Tensor:
+    """table[k] + f (table[k + 1] - table[k]) for cells ``position`` (int32) and ``fraction``
+    in [0, 1), in two correctly rounded operations."""
+    table, steps = _quantiles(position.device)
+    below = torch.index_select(table, 0, position)
+    return fraction.mul_(torch.index_select(steps, 0, position)).add_(below)
 
 
-def _normal_pairs(high: torch.Tensor, low: torch.Tensor) -> torch.Tensor:
-    """Box-Muller: a radius sqrt(-2 ln u) and an angle uniform on the circle (a quarter turn
-    ``k`` from the low word's two lowest bits, within it an offset in [-pi/4, pi/4), where the
-    polynomials are accurate) give two independent standard normals."""
-    radius = _log(_unit(high)).mul_(-2.0).sqrt_()
-    delta = _unit(low).mul_(2.0).sub_(1.0).mul_(_QUARTER_PI)
-    square = delta * delta
-    cos = _polynomial(square, _COS).mul_(radius)
-    sin = _polynomial(square, _SIN).mul_(delta).mul_(radius)
-    # The quarter turn k = k0 + 2 k1 rotates (cos, sin) to (cos, sin), (-sin, cos), (-cos, -sin)
-    # or (sin, -cos): a swap by k0, then signs; as exact products with 0, 1 and -1.
-    k0 = (low & 1).to(torch.float32)
-    k1 = ((low >> 1) & 1).to(torch.float32)
-    x = torch.mul(sin, k0).add_(torch.mul(cos, 1.0 - k0))
-    y = cos.mul_(k0).add_(sin.mul_(1.0 - k0))
-    x.mul_((k0 - k1).abs_().mul_(-2.0).add_(1.0))  # negative for k = 1, 2
-    y.mul_(k1.mul_(-2.0).add_(1.0))  # negative for k = 2, 3
-    return _interleave(x, y)
+def _standard_normal(word: torch.Tensor) -> torch.Tensor:
+    """A standard normal from a word's top 24 bits: the quantile at u = (k + 1/2) / 2^24, its
+    top 16 bits the table's cell, the next 8 the position within it."""
+    cell = (word >> 16) & 0xFFFF
+    fraction = ((word >> 8) & 0xFF).to(torch.float32).add_(0.5).mul_(2.0**-8)
+    return _quantile(cell, fraction)
+
+
+def _truncated(word: torch.Tensor, dist: TruncatedNormal) -> torch.Tensor:
+    """Inverse distribution function: u uniform between the bounds' probabilities, then the
+    quantile at u, scaled and clamped into the bounds."""
+    lo, hi = (0.5 * (1.0 + math.erf(b / math.sqrt(2.0))) for b in (dist.lower, dist.upper))
+    scaled = (
+        _unit(word).mul_(_f32((hi - lo) * (1 << _TABLE_BITS))).add_(_f32(lo * (1 << _TABLE_BITS)))
+    )
+    cell = scaled.floor().clamp_(0, (1 << _TABLE_BITS) - 1)
+    values = _quantile(cell.to(torch.int32), scaled.sub_(cell))
+    values.mul_(_f32(dist.std)).add_(_f32(dist.mean))
+    bounds = (dist.mean + dist.lower * dist.std, dist.mean + dist.upper * dist.std)
+    return values.clamp_(_f32(bounds[0]), _f32(bounds[1]))
 
 
 def _interleave(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
     """(n,) and (n,) -> (n, 2): one elementwise kernel (a complex tensor's real and imaginary
     parts are interleaved floats), where a stack or strided writes take several times longer."""
     return torch.view_as_real(torch.complex(x, y))
-
-
-def _truncated_pairs(high: torch.Tensor, low: torch.Tensor, dist: TruncatedNormal) -> torch.Tensor:
-    """Inverse distribution function: u uniform between the bounds' probabilities, then
-    mean + std sqrt(2) erfinv(2u - 1)."""
-    lo, hi = (0.5 * (1.0 + math.erf(b / math.sqrt(2.0))) for b in (dist.lower, dist.upper))
-    u = _interleave(_unit(high), _unit(low))
-    x = u.mul_(_f32(2.0 * (hi - lo))).add_(_f32(2.0 * lo - 1.0))
-    values = _erfinv(x).mul_(_f32(math.sqrt(2.0) * dist.std)).add_(_f32(dist.mean))
-    return values.clamp_(
-        _f32(dist.mean + dist.lower * dist.std), _f32(dist.mean + dist.upper * dist.std)
-    )
-
-
-def _erfinv(x: torch.Tensor) -> torch.Tensor:
-    """erfinv on (-1, 1), Giles' single-precision approximation; both branches computed and the
-    one for each element kept by exact products with 0 and 1."""
-    w = _log((1.0 - x).mul_(x + 1.0)).neg_()
-    tail = (w >= 5.0).to(torch.float32)
-    central = _polynomial(w - 2.5, _ERFINV_CENTRAL)
-    outer = _polynomial(w.sqrt_().sub_(3.0), _ERFINV_TAIL)
-    return central.mul_(1.0 - tail).add_(outer.mul_(tail)).mul_(x)
 
 
 __all__ = [

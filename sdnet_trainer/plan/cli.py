@@ -5,7 +5,8 @@
 
 ``--dry-run`` builds the layout the config names, rank by rank, on the fake process group and
 the meta device, and prints a line naming context parallel, float8 and activation checkpointing,
-then each rank's bytes (activations: an estimate) and collectives (``plan/dry_run.py``); with
+then each rank's bytes (activations: an estimate), its start (initialisation and a Hugging Face
+load, ``plan/start_cost.py``) and collectives (``plan/dry_run.py``); with
 ``parallel=auto`` it first chooses the layout as a launch would. ``--plan`` prints the planner's
 table for the config (``plan/auto.py``) whatever ``parallel`` says, and the keys of its choice.
 Both print a config error as the launch would, with exit code 2.
@@ -41,6 +42,7 @@ from sdnet_trainer.plan.dry_run import (
     plan_rank,
 )
 from sdnet_trainer.plan.hardware import hardware
+from sdnet_trainer.plan.start_cost import StartCost
 from sdnet_trainer.preflight import validate
 from sdnet_trainer.training.classes import resolve_trainer_class
 
@@ -121,9 +123,44 @@ def report(plan: RankPlan) -> str:
             f"  of which experts: parameters {_mb(plan.expert_params)}  "
             f"optimizer {_mb(plan.expert_optim)}"
         )
+    if plan.start is not None:
+        lines += start_lines(plan.start)
     for c in merged(plan.collectives):
         lines.append(f"  {c.kind:<46} over {c.over:<16} x{c.count:<5} {_mb(c.bytes_each)} each")
     return "\n".join(lines)
+
+
+def _size(n: int) -> str:
+    """Bytes in the largest unit that keeps a whole number in front: the start's figures run
+    from a few hundred bytes (rotary frequencies) to the gigabytes of a shard."""
+    for unit, scale in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if n >= scale:
+            return f"{n / scale:,.1f} {unit}"
+    return f"{n} B"
+
+
+def start_lines(start: StartCost) -> list[str]:
+    """The rank's start (``plan/start_cost.py``): initialisation from scratch, or a Hugging
+    Face load, each as the code path a launch runs would touch and allocate."""
+    lines = []
+    init, load = start.init, start.load
+    if init is not None:
+        # Under FSDP's CPU offload the parameters, and so their fills' scratch, are on the host.
+        offloaded = f" + parameters {_size(init.host_params)}" if init.host_params else ""
+        scratch = "host scratch" if init.host_params else "device scratch"
+        lines.append(
+            f"  start, init: device {_size(init.device)} (parameters, buffers)  "
+            f"values {init.values:,} ({init.draws} draws)  {scratch} {_size(init.scratch)}  "
+            f"host {_size(init.host)} ({init.replayed} replayed steps){offloaded}"
+        )
+    if load is not None:
+        lines.append(
+            f"  start, Hugging Face load: reads {_size(load.read)} in {load.reads} items  "
+            f"largest {_size(load.largest)}  host {_size(load.host)}"
+        )
+    if start.note:
+        lines.append(f"  start: {start.note}")
+    return lines
 
 
 def _planning_device() -> torch.device:
@@ -161,6 +198,10 @@ def dry_run(argv: list[str]) -> int:
     print(
         "activations: an estimate, the bytes one forward of a micro-batch keeps for backward, "
         f"measured on the meta model ({measured}) with these settings (docs/parallel.md)"
+    )
+    print(
+        "start: per rank, what allocating and initialising its shards, or reading them from a "
+        "Hugging Face folder (bf16), would touch and allocate (docs/parallel.md)"
     )
     for p in plans:
         print(report(p))

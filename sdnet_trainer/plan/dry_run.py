@@ -30,7 +30,10 @@ the Linear layers converted) and activation checkpointing. Per rank it prints:
   expert parallel's all-to-alls from the tokens a rank routes);
 - for a mixture of experts, the bytes of the rank's expert weights and of their optimizer state
   (under ``parallel.ep`` a rank holds ``num_experts / ep`` experts, sharded by FSDP over the
-  ``dp_shard / ep`` ranks that hold the same ones), part of the totals above.
+  ``dp_shard / ep`` ranks that hold the same ones), part of the totals above;
+- its start (``plan/start_cost.py``), from its own init steps and its family's state-dict adapter:
+  initialising its shards (device and host bytes, values generated, the fill's scratch) and
+  reading them from a Hugging Face folder (bytes read, the largest read's host buffers).
 
 A config error a launch would hit (validation, the model's build, the layout) is printed as the
 launch prints it, with exit code 2.
@@ -60,12 +63,14 @@ from sdnet_trainer.distributed.env import DistEnv
 from sdnet_trainer.distributed.mesh import ParallelDims, build_mesh, parallel_dims
 from sdnet_trainer.distributed.parallelize import _uses_fsdp, parallelize
 from sdnet_trainer.lazy import loaded_types
+from sdnet_trainer.models.init import init_steps
 from sdnet_trainer.models.moe import GroupedExperts
 from sdnet_trainer.models.parallel_spec import parallel_blocks
 from sdnet_trainer.models.registry import decoder_sizes
 from sdnet_trainer.observability.memory import step_on_meta, training_state_bytes
 from sdnet_trainer.plan.experts import expert_bytes, expert_parallel_collectives
 from sdnet_trainer.plan.model_stats import Activations, ContextShare, saved_activations
+from sdnet_trainer.plan.start_cost import StartCost, start_cost
 from sdnet_trainer.runtime.precision import DTYPES
 from sdnet_trainer.training.classes import resolve_trainer_class
 
@@ -92,6 +97,7 @@ class RankPlan:
     activation_dtype: str = "fp32"  # what the activation estimate was measured in
     expert_params: int = 0  # of params: a mixture of experts' expert weights on this rank
     expert_optim: int = 0  # of optim: their optimizer state
+    start: StartCost | None = None  # what allocating and initialising or loading it costs
 
 
 class _Replicated(Exception):
@@ -143,13 +149,19 @@ def plan_rank(cfg: Config, rank: int, world_size: int) -> RankPlan:
         mesh = build_mesh(dims, "cpu")
         with torch.device("meta"):
             model = trainer.build_model()
+        # The Trainer's init steps of its meta build (build_deferred); None: it would build the
+        # model again on the CPU, with its values.
+        steps = init_steps(model)
         held: list[nn.Module] = []
+        start: list[StartCost] = []
 
         def keep_meta(parts: list[nn.Module]) -> None:
-            # A real rank allocates and initialises its parts here. DDP's wrapping comes next and
-            # reads values (it checks shapes across ranks with a collective), so a replicated
-            # layout stops here: its bytes are the bare parts'.
+            # A real rank allocates and initialises its parts here (or reads them from a
+            # Hugging Face folder): rehearsed on the same parts, steps and adapter. DDP's
+            # wrapping comes next and reads values (it checks shapes across ranks with a
+            # collective), so a replicated layout stops here: its bytes are the bare parts'.
             held.extend(parts)
+            start.append(start_cost(cfg, model, steps, parts))
             if replicated:
                 raise _Replicated
 
@@ -205,6 +217,7 @@ def plan_rank(cfg: Config, rank: int, world_size: int) -> RankPlan:
         activation_dtype=saved.dtype,
         expert_params=experts["params"],
         expert_optim=experts["optim"],
+        start=start[0] if start else None,
     )
 
 
@@ -296,7 +309,7 @@ def _data_parallel_collectives(
         for unit in units.values():
             # This rank's shard times the shard group: the unit's parameters as the group
             # gathers them (a tensor-parallel rank's part of each, not the global size).
-            owned = [p for p in unit.parameters() if _owner(unit, p)]
+            owned = _owned(unit)
             local = sum(_local_numel(p) for p in owned)
             # Gradients of trained parameters only (model.lora freezes the base).
             trained = sum(_local_numel(p) for p in owned if p.requires_grad)
@@ -350,13 +363,17 @@ def _local_numel(p: torch.Tensor) -> int:
     return p.to_local().numel() if isinstance(p, DTensor) else p.numel()
 
 
-def _owner(unit: nn.Module, param: nn.Parameter) -> bool:
-    """Whether ``param`` belongs to ``unit``'s own FSDP group (not to a nested FSDP unit)."""
-    for module in unit.modules():
-        nested = module is not unit and isinstance(module, FSDPModule)
-        if nested and any(param is q for q in module.parameters()):
-            return False
-    return True
+def _owned(unit: nn.Module) -> list[nn.Parameter]:
+    """The parameters of ``unit``'s own FSDP group: not those of a nested FSDP unit. (The nested
+    units' parameters are collected once: asking each parameter whether some nested unit holds
+    it walks the model once per parameter: seconds for a model of hundreds of units.)"""
+    nested = {
+        id(q)
+        for module in unit.modules()
+        if module is not unit and isinstance(module, FSDPModule)
+        for q in module.parameters()
+    }
+    return [p for p in unit.parameters() if id(p) not in nested]
 
 
 def _micro_steps(cfg: Config, dims: ParallelDims) -> int:

@@ -12,6 +12,7 @@ from __future__ import annotations
 import math
 import os
 import time
+from pathlib import Path
 
 import pytest
 import torch
@@ -26,6 +27,7 @@ from sdnet_trainer.models import build_model, init_values
 from sdnet_trainer.models.init import Draw, init_steps
 from sdnet_trainer.models.init_values import Constant, Normal, TruncatedNormal, Uniform
 from sdnet_trainer.models.local_slices import local_runs
+from sdnet_trainer.models.registry import model_family
 from sdnet_trainer.plan.dry_run import fake_group
 
 LLAMA = [
@@ -61,11 +63,26 @@ def _blocks(model: nn.Module) -> dict[str, tuple[torch.Tensor, list[list[tuple[i
 
 
 @pytest.fixture(scope="module")
-def single_process() -> dict[str, dict[str, torch.Tensor]]:
-    return {
-        "llama": _set_up(LLAMA, DistEnv()).state_dict(),
-        "moe": _set_up(MOE, DistEnv()).state_dict(),
-    }
+def single_models() -> dict[str, nn.Module]:
+    return {"llama": _set_up(LLAMA, DistEnv()), "moe": _set_up(MOE, DistEnv())}
+
+
+@pytest.fixture(scope="module")
+def single_process(single_models) -> dict[str, dict[str, torch.Tensor]]:
+    return {name: model.state_dict() for name, model in single_models.items()}
+
+
+@pytest.fixture(scope="module")
+def exported(single_models, tmp_path_factory) -> dict[str, Path]:
+    """The single process's initial weights as Hugging Face folders (``format=hf``'s writer)."""
+    pytest.importorskip("safetensors", reason="the llm extra is not installed")
+    from sdnet_trainer.export.hf import write_hf
+
+    folders = {}
+    for name, model in single_models.items():
+        folders[name] = tmp_path_factory.mktemp(f"{name}_hf")
+        write_hf(model, folders[name], family=model_family(name))
+    return folders
 
 
 def _draws(overrides: list[str]) -> dict[str, Draw]:
@@ -77,6 +94,29 @@ def _draws(overrides: list[str]) -> dict[str, Draw]:
 
 def _parameters(overrides: list[str]) -> set[str]:
     return set(_draws(overrides))
+
+
+def _held_equal(blocks, reference, what: str) -> None:
+    for name, (local, runs) in blocks.items():
+        index = [torch.tensor([i for b, e in dim for i in range(b, e)]) for dim in runs]
+        expected = reference[name][torch.meshgrid(*index, indexing="ij")]
+        assert torch.equal(local, expected), (what, name)
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_an_export_of_the_initial_weights_loads_bitwise_on_every_layout(
+    layout, single_process, exported
+):
+    """The single process's weights -> a Hugging Face folder -> ``model.weights=hf:PATH`` on
+    each layout: every rank reads exactly its blocks of the same weights."""
+    overrides, world, extra = LAYOUTS[layout]
+    family = "moe" if overrides is MOE else "llama"
+    weights = [f"model.weights=hf:{exported[family]}"]
+    for rank in range(world):
+        with fake_group(rank, world):
+            env = DistEnv(rank=rank, world_size=world, backend="fake")
+            blocks = _blocks(_set_up(overrides + extra + weights, env))
+        _held_equal(blocks, single_process[family], f"{layout} rank {rank}")
 
 
 @pytest.mark.parametrize("layout", LAYOUTS)
@@ -94,11 +134,9 @@ def test_every_layout_starts_from_the_single_process_weights(layout, single_proc
                 blocks = _blocks(_set_up(overrides + extra, env))
         finally:
             stop()
+        _held_equal(blocks, reference, f"{layout} rank {rank}")
         drawn = 0
-        for name, (local, runs) in blocks.items():
-            index = [torch.tensor([i for b, e in dim for i in range(b, e)]) for dim in runs]
-            expected = reference[name][torch.meshgrid(*index, indexing="ij")]
-            assert torch.equal(local, expected), (layout, rank, name)
+        for name, (local, _) in blocks.items():
             seen[name] = seen.get(name, 0) + local.numel()
             drawn += 0 if name in constant else local.numel()
         # Each rank generates its blocks' values and no more (these blocks start at even
