@@ -19,6 +19,12 @@ What it measures
        step after receiving the state from a peer. Printed as distributions: median, 95th
        percentile, max.
 
+    3. The replica reduction alone (``--reduction-rounds``): ``reduce_in_buckets``
+       (sdnet_trainer/ft/room.py) over 2 processes on gloo, ResNet-18's gradient shapes (11.2M
+       float32 values, 45 MB), flat (one bucket holding every gradient: the reduction before
+       buckets) against buckets of ``--bucket-mb``, in alternating rounds of 5 steps; the median
+       per-step time of each and the extra memory each allocates.
+
 How
     Real launches of the command line on gloo and the CPU (``OMP_NUM_THREADS=1``), the lighthouse
     as ``python -m sdnet_trainer.ft.lighthouse`` on a free port. Times of events are read from
@@ -31,6 +37,7 @@ Run (from the repository root)
     python scripts/bench/bench_ft.py
     python scripts/bench/bench_ft.py --rounds 0 --kills 20 --kill-after 5
     python scripts/bench/bench_ft.py --rounds 0 --kills 20 --kill-after 5 --group-ranks 2
+    python scripts/bench/bench_ft.py --rounds 0 --kills 0 --reduction-rounds 6
 
 Exit status 0 with the figures printed; 1 if a launch fails or times out.
 """
@@ -290,6 +297,61 @@ def failure(
                 _kill_tree(proc)
 
 
+def _resnet18_gradients() -> list[int]:
+    """ResNet-18's (CIFAR stem, 10 classes) parameter sizes, in order: each conv and its norm's
+    weight and bias."""
+    sizes = [64 * 3 * 9, 64, 64]
+    for cin, cout in ((64, 64), (64, 128), (128, 256), (256, 512)):
+        sizes += [cout * cin * 9, cout, cout, cout * cout * 9, cout, cout]
+        if cin != cout:  # the downsampling shortcut
+            sizes += [cout * cin, cout, cout]
+        sizes += [cout * cout * 9, cout, cout] * 2
+    return [*sizes, 512 * 10, 10]
+
+
+def _reduction_worker(rank: int, port: int, rounds: int, bucket_mb: float, results) -> None:
+    import torch
+    import torch.distributed as dist
+
+    from sdnet_trainer.ft.room import reduce_in_buckets
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
+                            world_size=2)  # fmt: skip
+    grads = [torch.randn(n) for n in _resnet18_gradients()]
+    modes = {"flat": 2**62, "buckets": int(bucket_mb * 2**20)}
+    times: dict[str, list[float]] = {mode: [] for mode in modes}
+    for _ in range(rounds):
+        for mode, bucket_bytes in modes.items():  # alternated: a change of load hits both
+            for _ in range(5):
+                dist.barrier()
+                started = time.perf_counter()
+                reduce_in_buckets(grads, lambda t: dist.all_reduce(t, async_op=True),
+                                  bucket_bytes=bucket_bytes)  # fmt: skip
+                times[mode].append(time.perf_counter() - started)
+    if rank == 0:
+        results.put(times)
+    dist.destroy_process_group()
+
+
+def reduction(*, rounds: int, bucket_mb: float) -> dict[str, list[float]]:
+    """Per-step times of the flat and the bucketed replica reduction (2 gloo processes)."""
+    import socket
+
+    import torch.multiprocessing as mp
+
+    if rounds <= 0:
+        return {}
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    ctx = mp.get_context("spawn")
+    results = ctx.SimpleQueue()
+    mp.start_processes(_reduction_worker, args=(port, rounds, bucket_mb, results), nprocs=2,
+                       start_method="spawn")  # fmt: skip
+    return results.get()
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -309,6 +371,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--step-s", type=float, default=120.0, help="fault_tolerance.timeouts.step_s"
     )
+    parser.add_argument(
+        "--reduction-rounds", type=int, default=0, help="flat/bucketed rounds (0: skip them)"
+    )
+    parser.add_argument("--bucket-mb", type=float, default=25.0, help="the bucketed reduction's")
     parser.add_argument("--timeout", type=float, default=600.0, help="per launch, seconds")
     parser.add_argument(
         "--out", type=Path, default=None, help="run folders and logs (default: a temporary folder)"
@@ -320,15 +386,20 @@ def main(argv: list[str] | None = None) -> int:
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(1))
     before = os.getloadavg()
     try:
+        reductions = reduction(rounds=args.reduction_rounds, bucket_mb=args.bucket_mb)
         ratios = overhead(
             out, rounds=args.rounds, steps=args.steps, batch=args.batch_size, timeout=args.timeout
         )
-        deaths, rejoins = failure(
-            out,
-            kill_after=args.kill_after,
-            kills=args.kills,
-            ranks=args.group_ranks,
-            step_s=args.step_s,
+        deaths, rejoins = (
+            ([], [])
+            if args.kills <= 0
+            else failure(
+                out,
+                kill_after=args.kill_after,
+                kills=args.kills,
+                ranks=args.group_ranks,
+                step_s=args.step_s,
+            )
         )
     except LaunchError as err:
         print(f"bench_ft: {err}", file=sys.stderr)
@@ -338,8 +409,19 @@ def main(argv: list[str] | None = None) -> int:
             f"per-step overhead, FT sync (2 groups x 1) / DDP (2 ranks), ResNet-18: median "
             f"ratio {statistics.median(ratios):.3f} over {len(ratios)} rounds"
         )
+    if reductions:
+        total = sum(_resnet18_gradients()) * 4
+        extra = {"flat": total, "buckets": min(total, int(args.bucket_mb * 2**20))}
+        for mode, values in reductions.items():
+            print(
+                f"replica reduction, {mode} ({extra[mode] / 2**20:.1f} MB extra), 2 gloo "
+                f"processes, ResNet-18's gradients ({total / 2**20:.1f} MB): median "
+                f"{statistics.median(values) * 1e3:.1f} ms per step over {len(values)} steps"
+            )
     for what, values in (("death to the survivors' next commit", deaths),
                          ("restart to rejoin", rejoins)):  # fmt: skip
+        if not values:
+            continue
         print(
             f"{what} ({len(values)} kills, groups of {args.group_ranks}, step_s {args.step_s:g} "
             f"s): median {statistics.median(values):.2f} s, p95 {_percentile(values, 0.95):.2f} "

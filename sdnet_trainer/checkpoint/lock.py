@@ -18,11 +18,13 @@ import threading
 import time
 import uuid
 import weakref
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 from sdnet_trainer.checkpoint.files import Folder, fsync_dir, invalid_field
 from sdnet_trainer.checkpoint.objects import ObjectFolder
+from sdnet_trainer.checkpoint.untrusted import CheckpointError
 from sdnet_trainer.errors import ConfigError
 
 logger = logging.getLogger(__name__)
@@ -39,7 +41,7 @@ _LOCK_FIELDS: dict[str, type | tuple[type, ...]] = {
 
 class _LockFile:
     """The lock as a file: created with O_CREAT|O_EXCL, which is atomic on local filesystems and
-    NFSv3+ alike."""
+    NFSv3+ alike. Not a lease (its holder's process can be checked): ``renew`` only reads it."""
 
     def __init__(self, directory: Path) -> None:
         self.path = directory / LOCK
@@ -56,6 +58,12 @@ class _LockFile:
             os.fsync(f.fileno())
         fsync_dir(self.path.parent)
         return True
+
+    def renew(self, holder: dict[str, Any]) -> dict[str, Any] | None:
+        """None while the file still names ``holder``'s token; else the holder it names now ({}
+        when there is none)."""
+        now = _parse_lock(self.read() or "")
+        return None if now.get("token") == holder["token"] else now
 
     def read(self) -> str | None:
         """The lock's text; None if there is no lock (an OSError if it cannot be read)."""
@@ -101,37 +109,73 @@ class _LockObject:
     and Azure make atomic, so of two runs starting at once exactly one gets it. A store has no
     rename: a stale lock is removed after reading it again, which two runs replacing the same
     stale lock in the same instant could both do (the conditional create still lets one of them
-    in). The holder renews it from a thread (``start_lease``) until it is removed."""
+    in). The holder renews it from a thread (``start_lease``) until it is removed.
+
+    The lease is fenced: every renewal replaces the object only if it is still the version this
+    holder last wrote (S3's ``If-Match`` on its ETag, ``ObjectFolder.replace``). A holder that
+    stalled past the lease and wakes after another run took the lock over finds a version that is
+    not its own: it cannot write the new holder's lock back, and learns that it lost."""
 
     def __init__(self, directory: ObjectFolder) -> None:
         self.directory = directory
         self.path = directory / LOCK
         self._stop = threading.Event()
-
-    def start_lease(self, holder: dict[str, Any]) -> None:
-        """Write ``holder`` again with a fresh ``renewed`` time every LEASE_RENEW_S while the lock
-        object still names its token."""
-
-        def renew() -> None:
-            while not self._stop.wait(LEASE_RENEW_S):
-                try:
-                    if _parse_lock(self.read() or "").get("token") != holder["token"]:
-                        if not self._stop.is_set():  # not released: taken over
-                            logger.error(
-                                "checkpoint lock %s was taken over by another holder", self.path
-                            )
-                        return
-                    holder["renewed"] = time.time()
-                    self.directory.write_bytes(LOCK, json.dumps(holder).encode())
-                except OSError as exc:  # the store is unreachable for now: try again later
-                    logger.warning("could not renew the checkpoint lock %s: %s", self.path, exc)
-
-        threading.Thread(target=renew, name="checkpoint-lock-lease", daemon=True).start()
+        # The lease thread and the saves (``FolderLock.fence``) renew one at a time: each
+        # conditional write is made over the version the previous one left.
+        self._renewing = threading.Lock()
+        self._version: str | None = None  # of the lock as this holder last wrote it
 
     def create(self, text: str) -> bool:
         """The conditional create, then the object read back: a store that ignored the condition
         (some S3-compatible ones do) shows another holder's text there."""
-        return self.directory.create(LOCK, text.encode()) and self.read() == text
+        if not self.directory.create(LOCK, text.encode()):
+            return False
+        current = self.directory.read_versioned(LOCK)
+        if current is None or current[0] != text.encode():
+            return False
+        self._version = current[1]
+        return True
+
+    def renew(self, holder: dict[str, Any]) -> dict[str, Any] | None:
+        """Write ``holder`` again with a fresh ``renewed`` time over the version this holder last
+        wrote: None once written; the holder the lock names now ({} when there is none) when it
+        is not this one's any more, with nothing written. An OSError when the store cannot be
+        reached."""
+        with self._renewing:
+            for _attempt in range(2):
+                assert self._version is not None, "renewed before it was created"
+                holder["renewed"] = time.time()
+                data = json.dumps(holder).encode()
+                written = self.directory.replace(LOCK, data, version=self._version)
+                if written is not None:
+                    self._version = written
+                    return None
+                current = self.directory.read_versioned(LOCK)
+                now = _parse_lock(current[0].decode(errors="replace")) if current else {}
+                if current is None or now.get("token") != holder["token"]:
+                    return now
+                # Still this holder's: a write of its own whose answer was lost, which the store's
+                # library sent again (and the condition then refused). Its version is this one's.
+                self._version = current[1]
+        raise OSError(f"the checkpoint lock {self.path} kept changing while it was renewed")
+
+    def start_lease(self, holder: dict[str, Any]) -> None:
+        """Renew ``holder``'s lease every LEASE_RENEW_S until it is released or lost. The thread
+        holds nothing of the ``FolderLock`` (whose garbage collection releases the lock)."""
+
+        def keep() -> None:
+            while not self._stop.wait(LEASE_RENEW_S):
+                try:
+                    now = self.renew(holder)
+                except OSError as exc:  # the store is unreachable for now: try again later
+                    logger.warning("could not renew the checkpoint lock %s: %s", self.path, exc)
+                    continue
+                if now is not None:
+                    if not self._stop.is_set():  # not released: taken over
+                        logger.error("%s", lease_lost(self.path, holder, now))
+                    return
+
+        threading.Thread(target=keep, name="checkpoint-lock-lease", daemon=True).start()
 
     def read(self) -> str | None:
         data = self.directory.read_bytes(LOCK)
@@ -151,6 +195,39 @@ class _LockObject:
         self.directory.remove(LOCK)
 
 
+class LeaseLost(CheckpointError):
+    """This run's checkpoint lock was taken over (or deleted): it must write nothing more into
+    the checkpoint folder."""
+
+
+def lease_lost(path: Folder, mine: dict[str, Any], now: dict[str, Any]) -> LeaseLost:
+    """The error of the holder ``mine`` of the lock ``path``, which names ``now`` instead."""
+    generation = _generation(mine)
+    lost = f"run {mine['run_id']!r} lost the checkpoint lock {path} (generation {generation})"
+    if now:
+        since = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(now["created"]))
+        why = (
+            f"run {now['run_id']!r} (host {now['host']}, pid {now['pid']}) has held it since "
+            f"{since} as generation {_generation(now)}"
+        )
+    else:
+        why = (
+            "the lock is gone or unreadable (deleted by hand, or by a run that took it over and "
+            "ended)"
+        )
+    return LeaseLost(
+        f"{lost}: {why}. This run writes nothing more into checkpoint.dir={path.parent}: its "
+        f"saves are refused; its committed steps there stay as they are"
+    )
+
+
+def _generation(holder: dict[str, Any]) -> int:
+    """The holder's lease generation: 1 for a lock created on a free folder, one more on each
+    takeover (0 for a lock written before generations were counted)."""
+    generation = holder.get("generation", 0)
+    return generation if isinstance(generation, int) else 0
+
+
 class FolderLock:
     """``checkpoint.lock`` in a checkpoint directory: JSON naming the run that saves into it (run
     id, host, pid, created). Rank 0 of that run creates it only if there is none (``_LockFile``,
@@ -163,6 +240,11 @@ class FolderLock:
     manager of this process that was dropped without ``close`` (a notebook's earlier Trainer), or,
     in an object store, a holder whose lease expired (``LEASE_EXPIRES_S``); any other holder,
     live or on another host (whose processes cannot be checked from here), refuses.
+
+    A holder whose lock was taken over since must stop writing: ``fence`` (before each save and
+    each commit) renews the lease over the version this holder last wrote, or raises
+    ``LeaseLost`` naming the run that holds it now. Each lock counts its ``generation`` (one more
+    on each takeover), so messages tell the holders apart even within one run.
 
     A lock whose manager is garbage collected, or still held when the interpreter exits, is
     released then (``weakref.finalize``)."""
@@ -178,9 +260,11 @@ class FolderLock:
         self.launch = os.environ.get("TORCHELASTIC_RUN_ID")
         self.token = uuid.uuid4().hex  # tells this acquisition's file from a later taker's
         self.held = False
+        self._holder: dict[str, Any] = {}  # what this acquisition wrote into the lock
         self._release: weakref.finalize | None = None  # deletes the file; set once acquired
 
     def acquire(self) -> None:
+        generation = 1
         for _attempt in range(10):
             content = {
                 "run_id": self.run_id,
@@ -189,6 +273,7 @@ class FolderLock:
                 "pid": os.getpid(),
                 "created": time.time(),
                 "token": self.token,
+                "generation": generation,
             }
             if not self.lock.create(json.dumps(content)):
                 raw = self._read()
@@ -199,6 +284,7 @@ class FolderLock:
                 if why is None:
                     raise ConfigError(self._refusal(holder, raw)) from None
                 if self.lock.remove_if_unchanged(raw, self.token):
+                    generation = _generation(holder) + 1
                     # A restart of this run is routine; replacing a crashed run's lock is news.
                     same_run = (
                         holder["run_id"] == self.run_id and holder.get("launch") == self.launch
@@ -207,6 +293,7 @@ class FolderLock:
                     log("checkpoint lock %s: taking it over, %s", self.path, why)
                 continue
             self.held = True
+            self._holder = content
             if isinstance(self.lock, _LockObject):
                 self.lock.start_lease(content)
             _HELD_HERE[self.token] = self
@@ -216,6 +303,36 @@ class FolderLock:
             f"could not take the checkpoint lock {self.path}: it kept changing hands (several runs "
             f"starting with checkpoint.dir={self.path.parent} at once?)"
         )
+
+    def fence(self) -> None:
+        """Before this holder writes into the folder: renew its lease (a lock file is only read
+        again), or raise ``LeaseLost`` if another run took the lock over, with nothing written.
+        A renewal that cannot reach the store is a CheckpointError too: the save is refused, not
+        made on a lease that may have passed to another run."""
+        assert self.held or self._holder, "fence() before acquire()"
+        try:
+            now = self.lock.renew(self._holder)
+        except OSError as exc:
+            raise CheckpointError(
+                f"cannot renew the checkpoint lock {self.path} before writing into "
+                f"checkpoint.dir={self.path.parent}: {exc}"
+            ) from exc
+        if now is not None:
+            raise lease_lost(self.path, self._holder, now)
+
+    def fence_every_rank(self, rank: int, from_rank0: Callable[[Any], Any]) -> None:
+        """:meth:`fence` before a save that every rank writes: rank 0 renews, and every rank
+        raises its LeaseLost together (``from_rank0``: a broadcast of rank 0's object, a
+        collective like the save itself), so none is left waiting in the save's collectives."""
+        outcome: Exception | None = None
+        if rank == 0:
+            try:
+                self.fence()
+            except CheckpointError as exc:
+                outcome = exc
+        outcome = from_rank0(outcome)
+        if outcome is not None:
+            raise outcome
 
     def release(self) -> None:
         """Delete the lock file if it is still this acquisition's (a restarted worker of the same

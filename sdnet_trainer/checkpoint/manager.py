@@ -27,7 +27,8 @@ rank 0 renames each out of sight at the commit, and a background thread deletes 
 reading a share of its files (``resolve_resume``), not rank 0 reading them all.
 
 A checkpoint directory belongs to one run at a time: the manager of a training run takes the lock
-file on rank 0 when it is set up (see ``lock.FolderLock``) and releases it on ``close``.
+file on rank 0 when it is set up and renews it before each save and commit (``lock.FolderLock``:
+a run whose lock was taken over writes nothing more) and releases it on ``close``.
 
 An async save blocks the loop only while the state is copied into host memory; DCP then writes
 that copy from a background thread and rank 0 commits when it is done. Only what this rank writes
@@ -173,8 +174,10 @@ class CheckpointManager:
         own ``rng/rank{r}``); tensors present on every rank (replicated) are written once.
 
         A full disk is a CheckpointError saying so (bytes needed and free), after the staging
-        folder is removed; the previous checkpoints stay."""
+        folder is removed; the previous checkpoints stay. A lost lock: ``LeaseLost``, no write."""
         self.wait()  # one save in flight; surfaces the previous async save's error
+        if self._lock is not None:
+            self._lock.fence_every_rank(self.rank, self._ranks.from_rank0)
         meta = _json_round_trip(meta or {})
         staging = self.staging_dir(step)
         if self.async_save:
@@ -316,8 +319,10 @@ class CheckpointManager:
         meta: dict[str, Any],
         started: float,
     ) -> Checkpoint:
-        """Rank 0, after DCP's save returned: manifest, atomic rename (``files.commit``), then
-        pruning."""
+        """Rank 0, after DCP's save returned: the lease renewed (a save that outlived the
+        lock is never committed), manifest, atomic rename (``files.commit``), pruning."""
+        if self._lock is not None:
+            self._lock.fence()
         written = disk.written_files(staging, metadata)
         checksums = disk.recorded_checksums(staging, written, self._writer.file_checksums)
         manifest = {

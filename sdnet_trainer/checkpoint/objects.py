@@ -14,7 +14,9 @@ renamed into place, ``manager``) becomes one of objects under the step's prefix:
 * a step is deleted manifest first (it stops counting at once), then the rest; a save of a step
   whose prefix holds leftovers deletes them first, manifest first;
 * the lock (``checkpoint.lock``) is created with a conditional PUT where the store has one
-  (S3's ``If-None-Match``; fsspec's ``"xb"`` mode), so of two runs only one gets it.
+  (S3's ``If-None-Match``; fsspec's ``"xb"`` mode), so of two runs only one gets it, and renewed
+  with one (S3's ``If-Match`` on the ETag its holder last wrote: ``read_versioned``, ``replace``),
+  so a holder that lost it cannot write it back.
 
 :class:`ObjectFolder` is a prefix in a store with the few ``Path`` members the checkpoint code
 uses (``/``, ``name``, ``parent``) plus what a store offers instead of a directory listing and
@@ -26,6 +28,7 @@ saved with the run and in every manifest.
 
 from __future__ import annotations
 
+import hashlib
 import io
 import re
 from collections.abc import Mapping
@@ -182,6 +185,40 @@ class ObjectFolder:
         except FileNotFoundError:
             return None
 
+    def read_versioned(self, name: str) -> tuple[bytes, str] | None:
+        """The object's bytes and its version, None when there is none. The version is S3's ETag
+        (``_read_with_etag``); on stores without conditional replaces, a hash of the bytes (see
+        ``replace``)."""
+        path = self._object(name)
+        try:
+            if self._has_if_match:
+                return self._read_with_etag(path)
+            data = bytes(self.fs.cat_file(path))
+        except FileNotFoundError:
+            return None
+        return data, _digest(data)
+
+    def _read_with_etag(self, path: str) -> tuple[bytes, str]:
+        """s3fs reads the bytes with ``If-Match`` on the ETag it opened the object with: an
+        object replaced between the two fails (and is read again) rather than pairing new bytes
+        with an old ETag."""
+        for attempt in range(3):
+            try:
+                with self.fs.open(path, "rb") as f:
+                    return bytes(f.read()), str(f.details["ETag"])
+            except FileNotFoundError:
+                raise
+            except OSError:
+                if attempt == 2:
+                    raise
+        raise AssertionError("unreachable")
+
+    @property
+    def _has_if_match(self) -> bool:
+        """Whether the store replaces an object only if it is still at a version (S3's
+        ``If-Match`` PUT, which s3fs passes through)."""
+        return self.protocol in ("s3", "s3a")
+
     # ------------------------------------------------------------------ writing
 
     def write_bytes(self, name: str, data: bytes) -> None:
@@ -201,6 +238,31 @@ class ObjectFolder:
             return False
         return True
 
+    def replace(self, name: str, data: bytes, *, version: str) -> str | None:
+        """Write the object only if it is still at ``version`` (from ``read_versioned`` or an
+        earlier ``replace``): its new version, or None when it is not (another writer replaced or
+        deleted it). On S3 one conditional PUT (``If-Match``); on stores without one, a read, a
+        comparison and a PUT, which a writer that comes in between those can still lose."""
+        path = self._object(name)
+        if not self._has_if_match:
+            current = self.read_versioned(name)
+            if current is None or current[1] != version:
+                return None
+            self.fs.pipe_file(path, data)
+            return _digest(data)
+        try:
+            response = self.fs.pipe_file(path, data, IfMatch=version)
+        except FileNotFoundError:
+            return None
+        except OSError:
+            # s3fs makes S3's 412 (the precondition failed) an OSError like any other failure: the
+            # object's version tells them apart.
+            current = self.read_versioned(name)
+            if current is None or current[1] != version:
+                return None
+            raise
+        return str(response["ETag"])
+
     def remove(self, name: str) -> None:
         try:
             self.fs.rm_file(self._object(name))
@@ -215,6 +277,10 @@ class ObjectFolder:
             self.fs.rm(self.key, recursive=True)
         except FileNotFoundError:
             pass
+
+
+def _digest(data: bytes) -> str:
+    return hashlib.sha256(data).hexdigest()
 
 
 def dcp_file_system(folder: ObjectFolder) -> FileSystemBase:

@@ -32,6 +32,12 @@ class FaultToleranceConfig:
     min_groups: int = 1  # fewer in a quorum: the step is not committed
     lighthouse: Optional[str] = None  # http://host:port (else $TORCHFT_LIGHTHOUSE)
     timeouts: FTTimeoutsConfig = field(default_factory=FTTimeoutsConfig)
+    # Sync mode's gradient average across groups goes in buckets of this many MB (DDP's default
+    # size): one bucket is the reduction's extra memory, not a flat copy of every gradient.
+    bucket_mb: float = 25.0
+    # The process group across groups: auto = torchft's NCCL group run in a subprocess
+    # (ProcessGroupBabyNCCL, which outlives a peer's death) on CUDA, gloo on the CPU.
+    replica_backend: str = "auto"
     # sync: gradients averaged across groups every step; local_sgd: parameters averaged every
     # sync_every steps; diloco: an outer Nesterov-SGD step on the averaged pseudo-gradient
     # every sync_every steps (outer_lr, outer_momentum).

@@ -13,6 +13,7 @@ from sdnet_trainer.config.schema import Config, FaultToleranceConfig
 from sdnet_trainer.errors import ConfigError
 
 MODES = ("sync", "local_sgd", "diloco")
+REPLICA_BACKENDS = ("auto", "gloo", "nccl")
 LIGHTHOUSE_ENV = "TORCHFT_LIGHTHOUSE"  # torchft's own variable, read when the key is null
 EXTRA = "pip install 'sdnet_trainer[ft]'"
 
@@ -72,6 +73,13 @@ def validate_ft(cfg: Config, world_size: int) -> None:
     check_positive("fault_tolerance.groups", ft.groups)
     check_positive("fault_tolerance.min_groups", ft.min_groups)
     check_positive("fault_tolerance.sync_every", ft.sync_every)
+    check_positive("fault_tolerance.bucket_mb", ft.bucket_mb)
+    check_choice("fault_tolerance.replica_backend", ft.replica_backend, REPLICA_BACKENDS)
+    if ft.replica_backend == "nccl" and cfg.dist.device == "cpu":
+        raise ConfigError(
+            "fault_tolerance.replica_backend=nccl needs CUDA tensors, and dist.device=cpu: use "
+            "replica_backend=gloo (or auto) on the CPU"
+        )
     check_positive("fault_tolerance.outer_lr", ft.outer_lr)
     if not 0 <= ft.outer_momentum < 1:
         raise ConfigError(f"fault_tolerance.outer_momentum={ft.outer_momentum} must be in [0, 1)")

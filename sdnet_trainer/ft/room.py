@@ -4,8 +4,9 @@
                     a group behind the others receives the live state from a healthy peer here
     average         before the first backward (sync): the group's count of counted targets
                     averaged over the quorum's groups (the step's loss weights, training/step.py)
-    reduce_gradients  after backward (sync): every gradient averaged over the quorum's groups
-                    through torchft's managed gloo process group, reconfigured at each new quorum
+    reduce_gradients  after backward (sync): every gradient averaged over the quorum's groups, in
+                    buckets, through torchft's managed process group (NCCL in a subprocess on
+                    CUDA, gloo on the CPU), reconfigured at each new quorum
     should_commit   before the update: the group's vote; False discards the step everywhere in
                     this group (a peer failed during it, or the quorum is below min_groups)
 
@@ -60,12 +61,24 @@ GROUP_RANKS = "group_ranks"
 LOOPBACK = ("localhost", "127.0.0.1", "::1")
 
 
-def _recording_gloo(timeout: timedelta) -> Any:
-    """torchft's reconfigurable gloo group, remembering the global ranks of its last quorum
-    (the group ids the metrics report)."""
-    from torchft.process_group import ProcessGroupGloo
+def replica_backend(cfg: FaultToleranceConfig, device: torch.device) -> str:
+    """``fault_tolerance.replica_backend`` resolved: auto is nccl where the gradients are on CUDA
+    (they cross the groups from device memory, never through the host), gloo otherwise."""
+    if cfg.replica_backend != "auto":
+        return cfg.replica_backend
+    return "nccl" if device.type == "cuda" else "gloo"
 
-    class RecordingGloo(ProcessGroupGloo):
+
+def _recording_group(backend: str, timeout: timedelta) -> Any:
+    """torchft's reconfigurable process group across the groups, remembering the global ranks of
+    its last quorum (the group ids the metrics report). nccl: ``ProcessGroupBabyNCCL``, which runs
+    NCCL in a subprocess, so that a peer's death kills (and a reconfiguration replaces) that
+    subprocess and never leaves this process's CUDA context behind a hung NCCL communicator."""
+    from torchft.process_group import ProcessGroupBabyNCCL, ProcessGroupGloo
+
+    base = ProcessGroupBabyNCCL if backend == "nccl" else ProcessGroupGloo
+
+    class Recording(base):  # type: ignore[valid-type,misc]
         quorum_ranks: list[int] = []
 
         def configure(self, *args: Any, **kwargs: Any) -> None:
@@ -73,7 +86,62 @@ def _recording_gloo(timeout: timedelta) -> Any:
             self.quorum_ranks = list(ranks or [])
             super().configure(*args, **kwargs)
 
-    return RecordingGloo(timeout=timeout)
+    return Recording(timeout=timeout)
+
+
+def reduce_in_buckets(
+    grads: list[torch.Tensor],
+    allreduce: Callable[[torch.Tensor], Any],
+    *,
+    bucket_bytes: int,
+) -> None:
+    """Reduce ``grads`` in place through ``allreduce`` (a tensor in, a work with ``wait()`` out),
+    with at most one bucket of ``bucket_bytes`` as extra memory.
+
+    A contiguous gradient of a bucket's size or more is reduced where it lies, started at once
+    and waited for at the end, so that several are in flight together and overlap the packing
+    of the others; smaller ones are packed in order into the one bucket (one dtype at a time),
+    reduced, and copied back before the bucket is packed again. Every group walks the same
+    gradients in the same order, so the collectives pair up; a bucket as large as all the
+    gradients is the flat reduction. (A non-contiguous gradient larger than a bucket, which
+    neither DDP nor FSDP2 leaves, is reduced through a contiguous copy of itself.)"""
+    large = {id(g) for g in grads if _nbytes(g) >= bucket_bytes and g.is_contiguous()}
+    works = [allreduce(g) for g in grads if id(g) in large]
+    packed = [g for g in grads if id(g) not in large]
+    if packed:
+        capacity = min(bucket_bytes, sum(map(_nbytes, packed)))
+        bucket = torch.empty(capacity, dtype=torch.uint8, device=packed[0].device)
+        for group in _buckets(packed, capacity):
+            size = sum(g.numel() for g in group)
+            if size * group[0].element_size() > capacity:  # one oversized gradient
+                flat = group[0].contiguous()
+            else:
+                flat = bucket[: size * group[0].element_size()].view(group[0].dtype)
+                torch.cat([g.reshape(-1) for g in group], out=flat)
+            allreduce(flat).wait()
+            for g, piece in zip(group, flat.reshape(-1).split([g.numel() for g in group]),
+                                strict=True):  # fmt: skip
+                g.copy_(piece.view_as(g))
+    for work in works:
+        work.wait()
+
+
+def _nbytes(t: torch.Tensor) -> int:
+    return t.numel() * t.element_size()
+
+
+def _buckets(grads: list[torch.Tensor], capacity: int) -> list[list[torch.Tensor]]:
+    """Consecutive runs of one dtype, each at most ``capacity`` bytes."""
+    runs: list[list[torch.Tensor]] = []
+    used = capacity
+    for g in grads:
+        nbytes = _nbytes(g)
+        if not runs or used + nbytes > capacity or runs[-1][0].dtype != g.dtype:
+            runs.append([])
+            used = 0
+        runs[-1].append(g)
+        used += nbytes
+    return runs
 
 
 def reachable(host: str) -> str:
@@ -99,6 +167,7 @@ class FaultTolerance:
         parts: Mapping[str, Part],
         after_load: Callable[[], None],
         step: int,
+        device: torch.device | None = None,
     ) -> None:
         require_torchft()
         from torch.distributed import TCPStore
@@ -123,7 +192,8 @@ class FaultTolerance:
             store_addr = socket.gethostname()
             self._store = TCPStore(store_addr, 0, is_master=True, wait_for_workers=False)
             store_port = self._store.port
-        self.pg = _recording_gloo(timedelta(seconds=t.step_s))
+        self.backend = replica_backend(cfg, device or torch.device("cpu"))
+        self.pg = _recording_group(self.backend, timedelta(seconds=t.step_s))
         self.manager = Manager(
             pg=self.pg,
             load_state_dict=self._load,
@@ -202,21 +272,28 @@ class FaultTolerance:
 
     @torch.no_grad()
     def reduce_gradients(self, model: nn.Module) -> None:
-        """Average every gradient over the quorum's groups (sync mode), in one flat buffer. Under
-        FSDP2 a gradient is a DTensor holding this rank's shard, already averaged over the group
-        by FSDP's reduce-scatter; rank r of every group holds the same shard, so the local shards
-        are what is averaged (in place: ``to_local`` shares the DTensor's storage)."""
-        params = [p for p in model.parameters() if p.requires_grad]
-        grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in params]
-        shards = [g.to_local() if isinstance(g, DTensor) else g for g in grads]
-        flat = torch.cat([g.reshape(-1) for g in shards])
-        self.manager.allreduce(flat).wait()  # AVG over the participants; errors are recorded
-        offset = 0
-        for param, grad, shard in zip(params, grads, shards, strict=True):
-            size = shard.numel()
-            shard.copy_(flat[offset : offset + size].view_as(shard))
-            param.grad = grad
-            offset += size
+        """Average every gradient over the quorum's groups (sync mode), in buckets of
+        ``fault_tolerance.bucket_mb`` (:func:`reduce_in_buckets`). Under FSDP2 a gradient is a
+        DTensor holding this rank's shard, already averaged over the group by FSDP's
+        reduce-scatter; rank r of every group holds the same shard, so the local shards are what
+        is averaged (in place: ``to_local`` shares the DTensor's storage). A failed bucket is
+        recorded by the Manager, which skips the rest and votes the step down."""
+        reduce_in_buckets(self.local_gradients(model), self.manager.allreduce,
+                          bucket_bytes=int(self.cfg.bucket_mb * 2**20))  # fmt: skip
+
+    @staticmethod
+    def local_gradients(model: nn.Module) -> list[torch.Tensor]:
+        """Each trainable parameter's gradient as this rank holds it (a zero one where backward
+        left none, so every group reduces the same tensors)."""
+        shards = []
+        for param in model.parameters():
+            if not param.requires_grad:
+                continue
+            if param.grad is None:
+                param.grad = torch.zeros_like(param)
+            grad = param.grad
+            shards.append(grad.to_local() if isinstance(grad, DTensor) else grad)
+        return shards
 
     def average(self, value: torch.Tensor) -> torch.Tensor:
         """``value`` averaged over the quorum's groups (sync mode; semi-sync groups step on their
@@ -248,11 +325,16 @@ class FaultTolerance:
         return committed
 
     def _drop_connections(self) -> None:
-        # torchft's abort lets go of the gloo group; its destructor closes the sockets once the
-        # last reference goes, and a failed work object caught in a reference cycle would keep
-        # it: the young generations are collected first (cheap, the imports are frozen).
-        gc.collect(1)
-        self.pg.abort()
+        if self.backend == "nccl":
+            # NCCL runs in torchft's subprocess: killing it ends every wait on the dead peer, and
+            # the next quorum's configure starts a new one.
+            self.pg.shutdown()
+        else:
+            # torchft's abort lets go of the gloo group; its destructor closes the sockets once
+            # the last reference goes, and a failed work object caught in a reference cycle would
+            # keep it: the young generations are collected first (cheap, the imports are frozen).
+            gc.collect(1)
+            self.pg.abort()
         logger.warning(
             "fault tolerance: a collective failed; this rank's cross-group connections are closed"
         )
@@ -306,4 +388,12 @@ class FaultTolerance:
         self.parts, self._store = {}, None
 
 
-__all__ = ["GROUP_RANKS", "NOT_SENT", "FaultTolerance", "QuorumTimeout", "reachable"]
+__all__ = [
+    "GROUP_RANKS",
+    "NOT_SENT",
+    "FaultTolerance",
+    "QuorumTimeout",
+    "reachable",
+    "reduce_in_buckets",
+    "replica_backend",
+]

@@ -51,6 +51,7 @@ def attach(trainer: Trainer) -> tuple[FaultTolerantPeers, FaultToleranceHook]:
         parts=trainer.checkpointer.parts,
         after_load=rederive_rng,
         step=trainer.state.step,
+        device=env.device,
     )
     peers = FaultTolerantPeers(room, batches, data=trainer.data, state=trainer.state)
     every = cfg.logging.log_every_n_steps

@@ -1,5 +1,7 @@
 """On a GPU the stock models are built on the meta device and initialised straight into GPU memory,
-with the weights a CPU build with the same seed gives (models/init.py): no whole CPU copy first."""
+with the weights a CPU build with the same seed gives (models/init.py): no whole CPU copy first.
+The decoders' counter-based values (models/init_values.py) are computed on the GPU itself, with
+integer operations, table lookups and correctly rounded float32 ones only: bitwise the CPU's."""
 
 from __future__ import annotations
 
@@ -9,7 +11,7 @@ from torch import nn
 
 from sdnet_trainer import Trainer, compose
 from sdnet_trainer.distributed import distributed_session
-from sdnet_trainer.models import build_model
+from sdnet_trainer.models import build_model, init_values
 from tests.cuda.launches import LAUNCHES
 from tests.support import assert_on_cuda
 
@@ -20,6 +22,36 @@ BUILDS = [
     pytest.param("build_gpt_tiny", id="gpt_tiny"),
     pytest.param("build_resnet18", id="resnet18"),
 ]
+
+
+@pytest.mark.parametrize(
+    "dist",
+    [
+        init_values.Normal(0.02),
+        init_values.Normal(1.5, mean=-1.0),
+        init_values.Uniform(-0.1, 0.3),
+        init_values.TruncatedNormal(0.5),
+    ],
+    ids=repr,
+)
+def test_counter_based_values_on_the_gpu_are_the_cpus_bitwise(dist):
+    """A whole tensor, and a block whose rows start at odd indices (computed through the
+    generator's other path), on the GPU and on the CPU."""
+    on_gpu = torch.empty(301, 257, device="cuda")
+    on_cpu = torch.empty(301, 257)
+    for tensor in (on_gpu, on_cpu):
+        generated = init_values.fill(tensor, dist, seed=17, key="blocks.3.attn.wq.weight")
+        assert generated >= tensor.numel()
+    assert_on_cuda(on_gpu)
+    assert torch.equal(on_gpu.cpu(), on_cpu)
+    block = on_cpu[5:77, 3:200]
+    bases, inner = init_values._rows([[(5, 77)], [(3, 200)]], on_cpu.shape, on_gpu.device)
+    values = torch.empty(block.shape, device="cuda")
+    key = init_values.stream(17, "blocks.3.attn.wq.weight")
+    for r0, r1, c0, c1 in init_values._chunks(bases.numel(), inner):
+        view = values.view(-1)[r0 * inner : r1 * inner].view(r1 - r0, inner)[:, c0:c1]
+        init_values._fill_rows(view, bases[r0:r1] + c0, dist, key)
+    assert torch.equal(values.cpu(), block)
 
 
 @pytest.mark.parametrize("name", BUILDS)

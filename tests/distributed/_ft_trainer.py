@@ -2,9 +2,11 @@
 committed step trained and where the parameters went, and faults on request.
 
 Records, in the run directory: ``committed_rankR.jsonl`` (one line per committed step: the
-step, the dataset indices rank R trained, the loss; appended and flushed, so a SIGKILL keeps
-every committed step), and ``ft_final.pt`` at the end (the final parameters and optimizer state, the
-parameters after each step, the run's metrics).
+step, the dataset indices rank R trained, the loss, and how the step's bucketed gradients
+compared with the flat reduction of the same gradients, run just before them in every group:
+``flat_bitwise``, ``flat_diff`` the largest difference, ``grad_max`` the largest gradient;
+appended and flushed, so a SIGKILL keeps every committed step), and ``ft_final.pt`` at the end
+(the final parameters and optimizer state, the parameters after each step, the run's metrics).
 
 Under FSDP the recorded parameters and optimizer state are gathered whole (every rank takes
 part; rank 0 writes ``ft_final.pt``).
@@ -37,10 +39,12 @@ from torch.distributed.tensor import DTensor
 
 from sdnet_trainer import HookBase, Trainer
 from sdnet_trainer.distributed.ddp import unwrap
+from sdnet_trainer.ft.room import reduce_in_buckets
 from sdnet_trainer.runtime.signals import launched_by_torchrun
 from tests.support import IndexedDataset
 
 RECORD, FINAL, PID = "committed_rank{rank}.jsonl", "ft_final.pt", "pid_rank{rank}"
+ALL_AT_ONCE = 2**62  # a bucket as large as every gradient: the flat reduction
 PAUSE_LIMIT_S = 240.0
 
 
@@ -83,6 +87,7 @@ class _Recorder(HookBase):
             "indices": t.indices,
             "loss": float(result.loss),
             "time": time.time(),
+            **t.flat_check,
         }
         self.file.write(json.dumps(row) + "\n")
         self.file.flush()
@@ -102,6 +107,7 @@ class FTRecorder(Trainer):
     def setup(self) -> None:
         self.indices: list[int] = []
         self.snapshots: list[dict] = []
+        self.flat_check: dict = {}
         self.kill_at = int(os.environ.get("SDNET_FT_KILL_AT", "0"))
         self.agent = os.getppid() if launched_by_torchrun() else None
         super().setup()
@@ -117,6 +123,10 @@ class FTRecorder(Trainer):
 
     def _setup_fault_tolerance(self) -> None:
         super()._setup_fault_tolerance()
+        ft = self.cfg.fault_tolerance
+        if ft.enabled and ft.mode == "sync":
+            room = self.ft.room  # type: ignore[attr-defined]  # FaultTolerantPeers
+            room.reduce_gradients = self._against_flat(room)
         if self.kill_at:
             room = self.ft.room  # type: ignore[attr-defined]  # FaultTolerantPeers
             reduce_gradients = room.reduce_gradients
@@ -127,6 +137,33 @@ class FTRecorder(Trainer):
                 reduce_gradients(model)
 
             room.reduce_gradients = dying
+
+    def _against_flat(self, room):
+        """The room's bucketed reduction, preceded by the flat one (one bucket holding every
+        gradient, as the room reduced before buckets) of the same gradients; the two results
+        compared (the weights follow from the gradients, so equal gradients every step are equal
+        weights). Every group does both, so the collectives pair up."""
+        bucketed = room.reduce_gradients
+
+        @torch.no_grad()
+        def reduce(model):
+            grads = room.local_gradients(model)
+            before = [g.clone() for g in grads]
+            reduce_in_buckets(grads, room.manager.allreduce, bucket_bytes=ALL_AT_ONCE)
+            flat = [g.clone() for g in grads]
+            for g, b in zip(grads, before, strict=True):
+                g.copy_(b)
+            bucketed(model)
+            grads = room.local_gradients(model)
+            self.flat_check = {
+                "flat_bitwise": all(map(torch.equal, grads, flat)),
+                "flat_diff": max(
+                    float((g - f).abs().max()) for g, f in zip(grads, flat, strict=True)
+                ),
+                "grad_max": max(float(f.abs().max()) for f in flat),
+            }
+
+        return reduce
 
     def _die(self) -> None:
         # torchrun's agent first (still this process's parent): the whole launch dies, its other

@@ -40,8 +40,14 @@ BASE = [
 ]
 
 
+# Buckets of 512 bytes: the tiny models' gradients cross the groups in several buckets, their
+# larger tensors in place (sdnet_trainer/ft/room.py, reduce_in_buckets).
+BUCKET_MB = 512 / 2**20
+
+
 def _ft(address: str, *, groups: int, min_groups: int, group: int, **extra: object) -> list[str]:
-    keys = {"groups": groups, "min_groups": min_groups, "replica_group": group, **extra}
+    keys = {"groups": groups, "min_groups": min_groups, "replica_group": group,
+            "bucket_mb": BUCKET_MB, **extra}  # fmt: skip
     return [
         "fault_tolerance.enabled=true",
         f"fault_tolerance.lighthouse={address}",
@@ -145,7 +151,8 @@ GROUP_LAYOUTS = {
 def test_sync_two_groups_match_single_process_training_step_for_step(tmp_path, reference, layout):
     """Two groups (of 1 process, or 2 ranks and DDP or FSDP inside) against one
     process over the same global batch: the same parameters after every step, to float
-    rounding."""
+    rounding; the bucketed reduction gives every step bitwise the gradients (so the weights) of
+    the flat one (two terms: a sum in either order is the same number)."""
     ref_dir, ref = reference
     ranks, inside = GROUP_LAYOUTS[layout]
     steps = 4
@@ -166,6 +173,8 @@ def test_sync_two_groups_match_single_process_training_step_for_step(tmp_path, r
         # The step's global batch, divided between the groups: the reference's samples, once.
         trained = sorted(i for run_dir in runs for i in _records(run_dir)[step]["indices"])
         assert trained == sorted(ref_records[step]["indices"])
+        for run_dir in runs:
+            assert _records(run_dir)[step]["flat_bitwise"], _records(run_dir)[step]
     for name in finals[0]["params"]:
         assert torch.equal(finals[0]["params"][name], finals[1]["params"][name])
     assert finals[0]["metrics"]["ft/quorum_size"] == 2
@@ -317,6 +326,16 @@ def test_three_groups_one_killed_the_others_continue_it_rejoins_from_a_peer(
     # Sample accounting: each step's global batch, once, over whichever groups committed it.
     legs = [runs[0], runs[1], runs[2], rejoined]
     records = [_records(d) for d in legs]
+    # Buckets against the flat reduction (run before them every step, in every group): gloo's
+    # ring sums three groups' values in an order set by the element's place in the buffer, so
+    # the two may differ by a rounding of the last bit, never more, and every group holds the
+    # same result (the bitwise equality above).
+    for r in records:
+        for row in r.values():
+            assert row["flat_diff"] <= 1e-6 * row["grad_max"], row
+    bitwise = sum(row["flat_bitwise"] for r in records for row in r.values())
+    print(f"steps whose buckets gave bitwise the flat reduction: {bitwise} of "
+          f"{sum(map(len, records))}")  # fmt: skip
     assert sorted(records[2]) == list(range(1, kill_at))  # the killed leg: up to its death
     if ranks == 1:  # it was stopped, and kept (every step to its death committed, above)
         assert records[2][freeze_at]["time"] - records[2][freeze_at - 1]["time"] > frozen_s

@@ -434,6 +434,11 @@ TOLERANCE = {
     "moe": {"rel": 1e-5, "norm": 1e-4, "params": 1e-5},
     "moebias": {"rel": 1e-5, "norm": 1e-4, "params": 1e-5},
     "resnet": {"rel": 2e-3, "norm": 5e-3, "params": 5e-4},
+    # float8 (e4m3: 3 mantissa bits) rounds each matmul input: where another reduction order
+    # moves a value across a rounding boundary, that element moves by up to 1/16 of itself, so
+    # layouts agree to ~1e-4 after 5 steps (loss and norm), not fp32's 1e-6. A wiring error shows
+    # at 1e-1.
+    "float8": {"rel": 1e-4, "norm": 1e-3, "params": 1e-4},
 }
 
 
@@ -468,7 +473,7 @@ def test_layout_matches_single_process(runs, name):
         assert (
             min(ref["grad_norms"]) > 0.5
         )  # optim.clip_grad_norm=0.5 scaled every step's gradients
-    _assert_same_training(run, ref, name.split("_")[0])
+    _assert_same_training(run, ref, "float8" if "float8" in name else name.split("_")[0])
     if "tied" in name:  # still one weight after training
         assert torch.equal(run["params"]["head.weight"], run["params"]["embed.tok.weight"])
     if language_model or name in WORLD2:
