@@ -206,6 +206,11 @@ CLAIMS = (
     ),
     Claim("the MoE's grouped matmul equals the loop over experts", "second", tests="test_moe_cuda"),
     Claim(
+        "replica groups on torchft's NCCL group: a killed NCCL subprocess loses only its step",
+        "second",
+        tests="test_ft_cuda",
+    ),
+    Claim(
         "one-GPU fits: bf16, channels_last, compile, profiler, memory snapshot",
         "first",
         tests="test_fit_cuda::test_one_gpu_fit",

@@ -436,9 +436,9 @@ TOLERANCE = {
     "resnet": {"rel": 2e-3, "norm": 5e-3, "params": 5e-4},
     # float8 (e4m3: 3 mantissa bits) rounds each matmul input: where another reduction order
     # moves a value across a rounding boundary, that element moves by up to 1/16 of itself, so
-    # layouts agree to ~1e-4 after 5 steps (loss and norm), not fp32's 1e-6. A wiring error shows
-    # at 1e-1.
-    "float8": {"rel": 1e-4, "norm": 1e-3, "params": 1e-4},
+    # layouts agree to ~1e-4 after 5 steps (losses, norms; weights to 1.3e-4), not to fp32's
+    # 1e-6. A wiring error shows at 1e-1.
+    "float8": {"rel": 1e-4, "norm": 1e-3, "params": 5e-4},
 }
 
 

@@ -205,7 +205,12 @@ def test_gpu_check_installs_offline_collects_every_cuda_test_and_exits_2_without
     assert order[-1] == "test_one_gpu_fit_bf16_compiled_and_profiled[resnet18]", order
     # The second command's tests are not the first's.
     modules = {case.get("classname", "").rsplit(".", 1)[-1] for case in suite.iter("testcase")}
-    assert not modules & {"test_float8_cuda", "test_context_parallel_cuda", "test_moe_cuda"}
+    assert not modules & {
+        "test_float8_cuda",
+        "test_context_parallel_cuda",
+        "test_moe_cuda",
+        "test_ft_cuda",
+    }
     assert "test_one_rank_nccl_process_group[zero1]" in order  # in the default profile now
     pytest_log = (out / "pytest.log").read_text()
     assert "no CUDA device" in pytest_log and "slowest durations" in pytest_log, pytest_log
@@ -266,6 +271,7 @@ def test_the_second_command_collects_its_tests_and_exits_2_without_a_gpu(
             "test_float8_cuda",
             "test_context_parallel_cuda",
             "test_moe_cuda",
+            "test_ft_cuda",
         }, names
     else:
         assert "(pytest not finished in its 3 s share)" in summary, summary
