@@ -30,6 +30,7 @@ from omegaconf.errors import MissingMandatoryValue, OmegaConfBaseException
 from sdnet_trainer.checkpoint import CheckpointError
 from sdnet_trainer.checkpoint.files import folder_of
 from sdnet_trainer.config import CONFIG_MODULE, Config, to_config
+from sdnet_trainer.config.synonyms import check_overrides, name_override_hints
 from sdnet_trainer.distributed import distributed_session, launched_world_size
 from sdnet_trainer.distributed.env import resolve_device
 from sdnet_trainer.distributed.launchers import export_scheduler_env
@@ -83,7 +84,7 @@ def run(cfg: DictConfig, trainer_cls: type[Trainer] | None = None) -> dict[str, 
     except ConfigError as err:
         # Every rank that fails says why: torchrun stops the others as soon as one exits, so a
         # message left to rank 0 alone could be cut off. Ranks above 0 prefix their rank.
-        logger.error("config error: %s", err)
+        logger.error("config error: %s", _with_group_hints(err))
         sys.exit(EXIT_CONFIG_ERROR)
     except CheckpointError as err:
         logger.error("checkpoint error: %s", _one_line(err))
@@ -93,6 +94,27 @@ def run(cfg: DictConfig, trainer_cls: type[Trainer] | None = None) -> dict[str, 
         # (runtime/signals.py); before the loop or after it, it lands here.
         logger.warning(INTERRUPTED_OUTSIDE_LOOP)
         sys.exit(EXIT_INTERRUPTED)
+
+
+def _with_group_hints(err: ConfigError) -> str:
+    """The error, and for each ``X.name=value`` on the command line whose value is an option of
+    the config group ``X`` (``optim.name=AdamW``), the group to choose (``optim=adamw``)."""
+    message = str(err)
+    for hint in name_override_hints(list(HydraConfig.get().overrides.task)):
+        if hint not in message:
+            message = f"{message}; {hint}"
+    return message
+
+
+def _check_arguments() -> None:
+    """A key brought from nanoGPT, Hugging Face or torchtitan (``model.gpt.n_embd=128``, with or
+    without ``+``) is answered with this project's key before Hydra composes (its own message,
+    "Key not in GPTConfig", names none; ``--cfg job`` would not check at all)."""
+    try:
+        check_overrides(sys.argv[1:])
+    except ConfigError as err:
+        print(f"config error: {err}", file=sys.stderr)
+        sys.exit(EXIT_CONFIG_ERROR)
 
 
 def _one_line(err: BaseException) -> str:
@@ -211,6 +233,7 @@ def main() -> None:
             entry = cli.dry_run if command == "--dry-run" else cli.plan
             sys.exit(entry([a for a in sys.argv[1:] if a != command]))
     _start_process()
+    _check_arguments()
     _interruptible(_main)
 
 
@@ -226,4 +249,5 @@ def launch(trainer_cls: type[Trainer]) -> None:
         return run(cfg, trainer_cls=trainer_cls)
 
     _start_process()
+    _check_arguments()
     _interruptible(_task)

@@ -33,6 +33,7 @@ from sdnet_trainer.config.schema import (
     SchedConfig,
 )
 from sdnet_trainer.config.store import CONFIG_MODULE, recipe_names, register_configs
+from sdnet_trainer.config.synonyms import check_overrides, synonym_hint
 from sdnet_trainer.errors import ConfigError
 
 register_resolvers()
@@ -57,8 +58,16 @@ def _reject_unknown_keys(node: DictConfig, *, prefix: str) -> None:
     for key in node:
         name = prefix + str(key)
         if key not in fields:
+            # By meaning first (nanoGPT's n_embd is our dim), then by spelling.
+            synonym = synonym_hint(name)
             close = difflib.get_close_matches(str(key), sorted(fields), n=1)
-            hint = f"; did you mean {prefix}{close[0]}?" if close else ""
+            hint = (
+                f"; {synonym}"
+                if synonym
+                else f"; did you mean {prefix}{close[0]}?"
+                if close
+                else ""
+            )
             raise ConfigError(
                 f"unknown config key {name} ({schema.__name__} has no field {key!r}){hint}"
             )
@@ -76,6 +85,7 @@ def compose(overrides: Sequence[str] = ()) -> Config:
     from hydra import compose as hydra_compose
     from hydra import initialize_config_module
 
+    check_overrides(overrides)
     with initialize_config_module(config_module=CONFIG_MODULE, version_base=None):
         return to_config(hydra_compose(config_name="config", overrides=list(overrides)))
 

@@ -41,6 +41,7 @@ from sdnet_trainer.config.schema import Config, names_stock_trainer
 from sdnet_trainer.data import is_language_model_data
 from sdnet_trainer.distributed.env import resolve_backend, resolve_device
 from sdnet_trainer.errors import ConfigError
+from sdnet_trainer.runtime.quiet import import_quietly
 
 logger = logging.getLogger(__name__)
 
@@ -122,13 +123,14 @@ def validate_float8(cfg: Config, *, device: torch.device | str | None = None) ->
 def _torchao_float8(recipe: str) -> Any:
     """``torchao.float8``, or a ConfigError naming the key and the extra that installs it."""
     try:
-        import torchao.float8
+        # Without torch's deprecation notices about torchao's Enums (runtime/quiet.py).
+        float8 = import_quietly("torchao.float8")
     except ImportError as err:
         raise ConfigError(
             f"precision.float8={recipe} trains through torchao, which cannot be imported "
             f"({err}): {FLOAT8_EXTRA_HINT}"
         ) from None
-    return torchao.float8
+    return float8
 
 
 # ---------------------------------------------------------------------- which layers

@@ -37,6 +37,7 @@ from sdnet_trainer.models.lora import (
     base_state,
     peft_names,
 )
+from sdnet_trainer.runtime.quiet import import_quietly
 
 logger = logging.getLogger(__name__)
 
@@ -82,7 +83,7 @@ def write_peft(
 ) -> list[str]:
     """Write the adapters of ``model`` (a LoRA run's, rebuilt) as a peft folder into ``folder``;
     the names written. ``base``: the Hugging Face folder the run started from."""
-    import peft
+    peft = import_quietly("peft")  # it imports torchao: without torch's notices about it
 
     adapters = adapters_of(model)
     if adapters is None:

@@ -17,6 +17,7 @@ import torch
 from sdnet_trainer.config.schema import ModelConfig
 from sdnet_trainer.errors import ConfigError
 from sdnet_trainer.models.hf_folder import FLOAT_DTYPES, listed, open_safetensors, read_hf_config
+from sdnet_trainer.runtime.quiet import import_quietly
 
 EXTRA_HINT = "pip install 'sdnet_trainer[lora]'"
 ALL_LINEAR = "all-linear"
@@ -38,7 +39,8 @@ _UNSUPPORTED = {
 def require_peft(key: str) -> Any:
     """The ``peft`` module, or a ConfigError naming ``key`` and the extra to install."""
     try:
-        import peft
+        # peft imports torchao where installed: without torch's notices about its Enums.
+        peft = import_quietly("peft")
     except ImportError as err:
         raise ConfigError(
             f"{key} needs the `peft` package (the lora extra), which is not installed: {EXTRA_HINT}"

@@ -1,7 +1,8 @@
 """Python logging for a run: rank 0 talks, the other ranks only warn.
 
 Rank 0 logs to the console and to ``train.log`` in the run directory; every other rank logs
-warnings and errors to the console, prefixed with its rank, so a failure on rank 3 is still seen.
+warnings and errors to the console, prefixed with its rank, so a failure on rank 3 is still seen,
+and its heartbeat line (INFO, at the run's level).
 """
 
 from __future__ import annotations
@@ -12,6 +13,9 @@ from pathlib import Path
 
 from sdnet_trainer.config.checks import check_choice, check_positive
 from sdnet_trainer.config.schema import Config
+
+# The heartbeat's own logger (training/health.py), let through on every rank.
+HEARTBEAT_LOGGER = "sdnet_trainer.training.health.heartbeat"
 
 _FORMAT = "[%(asctime)s][%(name)s][%(levelname)s] %(message)s"
 LOG_FILE = "train.log"
@@ -41,3 +45,6 @@ def setup_logging(output_dir: str | Path | None, *, rank: int, level: str = "INF
         file.setFormatter(logging.Formatter(_FORMAT))
         root.addHandler(file)
     root.setLevel(level.upper() if rank == 0 else logging.WARNING)
+    # The heartbeat (training/health.py) is an INFO line every rank writes: the other ranks show
+    # it too, at the run's level; rank 0 follows its root.
+    logging.getLogger(HEARTBEAT_LOGGER).setLevel(logging.NOTSET if rank == 0 else level.upper())

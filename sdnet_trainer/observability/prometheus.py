@@ -30,7 +30,6 @@ import os
 import re
 import threading
 import time
-from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 from urllib.parse import urlsplit
 
@@ -39,6 +38,14 @@ import torch
 from sdnet_trainer.config.observability import PrometheusConfig
 from sdnet_trainer.config.schema import Config
 from sdnet_trainer.errors import ConfigError
+from sdnet_trainer.observability.metric_names import (
+    FAMILIES,
+    KEYS,
+    PER_RANK,
+    Series,
+    metric_names,
+    spell_units,
+)
 
 if TYPE_CHECKING:
     from prometheus_client.metrics_core import Metric
@@ -54,130 +61,6 @@ PUSH_JOB = "sdnet_trainer"
 PUSH_TIMEOUT_S = 10.0
 # The run's identity, on every series.
 IDENTITY = ("run", "run_id", "rank", "node")
-MB = 2**20
-
-
-@dataclass(frozen=True)
-class Series:
-    """Where one logged key goes: metric ``name`` with extra ``labels``, value times ``scale``
-    (to the metric's base unit)."""
-
-    name: str
-    scale: float = 1.0
-    labels: tuple[tuple[str, str], ...] = ()
-
-
-# Every metric the exporter itself defines: name -> help.
-FAMILIES = {
-    # Progress
-    "sdnet_step": "Optimizer step of the latest training log point.",
-    "sdnet_log_timestamp_seconds": "Unix time of the latest training log point.",
-    "sdnet_world_size": "Ranks in the run.",
-    "sdnet_train_epoch": "Epochs done (fractional) at the latest log point.",
-    # Optimization
-    "sdnet_train_loss": "Mean training loss over the steps since the previous log point.",
-    "sdnet_train_learning_rate": "Learning rate at the latest log point.",
-    "sdnet_train_grad_norm": "Global gradient norm of the step at the latest log point.",
-    "sdnet_train_loss_scale": "Scale of the fp16 gradient scaler.",
-    "sdnet_train_nonfinite_steps": "Steps with a non-finite loss or gradient, whole run.",
-    "sdnet_train_skipped_steps": "Optimizer steps the fp16 gradient scaler skipped, whole run.",
-    "sdnet_data_skipped_samples": "Training samples replaced because they could not be read.",
-    # Throughput
-    "sdnet_samples_per_second": "Training samples per second of the log window, all ranks.",
-    "sdnet_tokens_per_second": "Training tokens per second of the log window, all ranks.",
-    "sdnet_model_flops_per_second": "Model FLOPs per second of the log window, all ranks.",
-    "sdnet_mfu_ratio": "Model FLOPs utilization: achieved over peak FLOPs of all devices.",
-    # Step time
-    "sdnet_step_seconds": "Mean time per training step in the log window, slowest rank.",
-    "sdnet_step_phase_seconds": (
-        "Mean time per step spent in each phase of the step in the log window, slowest rank."
-    ),
-    "sdnet_rank_step_seconds": "Mean time per training step in the log window, this rank.",
-    "sdnet_rank_samples_per_second": "Training samples per second of the log window, this rank.",
-    # Memory
-    "sdnet_memory_peak_bytes": (
-        "Peak memory in the log window, largest rank: allocated CUDA memory, or on the CPU the "
-        "process's lifetime peak resident size."
-    ),
-    "sdnet_memory_reserved_bytes": (
-        "Memory held in the log window, largest rank: the CUDA caching allocator's peak, or on "
-        "the CPU the resident size at the log point."
-    ),
-    "sdnet_cuda_alloc_retries": "cudaMalloc calls retried after freeing the cache, log window.",
-    # Communication
-    "sdnet_comm_step_bytes": "Bytes one rank hands to the gradient collectives per step.",
-    # Evaluation
-    "sdnet_eval_metric": "Latest evaluation result, by metric name.",
-    "sdnet_eval_step": "Optimizer step of the latest evaluation.",
-    # Checkpoints
-    "sdnet_checkpoint_save_seconds": "Time the latest checkpoint save held up training.",
-    "sdnet_checkpoint_size_bytes": "Bytes this rank wrote for the latest checkpoint.",
-    "sdnet_checkpoint_last_step": "Optimizer step of the latest checkpoint.",
-    "sdnet_checkpoint_last_timestamp_seconds": "Unix time of the latest checkpoint save.",
-    # Fault tolerance across replica groups (ft/*, sdnet_trainer/ft/)
-    "sdnet_ft_quorum_groups": "Replica groups in the latest fault-tolerance quorum.",
-    "sdnet_ft_in_quorum": "1 while the replica group (label group) is in the quorum, else 0.",
-    "sdnet_ft_recoveries": "Times this group received the live state from a peer, this launch.",
-    "sdnet_ft_recovery_seconds": "Seconds this group spent receiving state from peers.",
-    "sdnet_ft_degraded_steps": "Steps committed with fewer groups than expected, this launch.",
-    "sdnet_ft_skipped_steps": "Steps discarded by the commit vote (a peer failed), this launch.",
-    "sdnet_ft_committed_steps": "Steps the replica groups committed, whole run.",
-    # A mixture of experts' load (training/moe.py), per layer (and expert) as labels
-    "sdnet_moe_aux_loss": "Auxiliary load-balancing loss of the last step (all layers).",
-    "sdnet_moe_expert_tokens": "Tokens routed to an expert in the last step.",
-    "sdnet_moe_tokens_min": "Fewest tokens an expert of the layer received in the last step.",
-    "sdnet_moe_tokens_max": "Most tokens an expert of the layer received in the last step.",
-    "sdnet_moe_load_min_max": "Fewest over most tokens of the layer's experts (1: balanced).",
-    # End of run (summary/*; "summary" in a name would read as Prometheus' summary type)
-    "sdnet_run_steps": "Steps trained by this launch, set at its end.",
-    "sdnet_run_train_seconds": "Time spent in training steps by this launch, set at its end.",
-    "sdnet_run_wall_seconds": "Wall-clock time of this launch's training loop, set at its end.",
-    "sdnet_run_samples_per_second": "Training samples per second over the launch, set at its end.",
-}
-
-# Logged key -> series. The keys are those of sdnet_trainer.training.hooks.MetricsHook (log points),
-# EvalHook (val/*), the checkpointer (checkpoint/*) and the end-of-run summary.
-KEYS = {
-    "train/loss": Series("sdnet_train_loss"),
-    "train/lr": Series("sdnet_train_learning_rate"),
-    "train/grad_norm": Series("sdnet_train_grad_norm"),
-    "train/epoch": Series("sdnet_train_epoch"),
-    "train/loss_scale": Series("sdnet_train_loss_scale"),
-    "train/nonfinite_steps": Series("sdnet_train_nonfinite_steps"),
-    "train/skipped_steps": Series("sdnet_train_skipped_steps"),
-    "data/skipped_samples": Series("sdnet_data_skipped_samples"),
-    "perf/samples_per_s": Series("sdnet_samples_per_second"),
-    "perf/tokens_per_s": Series("sdnet_tokens_per_second"),
-    "perf/tflops_per_s": Series("sdnet_model_flops_per_second", scale=1e12),
-    "perf/mfu": Series("sdnet_mfu_ratio"),
-    "perf/step_s": Series("sdnet_step_seconds"),
-    "perf/data_wait_s": Series("sdnet_step_phase_seconds", labels=(("phase", "data_wait"),)),
-    "perf/fwd_bwd_s": Series("sdnet_step_phase_seconds", labels=(("phase", "forward_backward"),)),
-    "perf/optimizer_s": Series("sdnet_step_phase_seconds", labels=(("phase", "optimizer"),)),
-    "perf/peak_memory_mb": Series("sdnet_memory_peak_bytes", scale=MB),
-    "perf/reserved_memory_mb": Series("sdnet_memory_reserved_bytes", scale=MB),
-    "perf/alloc_retries": Series("sdnet_cuda_alloc_retries"),
-    "comm/bytes_per_step": Series("sdnet_comm_step_bytes"),
-    "checkpoint/save_seconds": Series("sdnet_checkpoint_save_seconds"),
-    "checkpoint/bytes": Series("sdnet_checkpoint_size_bytes"),
-    "checkpoint/step": Series("sdnet_checkpoint_last_step"),
-    "ft/quorum_size": Series("sdnet_ft_quorum_groups"),
-    "ft/recoveries": Series("sdnet_ft_recoveries"),
-    "ft/recovery_seconds": Series("sdnet_ft_recovery_seconds"),
-    "ft/degraded_steps": Series("sdnet_ft_degraded_steps"),
-    "ft/skipped_steps": Series("sdnet_ft_skipped_steps"),
-    "ft/committed_steps": Series("sdnet_ft_committed_steps"),
-    "moe/aux_loss": Series("sdnet_moe_aux_loss"),
-    "summary/steps": Series("sdnet_run_steps"),
-    "summary/train_seconds": Series("sdnet_run_train_seconds"),
-    "summary/wall_seconds": Series("sdnet_run_wall_seconds"),
-    "summary/samples_per_s": Series("sdnet_run_samples_per_second"),
-}
-# The gathered per-rank keys (``perf/step_s_rank{R}``): base -> metric, published by rank R.
-PER_RANK = {
-    "perf/step_s": "sdnet_rank_step_seconds",
-    "perf/samples_per_s": "sdnet_rank_samples_per_second",
-}
 EVAL_PREFIX = "val/"
 SUMMARY_PREFIX = "summary/"
 _PER_RANK_KEY = re.compile(r"^(?P<base>.+)_rank(?P<rank>\d+)$")
@@ -186,14 +69,6 @@ _MOE_KEY = re.compile(r"^moe/layer(?P<layer>\d+)/(?:expert(?P<expert>\d+)/)?(?P<
 _NOT_IN_NAME = re.compile(r"[^a-zA-Z0-9_]")
 # A write with one of these keys is a training log point (it moves sdnet_step).
 _LOG_POINT_PREFIXES = ("train/", "perf/")
-
-
-def metric_names() -> set[str]:
-    """Every metric name the exporter can emit with the stock keys (hardware included; the GPU
-    ones only on CUDA with NVML): what dashboards may refer to."""
-    from sdnet_trainer.observability.hardware import GPU_METRICS, HARDWARE_METRICS
-
-    return set(FAMILIES) | set(HARDWARE_METRICS) | set(GPU_METRICS)
 
 
 def prometheus_enabled(cfg: PrometheusConfig) -> bool:
@@ -396,17 +271,17 @@ class PrometheusExporter:
                 return None  # rank R publishes its own
             if per_rank["base"] in PER_RANK:
                 return Series(PER_RANK[per_rank["base"]])
-            name = "sdnet_rank_" + _NOT_IN_NAME.sub("_", per_rank["base"])
+            name, scale = spell_units("sdnet_rank_" + _NOT_IN_NAME.sub("_", per_rank["base"]))
         else:
             spelt = key
             if key.startswith(SUMMARY_PREFIX):  # "summary" in a name reads as the metric type
                 spelt = "run/" + key[len(SUMMARY_PREFIX) :]
-            name = "sdnet_" + _NOT_IN_NAME.sub("_", spelt)
+            name, scale = spell_units("sdnet_" + _NOT_IN_NAME.sub("_", spelt))
         if name in self._help:  # a metric of the table, or of another key spelt alike
             logger.warning("metric %r would be exported as %s, which is taken: left out", key, name)
             return None
         self._help[name] = f"Logged as {key}."
-        return Series(name)
+        return Series(name, scale=scale)
 
     # ------------------------------------------------------------------ publishing
 

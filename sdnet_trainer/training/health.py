@@ -42,6 +42,7 @@ import torch
 
 from sdnet_trainer.config.checks import check_choice, check_positive
 from sdnet_trainer.config.schema import Config
+from sdnet_trainer.observability.logs import HEARTBEAT_LOGGER
 
 logger = logging.getLogger(__name__)
 
@@ -326,13 +327,17 @@ def _timestamp() -> str:
 
 # ---------------------------------------------------------------------- heartbeat
 
+heartbeat_logger = logging.getLogger(HEARTBEAT_LOGGER)
+
 
 class Heartbeat:
     """One log line per rank at most every ``every_s`` seconds, with the step and its timings.
 
-    Logged at WARNING because ranks other than 0 only show warnings (observability.logs), and a
-    line from every rank is the point: a straggler shows as a slow step time or a long data
-    wait next to its peers'. No collective, so it never adds a sync.
+    Logged at INFO (a heartbeat is not a warning) on a logger of its own, ``HEARTBEAT_LOGGER``,
+    which :func:`~sdnet_trainer.observability.logs.setup_logging` lets through at the run's level
+    on every rank (the others otherwise show only warnings): a line from every rank is the point,
+    a straggler shows as a slow step time or a long data wait next to its peers'. A stall is the
+    watchdog's to report. No collective, so it never adds a sync.
     """
 
     def __init__(
@@ -352,7 +357,7 @@ class Heartbeat:
         if now < self._next_at:
             return False
         self._next_at = now + self.every_s
-        logger.warning(
+        heartbeat_logger.info(
             "heartbeat rank %d step %d step_time %.3fs data_wait %.3fs",
             self.rank,
             step,

@@ -18,6 +18,7 @@ from torch.optim.lr_scheduler import LambdaLR
 
 from sdnet_trainer.config.checks import check_choice, check_positive
 from sdnet_trainer.config.schema import Config, OptimConfig, SchedConfig
+from sdnet_trainer.config.synonyms import group_hint
 from sdnet_trainer.errors import ConfigError
 
 # ``sched.name``: the learning-rate schedules of lr_multiplier.
@@ -54,7 +55,15 @@ def resolve_optimizer_class(name: str) -> type[torch.optim.Optimizer]:
 def validate_optim(cfg: Config) -> None:
     """``optim.*``, ``sched.*`` and ``loss.label_smoothing``, checked before launch."""
     optim, sched = cfg.optim, cfg.sched
-    resolve_optimizer_class(optim.name)
+    cls = resolve_optimizer_class(optim.name)
+    # The keys the optimizer would not take (optim.name=AdamW over the sgd group's momentum),
+    # refused before launch; build_optimizer checks again with the implementation's flags.
+    user_kwargs: dict[str, Any] = {"lr": optim.lr, "weight_decay": optim.weight_decay}
+    user_kwargs.update(
+        {k: getattr(optim, k) for k in _OPTIONAL_ARGS if getattr(optim, k) is not None}
+    )
+    user_kwargs.update(optim.kwargs)
+    _check_accepted(cls, optim, user_kwargs)
     check_positive("optim.lr", optim.lr, allow_zero=True)
     if optim.clip_grad_norm is not None and optim.clip_grad_value is not None:
         raise ConfigError(
@@ -113,20 +122,31 @@ def build_optimizer(
             kwargs[name] = tuple(value) if name == "betas" else value
     kwargs.update(_implementation_kwargs(cls, cfg, list(model.parameters())))
     kwargs.update(cfg.kwargs)
-    accepted = inspect.signature(cls).parameters
-    if not any(p.kind is inspect.Parameter.VAR_KEYWORD for p in accepted.values()):
-        unknown = sorted(k for k in kwargs if k not in accepted)
-        if unknown:
-            keys = ", ".join(
-                f"optim.{k}" if k in _OPTIONAL_ARGS else f"optim.kwargs.{k}" for k in unknown
-            )
-            raise ConfigError(f"optim.name={cfg.name!r} does not take {keys}")
+    _check_accepted(cls, cfg, kwargs)
     if zero_group is not False:
         group = None if zero_group is True else zero_group
         return ZeroRedundancyOptimizer(
             param_groups(model, cfg), optimizer_class=cls, process_group=group, **kwargs
         )
     return cls(param_groups(model, cfg), **kwargs)
+
+
+def _check_accepted(cls: type[torch.optim.Optimizer], cfg: OptimConfig, kwargs: dict) -> None:
+    """Each of ``kwargs`` an argument of ``cls``'s constructor; else a ConfigError naming the keys
+    and, where ``optim.name`` names an option of the optim group, the group to choose instead
+    (``optim.name=AdamW`` keeps the sgd group's momentum; ``optim=adamw`` brings AdamW's keys)."""
+    accepted = inspect.signature(cls).parameters
+    if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in accepted.values()):
+        return
+    unknown = sorted(k for k in kwargs if k not in accepted)
+    if unknown:
+        keys = ", ".join(
+            f"optim.{k}" if k in _OPTIONAL_ARGS else f"optim.kwargs.{k}" for k in unknown
+        )
+        hint = group_hint("optim", cfg.name)
+        raise ConfigError(
+            f"optim.name={cfg.name!r} does not take {keys}" + (f"; {hint}" if hint else "")
+        )
 
 
 def _implementation_kwargs(

@@ -20,6 +20,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from sdnet_trainer.observability.logs import HEARTBEAT_LOGGER, setup_logging
 from sdnet_trainer.training.health import (
     EXIT_HANG,
     EXIT_NONFINITE,
@@ -282,15 +283,15 @@ class _Clock:
 def test_heartbeat_logs_at_most_once_per_interval(caplog):
     clock = _Clock()
     heartbeat = Heartbeat(10.0, rank=3, clock=clock)
-    caplog.set_level(logging.WARNING, logger="sdnet_trainer.training.health")
+    caplog.set_level(logging.INFO, logger=HEARTBEAT_LOGGER)
     logged = []
     for step, now in enumerate([1005.0, 1010.0, 1012.0, 1019.9, 1020.0, 1020.1, 1100.0], start=1):
         clock.now = now
         logged.append(heartbeat.maybe_log(step, step_s=0.1234, data_wait_s=0.0051))
     # Due 10 s after creation, then 10 s after each line.
     assert logged == [False, True, False, False, True, False, True]
-    records = [r for r in caplog.records if r.name == "sdnet_trainer.training.health"]
-    assert [r.levelno for r in records] == [logging.WARNING] * 3
+    records = [r for r in caplog.records if r.name == HEARTBEAT_LOGGER]
+    assert [r.levelno for r in records] == [logging.INFO] * 3  # a heartbeat is no warning
     assert [r.getMessage() for r in records] == [
         f"heartbeat rank 3 step {step} step_time 0.123s data_wait 0.005s" for step in (2, 5, 7)
     ]
@@ -299,3 +300,30 @@ def test_heartbeat_logs_at_most_once_per_interval(caplog):
 def test_heartbeat_rejects_a_non_positive_interval():
     with pytest.raises(ValueError):
         Heartbeat(0, rank=0)
+
+
+@pytest.mark.parametrize("rank", [0, 3])
+def test_every_rank_shows_its_heartbeat_at_info_and_no_other_info(rank, tmp_path, capsys):
+    root = logging.getLogger()
+    saved = (list(root.handlers), root.level)
+    for handler in saved[0]:  # pytest's own, put back below (setup_logging closes what it finds)
+        root.removeHandler(handler)
+    try:
+        setup_logging(tmp_path if rank == 0 else None, rank=rank, level="INFO")
+        clock = _Clock()
+        heartbeat = Heartbeat(1.0, rank=rank, clock=clock)
+        clock.now += 2.0
+        assert heartbeat.maybe_log(4, step_s=0.5, data_wait_s=0.25)
+        logging.getLogger("sdnet_trainer.training.hooks").info("an ordinary INFO line")
+        console = capsys.readouterr().err
+        assert f"[INFO] heartbeat rank {rank} step 4" in console
+        assert ("an ordinary INFO line" in console) == (rank == 0)  # the others only warn
+        assert "WARNING" not in console
+    finally:
+        for handler in list(root.handlers):
+            root.removeHandler(handler)
+            handler.close()
+        for handler in saved[0]:
+            root.addHandler(handler)
+        root.setLevel(saved[1])
+        logging.getLogger(HEARTBEAT_LOGGER).setLevel(logging.NOTSET)

@@ -705,14 +705,69 @@ def test_the_serving_dashboard_refers_only_to_metrics_the_server_emits():
     assert not unknown, f"metrics ServeMetrics does not register: {sorted(unknown)}"
 
 
-def test_a_scrape_passes_promtools_lint(served):
-    promtool = shutil.which("promtool")
-    if promtool is None:
-        pytest.skip("promtool is not installed")
-    for step, written in enumerate([LOG_POINT, EVAL, CHECKPOINT, SUMMARY, FT], start=1):
+# The ranks' spread MetricsHook logs at every log point (training/hooks.py: rank_spread), and a
+# key of no table (spelt from its name).
+SPREAD = {
+    **{f"perf/rank_step_s_{stat}": 0.125 for stat in ("min", "median", "max")},
+    **{f"perf/rank_samples_per_s_{stat}": 614.5 for stat in ("min", "median", "max")},
+    "perf/slowest_rank": 1.0,
+    "perf/custom_wait_s": 0.5,
+}
+# promtool's "metric names should not contain abbreviated units" (client_golang promlint).
+_ABBREVIATED = ("s", "ms", "us", "ns", "sec", "b", "kb", "mb", "gb", "tb", "pb", "m", "h", "d")
+PROMTOOL_HINT = "promtool is not installed (Debian/Ubuntu: apt-get install prometheus)"
+
+
+def _abbreviated_units(name: str) -> list[str]:
+    lower = name.lower()
+    return [a for a in _ABBREVIATED if f"_{a}_" in lower or lower.endswith(f"_{a}")]
+
+
+def _training_scrape(served) -> bytes:
+    for step, written in enumerate([LOG_POINT, SPREAD, EVAL, CHECKPOINT, SUMMARY, FT], start=1):
         served.write(step, written)
     with urllib.request.urlopen(f"http://127.0.0.1:{served.port}/metrics", timeout=10) as r:
-        text = r.read()
+        return r.read()
+
+
+def _serving_scrape() -> bytes:
+    pytest.importorskip("fastapi", reason="the serve extra is not installed")
+    from prometheus_client import generate_latest
+
+    from sdnet_trainer.serve.metrics import ServeMetrics
+
+    metrics = ServeMetrics(max_batch_size=4)
+    metrics.record("/v1/completions", 200, 0.25)
+    metrics.engine.finished.labels(finish_reason="stop").inc()
+    return generate_latest(metrics.registry)
+
+
+def test_the_ranks_spread_is_exported_in_prometheus_units(served):
+    samples = parse(_training_scrape(served).decode())
+    assert value(samples, "sdnet_perf_rank_step_seconds_max", 1) == 0.125
+    assert value(samples, "sdnet_perf_rank_samples_per_second_min", 1) == 614.5
+    assert value(samples, "sdnet_perf_slowest_rank", 1) == 1.0
+    assert value(samples, "sdnet_perf_custom_wait_seconds", 1) == 0.5
+    assert {f"sdnet_perf_rank_step_seconds_{s}" for s in ("min", "median", "max")} <= set(
+        metric_names()
+    )
+
+
+def test_no_exported_name_abbreviates_a_unit(served):
+    exported = set(metric_names())
+    exported |= {f.name for f in text_string_to_metric_families(_training_scrape(served).decode())}
+    exported |= {f.name for f in text_string_to_metric_families(_serving_scrape().decode())}
+    assert "sdnet_perf_rank_step_seconds_max" in exported
+    offending = {name: _abbreviated_units(name) for name in exported if _abbreviated_units(name)}
+    assert not offending, f"abbreviated units in metric names: {offending}"
+
+
+@pytest.mark.parametrize("exporter", ["training", "serving"])
+def test_a_scrape_passes_promtools_lint(exporter, served):
+    promtool = shutil.which("promtool")
+    if promtool is None:
+        pytest.skip(PROMTOOL_HINT)
+    text = _training_scrape(served) if exporter == "training" else _serving_scrape()
     lint = subprocess.run(
         [promtool, "check", "metrics"], input=text, capture_output=True, timeout=60
     )
@@ -722,7 +777,7 @@ def test_a_scrape_passes_promtools_lint(served):
 def test_the_prometheus_config_is_valid():
     promtool = shutil.which("promtool")
     if promtool is None:
-        pytest.skip("promtool is not installed")
+        pytest.skip(PROMTOOL_HINT)
     check = subprocess.run(
         [promtool, "check", "config", "prometheus.yml"],
         cwd=MONITORING,
