@@ -24,7 +24,7 @@ from pathlib import Path
 
 import hydra
 from hydra.core.hydra_config import HydraConfig
-from omegaconf import DictConfig
+from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import MissingMandatoryValue, OmegaConfBaseException
 
 from sdnet_trainer.checkpoint import CheckpointError
@@ -100,7 +100,9 @@ def _with_group_hints(err: ConfigError) -> str:
     """The error, and for each ``X.name=value`` on the command line whose value is an option of
     the config group ``X`` (``optim.name=AdamW``), the group to choose (``optim=adamw``)."""
     message = str(err)
-    for hint in name_override_hints(list(HydraConfig.get().overrides.task)):
+    # As typed: an override's value may be an interpolation that fails (the error reported).
+    task = OmegaConf.to_container(HydraConfig.get().overrides.task, resolve=False)
+    for hint in name_override_hints([str(item) for item in task]):  # type: ignore[union-attr]
         if hint not in message:
             message = f"{message}; {hint}"
     return message

@@ -308,6 +308,12 @@ def test_every_rank_shows_its_heartbeat_at_info_and_no_other_info(rank, tmp_path
     saved = (list(root.handlers), root.level)
     for handler in saved[0]:  # pytest's own, put back below (setup_logging closes what it finds)
         root.removeHandler(handler)
+    # As in a fresh process: levels an earlier test in this worker set on the package's loggers
+    # would otherwise decide for the root's.
+    ordinary = ("sdnet_trainer", "sdnet_trainer.training", "sdnet_trainer.training.hooks")
+    levels = {name: logging.getLogger(name).level for name in ordinary}
+    for name in ordinary:
+        logging.getLogger(name).setLevel(logging.NOTSET)
     try:
         setup_logging(tmp_path if rank == 0 else None, rank=rank, level="INFO")
         clock = _Clock()
@@ -327,3 +333,5 @@ def test_every_rank_shows_its_heartbeat_at_info_and_no_other_info(rank, tmp_path
             root.addHandler(handler)
         root.setLevel(saved[1])
         logging.getLogger(HEARTBEAT_LOGGER).setLevel(logging.NOTSET)
+        for name, level in levels.items():
+            logging.getLogger(name).setLevel(level)
