@@ -30,6 +30,7 @@ from omegaconf.errors import MissingMandatoryValue, OmegaConfBaseException
 from sdnet_trainer.checkpoint import CheckpointError
 from sdnet_trainer.checkpoint.files import folder_of
 from sdnet_trainer.config import CONFIG_MODULE, Config, to_config
+from sdnet_trainer.config.guards import given_keys, validate_switched_keys
 from sdnet_trainer.config.synonyms import check_overrides, name_override_hints
 from sdnet_trainer.distributed import distributed_session, launched_world_size
 from sdnet_trainer.distributed.env import resolve_device
@@ -101,8 +102,7 @@ def _with_group_hints(err: ConfigError) -> str:
     the config group ``X`` (``optim.name=AdamW``), the group to choose (``optim=adamw``)."""
     message = str(err)
     # As typed: an override's value may be an interpolation that fails (the error reported).
-    task = OmegaConf.to_container(HydraConfig.get().overrides.task, resolve=False)
-    for hint in name_override_hints([str(item) for item in task]):  # type: ignore[union-attr]
+    for hint in name_override_hints(_command_line_overrides()):
         if hint not in message:
             message = f"{message}; {hint}"
     return message
@@ -178,7 +178,18 @@ def _validated(cfg: DictConfig, output_dir: Path) -> Config:
             device=resolve_device(config.dist, local_rank),
         )
     validate(config, world_size=world_size)
+    # Last: a component's own check of a key behind its switch speaks first, in its own words.
+    validate_switched_keys(config, given_keys(_command_line_overrides()))
     return config
+
+
+def _command_line_overrides() -> list[str]:
+    """The command line's key=value overrides as typed (none where Hydra's main did not compose
+    the config: a caller handing ``run`` a config of its own)."""
+    if not HydraConfig.initialized():
+        return []
+    task = OmegaConf.to_container(HydraConfig.get().overrides.task, resolve=False)
+    return [str(item) for item in task]  # type: ignore[union-attr]
 
 
 def _layout_keys(config: Config) -> tuple[object, ...]:

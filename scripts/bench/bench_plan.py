@@ -40,8 +40,6 @@ from _launch import REPO, LaunchError, timed_launch, torchrun
 
 sys.path.insert(0, str(REPO))
 
-from sdnet_trainer.config import Config  # noqa: E402 - the repository first, as the tests do
-from sdnet_trainer.plan.estimate import Layout  # noqa: E402
 
 WORKLOAD = [
     "model=gpt_small",
@@ -97,6 +95,7 @@ def estimated(calibration: Path) -> dict[str, dict[str, float]]:
     from sdnet_trainer.plan.auto import _set_layout
     from sdnet_trainer.plan.estimate import estimate
     from sdnet_trainer.plan.hardware import hardware
+    from sdnet_trainer.plan.layouts import layout_of
     from sdnet_trainer.plan.model_stats import model_stats
 
     out = {}
@@ -105,36 +104,12 @@ def estimated(calibration: Path) -> dict[str, dict[str, float]]:
             [*WORKLOAD, *keys, f"parallel.auto.calibration={calibration}"]
             + [f"parallel.auto.ranks_per_node={NPROC}"]
         )
-        layout = _layout_of(cfg)
+        layout = layout_of(cfg, NPROC)
         _set_layout(cfg, layout)
         hw = hardware(cfg, torch.device("cpu"))
         e = estimate(cfg, model_stats(cfg), layout, hw)
         out[name] = {"step_s": e.step_seconds, **e.seconds}
     return out
-
-
-def _layout_of(cfg: Config) -> Layout:
-    """The planner's description of the layout ``cfg`` names."""
-    from sdnet_trainer.distributed.batching import batch_layout
-    from sdnet_trainer.distributed.mesh import parallel_dims
-
-    dims = parallel_dims(cfg.parallel, NPROC)
-    split = batch_layout(cfg, NPROC)
-    pipe = cfg.parallel.pipeline
-    steps = pipe.microbatches if dims.pp > 1 else split.grad_accum_steps
-    micro = split.micro_batch_size // steps if dims.pp > 1 else split.micro_batch_size
-    return Layout(
-        cfg.parallel.strategy,
-        dims.dp_replicate,
-        dims.dp_shard,
-        dims.tp,
-        dims.pp,
-        cfg.parallel.activation_checkpointing != "none",
-        micro,
-        steps,
-        pipe.schedule,
-        pipe.stages_per_rank,
-    )
 
 
 def measured_step(run_dir: Path, batch: int) -> float:

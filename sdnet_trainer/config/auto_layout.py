@@ -18,7 +18,8 @@ class AutoLayoutConfig:
     # cuda (GPUs planned from a machine without them: set parallel.memory_per_rank_gib and
     # parallel.auto.peak_tflops).
     device: str = "auto"
-    # Ranks that share a node's fast links (NVLink); null: the launch's LOCAL_WORLD_SIZE.
+    # Ranks that share a node's fast links (NVLink); null: the launch's LOCAL_WORLD_SIZE (--plan and
+    # --dry-run, which plan a launch elsewhere: 8).
     ranks_per_node: Optional[int] = None
     # CPU ranks that outnumber the node's cores take turns on them (no pipeline bubble is idle
     # time, no communication hides behind compute); null: whether they outnumber this machine's.

@@ -25,7 +25,8 @@ class FTTimeoutsConfig:
 class FaultToleranceConfig:
     # Per-step fault tolerance across replica groups with torchft (the [ft] extra): each group is
     # its own launch of this CLI; a group that dies is dropped at the next quorum, one that starts
-    # copies the live state from a healthy peer.
+    # copies the live state from a healthy peer. Every key below needs enabled=true: set without
+    # it, it is refused before launch (sdnet_trainer/config/guards.py).
     enabled: bool = False
     replica_group: int = 0  # this launch's group, 0 <= replica_group < groups
     groups: int = 1  # the groups expected (the most a quorum may hold)
@@ -42,9 +43,9 @@ class FaultToleranceConfig:
     # sync_every steps; diloco: an outer Nesterov-SGD step on the averaged pseudo-gradient
     # every sync_every steps (outer_lr, outer_momentum).
     mode: str = "sync"
-    sync_every: int = 10
-    outer_lr: float = 0.7
-    outer_momentum: float = 0.9
+    sync_every: int = 10  # local_sgd and diloco only
+    outer_lr: float = 0.7  # diloco only
+    outer_momentum: float = 0.9  # diloco only
 
 
 __all__ = ["FTTimeoutsConfig", "FaultToleranceConfig"]

@@ -98,9 +98,10 @@ class LoRAConfig:
     # FSDP2), only the adapters trained, checkpointed and resumed; export format=peft writes them
     # as a peft folder, format=hf merge_lora=true the merged model (docs/language-models.md).
     # Under parallel=fsdp, ddp or zero1, pipeline and context parallel (parallel.tp > 1,
-    # precision.float8 and model.ema refused).
+    # precision.float8 and model.ema refused). Every key below needs enabled=true: set without
+    # it, it is refused before launch (sdnet_trainer/config/guards.py).
     enabled: bool = False
-    r: int = 16  # the adapters' rank
+    r: int = 16  # the adapters' rank (needs enabled=true, as every key below)
     alpha: float = 32.0  # the update is scaled by alpha / r
     dropout: float = 0.0  # dropout on the adapters' input (0: none)
     # The layers the adapters wrap, in Hugging Face's names (q_proj, k_proj, v_proj, o_proj,

@@ -12,7 +12,7 @@ class PrometheusConfig:
     # Every rank serves its metrics at http://HOST:(port + local rank)/metrics while training;
     # null: off.
     port: Optional[int] = None
-    host: str = "0.0.0.0"
+    host: str = "0.0.0.0"  # the address served on; needs port
     # A Prometheus Pushgateway URL to push to at every log point instead, for jobs that cannot be
     # scraped; null: off.
     pushgateway: Optional[str] = None
@@ -25,6 +25,7 @@ class MLflowConfig:
     # MLflow 3 asks for MLFLOW_ALLOW_FILE_STORE=true to use it, which the run sets for itself;
     # to browse it: MLFLOW_ALLOW_FILE_STORE=true mlflow ui --backend-store-uri outputs/mlruns.
     # Or a server, http(s)://HOST:PORT; a database (sqlite:///...) needs `pip install mlflow`.
+    # Every key of logging.mlflow needs mlflow in logging.trackers (logging.wandb: wandb).
     tracking_uri: str = "${run.root}/mlruns"
     experiment: str = "sdnet_trainer"
     # null: run.name
@@ -33,7 +34,7 @@ class MLflowConfig:
 
 @dataclass
 class WandbConfig:
-    project: str = "sdnet_trainer"
+    project: str = "sdnet_trainer"  # needs wandb in logging.trackers, as every key here
     entity: Optional[str] = None
     # null: online when WANDB_API_KEY is set, else offline; or online | offline | disabled.
     mode: Optional[str] = None

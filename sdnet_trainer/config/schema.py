@@ -26,11 +26,11 @@ class EMAConfig:
     # function), kept in the layout of the weights (sharded under FSDP), evaluated as val_ema/*,
     # checkpointed, and exported instead of the raw weights with export's ema=true.
     enabled: bool = False
-    decay: float = 0.9999
-    every_n_steps: int = 1
+    decay: float = 0.9999  # needs model.ema.enabled=true
+    every_n_steps: int = 1  # needs model.ema.enabled=true
     # Until this step the average is a copy of the weights (the early weights are not worth
     # keeping: torchvision's reference resets its EMA during the learning-rate warmup).
-    warmup_steps: int = 0
+    warmup_steps: int = 0  # needs model.ema.enabled=true
 
 
 @dataclass
@@ -305,9 +305,9 @@ class ParallelConfig:
 
 @dataclass
 class PowerSGDConfig:
-    # torch's PowerSGDState: matrix_approximation_rank, start_powerSGD_iter (plain all-reduce
-    # before it), min_compression_rate, use_error_feedback, warm_start; batched: one flat
-    # matrix per bucket (batched_powerSGD_hook).
+    # comm.hook=powersgd only. torch's PowerSGDState: matrix_approximation_rank, start_powerSGD_iter
+    # (plain all-reduce before it), min_compression_rate, use_error_feedback, warm_start; batched:
+    # one flat matrix per bucket (batched_powerSGD_hook).
     rank: int = 1
     start_iter: int = 10
     min_compression_rate: float = 2.0
@@ -318,8 +318,8 @@ class PowerSGDConfig:
 
 @dataclass
 class LocalSGDConfig:
-    # Post-local SGD: all-reduce gradients for start_step steps, then step locally and average
-    # the parameters of all replicas every period steps (PeriodicModelAverager).
+    # comm.hook=local_sgd only: post-local SGD, all-reduce gradients for start_step steps, then
+    # step locally and average all replicas' parameters every period steps (PeriodicModelAverager).
     period: int = 4
     start_step: int = 0
 
@@ -337,12 +337,12 @@ class CommConfig:
 class CompileConfig:
     # torch.compile each block (transformer block, ResNet residual block) before wrapping.
     enabled: bool = False
-    mode: Optional[str] = None  # default | reduce-overhead | max-autotune
+    mode: Optional[str] = None  # default | reduce-overhead | max-autotune (needs compile=on)
     # inductor generates fused kernels; aot_eager traces without code generation (no compiler
     # needed, for checking a model compiles).
-    backend: str = "inductor"
-    fullgraph: bool = False
-    dynamic: Optional[bool] = None
+    backend: str = "inductor"  # needs compile.enabled=true (compile=on)
+    fullgraph: bool = False  # needs compile.enabled=true (compile=on)
+    dynamic: Optional[bool] = None  # needs compile.enabled=true (compile=on)
 
 
 @dataclass
@@ -350,17 +350,17 @@ class ProfileConfig:
     # torch.profiler over steps: skip `wait`, warm up `warmup`, record `active`, `repeat` times;
     # traces go to <run dir>/profile for TensorBoard, a table of top operators to the log.
     enabled: bool = False
-    wait: int = 1
-    warmup: int = 1
-    active: int = 3
-    repeat: int = 1
-    record_shapes: bool = False
-    profile_memory: bool = False
-    with_stack: bool = False
+    wait: int = 1  # needs profile.enabled=true (profile=on)
+    warmup: int = 1  # needs profile.enabled=true (profile=on)
+    active: int = 3  # needs profile.enabled=true (profile=on)
+    repeat: int = 1  # needs profile.enabled=true (profile=on)
+    record_shapes: bool = False  # needs profile.enabled=true (profile=on)
+    profile_memory: bool = False  # needs profile.enabled=true (profile=on)
+    with_stack: bool = False  # needs profile.enabled=true (profile=on)
     # CUDA only: torch.cuda.memory snapshot (pickle for pytorch.org/memory_viz) over the active
-    # steps.
+    # steps; needs profile.enabled=true.
     memory_snapshot: bool = False
-    top_k: int = 15
+    top_k: int = 15  # needs profile.enabled=true (profile=on)
 
 
 @dataclass

@@ -130,7 +130,7 @@ def group_hint(group: str, value: object) -> str | None:
     )
 
 
-def _split(override: str) -> tuple[str, str] | None:
+def split_override(override: str) -> tuple[str, str] | None:
     """``+model.gpt.n_embd=128`` → (``model.gpt.n_embd``, ``128``); None for a flag or a
     deletion without a value."""
     if override.startswith("-") or "=" not in override:
@@ -144,7 +144,7 @@ def check_overrides(overrides: Sequence[str]) -> None:
     Face or torchtitan (``model.gpt.n_embd=128``, with or without ``+``) is a ConfigError that
     names this project's key, instead of Hydra's generic "Key not in GPTConfig"."""
     for override in overrides:
-        parts = _split(override)
+        parts = split_override(override)
         hint = synonym_hint(parts[0]) if parts else None
         if parts and hint:
             raise ConfigError(f"unknown config key {parts[0]} in {override!r}; {hint}")
@@ -155,7 +155,7 @@ def name_override_hints(overrides: Sequence[str]) -> list[str]:
     whose value names an option of the config group ``X`` (see ``group_hint``)."""
     hints = []
     for override in overrides:
-        parts = _split(override)
+        parts = split_override(override)
         if parts is None:
             continue
         group, _, leaf = parts[0].rpartition(".")
@@ -169,6 +169,7 @@ __all__ = [
     "SOURCES",
     "SYNONYMS",
     "check_overrides",
+    "split_override",
     "group_hint",
     "group_options",
     "name_override_hints",

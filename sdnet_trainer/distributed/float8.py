@@ -8,7 +8,15 @@ run's precision (``precision.dtype``, bf16 or fp32): only the matmuls change.
 
 Eligible: a Linear whose input and output sizes are both multiples of 16 (what the float8 matmul
 kernels take), except the output layer: it produces the logits the loss's softmax reads, and a
-tied one shares its weight with the token embedding. :func:`float8_eligible` names them.
+tied one shares its weight with the token embedding; and except what a model keeps in high
+precision: a module whose class declares ``high_precision_children`` (child names) keeps those
+children, and every Linear inside them, out of float8. The MoE layer declares its router: the
+choice of experts is made in float32 from the router's weight read directly, which under the
+float8 all-gather would be a float8-casting wrapper and in float8 would round the small
+differences between experts' scores away. A declaration on the class rather than a list of
+names matched against paths: it follows the module wherever a model nests it, and a family
+outside the package marks its own modules the same way. :func:`float8_eligible` names the
+eligible layers.
 
 The conversion runs first in ``parallelize()``, before the pipeline split, tensor parallelism,
 activation checkpointing, compile and FSDP2, as torchtitan applies its converters; the model may
@@ -30,6 +38,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import re
 import weakref
 from typing import Any
 
@@ -53,6 +62,8 @@ FLOAT8_MULTIPLE = 16
 FLOAT8_MIN_CAPABILITY = (8, 9)
 # Names a model gives its output layer when it has no get_output_embeddings().
 HEAD_NAMES = ("head", "lm_head")
+# The class attribute naming the children a module keeps out of float8 (module docstring).
+HIGH_PRECISION_CHILDREN = "high_precision_children"
 
 # The models convert_float8 set up for FSDP2's float8 all-gather: their weights' scales are
 # recomputed after every optimizer step (refresh_float8_scales). Weak: a finished run's model goes.
@@ -144,13 +155,17 @@ def float8_eligible(model: nn.Module) -> list[str]:
 def _sort_linears(model: nn.Module) -> tuple[list[str], dict[str, str]]:
     """The eligible Linear layers' names, and every other Linear's name with the reason."""
     heads = _output_layers(model)
+    kept = _kept_in_high_precision(model)
     eligible: list[str] = []
     left: dict[str, str] = {}
     for name, module in model.named_modules():
         if not isinstance(module, nn.Linear):
             continue
+        keeper = next((why for top, why in kept.items() if _within(name, top)), None)
         if id(module) in heads:
             left[name] = "the output layer"
+        elif keeper is not None:
+            left[name] = keeper
         elif module.in_features % FLOAT8_MULTIPLE or module.out_features % FLOAT8_MULTIPLE:
             left[name] = (
                 f"{module.in_features} -> {module.out_features}: not multiples of {FLOAT8_MULTIPLE}"
@@ -158,6 +173,25 @@ def _sort_linears(model: nn.Module) -> tuple[list[str], dict[str, str]]:
         else:
             eligible.append(name)
     return eligible, left
+
+
+def _kept_in_high_precision(model: nn.Module) -> dict[str, str]:
+    """The names of the modules that their parents' classes keep out of float8 (a class attribute
+    ``high_precision_children``), each with the reason the log gives."""
+    kept: dict[str, str] = {}
+    for name, module in model.named_modules():
+        children = getattr(type(module), HIGH_PRECISION_CHILDREN, ())
+        if isinstance(children, str):  # ("router") for ("router",): one name, not its letters
+            children = (children,)
+        for child in children:
+            if isinstance(getattr(module, child, None), nn.Module):
+                full = f"{name}.{child}" if name else child
+                kept[full] = f"kept in high precision by {type(module).__name__}"
+    return kept
+
+
+def _within(name: str, top: str) -> bool:
+    return name == top or name.startswith(f"{top}.")
 
 
 def _output_layers(model: nn.Module) -> set[int]:
@@ -187,7 +221,8 @@ def _eligible_or_refused(model: nn.Module, cfg: Config) -> tuple[list[str], dict
         raise ConfigError(
             f"precision.float8={cfg.precision.float8}: model.name={cfg.model.name!r} has no "
             f"Linear layer float8 can run (input and output sizes multiples of "
-            f"{FLOAT8_MULTIPLE}, not the output layer); its Linear layers: {skipped}. Set "
+            f"{FLOAT8_MULTIPLE}, not the output layer nor one the model keeps in high "
+            f"precision); its Linear layers: {skipped}. Set "
             f"precision.float8=null"
         )
     return eligible, left
@@ -248,12 +283,27 @@ def convert_float8(model: nn.Module, cfg: Config, *, fsdp: bool) -> None:
 
         torch._inductor.config.emulate_precision_casts = True
     logger.info(
-        "precision.float8=%s: %d Linear layers compute in float8 (torchao Float8Linear%s); "
-        "left in high precision: %s",
+        "precision.float8=%s: %d of %d Linear layers compute in float8 (torchao Float8Linear%s): "
+        "%s; left in high precision: %s",
         recipe,
         len(eligible),
+        len(eligible) + len(left),
         ", float8 FSDP all-gather" if all_gather else "",
-        ", ".join(f"{name} ({why})" for name, why in left.items()) or "none",
+        _grouped({name: "" for name in eligible}),
+        _grouped(left) or "none",
+    )
+
+
+def _grouped(names: dict[str, str]) -> str:
+    """Layer names (each with a reason, or "") for the log, the indices of repeated layers folded
+    into ``*`` with a count: one entry per projection, not one per layer of an 80-block model."""
+    groups: dict[tuple[str, str], list[str]] = {}
+    for name, why in names.items():
+        groups.setdefault((re.sub(r"(^|\.)\d+(?=\.|$)", r"\1*", name), why), []).append(name)
+    return ", ".join(
+        (f"{pattern} x{len(members)}" if len(members) > 1 else members[0])
+        + (f" ({why})" if why else "")
+        for (pattern, why), members in groups.items()
     )
 
 
@@ -293,6 +343,7 @@ def refresh_float8_scales(model: nn.Module) -> None:
 
 __all__ = [
     "FLOAT8_EXTRA_HINT",
+    "HIGH_PRECISION_CHILDREN",
     "FLOAT8_RECIPES",
     "convert_float8",
     "float8_eligible",

@@ -107,6 +107,7 @@ from sdnet_trainer.export.output import (
 from sdnet_trainer.export.peft import PEFT_FILES, check_lora_args, merged_config, write_peft
 from sdnet_trainer.export.rebuild import (
     DEFAULT_TRAINER,
+    check_lora_base,
     config_yaml,
     escape_interpolations,
     example_inputs,
@@ -263,6 +264,7 @@ def _export(
     cfg = training_config(checkpoint)
     lora, place = cfg.model.lora.enabled, str(checkpoint.path)
     check_lora_args(names, lora=lora, merge_lora=args.merge_lora, checkpoint=place)
+    check_lora_base(checkpoint, cfg)  # its own message, not one about rebuilding with a class
     cls = trainer_class(checkpoint, cfg, args.trainer)
     # Refuse an output folder export will not write into before the slow work.
     check_output(out, written)

@@ -18,6 +18,7 @@ from sdnet_trainer.config import Config
 from sdnet_trainer.data import is_language_model_data
 from sdnet_trainer.data.augment import crop_sizes
 from sdnet_trainer.errors import ConfigError
+from sdnet_trainer.models.base_fingerprint import adapters_meta, check_adapters_base
 from sdnet_trainer.models.lora import base_name
 from sdnet_trainer.models.registry import hf_weights_reader
 from sdnet_trainer.training.classes import resolve_trainer_class
@@ -154,6 +155,7 @@ def load_model(trainer: Trainer, checkpoint: Checkpoint, *, ema: bool = False) -
             "(it was written without model.ema.enabled=true)"
         )
     lora = trainer.cfg.model.lora.enabled
+    check_lora_base(checkpoint, trainer.cfg)
     model = _lora_base(trainer) if lora else trainer.build_model()
     state = model.state_dict()
     if lora:  # the checkpoint holds the adapters: the frozen base is the run's own (above)
@@ -187,6 +189,17 @@ def load_model(trainer: Trainer, checkpoint: Checkpoint, *, ema: bool = False) -
         manager.close()
     model.load_state_dict(state, strict=not lora)
     return model.eval()
+
+
+def check_lora_base(checkpoint: Checkpoint, cfg: Config) -> None:
+    """A LoRA checkpoint's adapters go into the base folder its config names: refused where the
+    folder no longer holds the base they were trained on (models/base_fingerprint.py)."""
+    if cfg.model.lora.enabled:
+        check_adapters_base(
+            checkpoint.meta.get("lora"),
+            adapters_meta(cfg.model.weights),
+            source=f"checkpoint={str(checkpoint.path)!r}",
+        )
 
 
 def _lora_base(trainer: Trainer) -> nn.Module:

@@ -7,6 +7,9 @@
 1. Enumerate what the model allows on ``world_size`` ranks: DDP, ZeRO-1, FSDP and HSDP (a shard
    group of one node) over the data-parallel ranks, every tensor and pipeline degree that divides
    the world (pipeline schedules 1F1B and, with two blocks per stage or more, Interleaved1F1B),
+   for a mixture of experts every expert-parallel degree that divides FSDP's shard group and the
+   experts (its tensor parallel is refused: ``models/moe``), and for a long sequence every
+   context-parallel degree that leaves each rank ``MIN_CONTEXT_TOKENS`` of it at least,
    activation checkpointing off and on, and every micro-batch that splits the global batch.
 2. Count each one's bytes per rank and estimate its step time (``plan/estimate.py``) from the
    model's stats (``plan/model_stats.py``) and the machines' figures (``plan/hardware.py``).
@@ -27,25 +30,23 @@ import copy
 import functools
 import logging
 import math
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
-from sdnet_trainer.checkpoint import CheckpointError, read_checkpoint
-from sdnet_trainer.checkpoint.files import Folder, folder_of, step_dirs
+from sdnet_trainer.checkpoint.files import Folder
 from sdnet_trainer.config import Config
 from sdnet_trainer.config.checks import check_choice, check_positive
 from sdnet_trainer.data import is_language_model_data, resolve_num_classes
 from sdnet_trainer.distributed.env import DistEnv
-from sdnet_trainer.distributed.parallelize import STRATEGIES
-from sdnet_trainer.distributed.pipeline import PIPELINE_SCHEDULES
 from sdnet_trainer.errors import ConfigError
 from sdnet_trainer.models.registry import model_family
 from sdnet_trainer.plan.dry_run import RankPlan, plan_rank
 from sdnet_trainer.plan.estimate import TIME_PARTS, Estimate, Hardware, Layout, estimate
 from sdnet_trainer.plan.hardware import hardware
+from sdnet_trainer.plan.layouts import recorded_layout
 from sdnet_trainer.plan.model_stats import ModelStats, model_stats
 from sdnet_trainer.preflight import validate
 from sdnet_trainer.training.classes import resolve_trainer_class
@@ -114,12 +115,14 @@ def check_auto_keys(cfg: Config) -> None:
     for key in ("memory_fraction", "efficiency", "show"):
         check_positive(f"parallel.auto.{key}", getattr(auto, key))
     check_choice("parallel.auto.device", auto.device, ("auto", "cpu", "cuda"))
-    if cfg.parallel.cp != 1:  # the candidates' degrees alone multiply to the world size
-        raise ConfigError(
-            f"parallel=auto with parallel.cp={cfg.parallel.cp}: the planner chooses data, "
-            f"tensor and pipeline parallelism only; set the layout with parallel=fsdp and check "
-            f"it with python -m sdnet_trainer --dry-run world_size=N"
-        )
+    for key in ("ep", "cp"):  # the planner's to choose, as the other degrees
+        if getattr(cfg.parallel, key) != 1:
+            raise ConfigError(
+                f"parallel=auto with parallel.{key}={getattr(cfg.parallel, key)}: the planner "
+                f"chooses expert and context parallel as it chooses the other degrees; leave "
+                f"parallel.{key} at 1, or set the layout with parallel=fsdp and check it with "
+                f"python -m sdnet_trainer --dry-run world_size=N"
+            )
     for key in ("memory_fraction", "efficiency"):
         if getattr(auto, key) > 1:
             raise ConfigError(f"parallel.auto.{key}={getattr(auto, key)} must be at most 1")
@@ -169,6 +172,8 @@ def _kind(layout: Layout) -> tuple[object, ...]:
         layout.pp > 1,
         layout.schedule if layout.pp > 1 else "",
         layout.checkpointing,
+        layout.ep > 1,
+        layout.cp > 1,
     )
 
 
@@ -184,7 +189,10 @@ def _estimates(cfg: Config, stats: ModelStats, world_size: int, hw: Hardware) ->
     scratch = copy.deepcopy(cfg)
     out = []
     allows = functools.partial(_degrees_allowed, cfg, stats)
-    for layout in candidates(stats, world_size, cfg.loop.global_batch_size, allows):
+    contexts = _context_degrees(cfg, world_size)
+    for layout in candidates(stats, world_size, cfg.loop.global_batch_size, allows, contexts):
+        # The user's tensor-parallel options, which a layout without TP turns off in the scratch.
+        scratch.parallel.tensor_parallel = copy.copy(cfg.parallel.tensor_parallel)
         _set_layout(scratch, layout)
         out.append(estimate(scratch, stats, layout, hw))
     return out
@@ -216,23 +224,58 @@ def candidates(
     world_size: int,
     global_batch: int,
     allowed: Callable[[int, int], bool] = lambda tp, pp: True,
+    contexts: Sequence[int] = (1,),
 ) -> Iterator[Layout]:
-    """Every layout the batch and ``allowed(tp, pp)`` allow on ``world_size`` ranks (module
-    docstring)."""
+    """Every layout the batch and ``allowed(tp, pp)`` allow on ``world_size`` ranks, with each
+    context-parallel degree of ``contexts`` (module docstring)."""
     checkpointing = (False, True) if stats.checkpointed is not None else (False,)
-    for tp in _divisors(world_size):
-        for pp in _divisors(world_size // tp):
-            if pp > 1 and pp > stats.n_blocks or not allowed(tp, pp):
-                continue
-            dp = world_size // (tp * pp)
-            if global_batch % dp:
-                continue
-            per_rank = global_batch // dp
-            for strategy, replicate, shard in _data_parallel(dp, tp, pp):
-                for ac in checkpointing:
-                    yield from _batch_splits(
-                        Layout(strategy, replicate, shard, tp, pp, ac, 1, 1), per_rank, stats
-                    )
+    for cp in contexts:
+        for tp in _divisors(world_size // cp):
+            for pp in _divisors(world_size // (cp * tp)):
+                if pp > 1 and (pp > stats.n_blocks or cp > 1) or not allowed(tp, pp):
+                    continue  # context parallel is not combined with stages
+                dp = world_size // (cp * tp * pp)
+                if global_batch % dp:
+                    continue
+                per_rank = global_batch // dp
+                for strategy, replicate, shard in _data_parallel(dp, tp, pp):
+                    if cp > 1 and strategy == "zero1":
+                        continue  # ZeRO-1 runs plain data parallelism only
+                    for ep in _expert_degrees(stats, strategy, shard):
+                        for ac in checkpointing:
+                            base = Layout(
+                                strategy, replicate, shard, tp, pp, ac, 1, 1, ep=ep, cp=cp
+                            )
+                            yield from _batch_splits(base, per_rank, stats)
+
+
+# Context parallel pays an exchange of keys and values per block for splitting each sequence:
+# only where every rank keeps at least this many tokens of it (a long sequence) is it a
+# candidate; shorter shares leave attention kernels too small to pay for it.
+MIN_CONTEXT_TOKENS = 1024
+
+
+def _context_degrees(cfg: Config, world_size: int) -> list[int]:
+    """The context-parallel degrees to consider: 1, and for a family with context-parallel
+    attention each degree dividing the world that splits ``data.seq_len`` into ``2 x cp`` equal
+    chunks of ``MIN_CONTEXT_TOKENS`` tokens per rank at least."""
+    family = model_family(cfg.model.name)
+    if family is None or not family.context_parallel or not is_language_model_data(cfg.data):
+        return [1]
+    seq_len = cfg.data.seq_len
+    return [
+        cp
+        for cp in _divisors(world_size)
+        if cp == 1 or (seq_len % (2 * cp) == 0 and seq_len // cp >= MIN_CONTEXT_TOKENS)
+    ]
+
+
+def _expert_degrees(stats: ModelStats, strategy: str, shard: int) -> list[int]:
+    """Expert parallel degrees for a mixture of experts under FSDP: the divisors of ``dp_shard``
+    (its ranks are taken from there) that split the experts evenly; 1 for any other model."""
+    if strategy != "fsdp" or not stats.num_experts:
+        return [1]
+    return [ep for ep in _divisors(shard) if stats.num_experts % ep == 0]
 
 
 def _data_parallel(dp: int, tp: int, pp: int) -> Iterator[tuple[str, int, int]]:
@@ -276,7 +319,8 @@ def _divisors(n: int) -> list[int]:
 
 def _complexity(layout: Layout) -> int:
     """Between equal times and bytes, the layout with fewer dimensions in play."""
-    return sum(d > 1 for d in (layout.dp_replicate, layout.dp_shard, layout.tp, layout.pp))
+    degrees = (layout.dp_replicate, layout.dp_shard, layout.tp, layout.pp, layout.ep, layout.cp)
+    return sum(d > 1 for d in degrees)
 
 
 def with_layout(cfg: Config, layout: Layout) -> Config:
@@ -295,6 +339,8 @@ def _layout_values(layout: Layout) -> dict[str, Any]:
         "parallel.dp_shard": layout.dp_shard,
         "parallel.tp": layout.tp,
         "parallel.pp": layout.pp,
+        "parallel.ep": layout.ep,
+        "parallel.cp": layout.cp,
     }
     if layout.tp == 1:  # the tensor-parallel options are the user's where tensor parallelism runs
         values["parallel.tensor_parallel.loss_parallel"] = False
@@ -320,7 +366,11 @@ def _set_layout(cfg: Config, layout: Layout) -> None:
 def layout_overrides(layout: Layout) -> list[str]:
     """The command-line keys that launch ``layout`` without the planner (the strategy as its
     ``parallel=`` group)."""
-    return [_override(key, value) for key, value in _layout_values(layout).items()]
+    values = _layout_values(layout)
+    for key in ("parallel.ep", "parallel.cp"):
+        if values[key] == 1:  # the default, said where the layout uses it alone
+            del values[key]
+    return [_override(key, value) for key, value in values.items()]
 
 
 def _override(key: str, value: Any) -> str:
@@ -337,12 +387,22 @@ def _dry_run(cfg: Config, candidate: Estimate, world_size: int, hw: Hardware) ->
     stride = world_size // candidate.layout.pp
     ranks = sorted({0, (candidate.layout.pp - 1) * stride})
     plans = [plan_rank(cfg, rank, world_size) for rank in ranks]
-    # What the dry run does not count, from the estimate: FSDP's gathered parameters, DDP's
-    # buckets, gradients left unsharded until the last micro-step.
-    unseen = candidate.bytes["gathered"] + candidate.bytes["buckets"]
+    # The estimate's parts alive at the peak, each raised to the dry run's own count where the
+    # built rank holds more of it (the parts the dry run does not count as they are: the weights'
+    # average, FSDP's gathered parameters and unsharded gradients, DDP's buckets, the loss).
+    estimated = candidate.bytes
     for p in plans:
-        grads = max(p.grads, candidate.bytes["grads"])
-        counted = p.params + grads + p.optim + p.activations + unseen
+        seen = {
+            "params": p.params,
+            "grads": p.grads,
+            "optim": p.optim,
+            "activations": p.activations,
+        }
+        counted = candidate.total_bytes + sum(
+            max(0, seen[k] - estimated[k])
+            for k in seen
+            if estimated[k]  # alive at the peak
+        )
         if counted > hw.memory:
             raise ConfigError(
                 f"the dry run of {candidate.layout.describe()} counts {in_units(counted)} on rank "
@@ -401,66 +461,6 @@ def _nothing_fits(
     return text + " It would fit with " + "; or ".join(ways)
 
 
-def recorded_layout(
-    cfg: Config, checkpoint_dir: Folder | None, world_size: int
-) -> tuple[Layout, str] | None:
-    """The layout of the checkpoint a resume would load, if it was written by ``world_size``
-    ranks with explicit degrees (a ``parallel=auto`` run's; a resume on another world size plans
-    again). The manifest is untrusted: a layout it cannot give whole is no layout, and the resume
-    itself reports the checkpoint's faults."""
-    resume = cfg.checkpoint.resume
-    if resume == "none" or checkpoint_dir is None:
-        return None
-    if resume == "auto":
-        paths = [p for _, p in sorted(step_dirs(checkpoint_dir), reverse=True)]
-    else:
-        paths = [folder_of(resume, dict(cfg.checkpoint.storage_options))]
-    for path in paths:
-        try:
-            checkpoint = read_checkpoint(path)
-        except (CheckpointError, RecursionError):  # RecursionError: a manifest nested too deep
-            continue
-        if checkpoint.world_size != world_size:
-            return None
-        layout = _layout_of(checkpoint.meta, world_size)
-        return (layout, f"checkpoint {path}") if layout is not None else None
-    return None
-
-
-def _layout_of(meta: Any, world_size: int) -> Layout | None:
-    try:
-        config = meta["config"]
-        parallel, pipeline = config["parallel"], config["parallel"]["pipeline"]
-        replicate, shard, tp, pp = (parallel[k] for k in ("dp_replicate", "dp_shard", "tp", "pp"))
-        steps = pipeline["microbatches"] if pp > 1 else config["loop"]["grad_accum_steps"]
-        numbers = [replicate, shard, tp, pp, steps, pipeline["stages_per_rank"]]
-        numbers.append(meta["global_batch_size"])
-        if not all(type(n) is int and n >= 1 for n in numbers):
-            return None
-        if replicate * shard * tp * pp != world_size:
-            return None
-        strategy, schedule = parallel["strategy"], pipeline["schedule"]
-        if strategy not in STRATEGIES or schedule not in PIPELINE_SCHEDULES:
-            return None
-        checkpointing = {"none": False, "full": True}.get(parallel["activation_checkpointing"])
-        if checkpointing is None or parallel["activation_checkpointing_every"] != 1:
-            return None
-        return Layout(
-            strategy,
-            replicate,
-            shard,
-            tp,
-            pp,
-            checkpointing=checkpointing,
-            micro_batch=max(meta["global_batch_size"] // (replicate * shard) // steps, 1),
-            micro_steps=steps,
-            schedule=schedule,
-            stages_per_rank=pipeline["stages_per_rank"],
-        )
-    except (KeyError, TypeError, ValueError, ArithmeticError):
-        return None
-
-
 def table(plan: Plan, cfg: Config) -> str:
     """The plan as a user reads it: what was assumed, the candidates and why the others lost."""
     hw = plan.hardware
@@ -508,7 +508,6 @@ __all__ = [
     "candidates",
     "layout_overrides",
     "plan_layout",
-    "recorded_layout",
     "resolve_auto",
     "table",
     "with_layout",

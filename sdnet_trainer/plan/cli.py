@@ -22,6 +22,7 @@ from pathlib import Path
 import torch
 
 from sdnet_trainer.config import Config, compose
+from sdnet_trainer.config.guards import given_keys, validate_switched_keys
 from sdnet_trainer.data import resolve_num_classes
 from sdnet_trainer.distributed.env import DistEnv
 from sdnet_trainer.distributed.mesh import ParallelDims, parallel_dims
@@ -41,7 +42,7 @@ from sdnet_trainer.plan.dry_run import (
     cp_attention,
     plan_rank,
 )
-from sdnet_trainer.plan.hardware import hardware
+from sdnet_trainer.plan.hardware import DEFAULT_RANKS_PER_NODE, hardware
 from sdnet_trainer.plan.start_cost import StartCost
 from sdnet_trainer.preflight import validate
 from sdnet_trainer.training.classes import resolve_trainer_class
@@ -170,6 +171,7 @@ def _planning_device() -> torch.device:
 
 def _composed(overrides: list[str], world_size: int) -> tuple[Config, Plan | None]:
     cfg = compose(overrides)
+    validate_switched_keys(cfg, given_keys(overrides))  # a key given whose switch is off
     # The data decides the class count the model is built with, as in Trainer.setup (and a
     # missing data folder is an error a launch would hit).
     probe = resolve_trainer_class(cfg.trainer._target_)(cfg, env=DistEnv())
@@ -177,7 +179,10 @@ def _composed(overrides: list[str], world_size: int) -> tuple[Config, Plan | Non
     if cfg.parallel.strategy != "auto":
         return cfg, None
     check_auto_keys(cfg)
-    chosen = plan_layout(cfg, world_size, hardware(cfg, _planning_device()))
+    # No launcher here says how many ranks share a node: the command plans a launch on nodes of
+    # DEFAULT_RANKS_PER_NODE unless parallel.auto.ranks_per_node says otherwise.
+    hw = hardware(cfg, _planning_device(), ranks_per_node=DEFAULT_RANKS_PER_NODE)
+    chosen = plan_layout(cfg, world_size, hw)
     print(table(chosen, cfg))
     return with_layout(cfg, chosen.layout), chosen
 

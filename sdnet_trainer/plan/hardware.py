@@ -48,11 +48,13 @@ CALIBRATION_FIELDS = {
 
 
 def hardware(cfg: Config, device: torch.device, *, ranks_per_node: int | None = None) -> Hardware:
-    """The figures for ranks on ``device`` (a launch's), or on ``parallel.auto.device``."""
+    """The figures for ranks on ``device`` (a launch's), or on ``parallel.auto.device``. The ranks
+    per node: ``parallel.auto.ranks_per_node``, else ``ranks_per_node`` (what a command planning
+    a launch elsewhere assumes), else the launch's own."""
     auto = cfg.parallel.auto
     calibration = read_calibration(auto.calibration) if auto.calibration else {}
     target = device.type if auto.device == "auto" else auto.device
-    node = ranks_per_node or auto.ranks_per_node or _launch_ranks_per_node()
+    node = auto.ranks_per_node or ranks_per_node or _launch_ranks_per_node()
     here = device if device.type == target else None  # the device itself, where it is read
     memory, memory_source = _memory(cfg, target, here, node)
     flops, flops_source = _flops(cfg, target, here, calibration)
@@ -186,4 +188,11 @@ def read_calibration(path: str) -> dict[str, float]:
     return out
 
 
-__all__ = ["CALIBRATION_FIELDS", "CPU_FLOPS", "LINK_DEFAULTS", "hardware", "read_calibration"]
+__all__ = [
+    "CALIBRATION_FIELDS",
+    "CPU_FLOPS",
+    "DEFAULT_RANKS_PER_NODE",
+    "LINK_DEFAULTS",
+    "hardware",
+    "read_calibration",
+]

@@ -32,8 +32,10 @@ Two things of the GPUs are stood in for, since the meta device runs neither:
   kernel (torch's ring keeps this rank's keys and values and passes the others' in backward).
 
 The bytes are those of the meta model's dtype (fp32: the parameters' and the optimizer's, as the
-run keeps them); a run computing in bf16 keeps about half. Still an estimate: the loss, the
-allocator's caching and the collectives' buffers are not counted.
+run keeps them); a run computing in bf16 keeps about half. The loss's own peak over the logits
+(:func:`loss_peak_bytes`) is measured apart, by torch's ``MemTracker``: at a large vocabulary it
+is the largest part of a step's memory. Still an estimate: the allocator's caching is not
+counted, nor the collectives' buffers (``plan/estimate.py`` adds FSDP's).
 """
 
 from __future__ import annotations
@@ -46,6 +48,7 @@ from typing import Any, TypeVar
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.distributed._tools.mem_tracker import MemTracker
 from torch.multiprocessing.reductions import StorageWeakRef
 from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode, is_traceable_wrapper_subclass
@@ -55,6 +58,7 @@ from sdnet_trainer.config import Config
 from sdnet_trainer.data import is_language_model_data
 from sdnet_trainer.distributed.activation_checkpointing import apply_activation_checkpointing
 from sdnet_trainer.distributed.env import DistEnv
+from sdnet_trainer.models.moe import GroupedExperts
 from sdnet_trainer.models.parallel_spec import parallel_blocks, supports_tensor_parallel
 from sdnet_trainer.models.registry import decoder_sizes
 from sdnet_trainer.observability.flops import count_flops
@@ -98,10 +102,13 @@ class ModelStats:
     tail: int  # elements after the last block (final norm, output layer): the last stage's
     blocks: tuple[int, ...]  # elements of each repeated block, in order
     unsplit: int  # 1-D elements (norms, biases): tensor parallelism keeps them whole
+    experts: int  # a mixture of experts' expert elements (expert parallel splits them)
+    num_experts: int  # experts per MoE layer (0: no mixture of experts)
     bytes_per_param: int  # of a parameter (and its gradient) as the run keeps it
     optim_per_param: float  # optimizer state bytes per trainable element
     activations: Activations  # without activation checkpointing
     checkpointed: Activations | None  # with full checkpointing (None: no blocks to checkpoint)
+    loss_per_sample: int  # the loss's peak over a sample's logits (:func:`loss_peak_bytes`)
     train_flops: float  # forward + backward of one sample
     forward_flops: float  # forward of one sample (what checkpointing recomputes)
     width: int | None  # a decoder's hidden size (the tensor- and pipeline-parallel stream)
@@ -155,10 +162,13 @@ def saved_activations(
     return _SAVED[key]
 
 
+def _meta_trainer(cfg: Config) -> Any:
+    return resolve_trainer_class(cfg.trainer._target_)(cfg, env=DistEnv())
+
+
 def _meta_model(cfg: Config) -> nn.Module:
-    trainer = resolve_trainer_class(cfg.trainer._target_)(cfg, env=DistEnv())
     with torch.device("meta"):
-        return trainer.build_model()
+        return _meta_trainer(cfg).build_model()
 
 
 def _measure(cfg: Config) -> ModelStats:
@@ -166,6 +176,7 @@ def _measure(cfg: Config) -> ModelStats:
     blocks = parallel_blocks(model)
     head, tail = _outside_blocks(model, blocks)
     params = list(model.parameters())
+    experts = [m for m in model.modules() if isinstance(m, GroupedExperts)]
     train, forward = _flops(cfg, model)
     sizes = decoder_sizes(cfg.model)
     return ModelStats(
@@ -174,10 +185,13 @@ def _measure(cfg: Config) -> ModelStats:
         tail=tail,
         blocks=tuple(sum(p.numel() for p in b.parameters()) for b in blocks),
         unsplit=sum(p.numel() for p in params if p.dim() < 2),
+        experts=sum(p.numel() for m in experts for p in m.parameters()),
+        num_experts=max((m.w1.shape[0] for m in experts), default=0),
         bytes_per_param=params[0].element_size() if params else 4,
         optim_per_param=optimizer_bytes_per_element(cfg),
         activations=saved_activations(cfg, "none"),
         checkpointed=saved_activations(cfg, "full") if blocks else None,
+        loss_per_sample=loss_peak_bytes(cfg, model, 2) - loss_peak_bytes(cfg, model, 1),
         train_flops=train,
         forward_flops=forward,
         width=sizes[0] if sizes is not None else None,
@@ -203,6 +217,31 @@ def _measure_saved(cfg: Config, model: nn.Module, cp: int) -> Activations:
         attention=whole,
         dtype=names.get(floating[0], str(floating[0])) if floating else "fp32",
     )
+
+
+def loss_peak_bytes(cfg: Config, model: nn.Module, batch: int) -> int:
+    """The most bytes the trainer's loss (``Trainer.loss_fn``) holds at once over ``batch``
+    samples' logits, from the logits' creation to their gradient, counted by torch's
+    ``MemTracker`` on the meta device. The model's forward keeps the logits alive only until the
+    loss has read them: a cross-entropy keeps its log-softmax for backward, which then holds that,
+    its gradient and the logits' at once (three copies of the logits in fp32). Activations kept
+    for backward (:func:`saved_activations`) leave the model's output out: this is its part.
+    A classifier's (a few classes per sample, not a vocabulary per token) is left out."""
+    if not is_language_model_data(cfg.data):
+        return 0
+    with torch.no_grad():
+        logits_shape = model(sample_input(cfg, batch)).shape
+    trainer = _meta_trainer(cfg)
+    targets = torch.zeros(logits_shape[:-1], dtype=torch.long, device="meta")
+    seed = torch.zeros((), device="meta", requires_grad=True)
+    tracker = MemTracker()
+    with tracker:
+        # The logits as the model hands them over: produced by an op that saves nothing, so the
+        # loss's own references alone keep them (as in a step, where the forward's frame is gone).
+        loss = trainer.loss_fn(seed.expand(logits_shape) + 0, targets)
+        loss.backward()
+    peak = tracker.get_tracker_snapshot("peak")
+    return max((snap["Total"] for snap in peak.values()), default=0)
 
 
 def sample_input(cfg: Config, batch: int, *, cp: int = 1) -> torch.Tensor:
@@ -365,6 +404,7 @@ __all__ = [
     "ContextShare",
     "ModelStats",
     "kept_bytes",
+    "loss_peak_bytes",
     "model_stats",
     "sample_input",
     "saved_activations",

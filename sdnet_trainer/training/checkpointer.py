@@ -29,6 +29,7 @@ from torch.optim import Optimizer
 from sdnet_trainer.checkpoint import Checkpoint, CheckpointManager
 from sdnet_trainer.checkpoint.parts import ModelState, OptimizerState, Part, Stateful
 from sdnet_trainer.config.schema import CheckpointConfig, Config
+from sdnet_trainer.models.base_fingerprint import adapters_meta, check_adapters_base
 from sdnet_trainer.models.lora import is_adapted
 from sdnet_trainer.training.ema import WeightAverage
 from sdnet_trainer.training.health import PhaseTracker
@@ -151,6 +152,12 @@ class Checkpointer(HookBase):
         checkpoint = self.manager.resolve_resume(self.cfg.resume)
         if checkpoint is None:
             return None
+        if "lora" in self.meta:  # adapters go back into this run's base: it must be theirs
+            check_adapters_base(
+                checkpoint.meta.get("lora"),
+                self.meta["lora"],
+                source=f"checkpoint.resume={checkpoint.path}",
+            )
         same_world = checkpoint.world_size == self.world_size
         request: dict[str, Any] = {}
         later: list[Callable[[], None]] = []
@@ -236,7 +243,7 @@ def run_meta(
         "config": plain_config(cfg),
     }
     if cfg.model.lora.enabled:  # the model entry holds the adapters; the base is model.weights'
-        meta["lora"] = {"model_entry": "adapters", "base": cfg.model.weights}
+        meta["lora"] = adapters_meta(cfg.model.weights)  # with the base folder's fingerprint
     return meta
 
 

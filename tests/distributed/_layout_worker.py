@@ -65,6 +65,18 @@ def gather_on_main(local: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     return {name: value for part in parts for name, value in part.items()}
 
 
+def _linear_types(model: torch.nn.Module) -> dict[str, tuple[str, str]]:
+    """Each Linear layer's class and its weight's class on this rank (a DTensor's local tensor):
+    which layers float8 converted, and which weights FSDP gathers in float8."""
+    types = {}
+    for name, module in model.named_modules():
+        if isinstance(module, torch.nn.Linear):
+            weight = module.weight
+            local = weight._local_tensor if isinstance(weight, DTensor) else weight
+            types[name] = (type(module).__name__, type(local).__name__)
+    return types
+
+
 # Cases named so check the Hugging Face load under their layout and train nothing.
 LOAD_ONLY = "hf_load"
 
@@ -125,6 +137,7 @@ class LayoutRecorder(Trainer):
                 for k in ("strategy", "dp_replicate", "dp_shard", "tp", "pp")
             },
             "state_bytes": all_gather_objects(training_state_bytes(self.model, self.optimizer)),
+            "linear_types": _linear_types(self.model),
         }
 
     def record_hf_load(self) -> dict:
@@ -176,7 +189,7 @@ def run_cases(out: Path, cases: dict[str, list[str]], recorder: type[Trainer]) -
     planned = {name: _planned(o, out / name) for name, o in cases.items() if "parallel=auto" in o}
     with distributed_session(DistConfig()) as env:
         for name, overrides in cases.items():
-            cfg = planned[name] if name in planned else _composed_on_main(overrides, env)
+            cfg = planned[name] if name in planned else composed_on_main(overrides, env)
             validate(cfg, world_size=env.world_size)
             trainer = recorder(cfg, output_dir=out / name, env=env)
             try:
@@ -197,8 +210,9 @@ def _planned(overrides: list[str], run_dir: Path) -> Config:
     )
 
 
-def _composed_on_main(overrides: list[str], env: DistEnv) -> Config:
-    """The config of ``overrides``, composed by rank 0 alone and broadcast to every rank."""
+def composed_on_main(overrides: list[str], env: DistEnv) -> Config:
+    """The config of ``overrides``, composed by rank 0 alone and broadcast to every rank (every
+    rank would compose the same one, most of a second each)."""
     cfg = [compose(overrides) if env.is_main else None]
     if env.world_size > 1:
         dist.broadcast_object_list(cfg, src=0)

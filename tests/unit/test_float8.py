@@ -1,12 +1,14 @@
 """precision.float8 (torchao's float8 training) on the CPU, where torchao runs the float8 casts and
-matmuls without float8 hardware: which layers convert, the loss curve against bf16, checkpoints
-and exports without float8 in them, FSDP2's float8 all-gather on a one-rank group, the tensor-
-parallel styles, and every refusal. FSDP2 on 2 processes against one: tests/distributed/
-test_layouts.py (llama_fsdp_float8); on a GPU: tests/cuda/test_float8_cuda.py.
+matmuls without float8 hardware: which layers convert (the MoE's router never), the loss curve
+against bf16, checkpoints and exports without float8 in them, FSDP2's float8 all-gather on a
+one-rank group, the tensor-parallel styles, and every refusal. FSDP2 on 2 processes against one:
+tests/distributed/test_layouts.py (llama_fsdp_float8, and moe_fsdp_float8: tensorwise with the
+float8 all-gather, the routers left plain); on a GPU: tests/cuda/test_float8_cuda.py.
 
 What computes in float8 here is the CPU's torch._scaled_mm, which not every torch offers for
 both recipes (torch 2.11's takes per-tensor scales only, so rowwise fails there): one tiny
-product per recipe, made once, says which; a test that needs the other is skipped, naming it."""
+product per recipe, made once (tests/float8_cpu.py), says which; a test that needs the other is
+skipped, naming it."""
 
 from __future__ import annotations
 
@@ -38,6 +40,7 @@ from sdnet_trainer.export.cli import main as export_main
 from sdnet_trainer.models import build_model
 from sdnet_trainer.models.decoder import tensor_parallel_styles
 from sdnet_trainer.preflight import validate
+from tests.float8_cpu import scaled_mm_refusal
 from tests.support import CPU, REPO
 
 float8 = pytest.importorskip("torchao.float8", reason="the float8 extra (torchao) is not installed")
@@ -48,27 +51,7 @@ from torchao.float8.float8_tensor_parallel import (  # noqa: E402
 )
 from torchao.float8.fsdp_utils import WeightWithDynamicFloat8CastTensor  # noqa: E402
 
-
-def _scaled_mm_refusal(recipe: str) -> str | None:
-    """Why this machine's CPU torch._scaled_mm cannot compute a product as ``recipe`` scales it
-    (float8_e4m3fn operands, fp32 scales: one per tensor, or one per row of the first operand
-    and per column of the second, as torchao passes them), or None where it can. Asked of a
-    16x16 product, not of the torch version: the CPU kernels differ by build and by CPU too."""
-    a = torch.ones(16, 16).to(torch.float8_e4m3fn)
-    b = torch.ones(16, 16).to(torch.float8_e4m3fn).t()  # column-major, as _scaled_mm wants it
-    shapes = {"tensorwise": ((), ()), "rowwise": ((16, 1), (1, 16))}[recipe]
-    scale_a, scale_b = (torch.ones(shape) for shape in shapes)
-    try:
-        out = torch._scaled_mm(a, b, scale_a=scale_a, scale_b=scale_b, out_dtype=torch.bfloat16)
-    except (RuntimeError, NotImplementedError) as exc:
-        reason = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-        return f"torch {torch.__version__}'s CPU torch._scaled_mm refuses {recipe} scales: {reason}"
-    if not torch.equal(out, torch.full((16, 16), 16.0, dtype=torch.bfloat16)):
-        return f"torch {torch.__version__}'s CPU torch._scaled_mm computes {recipe} scales wrong"
-    return None
-
-
-SCALED_MM_REFUSALS = {recipe: _scaled_mm_refusal(recipe) for recipe in ("rowwise", "tensorwise")}
+SCALED_MM_REFUSALS = {recipe: scaled_mm_refusal(recipe) for recipe in ("rowwise", "tensorwise")}
 
 
 def needs_scaled_mm(recipe: str) -> pytest.MarkDecorator:
@@ -250,7 +233,7 @@ def test_the_filter_leaves_the_head_and_odd_sizes_alone_and_says_so(caplog):
     assert dict(model.named_parameters()) == params
     assert model.proj.weight.is_meta
     message = caplog.records[-1].getMessage()
-    assert "2 Linear layers compute in float8" in message
+    assert "2 of 4 Linear layers compute in float8 (torchao Float8Linear): proj, mlp.0;" in message
     assert "odd (40 -> 24: not multiples of 16)" in message
     assert "head (the output layer)" in message
 
@@ -276,6 +259,55 @@ def test_llama_converts_every_projection_and_keeps_its_weights(tmp_path):
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as profile:
         converted(tokens).square().mean().backward()
     assert [e.name for e in profile.events()].count("aten::_scaled_mm") == 3 * 14
+
+
+# moe_debug with 16 experts: each router (64 -> 16) has float8's sizes, as the attention does; its
+# experts are stacked 3-D parameters, not Linear layers.
+MOE16 = ["model=moe_debug", "model.moe.num_experts=16"]
+ATTENTION = ("attn.wq", "attn.wk", "attn.wv", "attn.wo")
+
+
+@pytest.mark.parametrize("recipe", ["rowwise", "tensorwise"])
+def test_the_moe_router_stays_in_high_precision_and_the_log_says_so(caplog, recipe):
+    """The MoE layer keeps its router out of float8 (it routes in float32 from the weight itself);
+    under FSDP's float8 all-gather (tensorwise) the attention's weights become float8-casting
+    tensors and the routers' stay plain parameters. Nothing here computes: a meta build."""
+    cfg = compose([*MOE16, f"precision.float8={recipe}"])
+    with torch.device("meta"):
+        model = build_model(cfg.model)
+    attention = [f"blocks.{i}.{p}" for i in range(2) for p in ATTENTION]
+    assert float8_eligible(model) == attention
+    with caplog.at_level(logging.INFO, logger="sdnet_trainer.distributed.float8"):
+        convert_float8(model, cfg, fsdp=True)
+    converted = {n for n, m in model.named_modules() if isinstance(m, Float8Linear)}
+    assert converted == set(attention)
+    for block in model.blocks:
+        assert type(block.mlp.router) is nn.Linear
+        assert type(block.mlp.router.weight) is nn.Parameter
+        wrapped = isinstance(block.attn.wq.weight, WeightWithDynamicFloat8CastTensor)
+        assert wrapped == (recipe == "tensorwise")
+    message = caplog.records[-1].getMessage()
+    assert f"precision.float8={recipe}: 8 of 11 Linear layers compute in float8" in message
+    assert "blocks.*.attn.wq x2, blocks.*.attn.wk x2" in message
+    assert "blocks.*.mlp.router x2 (kept in high precision by MoE), head (the output layer)" in (
+        message
+    )
+
+
+class _Gated(nn.Module):
+    """A family's own module that keeps a whole child (two Linear layers) in high precision."""
+
+    high_precision_children = "gate"  # one name, as a string
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.gate = nn.Sequential(nn.Linear(32, 32), nn.Linear(32, 16))
+        self.up = nn.Linear(32, 32)
+
+
+def test_a_module_keeps_every_linear_inside_the_children_it_names():
+    model = nn.Sequential(_Gated(), nn.Sequential(_Gated()))
+    assert float8_eligible(model) == ["0.up", "1.0.up"]
 
 
 # ---------------------------------------------------------------------- refused

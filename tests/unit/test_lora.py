@@ -10,6 +10,7 @@ the file. The 2-process FSDP2 run against one process: tests/distributed/test_la
 from __future__ import annotations
 
 import json
+import shutil
 from pathlib import Path
 
 import pytest
@@ -22,6 +23,7 @@ from sdnet_trainer.errors import ConfigError
 from sdnet_trainer.export import ExportArgs, export
 from sdnet_trainer.export.peft import check_lora_args
 from sdnet_trainer.models import build_model
+from sdnet_trainer.models.base_fingerprint import base_fingerprint
 from sdnet_trainer.models.init import allocate, build_deferred, materialize, without_parameters
 from sdnet_trainer.models.llama.hf import load_hf_weights
 from sdnet_trainer.models.lora import base_name, base_state, init_adapters, is_adapted
@@ -228,7 +230,11 @@ def test_only_the_adapters_train_and_are_checkpointed(lora_run, hf_base):
     state = {k.split(".", 2)[2] for k in keys if k.startswith("optim.state.")}
     assert {s.rsplit(".", 1)[0] for s in state} == adapters  # exp_avg, exp_avg_sq, step of each
     manifest = json.loads((_checkpoint(lora_run, 4) / "manifest.json").read_text())
-    assert manifest["meta"]["lora"] == {"model_entry": "adapters", "base": f"hf:{hf_base}"}
+    assert manifest["meta"]["lora"] == {
+        "model_entry": "adapters",
+        "base": f"hf:{hf_base}",
+        "base_fingerprint": base_fingerprint(hf_base),
+    }
 
 
 def base_state_of(params: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
@@ -246,6 +252,31 @@ def test_a_resumed_lora_run_continues_bitwise(lora_run, hf_base, tmp_path):
     for name, value in lora_run["params"].items():
         assert torch.equal(resumed["params"][name], value), name
     assert torch.equal(resumed["logits"], lora_run["logits"])
+
+
+@pytest.mark.full  # trains 2 steps, about 2 s
+def test_adapters_are_refused_by_a_changed_base_on_resume_and_export(hf_base, tmp_path):
+    """The base folder replaced in place by another model of the same architecture (the same
+    names, shapes and sizes, other values: a newer release, another fine-tune): resuming and
+    exporting the LoRA checkpoint trained on it refuse, naming the checkpoint and the folder."""
+    from safetensors import safe_open
+    from safetensors.torch import save_file
+
+    base = Path(shutil.copytree(hf_base, tmp_path / "base"))
+    run = _fit(_run(base, "loop.max_steps=2", "checkpoint.save_on_exit=true"), tmp_path / "run")
+    checkpoint = _checkpoint(run, 2)
+    (file,) = base.glob("*.safetensors")
+    with safe_open(str(file), framework="pt") as f:
+        tensors = {name: f.get_tensor(name) * 1.01 for name in f.keys()}  # noqa: SIM118
+        metadata = f.metadata()
+    save_file(tensors, file, metadata=metadata)
+    what = rf"its LoRA adapters were trained on model\.weights=hf:{base}, and the folder of "
+    what += rf"model\.weights=hf:{base} is no longer that base: {file.name}: the same tensors"
+    resume = _run(base, "loop.max_steps=4", f"checkpoint.resume={checkpoint}")
+    with pytest.raises(ConfigError, match=rf"^checkpoint\.resume={checkpoint}: {what}"):
+        _fit(resume, tmp_path / "resumed")
+    with pytest.raises(ConfigError, match=rf"^checkpoint='{checkpoint}': {what}"):
+        export(ExportArgs(checkpoint=str(checkpoint), format="peft", out=str(tmp_path / "a")))
 
 
 # ---------------------------------------------------------------------- export

@@ -417,8 +417,12 @@ def test_a_sequence_longer_than_the_context_names_the_moe_key():
 def test_preflight_checks_the_sizes_against_data_and_layout():
     base = ["+recipe=moe_debug"]
     validate(compose(base), world_size=1)
-    with pytest.raises(ConfigError, match="model.moe.n_kv_heads=2 must be divisible"):
-        validate(compose([*base, "parallel.tp=4"]), world_size=4)
+    # Tensor parallel would compute every expert on every tensor-parallel rank: refused before
+    # launch, as is the model's own sharding, and the planner never proposes it.
+    with pytest.raises(ConfigError, match="parallel.tp=2 with a mixture of experts.*parallel.ep"):
+        validate(compose([*base, "parallel.tp=2"]), world_size=2)
+    with pytest.raises(ConfigError, match="parallel.tp=2 with a mixture of experts"):
+        build_model(compose(base).model).check_tensor_parallel(2, sequence_parallel=False)
     with pytest.raises(ConfigError, match="model.moe.top_k=9 experts per token"):
         validate(compose([*base, "model.moe.top_k=9"]), world_size=1)
     with pytest.raises(ConfigError, match="model.moe.load_balance='best' is not one of"):

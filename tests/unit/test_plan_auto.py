@@ -17,7 +17,10 @@ from sdnet_trainer.config import compose
 from sdnet_trainer.errors import ConfigError
 from sdnet_trainer.plan import auto
 from sdnet_trainer.plan.auto import layout_overrides, plan_layout, resolve_auto, table, with_layout
+from sdnet_trainer.plan.estimate import Layout, estimate
 from sdnet_trainer.plan.hardware import hardware, read_calibration
+from sdnet_trainer.plan.layouts import recorded_layout
+from sdnet_trainer.plan.model_stats import model_stats
 from sdnet_trainer.preflight import validate
 from sdnet_trainer.training.fits import GIB
 from tests.distributed.test_layouts import AUTO_FSDP, GPT
@@ -64,12 +67,25 @@ def test_llama3_8b_follows_the_rules_users_know_at_8_64_and_1024_ranks():
         validate(keys, world_size=world_size)
         assert _layout_keys(keys) == _layout_keys(with_layout(cfg, layout))
     eight, sixty_four, thousand = chosen[8], chosen[64], chosen[1024]
-    # The activations are measured in fp32 (plan/model_stats.py), twice what a bf16 run keeps:
-    # FSDP over 8 without activation checkpointing does not fit at 8,192 tokens, and TP 2, which
-    # splits them, costs less than recomputing every block.
-    assert (eight.strategy, eight.pp) == ("fsdp", 1) and eight.tp <= 2
+    # The activations are measured in fp32 (plan/model_stats.py), twice what a bf16 run keeps,
+    # and the loss's peak over a sequence's logits is three fp32 copies of 8,192 x 128,256 (11.7
+    # GiB, split by TP's loss_parallel): FSDP over 8 without activation checkpointing does not
+    # fit, FSDP 4 x TP 2 barely; splitting each sequence over context-parallel ranks (or the
+    # model over TP 2 or stages) costs less than recomputing every block.
+    assert eight.strategy == "fsdp" and eight.tp <= 2 and eight.cp * eight.tp * eight.pp > 1
+    cfg = compose(LLAMA_8B)
+    for old in (Layout("fsdp", 1, 8, 1, 1, False, 1, 4), Layout("fsdp", 1, 4, 2, 1, False, 1, 8)):
+        scratch = with_layout(cfg, old)
+        counted = estimate(scratch, model_stats(scratch), old, hardware(scratch, CPU))
+        # The recipe's loss_parallel splits the loss over the vocabulary with TP: FSDP 4 x TP 2,
+        # 61.8 GiB before the loss was counted, is 67.7 GiB at backward's start (the limit: 68).
+        assert counted.bytes["loss"] > 11 * GIB / old.tp
+        assert counted.total_bytes > (68 if old.tp == 1 else 67) * GIB
     assert sixty_four.strategy == "fsdp" and sixty_four.pp == 1
-    assert 1 < sixty_four.tp <= 8 and sixty_four.dp == 64 // sixty_four.tp  # TP inside a node
+    # Each sequence or the model split inside a node (context parallel's exchanges cost less
+    # than TP's at 8,192 tokens), the rest data parallel.
+    split = sixty_four.tp * sixty_four.cp
+    assert 1 < split <= 8 and sixty_four.dp == 64 // split
     assert thousand.pp > 1 and 1 < thousand.tp <= 8 and thousand.dp <= 32
     # Pipeline stages are the mesh's outermost dimension: each spans whole nodes.
     assert (1024 // thousand.pp) % 8 == 0
@@ -88,10 +104,10 @@ def test_fsdp_where_a_replica_per_rank_does_not_fit():
 
 
 def test_fsdp_with_tensor_parallel_where_fsdp_alone_does_not_fit():
-    """1.01 MiB: below FSDP over 4 (its gathered blocks are whole: 1.02 MiB at least), above FSDP
+    """1.4 MiB: below FSDP over 4 (its gathered blocks are whole: 1.58 MiB at least), above FSDP
     x TP (2 x 2) with micro-batches of 8. FSDP x TP, ahead of TP over all 4 (the same
     micro-steps, more communication)."""
-    limit = ["parallel.memory_per_rank_gib=0.00116"]
+    limit = ["parallel.memory_per_rank_gib=0.00161"]
     cfg, plan = _plan(GPT + AUTO_FSDP + limit, 4)
     layout = plan.layout
     assert (layout.strategy, layout.dp_shard, layout.tp, layout.pp) == ("fsdp", 2, 2, 1)
@@ -111,7 +127,7 @@ def test_nothing_fits_says_what_would():
     message = str(excinfo.value)
     assert "no layout of model gpt on 4 ranks fits 0.44 MiB" in message
     assert "the leanest, tp 4 with activation checkpointing on and micro-batch 1" in message
-    assert "It would fit with 8 ranks" in message and "parallel.memory_per_rank_gib" in message
+    assert "It would fit with 16 ranks" in message and "parallel.memory_per_rank_gib" in message
 
 
 def test_the_command_line_plans_before_validating(tmp_path):
@@ -180,13 +196,13 @@ def test_a_resume_keeps_its_checkpoints_layout_and_another_world_size_plans_agai
     meta = run_meta(written, Trainer, 16, 4)
     meta["config"]["parallel"]["tp"] = "8; rm -rf"
     _write_checkpoint(tmp_path / "bad", 4, meta)
-    assert auto.recorded_layout(cfg, tmp_path / "bad", 4) is None
+    assert recorded_layout(cfg, tmp_path / "bad", 4) is None
     for field, value in (("tp", 10**400), ("dp_replicate", 2)):  # past any float; 2 x 1 != 4
         meta = run_meta(written, Trainer, 16, 4)
         meta["config"]["parallel"][field] = value
         meta["global_batch_size"] = 1.0
         _write_checkpoint(tmp_path / f"lies_{field}", 4, meta)
-        assert auto.recorded_layout(cfg, tmp_path / f"lies_{field}", 4) is None
+        assert recorded_layout(cfg, tmp_path / f"lies_{field}", 4) is None
 
 
 def test_a_calibration_file_is_untrusted_input(tmp_path):
@@ -236,6 +252,12 @@ def test_the_plan_command_prints_the_table_and_writes_its_choice(tmp_path, monke
         ["--plan", "world_size=4", *GPT, "parallel.auto.memory_fraction=1.5"], monkeypatch, capfd
     )
     assert code == 2 and "parallel.auto.memory_fraction=1.5 must be at most 1" in output
+    # Without parallel.auto.ranks_per_node, --plan plans nodes of 8 (no launcher says here).
+    monkeypatch.delenv("LOCAL_WORLD_SIZE", raising=False)
+    without = [o for o in AUTO_FSDP if not o.startswith("parallel.auto.ranks_per_node=")]
+    code, output = main_in_process(["--plan", "world_size=8", *GPT, *without], monkeypatch, capfd)
+    assert code == 0, output[-3000:]
+    assert "parallel=auto: model gpt, 8 ranks (8 per node)" in output
 
 
 def test_the_calibration_measures_this_machine_into_a_file_the_planner_reads(tmp_path, monkeypatch):
@@ -252,3 +274,29 @@ def test_the_calibration_measures_this_machine_into_a_file_the_planner_reads(tmp
     assert (
         hw.flops == measured["flops"] and hw.block_overhead == measured["block_overhead_us"] * 1e-6
     )
+
+
+def test_a_mixture_of_experts_is_planned_with_expert_parallel_and_never_tensor_parallel():
+    """The candidates of a MoE (8 experts) on 4 ranks: every expert-parallel degree of FSDP's
+    shard group, each a layout the launch's validator accepts; no tensor parallel (it would
+    compute every expert on each TP rank: refused). A short sequence gets no context parallel."""
+    cfg = compose(
+        ["model=moe_debug", "data=tokens", "data.seq_len=32", "data.vocab_size=256", *AUTO_FSDP]
+    )
+    hw = hardware(cfg, CPU)
+    estimates = auto._estimates(cfg, model_stats(cfg), 4, hw)
+    degrees = {(e.layout.strategy, e.layout.dp_shard, e.layout.ep) for e in estimates}
+    assert {("fsdp", 4, 1), ("fsdp", 4, 2), ("fsdp", 4, 4), ("fsdp", 2, 2)} <= degrees
+    assert all(e.layout.tp == 1 and e.layout.cp == 1 for e in estimates)
+    with_ep = next(e.layout for e in estimates if e.layout.ep == 4)
+    validate(with_layout(cfg, with_ep), world_size=4)
+    assert "parallel.ep=4" in layout_overrides(with_ep)
+    assert with_ep.describe().endswith("experts over ep 4")
+
+
+def test_context_parallel_is_a_candidate_for_long_sequences_alone():
+    """Each rank keeps 1,024 tokens of a sequence at least (auto.MIN_CONTEXT_TOKENS)."""
+    assert auto._context_degrees(compose(LLAMA_8B), 8) == [1, 2, 4, 8]  # 8,192 tokens
+    assert auto._context_degrees(compose([*LLAMA_8B, "data.seq_len=2048"]), 8) == [1, 2]
+    assert auto._context_degrees(compose([*LLAMA_8B, "data.seq_len=1024"]), 8) == [1]
+    assert auto._context_degrees(compose(GPT + AUTO_FSDP), 4) == [1]  # 64 tokens

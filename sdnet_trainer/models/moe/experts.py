@@ -20,7 +20,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from contextlib import AbstractContextManager, nullcontext
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 import torch.nn.functional as F
@@ -162,6 +162,11 @@ class MoE(nn.Module):
     fault-tolerant replica groups share a batch among as many groups as the step's quorum holds).
     fp16 autocast is not recommended for the router's inputs; the precision check is the
     preflight's."""
+
+    # Kept out of float8 (distributed/float8.py reads this): the choice of experts is made in
+    # float32 from the router's weight read directly (_probabilities), which float8 would round
+    # and FSDP's float8 all-gather would hand over as a float8-casting wrapper.
+    high_precision_children: ClassVar[tuple[str, ...]] = ("router",)
 
     expert_bias: torch.Tensor
     tokens_per_expert: torch.Tensor

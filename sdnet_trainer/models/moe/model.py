@@ -9,10 +9,9 @@ key head passing an RMSNorm over its channels before the rotation. The MLP is a
 :class:`~.experts.MoE`: a router and stacked SwiGLU experts. Parameter names map one to one onto
 Hugging Face's Qwen3-MoE and Mixtral (``models/moe/hf.py``), whose rotary layout this model uses.
 
-Tensor parallel splits the attention as the Llama's (whole heads per rank) and keeps the MoE
-whole on every rank: it takes the whole sequence (gathered under sequence parallel) and hands back
-the rank's share of the residual stream. The experts' weights are left as they are, for expert
-parallel to shard by expert on its own mesh.
+Tensor parallel is refused (:func:`refuse_tensor_parallel`): it would split the attention and
+leave every expert whole on each tensor-parallel rank, computing each token's experts ``tp``
+times. Expert parallel (``parallel.ep``) splits the experts.
 """
 
 from __future__ import annotations
@@ -23,14 +22,6 @@ from typing import Any
 
 import torch
 from torch import nn
-from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import Placement, Replicate, Shard
-from torch.distributed.tensor.parallel import (
-    ParallelStyle,
-    PrepareModuleInputOutput,
-    SequenceParallel,
-    parallelize_module,
-)
 
 from sdnet_trainer.config.schema import Config
 from sdnet_trainer.errors import ConfigError
@@ -38,10 +29,7 @@ from sdnet_trainer.models.decoder import (
     INIT_STD,
     Decoder,
     Named,
-    Replicated,
     check_data_and_stages,
-    check_head_shards,
-    check_sequence_shards,
 )
 from sdnet_trainer.models.init_values import Distribution, Normal
 from sdnet_trainer.models.llama.model import Attention, Embedding, RMSNorm, norm_distribution
@@ -173,54 +161,7 @@ class MoEDecoder(Decoder):
         return norm_distribution(module)
 
     def check_tensor_parallel(self, tp: int, *, sequence_parallel: bool) -> None:
-        check_tensor_parallel(
-            n_heads=self.n_heads,
-            n_kv_heads=self.n_kv_heads,
-            seq_len=self.seq_len,
-            tp=tp,
-            sequence_parallel=sequence_parallel,
-        )
-
-    def apply_tensor_parallel(
-        self, tp_mesh: DeviceMesh, *, loss_parallel: bool, sequence_parallel: bool
-    ) -> None:
-        """The decoder's plan (embedding, norms, attention's projections, head), then per block:
-        the query/key norms' weights replicated over the rank's heads, and the MoE whole on every
-        rank (its router and shared experts replicated, its experts left as they are)."""
-        super().apply_tensor_parallel(
-            tp_mesh, loss_parallel=loss_parallel, sequence_parallel=sequence_parallel
-        )
-        stream: Placement = Shard(1) if sequence_parallel else Replicate()
-        for block in self.blocks:
-            if block is not None:
-                parallelize_module(block, tp_mesh, _moe_block_plan(block, stream))
-
-
-def _moe_block_plan(block: nn.Module, stream: Placement) -> dict[str, ParallelStyle]:
-    plan: dict[str, ParallelStyle] = {
-        # The whole sequence in, whatever the residual stream's layout; out, the rank's share of
-        # it (under sequence parallel its slice: no communication, an all-gather in backward).
-        "mlp": PrepareModuleInputOutput(
-            input_layouts=(stream,),
-            desired_input_layouts=(Replicate(),),
-            use_local_input=True,
-            output_layouts=(Replicate(),),
-            desired_output_layouts=(stream,),
-            use_local_output=True,
-        ),
-        # Replicated DTensors beside the others (one kind of parameter for the optimizer); the
-        # MoE reads the router's weight through to_local().
-        "mlp.router": Replicated(),
-    }
-    if block.get_submodule("mlp").shared is not None:
-        plan["mlp.shared"] = Replicated()
-    if block.get_submodule("attn").q_norm is not None:
-        # Each rank normalises its own heads, (B, T, heads, head_dim) sharded on the heads: the
-        # weights' gradient is then summed over the ranks (one all-reduce), which a plain
-        # replicated style would leave as each rank's share.
-        for name in ("attn.q_norm", "attn.k_norm"):
-            plan[name] = SequenceParallel(sequence_dim=2, use_local_output=True)
-    return plan
+        refuse_tensor_parallel(tp)
 
 
 def check_sizes(sizes: dict[str, Any], named: Named = _MODEL_MOE) -> None:
@@ -263,19 +204,18 @@ def check_sizes(sizes: dict[str, Any], named: Named = _MODEL_MOE) -> None:
         )
 
 
-def check_tensor_parallel(
-    *,
-    n_heads: int,
-    n_kv_heads: int,
-    seq_len: int,
-    tp: int,
-    sequence_parallel: bool,
-    named: Named = _MODEL_MOE,
-) -> None:
-    """Whether a MoE decoder of these sizes shards over ``tp`` ranks: whole query and key/value
-    heads on every rank (the MoE stays whole on each)."""
-    check_head_shards({"n_heads": n_heads, "n_kv_heads": n_kv_heads}, tp=tp, named=named)
-    check_sequence_shards(seq_len, tp=tp, sequence_parallel=sequence_parallel, named=named)
+def refuse_tensor_parallel(tp: int) -> None:
+    """Tensor parallel would split the attention and leave the experts whole on every
+    tensor-parallel rank: each would compute every token's experts again (``tp`` x the experts'
+    FLOPs and activations), where a plan counts them split. Refused until the experts split over
+    ``tp`` (expert tensor parallel); expert parallel splits them over data-parallel ranks."""
+    if tp > 1:
+        raise ConfigError(
+            f"parallel.tp={tp} with a mixture of experts: tensor parallel would compute every "
+            f"expert on each of the {tp} tensor-parallel ranks (the experts are not split over "
+            f"tp); use parallel.tp=1 and split the experts with parallel.ep (parallel=fsdp, "
+            f"ranks taken from parallel.dp_shard)"
+        )
 
 
 def validate_moe(
@@ -293,15 +233,7 @@ def validate_moe(
             "model.moe.load_balance=aux_loss with precision.dtype=fp16: use precision=bf16 (or "
             "model.moe.load_balance=bias, which has no loss)"
         )
-    if tp > 1:
-        check_tensor_parallel(
-            n_heads=sizes["n_heads"],
-            n_kv_heads=sizes["n_kv_heads"] or sizes["n_heads"],
-            seq_len=sizes["seq_len"],
-            tp=tp,
-            sequence_parallel=cfg.parallel.tensor_parallel.sequence_parallel,
-            named=named,
-        )
+    refuse_tensor_parallel(tp)
 
 
-__all__ = ["MoEDecoder", "check_sizes", "check_tensor_parallel", "validate_moe"]
+__all__ = ["MoEDecoder", "check_sizes", "refuse_tensor_parallel", "validate_moe"]
