@@ -24,6 +24,7 @@ from sdnet_trainer.distributed.mesh import parallel_dims
 from sdnet_trainer.distributed.parallelize import validate_compile, validate_parallel
 from sdnet_trainer.distributed.pipeline import validate_pipeline
 from sdnet_trainer.ft.checks import validate_ft
+from sdnet_trainer.models.build import build_model
 from sdnet_trainer.models.lora import validate_lora
 from sdnet_trainer.models.registry import model_family
 from sdnet_trainer.observability.logs import validate_logging
@@ -52,7 +53,7 @@ def validate(cfg: Config, *, world_size: int) -> None:
         family.validate(cfg, tp=dims.tp, pp=dims.pp)
     # A Trainer subclass's model: its attention is checked when it is built.
     subclass = not names_stock_trainer(cfg)
-    validate_lora(cfg, family, tp=dims.tp, stock=not subclass)  # model.lora
+    validate_lora(cfg, family, tp=dims.tp, build=None if subclass else build_model)
     supported = family.context_parallel if family is not None else subclass
     validate_context_parallel(cfg, cp=dims.cp, pp=dims.pp, supported=supported)
     experts = family.num_experts if family is not None else None

@@ -16,7 +16,9 @@ from typing import Any, Dict, List, Optional
 from sdnet_trainer.config.auto_layout import AutoLayoutConfig
 from sdnet_trainer.config.fault_tolerance import FaultToleranceConfig
 from sdnet_trainer.config.language_models import GPTConfig, LlamaConfig, LoRAConfig, MoEConfig
+from sdnet_trainer.config.loop import LoopConfig
 from sdnet_trainer.config.observability import LoggingConfig
+from sdnet_trainer.config.optim import OptimConfig, SchedConfig
 
 
 @dataclass
@@ -156,45 +158,6 @@ class DataConfig:
     # mixes the same way.
     mixup_alpha: float = 0.0
     cutmix_alpha: float = 0.0
-
-
-@dataclass
-class OptimConfig:
-    # Any class in torch.optim, by name (SGD, AdamW, ...), or a dotted path to one.
-    name: str = "SGD"
-    lr: float = 0.1
-    weight_decay: float = 0.0
-    # Passed only when set, so each optimizer receives just the arguments it knows.
-    momentum: Optional[float] = None
-    nesterov: Optional[bool] = None
-    betas: Optional[List[float]] = None
-    eps: Optional[float] = None
-    # Anything else the optimizer's constructor takes (e.g. {betas: ..., capturable: true}).
-    kwargs: Dict[str, Any] = field(default_factory=dict)
-    # auto: the optimizer's fused kernel where it has one for these parameters (SGD, Adam, AdamW
-    # on CPU and CUDA; under FSDP/tensor parallel only Adam and AdamW), else torch's default; or
-    # force fused | foreach | for_loop.
-    implementation: str = "auto"
-    # Exclude biases and normalization weights from weight decay (the common ResNet/ViT recipe).
-    no_decay_norm_and_bias: bool = False
-    # Gradient clipping: by global L2 norm, by value, or neither (null).
-    clip_grad_norm: Optional[float] = None
-    clip_grad_value: Optional[float] = None
-
-
-@dataclass
-class SchedConfig:
-    # constant | cosine | step | multistep; stepped once per optimizer step.
-    name: str = "constant"
-    warmup_steps: int = 0
-    # The warmup starts at lr * warmup_start_factor and rises linearly to lr.
-    warmup_start_factor: float = 0.0
-    # cosine: lr decays to lr * min_lr_ratio at the last step.
-    min_lr_ratio: float = 0.0
-    # step: multiply by gamma every step_size steps; multistep: at each milestone step.
-    step_size: int = 1000
-    gamma: float = 0.1
-    milestones: List[int] = field(default_factory=list)
 
 
 @dataclass
@@ -384,27 +347,6 @@ class PrecisionConfig:
 @dataclass
 class LossConfig:
     label_smoothing: float = 0.0
-
-
-@dataclass
-class LoopConfig:
-    # Stop after max_steps optimizer steps; if null, after max_epochs passes over the train set.
-    max_steps: Optional[int] = 100
-    max_epochs: Optional[int] = None
-    # Samples per optimizer step over all ranks and micro-steps:
-    # global_batch_size = world_size * grad_accum_steps * per-rank micro-batch.
-    global_batch_size: int = 64
-    grad_accum_steps: int = 1
-    # Per-rank samples per forward pass. null: derived (global / (world size x accumulation));
-    # set it (with elastic.enabled) to keep it fixed while the world size changes.
-    micro_batch_size: Optional[int] = None
-    eval_batch_size: Optional[int] = None  # per rank; defaults to the training micro-batch
-    eval_every_n_steps: Optional[int] = None
-    eval_at_epoch_end: bool = True
-    eval_at_end: bool = True
-    seed: int = 0
-    # torch.use_deterministic_algorithms and friends: slower, bitwise repeatable kernels.
-    deterministic: bool = False
 
 
 @dataclass

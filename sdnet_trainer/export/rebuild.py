@@ -19,7 +19,7 @@ from sdnet_trainer.data import is_language_model_data
 from sdnet_trainer.data.augment import crop_sizes
 from sdnet_trainer.errors import ConfigError
 from sdnet_trainer.models.base_fingerprint import adapters_meta, check_adapters_base
-from sdnet_trainer.models.lora import base_name
+from sdnet_trainer.models.lora_names import base_name
 from sdnet_trainer.models.registry import hf_weights_reader
 from sdnet_trainer.training.classes import resolve_trainer_class
 from sdnet_trainer.training.trainer import Trainer

@@ -32,9 +32,9 @@ from __future__ import annotations
 import copy
 import logging
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
 import torch
 from torch import nn
@@ -63,39 +63,15 @@ from sdnet_trainer.models.lora_folder import (
     lora_settings,
     require_peft,
 )
+from sdnet_trainer.models.lora_names import ADAPTER_PARTS, base_name, base_state
+from sdnet_trainer.models.registry import FAMILIES
 
 logger = logging.getLogger(__name__)
 
 ADAPTER = "default"  # peft's name of the one adapter a model holds here
 PEFT_PREFIX = "base_model.model."  # a PeftModel's prefix of the transformers model's names
-# The parts of a parameter name that peft gives an adapter's own tensors.
-ADAPTER_PARTS = frozenset(
-    {"lora_A", "lora_B", "lora_magnitude_vector", "lora_embedding_A", "lora_embedding_B"}
-)
 # The attribute of a model with adapters that holds their settings and pending init.
 ADAPTERS = "lora_adapters"
-
-
-def base_name(name: str) -> str | None:
-    """The base model's name of a parameter of a model with peft's adapters in it
-    (``wq.base_layer.weight`` -> ``wq.weight``); None for an adapter's own parameter. Names
-    outside the wrapped layers come back as they are."""
-    parts = name.split(".")
-    if ADAPTER_PARTS.intersection(parts):
-        return None
-    return ".".join(p for p in parts if p != "base_layer")
-
-
-def base_state(model: nn.Module, *, keep_vars: bool = False) -> dict[str, Any]:
-    """The state dict of the base model under its own names: with peft's adapters in it
-    (model.lora), a wrapped layer's ``base_layer`` is named as the layer was, and the adapters'
-    own tensors, which no Hugging Face model folder holds, are left out."""
-    state = {}
-    for name, value in model.state_dict(keep_vars=keep_vars).items():
-        base = base_name(name)
-        if base is not None:
-            state[base] = value
-    return state
 
 
 def is_adapted(model: nn.Module) -> bool:
@@ -216,8 +192,6 @@ def _shown(targets: tuple[str, ...] | str) -> str:
 
 
 def _unsupported(name: str) -> str:
-    from sdnet_trainer.models.registry import FAMILIES  # registry imports this module
-
     able = sorted(n for n, f in FAMILIES.items() if f.lora is not None)
     return (
         f"model.lora.enabled=true: model.name={name} takes no adapters here; LoRA trains "
@@ -372,11 +346,17 @@ def merge_adapters(model: nn.Module) -> nn.Module:
 # ---------------------------------------------------------------------- before launch
 
 
-def validate_lora(cfg: Config, family: ModelFamily | None, *, tp: int, stock: bool) -> None:
+def validate_lora(
+    cfg: Config,
+    family: ModelFamily | None,
+    *,
+    tp: int,
+    build: Callable[[ModelConfig], nn.Module] | None,
+) -> None:
     """``model.lora``, before launch: a family that takes adapters, peft installed, the layout
-    and options it trains with, and (for the stock Trainer's model) the adapters built on the
-    meta device: targets that match no layer, and a ``model.lora.adapter`` folder for another
-    base, fail here, naming the key or the file."""
+    and options it trains with, and (where ``build`` builds the run's model: the stock
+    Trainer's) the adapters built on the meta device: targets that match no layer, and a
+    ``model.lora.adapter`` folder for another base, fail here, naming the key or the file."""
     lora = cfg.model.lora
     if not lora.enabled:
         if lora.adapter is not None:
@@ -418,23 +398,21 @@ def validate_lora(cfg: Config, family: ModelFamily | None, *, tp: int, stock: bo
                 f"trains under parallel=fsdp, ddp or zero1, with parallel.pp and parallel.cp"
             )
     lora_settings(cfg.model)  # an adapter folder's config.json is read and checked here
-    if stock:
-        model = _meta_model(cfg.model)
+    if build is not None:
+        model = _meta_model(cfg.model, build)
         if lora.adapter is not None:
             check_adapter(model, adapter_folder(lora.adapter))
 
 
-def _meta_model(cfg: ModelConfig) -> nn.Module:
+def _meta_model(cfg: ModelConfig, build: Callable[[ModelConfig], nn.Module]) -> nn.Module:
     """The model with its adapters on the meta device: from config.json alone where the builder
     would load a transformers model's weights."""
-    from sdnet_trainer.models.registry import build_model
-
     folder = hf_weights_folder(cfg.weights)
     if folder is not None and cfg.name == "hf_causal_lm":
         cfg = copy.copy(cfg)
         cfg.weights, cfg.hf_config = None, str(folder)
     with torch.device("meta"):
-        return build_model(cfg)
+        return build(cfg)
 
 
 __all__ = [

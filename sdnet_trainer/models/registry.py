@@ -1,18 +1,18 @@
-"""Build a model from ``ModelConfig``: the model families by name, this project's own small
-classifiers, and torchvision's.
+"""The registry of models by ``model.name``: the model families, this project's own small
+classifiers, and torchvision's (``models/build.py`` builds them; ``models/families.py`` registers
+the built-in families).
 
-The registry is data: :data:`FAMILIES` maps ``model.name`` to each family's entry
-(``models/family.py``'s ``ModelFamily``: its builder, validator, Hugging Face adapter, serving
-cache), and set-up, preflight, the dry run, export and serving ask :func:`model_family` instead of
-branching on names. A family of your own: :func:`register_family` from the module of the Trainer
-subclass your config names (docs/subclassing.md). Classifiers take ``model.num_classes``; the
-language families take their sizes from their own section (``model.gpt``, ``model.llama``,
-``model.moe``, a Hugging Face config.json).
+The registry is data, and holds no family of its own: :data:`FAMILIES` maps ``model.name`` to
+each family's entry (``models/family.py``'s ``ModelFamily``: its builder, validator, Hugging Face
+adapter, serving cache), and set-up, preflight, the dry run, export and serving ask
+:func:`model_family` instead of branching on names. A family of your own: :func:`register_family`
+from the module of the Trainer subclass your config names (docs/subclassing.md). Classifiers take
+``model.num_classes``; the language families take their sizes from their own section
+(``model.gpt``, ``model.llama``, ``model.moe``, a Hugging Face config.json).
 """
 
 from __future__ import annotations
 
-import difflib
 import logging
 from collections.abc import Callable
 
@@ -20,11 +20,8 @@ from torch import nn
 
 from sdnet_trainer.config.schema import ModelConfig
 from sdnet_trainer.errors import ConfigError
-from sdnet_trainer.models import gpt, hf_causal_lm, llama, moe
 from sdnet_trainer.models.family import FolderReader, ModelFamily
 from sdnet_trainer.models.hf_folder import hf_weights_folder
-from sdnet_trainer.models.init import REPLACED_STEM, ZERO_INIT_RESIDUAL
-from sdnet_trainer.models.lora import inject_lora
 from sdnet_trainer.models.simple_cnn import SimpleCNN
 
 logger = logging.getLogger(__name__)
@@ -45,10 +42,6 @@ def register_family(family: ModelFamily) -> ModelFamily:
         raise ConfigError(f"model.name={family.name!r} names one of the project's classifiers")
     FAMILIES[family.name] = family
     return family
-
-
-for _family in (gpt.FAMILY, llama.FAMILY, moe.FAMILY, hf_causal_lm.FAMILY):
-    register_family(_family)
 
 
 def model_family(name: str) -> ModelFamily | None:
@@ -78,39 +71,6 @@ def available_models() -> list[str]:
     )
 
 
-def build_model(cfg: ModelConfig) -> nn.Module:
-    model: nn.Module
-    family = model_family(cfg.name)
-    if family is not None:
-        model = family.build(cfg)
-        lora = getattr(cfg, "lora", None)
-        if lora is not None and lora.enabled:  # peft's adapters in it, the rest frozen
-            model = inject_lora(model, cfg, family)
-    elif cfg.name in OWN_MODELS:
-        if cfg.weights is not None:
-            raise ConfigError(
-                f"model.weights={cfg.weights!r}: model.name={cfg.name!r} has no pretrained weights"
-            )
-        model = OWN_MODELS[cfg.name](num_classes=_num_classes(cfg), **cfg.kwargs)
-    else:
-        model = _torchvision_model(cfg)
-    if cfg.cifar_stem:
-        _use_cifar_stem(model, cfg.name)
-    return model
-
-
-def _num_classes(cfg: ModelConfig) -> int:
-    if cfg.num_classes is None:
-        # The Trainer fills it in from the data before building (data.resolve_num_classes).
-        raise ConfigError(
-            f"model.num_classes is not set for model.name={cfg.name!r}: the Trainer takes the "
-            f"class count from the data (or data.num_classes); to build the model by hand, pass "
-            f"it: compose([..., 'model.num_classes=10']), or set cfg.model.num_classes before "
-            f"build_model(cfg.model)"
-        )
-    return cfg.num_classes
-
-
 def decoder_sizes(cfg: ModelConfig) -> tuple[int, int] | None:
     """(width, layer count) of a decoder language model's config; None for other models."""
     family = model_family(cfg.name)
@@ -119,53 +79,12 @@ def decoder_sizes(cfg: ModelConfig) -> tuple[int, int] | None:
     return family.decoder_sizes(cfg)
 
 
-def _torchvision_model(cfg: ModelConfig) -> nn.Module:
-    import torchvision  # as in available_models
-
-    names = torchvision.models.list_models(module=torchvision.models)
-    if cfg.name not in names:
-        close = difflib.get_close_matches(cfg.name, available_models(), n=3)
-        hint = f"; did you mean {', '.join(close)}?" if close else ""
-        raise ConfigError(f"model.name={cfg.name!r} is not in the model registry{hint}")
-    try:
-        # weights=None builds a randomly initialised model; a weights name loads (and on first use
-        # downloads) torchvision's pretrained checkpoint, whose head must match num_classes.
-        model = torchvision.models.get_model(
-            cfg.name, weights=cfg.weights, num_classes=_num_classes(cfg), **cfg.kwargs
-        )
-    except (ValueError, TypeError, KeyError) as err:
-        raise ConfigError(
-            f"model.name={cfg.name!r} with model.weights={cfg.weights!r}, "
-            f"model.num_classes={cfg.num_classes}, model.kwargs={dict(cfg.kwargs)}: {err}"
-        ) from err
-    if cfg.kwargs.get("zero_init_residual"):
-        # Kept for the init replayed after building on the meta device (models/init.py).
-        setattr(model, ZERO_INIT_RESIDUAL, True)
-    return model
-
-
-def _use_cifar_stem(model: nn.Module, name: str) -> None:
-    """3x3 stride-1 first conv and no max-pool: 32x32 inputs keep their resolution into layer1."""
-    conv1 = getattr(model, "conv1", None)
-    if not isinstance(conv1, nn.Conv2d) or not hasattr(model, "maxpool"):
-        raise ConfigError(
-            f"model.cifar_stem=true needs a ResNet-style model (conv1 + maxpool); "
-            f"model.name={name!r} has none"
-        )
-    # What was removed, for the init replayed after building on the meta device (models/init.py).
-    setattr(
-        model,
-        REPLACED_STEM,
-        {
-            "in_channels": conv1.in_channels,
-            "out_channels": conv1.out_channels,
-            "kernel_size": conv1.kernel_size,
-            "stride": conv1.stride,
-            "padding": conv1.padding,
-            "bias": conv1.bias is not None,
-        },
-    )
-    model.conv1 = nn.Conv2d(
-        conv1.in_channels, conv1.out_channels, kernel_size=3, stride=1, padding=1, bias=False
-    )
-    model.maxpool = nn.Identity()
+__all__ = [
+    "FAMILIES",
+    "OWN_MODELS",
+    "available_models",
+    "decoder_sizes",
+    "hf_weights_reader",
+    "model_family",
+    "register_family",
+]

@@ -305,7 +305,7 @@ def hf_state(
     (its state-dict adapter, the hub's layout), each value over the same tensor (a DTensor
     shard, or a view of one); the count of tensors left under the model's own names (what no
     Hugging Face model of the family has); a note. None where the family reads no folder."""
-    from sdnet_trainer.models.lora import base_state
+    from sdnet_trainer.models.lora_names import base_state
     from sdnet_trainer.models.registry import model_family
 
     family = model_family(cfg.model.name)

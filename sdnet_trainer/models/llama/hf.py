@@ -38,7 +38,7 @@ from sdnet_trainer.models.hf_folder import (
     stored_tensors,
 )
 from sdnet_trainer.models.llama.state_dict_adapter import HF_NAMES, from_hf_name, to_hf, to_hf_name
-from sdnet_trainer.models.lora import base_state
+from sdnet_trainer.models.lora_names import base_state
 
 logger = logging.getLogger(__name__)
 

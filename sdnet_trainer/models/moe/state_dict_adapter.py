@@ -32,7 +32,7 @@ from torch.distributed.tensor.placement_types import Placement, _StridedShard
 
 from sdnet_trainer.errors import ConfigError
 from sdnet_trainer.models.hf_folder import Block, HFState
-from sdnet_trainer.models.lora import base_state
+from sdnet_trainer.models.lora_names import base_state
 from sdnet_trainer.models.moe.hf import Layout, Stored, hf_model_type, stored_as, written_layout
 
 
