@@ -15,9 +15,14 @@ class AutoLayoutConfig:
     measure them (python -m sdnet_trainer.plan.calibrate) and pass the file as calibration."""
 
     # What the planned ranks run on: auto (the launch's device; --plan: this machine's), cpu, or
-    # cuda (GPUs planned from a machine without them: set parallel.memory_per_rank_gib and
-    # parallel.auto.peak_tflops).
+    # cuda (GPUs planned from a machine without them: name them with parallel.auto.gpu, or set
+    # parallel.memory_per_rank_gib and parallel.auto.peak_tflops).
     device: str = "auto"
+    # The GPU the ranks run on, by name: h100, h200, a100, b200, mi300x, ... (runtime/gpus.py's
+    # table; h100_pcie, h100_nvl for the other boards). It implies device=cuda, and its memory,
+    # dense peak for the run's dtype and links stand where the keys below, a calibration and
+    # parallel.memory_per_rank_gib say nothing. null: the device's own figures.
+    gpu: Optional[str] = None
     # Ranks that share a node's fast links (NVLink); null: the launch's LOCAL_WORLD_SIZE (--plan and
     # --dry-run, which plan a launch elsewhere: 8).
     ranks_per_node: Optional[int] = None
@@ -28,13 +33,14 @@ class AutoLayoutConfig:
     # layout may fill with its counted bytes; the rest is the allocator's slack, communication
     # buffers and workspaces the count does not see.
     memory_fraction: float = 0.85
-    # Dense peak TFLOPs of one device for the run's dtype; null: the device's spec sheet figure
-    # (observability/flops.py), or the calibration's measurement.
+    # Dense peak TFLOPs of one device for the run's dtype; null: the calibration's measurement,
+    # else the spec sheet's figure (runtime/gpus.py) for parallel.auto.gpu or the device.
     peak_tflops: Optional[float] = None
     # The share of the peak the model's matmuls reach (MFU before bubbles and communication).
     efficiency: float = 0.4
     # Bandwidth per rank, GB/s, in each direction: within a node and between nodes; null: the
-    # calibration's, else NVLink 4's 450 and one 400 Gb/s NIC per GPU's 50.
+    # calibration's, else parallel.auto.gpu's, else NVLink 4's 450 and one 400 Gb/s NIC per
+    # GPU's 50.
     intra_node_gbps: Optional[float] = None
     inter_node_gbps: Optional[float] = None
     # Latency of one hop of a collective, microseconds (a ring of n ranks pays n - 1 of them);

@@ -132,10 +132,25 @@ GUARDS: tuple[Guard, ...] = (
     ),
     Guard(
         "sched.name",
-        _one_of("cosine"),
-        "sched.name=cosine",
-        _keys("sched", "min_lr_ratio"),
-        fix="choose sched=cosine",
+        _one_of("cosine", "wsd"),
+        "sched.name=cosine or wsd",
+        _keys("sched", "min_lr_ratio", "decay_steps"),
+        fix="choose sched=cosine or sched=wsd",
+    ),
+    # The same switch: apart from min_lr_ratio, which it excludes (training/optim.py refuses both).
+    Guard(
+        "sched.name",
+        _one_of("cosine", "wsd"),
+        "sched.name=cosine or wsd",
+        _keys("sched", "min_lr"),
+        fix="choose sched=cosine or sched=wsd",
+    ),
+    Guard(
+        "sched.name",
+        _one_of("wsd"),
+        "sched.name=wsd",
+        _keys("sched", "decay_ratio", "decay_type"),
+        fix="choose sched=wsd",
     ),
     Guard(
         "sched.name",

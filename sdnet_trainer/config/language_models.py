@@ -18,6 +18,13 @@ class GPTConfig:
     n_heads: int = 4
     mlp_ratio: float = 4.0
     dropout: float = 0.0
+    # The output layer shares the token embedding's weight (GPT-2's; tie_word_embeddings): one
+    # parameter, initialised once, split by vocabulary rows under tensor parallelism; not with
+    # pipeline parallelism (parallel.pp > 1), where the two live on different stages.
+    tie_embeddings: bool = False
+    # Biases in the LayerNorms (the linear layers here never have one); false: no bias anywhere,
+    # nanoGPT's bias=False. format=hf writes a GPT-2 with zero biases where this model has none.
+    bias: bool = True
 
 
 @dataclass

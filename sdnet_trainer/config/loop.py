@@ -21,7 +21,14 @@ class LoopConfig:
     micro_batch_size: Optional[int] = None
     eval_batch_size: Optional[int] = None  # per rank; defaults to the training micro-batch
     eval_every_n_steps: Optional[int] = None
-    eval_at_epoch_end: bool = True
+    # Evaluate at every epoch end. null: only where loop.eval_every_n_steps is null (a period the
+    # user set is the schedule, and an epoch end does not add to it); true or false forces it.
+    eval_at_epoch_end: Optional[bool] = None
+    # Validation batches per rank per evaluation. null: the whole split. N: the first N batches
+    # of each rank's share (rank r of W holds samples r, r+W, r+2W...: together the split's first
+    # N x eval batch size x data-parallel ranks samples), the same ones at every evaluation, so
+    # successive evaluations (and val_ema/*) compare; the metrics are their exact means.
+    eval_max_batches: Optional[int] = None
     eval_at_end: bool = True
     seed: int = 0
     # torch.use_deterministic_algorithms and friends: slower, bitwise repeatable kernels.

@@ -127,6 +127,10 @@ class DataConfig:
     # vocabulary, normally interpolated from model.gpt.
     seq_len: int = 128
     vocab_size: int = 256
+    # text / chat / text shards, training windows: stride (at multiples of seq_len, each token a
+    # target once per epoch) or random (each start drawn from (seed, epoch, sample), as nanoGPT;
+    # an epoch: as many windows as stride; exact resume on any world size). See data/windows.py.
+    windows: str = "stride"
     # hf: the columns of the image and its label, or of the text (then language-model data:
     # data.tokenizer's ids, or UTF-8 bytes when null); text: the jsonl/parquet text (null: text).
     image_column: str = "image"

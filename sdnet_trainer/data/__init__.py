@@ -22,6 +22,7 @@ from sdnet_trainer.data.sampler import GlobalBatchSampler, ShardedEvalSampler
 from sdnet_trainer.data.synthetic import SyntheticImages
 from sdnet_trainer.data.token_cache import IGNORE_INDEX, PackedTokens
 from sdnet_trainer.data.tokens import MarkovTokens, TextBytes, TokenWindows
+from sdnet_trainer.data.windows import random_windows
 from sdnet_trainer.errors import ConfigError
 from sdnet_trainer.lazy import loaded_types, resolve
 
@@ -106,6 +107,11 @@ def validate_data(cfg: Config) -> None:
                 f"data.num_classes={data.num_classes}"
             )
     check_positive("data.image_size", data.image_size)
+    if random_windows(data) and not is_language_model_data(data):  # checks its choices too
+        raise ConfigError(
+            f"data.windows=random draws windows from a token stream; data.name={data.name!r} "
+            f"holds images: set data.windows=stride (its default)"
+        )
     check_choice("data.on_bad_sample", data.on_bad_sample, ON_BAD_SAMPLE)
     if data.chat_template is not None:
         check_choice("data.chat_template", data.chat_template, sorted(CHAT_TEMPLATES))

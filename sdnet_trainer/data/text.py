@@ -32,6 +32,7 @@ from sdnet_trainer.data.token_cache import (
 from sdnet_trainer.data.tokenizer import TextTokenizer, load_tokenizer
 from sdnet_trainer.data.tokens import _TEXT_VAL_FRACTION
 from sdnet_trainer.data.tokens import build_text as build_text_bytes
+from sdnet_trainer.data.windows import random_windows
 from sdnet_trainer.errors import ConfigError
 
 logger = logging.getLogger(__name__)
@@ -89,7 +90,9 @@ def check_vocab(cfg: DataConfig, tokenizer: TextTokenizer) -> None:
 def split_windows(
     cfg: DataConfig, cache: TokenCache, *, mask_eos: int | None
 ) -> tuple[PackedTokens, PackedTokens]:
-    """(train, val) windows: val is the last ~10% of the tokens, at least one window."""
+    """(train, val) windows: val is the last ~10% of the tokens, at least one window; the
+    training windows are cut as ``data.windows`` says, val's at stride."""
+    random = random_windows(cfg)
     window = cfg.seq_len + 1
     if cfg.seq_len < 1:
         raise ConfigError(f"data.seq_len={cfg.seq_len} must be >= 1 for data.name={cfg.name!r}")
@@ -100,13 +103,16 @@ def split_windows(
             f"needs at least {2 * window} (one window of seq_len + 1 tokens each for train and val)"
         )
     split = cache.length - val_len
-    train = PackedTokens(cache, start=0, end=split, seq_len=cfg.seq_len, mask_eos=mask_eos)
+    train = PackedTokens(
+        cache, start=0, end=split, seq_len=cfg.seq_len, mask_eos=mask_eos, random=random
+    )
     val = PackedTokens(cache, start=split, end=cache.length, seq_len=cfg.seq_len, mask_eos=mask_eos)
     logger.info(
-        "%s data: %d tokens, %d train / %d val windows of %d tokens",
+        "%s data: %d tokens, %d train (%s) / %d val windows of %d tokens",
         cfg.name,
         cache.length,
         len(train),
+        cfg.windows,
         len(val),
         cfg.seq_len,
     )

@@ -32,6 +32,7 @@ from torch.utils.data import Dataset
 from tqdm import tqdm
 
 from sdnet_trainer.data.synthetic import check_index
+from sdnet_trainer.data.windows import window_start
 from sdnet_trainer.errors import ConfigError
 
 logger = logging.getLogger(__name__)
@@ -238,25 +239,39 @@ class PackedTokens(Dataset):
     :class:`~sdnet_trainer.data.tokens.TokenWindows`. Targets the loss leaves out are
     ``IGNORE_INDEX``: tokens the cache marks as not trained (chat prompts), and with
     ``mask_eos`` set the token that follows ``mask_eos`` (the next document's first token,
-    which its predecessor cannot predict)."""
+    which its predecessor cannot predict). With ``random`` each window starts at a random offset
+    of ``[start, end)`` instead, as many windows per epoch (data/windows.py)."""
 
     draws_random = False  # each sample is a pure function of its index (no per-sample seeding)
 
     def __init__(
-        self, cache: TokenCache, *, start: int, end: int, seq_len: int, mask_eos: int | None
+        self,
+        cache: TokenCache,
+        *,
+        start: int,
+        end: int,
+        seq_len: int,
+        mask_eos: int | None,
+        random: bool = False,
     ) -> None:
         if seq_len < 1:
             raise ValueError(f"PackedTokens: seq_len must be >= 1, got {seq_len}")
         self.cache, self.start, self.end = cache, start, end
         self.seq_len, self.mask_eos = seq_len, mask_eos
         self.size = max(0, (end - start - 1) // seq_len)
+        self.random = random
+        # Random starts draw from the generator the loader seeds per sample (data/seeding.py).
+        self.draws_random = random
 
     def __len__(self) -> int:
         return self.size
 
     def __getitem__(self, index: int) -> tuple[torch.Tensor, torch.Tensor]:
         index = check_index(index, self.size, type(self).__name__)
-        begin = self.start + index * self.seq_len
+        tokens = self.end - self.start
+        begin = self.start + window_start(
+            index, seq_len=self.seq_len, tokens=tokens, random=self.random
+        )
         window = torch.from_numpy(
             self.cache.tokens[begin : begin + self.seq_len + 1].astype(np.int64)
         )
@@ -269,7 +284,8 @@ class PackedTokens(Dataset):
         return inputs, targets
 
     def __repr__(self) -> str:
+        windows = ", random windows" if self.random else ""
         return (
             f"PackedTokens({self.cache.name}, tokens={self.end - self.start}, "
-            f"seq_len={self.seq_len}, samples={self.size})"
+            f"seq_len={self.seq_len}, samples={self.size}{windows})"
         )

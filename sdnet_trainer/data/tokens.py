@@ -26,6 +26,7 @@ from torch.utils.data import Dataset
 
 from sdnet_trainer.config.schema import DataConfig
 from sdnet_trainer.data.synthetic import _SPLITS, _generator, check_index
+from sdnet_trainer.data.windows import random_windows, refuse_random_windows, window_start
 from sdnet_trainer.errors import ConfigError
 
 logger = logging.getLogger(__name__)
@@ -117,12 +118,13 @@ class TokenWindows(Dataset):
     sample ``i`` is (inputs, targets), the targets shifted by one.
 
     The stride is ``seq_len``, not ``seq_len + 1``: the last token of one window is the first input
-    of the next, so every token but the very first is a target exactly once.
+    of the next, so every token but the very first is a target exactly once. With ``random``
+    each window starts at a random offset instead, as many windows per epoch (data/windows.py).
     """
 
     draws_random = False  # each sample is a pure function of its index (no per-sample seeding)
 
-    def __init__(self, data: torch.Tensor, *, seq_len: int) -> None:
+    def __init__(self, data: torch.Tensor, *, seq_len: int, random: bool = False) -> None:
         name = type(self).__name__
         if data.dim() != 1 or not self._accepts(data.dtype):
             raise ValueError(
@@ -134,6 +136,9 @@ class TokenWindows(Dataset):
         self.data = data
         self.seq_len = seq_len
         self.size = max(0, (len(data) - 1) // seq_len)
+        self.random = random
+        # Random starts draw from the generator the loader seeds per sample (data/seeding.py).
+        self.draws_random = random
 
     _dtype_text = "integer"
 
@@ -146,13 +151,14 @@ class TokenWindows(Dataset):
 
     def __getitem__(self, index: int) -> tuple[torch.Tensor, torch.Tensor]:
         index = check_index(index, self.size, type(self).__name__)
-        start = index * self.seq_len
+        start = window_start(index, seq_len=self.seq_len, tokens=len(self.data), random=self.random)
         window = self.data[start : start + self.seq_len + 1].to(torch.int64)
         return window[:-1], window[1:]
 
     def __repr__(self) -> str:
         name, tokens = type(self).__name__, len(self.data)
-        return f"{name}(tokens={tokens}, seq_len={self.seq_len}, samples={self.size})"
+        windows = ", random windows" if self.random else ""
+        return f"{name}(tokens={tokens}, seq_len={self.seq_len}, samples={self.size}{windows})"
 
 
 class TextBytes(TokenWindows):
@@ -173,6 +179,7 @@ def build_tokens(cfg: DataConfig) -> tuple[MarkovTokens, MarkovTokens]:
             raise ConfigError(f"data.{key}={value} must be >= 1 for data.name='tokens'")
     if cfg.vocab_size < 2:
         raise ConfigError(f"data.vocab_size={cfg.vocab_size} must be >= 2 for data.name='tokens'")
+    refuse_random_windows(cfg, "independent generated sequences, each a function of its index")
     common = dict(seq_len=cfg.seq_len, vocab_size=cfg.vocab_size, seed=cfg.synthetic_seed)
     train = MarkovTokens(cfg.train_size, split="train", **common)
     val = MarkovTokens(cfg.val_size, split="val", **common)
@@ -191,6 +198,7 @@ def build_text(cfg: DataConfig) -> tuple[TextBytes, TextBytes]:
         )
     if cfg.seq_len < 1:
         raise ConfigError(f"data.seq_len={cfg.seq_len} must be >= 1 for data.name='text'")
+    random = random_windows(cfg)
     data = _read_bytes(cfg.root)
     window = cfg.seq_len + 1
     # At least one window each for val and train.
@@ -200,12 +208,13 @@ def build_text(cfg: DataConfig) -> tuple[TextBytes, TextBytes]:
             f"data.root={cfg.root!r} holds {len(data)} bytes of text; data.seq_len={cfg.seq_len} "
             f"needs at least {2 * window} (one window of seq_len + 1 bytes each for train and val)"
         )
-    train = TextBytes(data[: len(data) - val_bytes], seq_len=cfg.seq_len)
+    train = TextBytes(data[: len(data) - val_bytes], seq_len=cfg.seq_len, random=random)
     val = TextBytes(data[len(data) - val_bytes :], seq_len=cfg.seq_len)
     logger.info(
-        "text data: %d bytes, %d train / %d val windows of %d bytes",
+        "text data: %d bytes, %d train (%s) / %d val windows of %d bytes",
         len(data),
         len(train),
+        cfg.windows,
         len(val),
         cfg.seq_len,
     )

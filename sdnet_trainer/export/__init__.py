@@ -13,7 +13,8 @@ loop state. What serving and inference tools want is the model alone, whole, in 
     model.pt2           a ``torch.export`` program (``torch.export.load(path).module()``)
     config.yaml         the training config, so the network can be rebuilt for the weights
 
-and, for a Llama (``model.name=llama``), ``format=hf``: a Hugging Face checkpoint folder
+and, for a GPT, a Llama or a mixture of experts (``model.name=gpt|llama|moe``), ``format=hf``: a
+Hugging Face checkpoint folder
 (``config.json``, ``model-0000i-of-0000N.safetensors`` and ``model.safetensors.index.json``, the
 run's tokenizer files) that ``transformers.AutoModelForCausalLM.from_pretrained(out)`` loads as it
 is (``export/hf.py``). A LoRA run's checkpoint (``model.lora``) holds its adapters alone; they
@@ -52,7 +53,7 @@ Arguments, as ``key=value``:
 
     checkpoint=PATH   a step_NNNNNNNN/ folder, or a checkpoint directory (its newest valid step)
     format=pt         pt | safetensors | onnx | torch_export | hf | peft | all, or several:
-                      format=pt,onnx (all: every format but hf, which a Llama asks by name,
+                      format=pt,onnx (all: every format but hf, which a decoder asks by name,
                       and peft, which a LoRA run's adapters ask by name; hf and safetensors
                       do not share a folder: transformers would read the wrong weights file)
     out=DIR           default: <checkpoint>/export

@@ -6,12 +6,16 @@ three consumers through :class:`~sdnet_trainer.models.decoder.Decoder` and the G
 :data:`~sdnet_trainer.models.parallel_spec.GPT_LAYOUT`:
 
 - pipeline parallelism cuts the model at unit boundaries (``pipeline_units``), which is also why
-  the head is *not* weight-tied to the token embedding: they may live on different stages;
+  a head tied to the token embedding (``tie_embeddings``, GPT-2's) is refused there: the two
+  would live on different stages;
 - FSDP, activation checkpointing and ``torch.compile`` wrap one transformer block at a time
   (``parallel_blocks``);
 - tensor parallelism (``apply_tensor_parallel``) shards the linear layers Megatron-style.
   Attention derives the number of heads from the *local* projection width, so the same forward
   runs unchanged whether a rank holds all heads or only its share of them.
+
+The linear layers have no biases; the LayerNorms have them unless ``bias=False`` (nanoGPT's
+``bias=False``). Hugging Face sees it as a GPT-2 (``models/gpt_hf.py``, ``format=hf``).
 """
 
 from __future__ import annotations
@@ -33,7 +37,8 @@ from sdnet_trainer.models.decoder import (
     check_sequence,
     check_sequence_shards,
 )
-from sdnet_trainer.models.family import ModelFamily, check_kwargs, config_dict
+from sdnet_trainer.models.family import HFAdapter, ModelFamily, check_kwargs, config_dict
+from sdnet_trainer.models.gpt_hf import gpt2_config, gpt2_tensors
 from sdnet_trainer.models.parallel_spec import GPT_LAYOUT
 
 _MODEL_GPT: Named = "model.gpt.{}={}".format
@@ -104,13 +109,14 @@ class MLP(nn.Module):
 
 
 class Block(nn.Module):
-    """Pre-norm transformer block: ``x + attn(norm1(x))``, then ``x + mlp(norm2(x))``."""
+    """Pre-norm transformer block: ``x + attn(norm1(x))``, then ``x + mlp(norm2(x))``; the
+    LayerNorms without a bias when not ``bias``."""
 
-    def __init__(self, dim: int, n_heads: int, hidden: int, dropout: float) -> None:
+    def __init__(self, dim: int, n_heads: int, hidden: int, dropout: float, bias: bool) -> None:
         super().__init__()
-        self.norm1 = nn.LayerNorm(dim)
+        self.norm1 = nn.LayerNorm(dim, bias=bias)
         self.attn = Attention(dim, n_heads, dropout)
-        self.norm2 = nn.LayerNorm(dim)
+        self.norm2 = nn.LayerNorm(dim, bias=bias)
         self.mlp = MLP(dim, hidden, dropout)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -120,9 +126,10 @@ class Block(nn.Module):
 
 class GPT(Decoder):
     """Decoder-only transformer: int64 tokens (B, T) with T <= seq_len -> logits (B, T,
-    vocab_size)."""
+    vocab_size). The keyword arguments are ``model.gpt``'s keys."""
 
     layout = GPT_LAYOUT
+    config_key = "model.gpt"
 
     def __init__(
         self,
@@ -133,6 +140,8 @@ class GPT(Decoder):
         n_heads: int,
         mlp_ratio: float = 4.0,
         dropout: float = 0.0,
+        tie_embeddings: bool = False,
+        bias: bool = True,
     ) -> None:
         super().__init__()
         _check_sizes(
@@ -152,13 +161,18 @@ class GPT(Decoder):
         self.dropout = dropout
         self.mlp_ratio = mlp_ratio
         self.hidden = int(mlp_ratio * dim)
+        self.tie_embeddings = tie_embeddings
+        # Not ``self.bias``: code that walks modules reads a module's ``bias`` as its tensor.
+        self.norm_bias = bias
         self.embed = Embedding(vocab_size, seq_len, dim, dropout)
         self.blocks = nn.ModuleList(
-            Block(dim, n_heads, self.hidden, dropout) for _ in range(n_layers)
+            Block(dim, n_heads, self.hidden, dropout, bias) for _ in range(n_layers)
         )
-        self.norm = nn.LayerNorm(dim)
+        self.norm = nn.LayerNorm(dim, bias=bias)
         self.head = nn.Linear(dim, vocab_size, bias=False)
-        # Every parameter from its distribution (Decoder.distribution: GPT-2's init).
+        self._tie()
+        # Every parameter from its distribution (Decoder.distribution: GPT-2's init), a tied
+        # weight once, as the embedding.
         self.apply_own_init()
 
     def check_tensor_parallel(self, tp: int, *, sequence_parallel: bool) -> None:
@@ -174,10 +188,17 @@ class GPT(Decoder):
         )
 
 
-def validate_gpt(cfg: Config, *, tp: int) -> None:
-    """``model.gpt.*`` (for ``model.name=gpt``) against the data and ``parallel.tp``, before
-    launch."""
+def validate_gpt(cfg: Config, *, tp: int, pp: int = 1) -> None:
+    """``model.gpt.*`` (for ``model.name=gpt``) against the data, ``parallel.tp`` and
+    ``parallel.pp``, before launch."""
     data, gpt = cfg.data, cfg.model.gpt
+    sizes = gpt_sizes(cfg.model)
+    if pp > 1 and sizes["tie_embeddings"]:
+        raise ConfigError(
+            f"model.gpt.tie_embeddings=true with parallel.pp={pp}: the token embedding and the "
+            f"output layer share one weight and cannot live on different pipeline stages "
+            f"(parallel.pp=1, or model.gpt.tie_embeddings=false)"
+        )
     if is_language_model_data(data):
         if data.vocab_size != gpt.vocab_size:
             raise ConfigError(
@@ -268,11 +289,23 @@ def _decoder_sizes(cfg: ModelConfig) -> tuple[int, int]:
     return int(sizes["dim"]), int(sizes["n_layers"])
 
 
+def hf_tensors(model: nn.Module) -> dict[str, torch.Tensor]:
+    """The GPT's tensors under GPT-2's names (``models/gpt_hf.py``); a tied output layer once."""
+    if not isinstance(model, GPT):
+        raise ConfigError(
+            f"model.name=gpt's Hugging Face names are a GPT's; this model is a "
+            f"{type(model).__name__}"
+        )
+    return gpt2_tensors(model)
+
+
 FAMILY = ModelFamily(
     name="gpt",
     build=lambda cfg: GPT(**gpt_sizes(cfg)),
     language=True,
     context_parallel=True,
-    validate=lambda cfg, *, tp, pp: validate_gpt(cfg, tp=tp),
+    validate=lambda cfg, *, tp, pp: validate_gpt(cfg, tp=tp, pp=pp),
     decoder_sizes=_decoder_sizes,
+    # format=hf: a GPT-2 (transformers' GPT2LMHeadModel), zero biases where the GPT has none.
+    hf=HFAdapter(tensors=hf_tensors, config=gpt2_config),
 )

@@ -469,7 +469,8 @@ def table(plan: Plan, cfg: Config) -> str:
         f"node), global batch {cfg.loop.global_batch_size}, sequence {cfg.data.seq_len}",
         f"  memory {in_units(hw.memory)} per rank: {hw.memory_source}; "
         f"{hw.flops / 1e12:.3g} TFLOP/s per rank: {hw.flops_source}; links "
-        f"{hw.intra / 1e9:g} GB/s in a node, {hw.inter / 1e9:g} GB/s between nodes",
+        f"{hw.intra / 1e9:g} GB/s in a node, {hw.inter / 1e9:g} GB/s between nodes "
+        f"({hw.links_source})",
         f"  {plan.considered} layouts, {plan.fitting} fit; the fastest "
         f"{len(plan.shown)} the validator accepts:",
         f"  {'#':>2} {'layout':<30} {'ckpt':<4} {'micro-batch':<16} {'per rank':>10} "

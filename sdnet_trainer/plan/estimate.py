@@ -135,6 +135,7 @@ class Hardware:
     ranks_per_node: int
     # More ranks than processors (CPU ranks over fewer cores): they take turns on the cores.
     time_shared: bool = False
+    links_source: str = ""  # where intra, inter and latency came from, for the plan's header
 
 
 @dataclass

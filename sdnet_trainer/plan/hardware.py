@@ -1,11 +1,12 @@
 """The figures the planner assumes of a rank: memory, FLOP/s and links.
 
 Each comes from, in order: ``parallel.auto.*`` where the key is set, a calibration file written
-on the machine (``python -m sdnet_trainer.plan.calibrate``), the device, or the documented
-defaults (nodes of 8 H100/H200 SXM GPUs). Every rank of a launch plans alone, before the process
-group exists, so each figure is one all ranks read alike: a GPU's total memory rather than its
-free memory (the Trainer's check before allocating reads that), the host's total memory shared
-by the node's ranks.
+on the machine (``python -m sdnet_trainer.plan.calibrate``), the datasheet of the GPU
+``parallel.auto.gpu`` names (``runtime/gpus.py``), the device, or the documented defaults (nodes
+of 8 H100/H200 SXM GPUs). Every rank of a launch plans alone, before the process group exists,
+so each figure is one all ranks read alike: a GPU's total memory rather than its free memory (the
+Trainer's check before allocating reads that), the host's total memory shared by the node's
+ranks.
 """
 
 from __future__ import annotations
@@ -19,10 +20,12 @@ from typing import Any
 import torch
 
 from sdnet_trainer.config import Config
+from sdnet_trainer.config.checks import check_choice
 from sdnet_trainer.distributed.env import local_world_size_from_env
 from sdnet_trainer.errors import ConfigError
 from sdnet_trainer.observability.flops import peak_tflops
 from sdnet_trainer.plan.estimate import Hardware
+from sdnet_trainer.runtime.gpus import GPU_NAMES, GPUS, peak_of
 from sdnet_trainer.runtime.precision import DTYPES
 from sdnet_trainer.training.fits import GIB
 
@@ -53,18 +56,20 @@ def hardware(cfg: Config, device: torch.device, *, ranks_per_node: int | None = 
     a launch elsewhere assumes), else the launch's own."""
     auto = cfg.parallel.auto
     calibration = read_calibration(auto.calibration) if auto.calibration else {}
-    target = device.type if auto.device == "auto" else auto.device
+    gpu = named_gpu(cfg)
+    target = "cuda" if gpu else device.type if auto.device == "auto" else auto.device
     node = auto.ranks_per_node or ranks_per_node or _launch_ranks_per_node()
     here = device if device.type == target else None  # the device itself, where it is read
-    memory, memory_source = _memory(cfg, target, here, node)
-    flops, flops_source = _flops(cfg, target, here, calibration)
+    memory, memory_source = _memory(cfg, target, here, node, gpu)
+    flops, flops_source = _flops(cfg, target, here, calibration, gpu)
     shared = auto.shared_cores
     if shared is None:
         shared = target == "cpu" and node > _cores()
-    intra, inter, latency = (
-        _figure(cfg, key, calibration)
+    links = {
+        key: _figure(cfg, key, calibration, gpu)
         for key in ("intra_node_gbps", "inter_node_gbps", "latency_us")
-    )
+    }
+    (intra, _), (inter, _), (latency, _) = links.values()
     return Hardware(
         memory=int(memory * auto.memory_fraction),
         memory_source=f"{auto.memory_fraction:g} x {memory / GIB:.3g} GiB ({memory_source})",
@@ -76,7 +81,31 @@ def hardware(cfg: Config, device: torch.device, *, ranks_per_node: int | None = 
         block_overhead=_block_overhead(cfg, target, calibration),
         ranks_per_node=node,
         time_shared=shared,
+        links_source=_sources({key: source for key, (_, source) in links.items()}),
     )
+
+
+def _sources(sources: dict[str, str]) -> str:
+    """Where the link figures came from: once where they share a source, else per key."""
+    if len(set(sources.values())) == 1:
+        return next(iter(sources.values()))
+    return ", ".join(f"{key} from {source}" for key, source in sources.items())
+
+
+def named_gpu(cfg: Config) -> tuple[str, str] | None:
+    """(the name, its row's key in runtime/gpus.py's table) for ``parallel.auto.gpu``, None where
+    it is null; a name the table lacks is a ConfigError listing those it has."""
+    auto = cfg.parallel.auto
+    if auto.gpu is None:
+        return None
+    name = str(auto.gpu).strip().lower()
+    check_choice("parallel.auto.gpu", name, sorted(GPU_NAMES))
+    if auto.device == "cpu":
+        raise ConfigError(
+            f"parallel.auto.gpu={auto.gpu} plans GPUs, parallel.auto.device=cpu CPU ranks: drop "
+            f"one of them (parallel.auto.gpu implies parallel.auto.device=cuda)"
+        )
+    return name, GPU_NAMES[name]
 
 
 def _cores() -> int:
@@ -85,13 +114,20 @@ def _cores() -> int:
     return os.cpu_count() or 1
 
 
-def _figure(cfg: Config, key: str, calibration: dict[str, float]) -> float:
-    """``parallel.auto.KEY`` where set, else the calibration's, else the default (nodes of 8
-    H100/H200 SXM GPUs)."""
+def _figure(
+    cfg: Config, key: str, calibration: dict[str, float], gpu: tuple[str, str] | None
+) -> tuple[float, str]:
+    """``parallel.auto.KEY`` where set, else the calibration's, else the named GPU's, else the
+    default (nodes of 8 H100/H200 SXM GPUs); and where it came from."""
     given = getattr(cfg.parallel.auto, key)
     if given is not None:
-        return float(given)
-    return calibration.get(key, LINK_DEFAULTS[key])
+        return float(given), f"parallel.auto.{key}"
+    if key in calibration:
+        return calibration[key], "parallel.auto.calibration"
+    datasheet = getattr(GPUS[gpu[1]], key, None) if gpu else None  # links; no latency there
+    if gpu is not None and datasheet is not None:
+        return float(datasheet), f"{gpu[0]} (parallel.auto.gpu)"
+    return LINK_DEFAULTS[key], "the defaults: nodes of 8 H100/H200 SXM"
 
 
 def _block_overhead(cfg: Config, target: str, calibration: dict[str, float]) -> float:
@@ -109,16 +145,23 @@ def _launch_ranks_per_node() -> int:
 
 
 def _memory(
-    cfg: Config, target: str, device: torch.device | None, ranks_per_node: int
+    cfg: Config,
+    target: str,
+    device: torch.device | None,
+    ranks_per_node: int,
+    gpu: tuple[str, str] | None,
 ) -> tuple[int, str]:
     given = cfg.parallel.memory_per_rank_gib
     if given is not None:
         return int(given * GIB), "parallel.memory_per_rank_gib"
+    if gpu is not None:
+        return int(GPUS[gpu[1]].memory_gib * GIB), f"{gpu[0]}, parallel.auto.gpu"
     if target == "cuda":
         if device is None or not torch.cuda.is_available():
             raise ConfigError(
-                "parallel.auto.device=cuda plans GPUs this machine does not have: set "
-                "parallel.memory_per_rank_gib (the GPUs' memory, e.g. 80)"
+                "parallel.auto.device=cuda plans GPUs this machine does not have: name them "
+                "with parallel.auto.gpu (h100, a100, ...) or set parallel.memory_per_rank_gib "
+                "(the GPUs' memory, e.g. 80)"
             )
         return torch.cuda.get_device_properties(device).total_memory, f"{device}'s memory"
     total = _host_total()
@@ -141,7 +184,11 @@ def _host_total() -> int | None:
 
 
 def _flops(
-    cfg: Config, target: str, device: torch.device | None, calibration: dict[str, float]
+    cfg: Config,
+    target: str,
+    device: torch.device | None,
+    calibration: dict[str, float],
+    gpu: tuple[str, str] | None,
 ) -> tuple[float, str]:
     auto = cfg.parallel.auto
     if auto.peak_tflops is not None:
@@ -150,13 +197,25 @@ def _flops(
         return calibration["flops"], f"measured ({auto.calibration})"
     if target == "cpu":
         return CPU_FLOPS, "the CPU default (no calibration)"
-    dtype = DTYPES["bf16" if cfg.precision.dtype == "auto" else cfg.precision.dtype]
+    # The GPUs' own precision: precision=auto is bf16 on any GPU the planner is asked about.
+    precision = "bf16" if cfg.precision.dtype == "auto" else cfg.precision.dtype
+    if gpu is not None:
+        name, model = gpu
+        peak = peak_of(model, precision, tf32=cfg.precision.tf32)
+        if peak is None:
+            raise ConfigError(
+                f"parallel.auto.gpu={name} has no dense {precision} peak on its datasheet "
+                f"(precision.dtype={cfg.precision.dtype}): set parallel.auto.peak_tflops"
+            )
+        source = f"{peak:g} TFLOP/s {precision} peak of {name} (parallel.auto.gpu)"
+        return peak * 1e12 * auto.efficiency, f"{source} x {auto.efficiency:g}"
+    dtype = DTYPES[precision]
     peak = peak_tflops(device, dtype) if device is not None and torch.cuda.is_available() else None
     if peak is None:
         raise ConfigError(
             "parallel=auto knows no peak for these GPUs (not on this machine, or not in "
-            "observability/flops.py's table): set parallel.auto.peak_tflops (an H100 SXM's "
-            "bf16: 989) or a calibration"
+            "runtime/gpus.py's table): name them with parallel.auto.gpu, or set "
+            "parallel.auto.peak_tflops (an H100 SXM's bf16: 989) or a calibration"
         )
     return peak * 1e12 * auto.efficiency, f"{peak:g} TFLOP/s peak x {auto.efficiency:g}"
 

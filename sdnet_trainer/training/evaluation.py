@@ -4,13 +4,15 @@ A batch contributes *sums* (loss, top-k hits) plus a ``count``; the reduction ad
 batch and rank and divides by the total count, so the result is the exact mean over the whole
 validation set whatever the world size or the last batch's size. Padding batches (which every
 rank runs so that all run as many forwards, see ``data/sampler.py``'s EvalBatchSampler) are run
-and not counted.
+and not counted. ``loop.eval_max_batches`` stops every rank after the same number of batches:
+the means are then those of the samples evaluated, each counted once.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable
 from contextlib import AbstractContextManager
+from itertools import islice
 from typing import Any
 
 import torch
@@ -71,17 +73,27 @@ def evaluate_batches(
     device: torch.device,
     agree_on_keys: bool,
     counted_batches: int | None = None,
+    max_batches: int | None = None,
 ) -> dict[str, float]:
-    """Run ``eval_step`` over every batch with ``model`` in eval mode (restored afterwards), add
-    up the sums of the first ``counted_batches`` (None: all) and reduce them over ranks (see
-    :func:`reduce_metric_sums`). The batches after those are padding: their forward still runs,
-    as a sharded model's forward is a collective every rank must join, but their sums are
-    dropped (not weighted by zero: a padding batch's non-finite loss would still poison a sum)."""
+    """Run ``eval_step`` over the first ``max_batches`` batches (None: all) with ``model`` in
+    eval mode (restored afterwards), add up the sums of the first ``counted_batches`` (None: all)
+    and reduce them over ranks (see :func:`reduce_metric_sums`). The batches after those are
+    padding: their forward still runs, as a sharded model's forward is a collective every rank
+    must join, but their sums are dropped (not weighted by zero: a padding batch's non-finite
+    loss would still poison a sum).
+
+    Every rank (every pipeline stage too) has as many batches and the same ``max_batches``, so
+    all stop at the same batch, and the count of what they summed stays exact; a rank whose
+    share runs out before ``max_batches`` runs its padding batches up to it. No batch at all
+    (no validation set, on every rank alike) is no metrics: ``{}``, without a collective."""
     was_training = model.training
     model.eval()
     totals: dict[str, torch.Tensor] = {}
+    ran = 0
     try:
-        for index, batch in enumerate(batches):
+        # islice stops before asking the loader for the batch after the last one evaluated.
+        for index, batch in enumerate(islice(batches, max_batches)):
+            ran += 1
             with autocast():
                 sums = eval_step(batch)
             after_batch()
@@ -91,6 +103,8 @@ def evaluate_batches(
                 totals[key] = totals.get(key, 0) + value.detach().double()
     finally:
         model.train(was_training)
+    if not ran:
+        return {}
     return reduce_metric_sums(totals, weight=weight, device=device, agree_on_keys=agree_on_keys)
 
 

@@ -68,7 +68,11 @@ class ProfilerHook(HookBase):
 class EvalHook(HookBase):
     """Evaluate every ``every_n_steps``, at each epoch end, and once at the end. With
     ``swap_average`` (``model.ema``), the weight average is evaluated too, in the model's place,
-    as ``val_ema/*``."""
+    as ``val_ema/*`` (over the same batches: ``evaluate`` applies ``loop.eval_max_batches``).
+
+    ``loop.eval_at_epoch_end`` left null evaluates at epoch ends only when no
+    ``loop.eval_every_n_steps`` is set: a period the user chose is the schedule, and an epoch
+    end adding evaluations to it was work nobody asked for."""
 
     def __init__(
         self,
@@ -84,7 +88,8 @@ class EvalHook(HookBase):
         self.swap_average = swap_average
         self.writer = writer
         self.every_n_steps = cfg.eval_every_n_steps
-        self.at_epoch_end = cfg.eval_at_epoch_end
+        at_epoch_end = cfg.eval_at_epoch_end
+        self.at_epoch_end = cfg.eval_every_n_steps is None if at_epoch_end is None else at_epoch_end
         self.at_end = cfg.eval_at_end
         self.total_steps = total_steps
         self.phase = phase

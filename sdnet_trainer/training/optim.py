@@ -5,6 +5,7 @@ from __future__ import annotations
 import difflib
 import importlib
 import inspect
+import logging
 import math
 from collections.abc import Callable
 from typing import Any
@@ -21,8 +22,12 @@ from sdnet_trainer.config.schema import Config, OptimConfig, SchedConfig
 from sdnet_trainer.config.synonyms import group_hint
 from sdnet_trainer.errors import ConfigError
 
+logger = logging.getLogger(__name__)
+
 # ``sched.name``: the learning-rate schedules of lr_multiplier.
-LR_SCHEDULES = ("constant", "cosine", "step", "multistep")
+LR_SCHEDULES = ("constant", "cosine", "wsd", "step", "multistep")
+# ``sched.decay_type``: the shapes of wsd's decay (torchtitan's names).
+DECAY_TYPES = ("linear", "sqrt", "cosine")
 OPTIM_IMPLEMENTATIONS = ("auto", "fused", "foreach", "for_loop")
 # Typed optional fields of OptimConfig, forwarded only when set.
 _OPTIONAL_ARGS = ("momentum", "nesterov", "betas", "eps")
@@ -81,8 +86,7 @@ def validate_optim(cfg: Config) -> None:
         raise ConfigError(
             f"sched.warmup_start_factor={sched.warmup_start_factor} must be in [0, 1]"
         )
-    if not 0.0 <= sched.min_lr_ratio <= 1.0:
-        raise ConfigError(f"sched.min_lr_ratio={sched.min_lr_ratio} must be in [0, 1]")
+    _validate_decay(sched, lr=optim.lr, max_steps=cfg.loop.max_steps)
     if sched.name == "step":
         check_positive("sched.step_size", sched.step_size)
     if sched.name == "multistep" and list(sched.milestones) != sorted(set(sched.milestones)):
@@ -91,15 +95,90 @@ def validate_optim(cfg: Config) -> None:
     check_choice("optim.implementation", optim.implementation, OPTIM_IMPLEMENTATIONS)
 
 
+def _validate_decay(sched: SchedConfig, *, lr: float, max_steps: int | None) -> None:
+    """The floor (``min_lr_ratio`` or ``min_lr``) and the decay's length (``decay_steps``,
+    ``decay_ratio``, ``decay_type``); wsd's fit in the run where ``loop.max_steps`` gives its
+    length (under ``loop.max_epochs`` lr_multiplier checks it once the data says)."""
+    if not 0.0 <= sched.min_lr_ratio <= 1.0:
+        raise ConfigError(f"sched.min_lr_ratio={sched.min_lr_ratio} must be in [0, 1]")
+    if sched.min_lr is not None:
+        if sched.min_lr_ratio != 0.0:
+            raise ConfigError(
+                f"sched.min_lr={sched.min_lr} and sched.min_lr_ratio={sched.min_lr_ratio} are "
+                f"both set; give the floor once, as a learning rate or as a fraction of optim.lr "
+                f"(after a recipe that sets sched.min_lr_ratio, add sched.min_lr_ratio=0)"
+            )
+        if not 0.0 <= sched.min_lr <= lr:
+            raise ConfigError(f"sched.min_lr={sched.min_lr} must be in [0, optim.lr={lr}]")
+    if sched.decay_steps is not None:
+        check_positive("sched.decay_steps", sched.decay_steps)
+        if sched.name == "cosine" and sched.decay_steps <= sched.warmup_steps:
+            raise ConfigError(
+                f"sched.decay_steps={sched.decay_steps} must be greater than "
+                f"sched.warmup_steps={sched.warmup_steps}: under sched=cosine it is the step the "
+                f"decay ends at, counted from the first step, warmup included"
+            )
+    if sched.decay_ratio is not None:
+        if not 0.0 <= sched.decay_ratio <= 1.0:
+            raise ConfigError(f"sched.decay_ratio={sched.decay_ratio} must be in [0, 1]")
+        if sched.decay_steps is not None:
+            raise ConfigError(
+                f"sched.decay_steps={sched.decay_steps} and sched.decay_ratio="
+                f"{sched.decay_ratio} are both set; give the decay's length once"
+            )
+    check_choice("sched.decay_type", sched.decay_type, DECAY_TYPES)
+    if sched.name == "wsd" and max_steps is not None:
+        _wsd_decay_steps(sched, max_steps)
+
+
 def param_groups(model: nn.Module, cfg: OptimConfig) -> list[dict]:
-    """One group, or two when biases and normalization weights are kept out of weight decay."""
+    """One group, or two when ``optim.no_decay_norm_and_bias`` (every 1-D tensor) or
+    ``optim.no_decay_embeddings`` (every nn.Embedding's weight) keep tensors out of weight
+    decay: the second group has weight_decay 0."""
     params = [p for p in model.parameters() if p.requires_grad]
-    if not cfg.no_decay_norm_and_bias or cfg.weight_decay == 0:
+    if not (cfg.no_decay_norm_and_bias or cfg.no_decay_embeddings) or cfg.weight_decay == 0:
         return [{"params": params}]
-    # 1-D tensors are biases and norm scales/shifts in every torchvision model.
-    decay = [p for p in params if p.ndim > 1]
-    no_decay = [p for p in params if p.ndim <= 1]
+    # By identity: an output layer tied to the token embedding is the same tensor, and
+    # model.parameters() yields it once.
+    embeddings = {id(m.weight) for m in model.modules() if isinstance(m, nn.Embedding)}
+
+    def excluded(p: nn.Parameter) -> bool:
+        # 1-D tensors are biases and norm scales/shifts in every model here.
+        return (cfg.no_decay_norm_and_bias and p.ndim <= 1) or (
+            cfg.no_decay_embeddings and id(p) in embeddings
+        )
+
+    decay = [p for p in params if not excluded(p)]
+    no_decay = [p for p in params if excluded(p)]
+    _log_groups(cfg, decay, no_decay)
     return [{"params": decay}, {"params": no_decay, "weight_decay": 0.0}]
+
+
+def _log_groups(cfg: OptimConfig, decay: list[nn.Parameter], no_decay: list[nn.Parameter]) -> None:
+    """The two groups' sizes, once per run (other ranks log warnings only). Not for parameters
+    on the meta device: the memory check's probe (fits.py) and the dry run build an optimizer
+    there too, and their groups are not the run's."""
+    if any(p.is_meta for p in decay + no_decay):
+        return
+    kept = [
+        name
+        for name, on in (
+            ("1-D tensors (biases, norms)", cfg.no_decay_norm_and_bias),
+            ("embeddings", cfg.no_decay_embeddings),
+        )
+        if on
+    ]
+
+    def size(group: list[nn.Parameter]) -> str:
+        return f"{len(group)} tensors ({sum(p.numel() for p in group) / 1e6:.2f}M parameters)"
+
+    logger.info(
+        "weight decay %g on %s; none on %s: %s",
+        cfg.weight_decay,
+        size(decay),
+        size(no_decay),
+        " and ".join(kept),
+    )
 
 
 def build_optimizer(
@@ -185,26 +264,51 @@ def _fused_runs_on(cls: type[torch.optim.Optimizer], params: list[nn.Parameter])
     return op is not None and any(op.default in getattr(propagator, t, {}) for t in tables)
 
 
-def lr_multiplier(cfg: SchedConfig, total_steps: int) -> Callable[[int], float]:
+def lr_multiplier(
+    cfg: SchedConfig, total_steps: int, *, base_lr: float | None = None
+) -> Callable[[int], float]:
     """The factor applied to the base lr before optimizer step ``step`` (0-based).
 
     Linear warmup from ``warmup_start_factor`` to 1 over ``warmup_steps``, then the named decay
-    over the remaining steps (step and multistep count absolute steps, like torch's StepLR and
-    MultiStepLR). A pure function of the step, so resuming needs only the step.
+    (step and multistep count absolute steps, like torch's StepLR and MultiStepLR). Cosine and
+    wsd end at the floor, ``min_lr_ratio`` or ``min_lr / base_lr`` (``base_lr``: the lr of the
+    group it drives, needed with ``min_lr``). A pure function of the step, so resuming needs
+    only the step.
     """
     warmup = cfg.warmup_steps
-    # The last step (total_steps - 1) runs at exactly the final value.
-    decay_steps = max(total_steps - warmup - 1, 1)
+    if cfg.min_lr is None:
+        floor = cfg.min_lr_ratio
+    elif base_lr is None:
+        raise TypeError("lr_multiplier: sched.min_lr needs the group's base_lr")
+    else:
+        floor = cfg.min_lr / base_lr if base_lr else 0.0
+    # cosine: the step that runs at the floor (0-based; null: the run's last); the decay starts
+    # at the peak right after the warmup, as nanoGPT's from warmup_iters to lr_decay_iters.
+    last = (total_steps if cfg.decay_steps is None else cfg.decay_steps) - 1
+    cosine_steps = max(last - warmup, 1)
+    # wsd: the decay takes the last wsd_steps steps, the first at the peak, the last at the floor.
+    wsd_steps = _wsd_decay_steps(cfg, total_steps) if cfg.name == "wsd" else 0
+    wsd_start = total_steps - wsd_steps
+
+    def decayed(shape: str, progress: float) -> float:
+        p = min(progress, 1.0)  # past the decay's end the lr stays at the floor
+        if shape == "linear":
+            left = 1.0 - p
+        elif shape == "sqrt":
+            left = 1.0 - math.sqrt(p)
+        else:
+            left = 0.5 * (1.0 + math.cos(math.pi * p))
+        return floor + (1.0 - floor) * left
 
     def factor(step: int) -> float:
         if step < warmup:
             return cfg.warmup_start_factor + (1.0 - cfg.warmup_start_factor) * step / warmup
-        t = step - warmup
         if cfg.name == "cosine":
-            progress = min(t / decay_steps, 1.0)
-            return cfg.min_lr_ratio + (1.0 - cfg.min_lr_ratio) * 0.5 * (
-                1.0 + math.cos(math.pi * progress)
-            )
+            return decayed("cosine", (step - warmup) / cosine_steps)
+        if cfg.name == "wsd":
+            if wsd_steps == 0 or step < wsd_start:
+                return 1.0
+            return decayed(cfg.decay_type, (step - wsd_start) / max(wsd_steps - 1, 1))
         if cfg.name == "step":
             return cfg.gamma ** (step // cfg.step_size)
         if cfg.name == "multistep":
@@ -214,7 +318,33 @@ def lr_multiplier(cfg: SchedConfig, total_steps: int) -> Callable[[int], float]:
     return factor
 
 
+def _wsd_decay_steps(cfg: SchedConfig, total_steps: int) -> int:
+    """wsd: how many of the run's last steps the decay takes (``decay_steps``, ``decay_ratio``
+    of the run rounded, or all after the warmup); a ConfigError where warmup and decay do not
+    fit in the run."""
+    if cfg.decay_steps is not None:
+        steps, given = cfg.decay_steps, f"sched.decay_steps={cfg.decay_steps}"
+    elif cfg.decay_ratio is not None:
+        steps = round(total_steps * cfg.decay_ratio)
+        given = f"sched.decay_ratio={cfg.decay_ratio} ({steps} steps)"
+    else:
+        return max(total_steps - cfg.warmup_steps, 0)
+    if cfg.warmup_steps + steps > total_steps:
+        raise ConfigError(
+            f"{given} and sched.warmup_steps={cfg.warmup_steps} do not fit in the run's "
+            f"{total_steps} steps; shorten the decay or the warmup"
+        )
+    return steps
+
+
 def build_scheduler(
     optimizer: torch.optim.Optimizer, cfg: SchedConfig, *, total_steps: int
 ) -> LambdaLR:
-    return LambdaLR(optimizer, lr_multiplier(cfg, total_steps))
+    """The schedule as torch's LambdaLR (its state, the step, is what a checkpoint keeps): one
+    factor per parameter group, since sched.min_lr is a learning rate, a different fraction of
+    each group's own lr."""
+    factors = [
+        lr_multiplier(cfg, total_steps, base_lr=group.get("initial_lr", group["lr"]))
+        for group in optimizer.param_groups
+    ]
+    return LambdaLR(optimizer, factors)

@@ -109,3 +109,4 @@ def validate_loop(cfg: Config) -> None:
     check_positive("loop.max_epochs", loop.max_epochs, allow_none=True)
     check_positive("loop.eval_every_n_steps", loop.eval_every_n_steps, allow_none=True)
     check_positive("loop.eval_batch_size", loop.eval_batch_size, allow_none=True)
+    check_positive("loop.eval_max_batches", loop.eval_max_batches, allow_none=True)

@@ -198,11 +198,9 @@ class Trainer:
     metric_sums = staticmethod(metric_sums)
 
     def evaluate(self) -> dict[str, float]:
-        """Metrics over the whole validation set, identical on every rank."""
-        if self.data.val_loader is None:
-            return {}
+        """Metrics over the validation set (loop.eval_max_batches), identical on every rank."""
         return evaluate_batches(
-            map(self.to_device, self.data.val_loader),
+            map(self.to_device, self.data.val_loader or ()),  # no validation set: no metrics
             self.eval_step,
             model=unwrap(self.model),
             autocast=self.precision.autocast,
@@ -211,6 +209,7 @@ class Trainer:
             device=self.device,
             agree_on_keys=self.dims.pp > 1,  # only the last stage has sums
             counted_batches=self.data.val_counted_batches,  # the rest pad the ranks' batch counts
+            max_batches=self.cfg.loop.eval_max_batches,  # every rank stops at the same batch
         )
 
     def build_hooks(self) -> list[HookBase]:

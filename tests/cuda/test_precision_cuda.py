@@ -11,7 +11,8 @@ import torch
 import torch.nn.functional as F
 
 from sdnet_trainer.config.schema import PrecisionConfig
-from sdnet_trainer.observability.flops import PEAK_TFLOPS, device_model, peak_tflops
+from sdnet_trainer.observability.flops import peak_tflops
+from sdnet_trainer.runtime.gpus import GPUS, device_model
 from sdnet_trainer.runtime.precision import DTYPES, Precision, choose_dtype, tf32_enabled
 from tests.support import assert_on_cuda
 
@@ -93,10 +94,10 @@ def _peaks_of(name: str) -> dict[str, float]:
     model = device_model(name)
     if model is None:
         pytest.fail(
-            f"{name!r} is not in the peak table (sdnet_trainer/observability/flops.py: "
-            f"_DEVICE_PATTERNS maps device names to PEAK_TFLOPS rows): add it from its datasheet"
+            f"{name!r} is not in the GPU table (sdnet_trainer/runtime/gpus.py: "
+            f"_DEVICE_PATTERNS maps device names to GPUS rows): add it from its datasheet"
         )
-    return PEAK_TFLOPS[model]
+    return dict(GPUS[model].peaks)
 
 
 def _figure(peaks: dict[str, float], key: str, name: str) -> float:

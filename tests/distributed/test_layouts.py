@@ -142,6 +142,11 @@ VAL_REMAINDER = {
     "gpt_fsdp_tp_loss_seq": GPT + FSDP_TP_LOSS_SEQ + ["data.val_size=17"],
 }
 VAL_REMAINDER_REF = "gpt_ref_val_remainder"
+# The same 17 samples over FSDP x 2 pipeline stages (2 data-parallel ranks: 2 batches of 8 on
+# rank 0, 1 on the other) under loop.eval_max_batches=1: every rank and stage stops after its
+# first batch (one running on alone would hang), and the two ranks' first batches are the split's
+# first 16 samples, the GPT reference's whole validation set: its val/* and val_ema/* exactly.
+VAL_CAP = "gpt_fsdp_pp_val_cap"
 FLOAT8_REF = "llama_ref_float8"
 
 # 1.9 MiB per rank (0.85 of 2.23): the GPT's SGD state and weight average sharded 4 ways with
@@ -161,6 +166,9 @@ AUTO_FSDP = [
 # the whole batch; ResNet layouts with one process over the same 4 micro-batches of 4.
 WORLD4 = {
     **VAL_REMAINDER,
+    VAL_CAP: GPT
+    + ["parallel=fsdp", "data.val_size=17", "loop.eval_max_batches=1"]
+    + _pipeline("1F1B", 2),
     "gpt_fsdp_zero2": GPT + ["parallel=fsdp", "parallel.fsdp.reshard_after_forward=false"],
     # Replicas of 2 shards, each rank's batch in 2 micro-batches.
     "gpt_hsdp_accum": GPT
@@ -597,6 +605,19 @@ def test_uneven_validation_shards_evaluate_like_one_process(runs, name):
         assert run["metrics"][key] == pytest.approx(ref["metrics"][key], rel=1e-4, abs=1e-6), key
     # 17 samples, not 16: the remainder sample changes the mean.
     assert ref["metrics"]["val/loss"] != runs["gpt_ref"]["metrics"]["val/loss"]
+
+
+def test_a_capped_evaluation_of_uneven_shards_is_over_the_first_batches_alone(runs):
+    """loop.eval_max_batches=1 over uneven shares and pipeline stages: the run finished, and
+    every val/* and val_ema/* metric is one process's over the split's first 16 samples, not
+    over all 17."""
+    run, ref = runs[VAL_CAP], runs["gpt_ref"]
+    keys = {k for k in ref["metrics"] if k.startswith(("val/", "val_ema/"))}
+    assert {"val/loss", "val/top1", "val_ema/loss"} <= keys
+    assert keys == {k for k in run["metrics"] if k.startswith(("val/", "val_ema/"))}
+    for key in sorted(keys):
+        assert run["metrics"][key] == pytest.approx(ref["metrics"][key], rel=1e-4, abs=1e-6), key
+    assert run["metrics"]["val/loss"] != runs[VAL_REMAINDER_REF]["metrics"]["val/loss"]
 
 
 @pytest.mark.parametrize(

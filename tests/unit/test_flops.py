@@ -12,14 +12,13 @@ from torch import nn
 
 from sdnet_trainer.models.simple_cnn import SimpleCNN
 from sdnet_trainer.observability.flops import (
-    PEAK_TFLOPS,
     count_flops,
-    device_model,
     mfu,
     peak_tflops,
     run_flops,
     train_flops_per_sample,
 )
+from sdnet_trainer.runtime.gpus import GPUS, device_model
 from sdnet_trainer.runtime.precision import configure_tf32
 
 GPU = torch.device("cuda", 0)  # only a name here: peak_tflops is given the device name
@@ -306,7 +305,8 @@ def test_override_wins_everywhere():
 
 
 def test_every_peak_is_dense_and_plausible():
-    for model, peaks in PEAK_TFLOPS.items():
+    for model, gpu in GPUS.items():
+        peaks = gpu.peaks
         assert set(peaks) <= {"bf16", "fp16", "tf32", "fp32"}, model
         for key, value in peaks.items():
             assert 1.0 < value < 5000.0, (model, key)

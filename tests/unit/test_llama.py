@@ -377,8 +377,10 @@ def test_export_hf_refuses_other_models_and_mixed_formats(tmp_path):
     from sdnet_trainer.models.registry import model_family
 
     gpt = build_model(compose(["model=gpt_tiny"]).model)
-    with pytest.raises(ExportError, match=r"Hugging Face adapter \(model.name=llama or moe\)"):
-        write_hf(gpt, tmp_path, family=model_family("gpt"))
+    cnn = build_model(compose(["model=simple_cnn", "model.num_classes=10"]).model)
+    adapters = r"Hugging Face adapter \(model.name=gpt or llama or moe\)"
+    with pytest.raises(ExportError, match=adapters):
+        write_hf(cnn, tmp_path, family=None)
     # A model the Llama's names do not fit, under model.name=llama: refused by name, not a crash.
     with pytest.raises(ConfigError, match="Hugging Face names are a Llama's; this model is a GPT"):
         write_hf(gpt, tmp_path, family=model_family("llama"))

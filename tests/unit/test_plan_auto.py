@@ -300,3 +300,55 @@ def test_context_parallel_is_a_candidate_for_long_sequences_alone():
     assert auto._context_degrees(compose([*LLAMA_8B, "data.seq_len=2048"]), 8) == [1, 2]
     assert auto._context_degrees(compose([*LLAMA_8B, "data.seq_len=1024"]), 8) == [1]
     assert auto._context_degrees(compose(GPT + AUTO_FSDP), 4) == [1]  # 64 tokens
+
+
+def test_a_named_gpu_gives_the_figures_of_the_one_table_explicit_keys_winning(monkeypatch):
+    """parallel.auto.gpu plans GPUs from a laptop (it implies device=cuda): the memory, the bf16
+    peak and the links come from runtime/gpus.py's table, the one the MFU reads too; keys given
+    win over it; the plan's header names where each figure came from."""
+    from sdnet_trainer.observability.flops import peak_tflops
+    from sdnet_trainer.runtime.gpus import GPUS, Gpu
+
+    named = ["+recipe=llama3_8b", "parallel=auto", "parallel.auto.gpu=h100"]
+    hw = hardware(compose(named), CPU, ranks_per_node=8)  # this machine has no GPU
+    assert hw.memory == int(0.85 * 80 * GIB) and "h100, parallel.auto.gpu" in hw.memory_source
+    assert hw.flops == pytest.approx(989.4e12 * 0.4)
+    assert "989.4 TFLOP/s bf16 peak of h100 (parallel.auto.gpu)" in hw.flops_source
+    assert (hw.intra, hw.inter) == (450e9, 50e9)
+    a100 = hardware(compose([*named[:2], "parallel.auto.gpu=A100"]), CPU, ranks_per_node=8)
+    assert (a100.memory, a100.flops, a100.inter) == (int(0.85 * 80 * GIB), 312e12 * 0.4, 25e9)
+    given = [
+        "parallel.memory_per_rank_gib=40",
+        "parallel.auto.peak_tflops=500",
+        "parallel.auto.inter_node_gbps=12.5",
+    ]
+    hw = hardware(compose([*named, *given]), CPU, ranks_per_node=8)
+    assert (hw.memory, hw.flops) == (int(0.85 * 40 * GIB), 500e12 * 0.4)
+    assert (hw.intra, hw.inter) == (450e9, 12.5e9)  # the key given, the table's elsewhere
+    assert hw.links_source == (
+        "intra_node_gbps from h100 (parallel.auto.gpu), inter_node_gbps from "
+        "parallel.auto.inter_node_gbps, latency_us from the defaults: nodes of 8 H100/H200 SXM"
+    )
+    # One table: a row changed there changes both the planner's figures and the MFU's peak.
+    monkeypatch.setitem(GPUS, "H100 SXM", Gpu({"bf16": 123.0}, 40, 100, 10))
+    hw = hardware(compose(named), CPU, ranks_per_node=8)
+    assert (hw.memory, hw.flops, hw.intra, hw.inter) == (
+        int(0.85 * 40 * GIB),
+        123e12 * 0.4,
+        100e9,
+        10e9,
+    )
+    h100 = "NVIDIA H100 80GB HBM3"
+    assert peak_tflops(torch.device("cuda"), torch.bfloat16, device_name=h100) == 123.0
+    known = "parallel.auto.gpu='h1000' is not one of a10, .*b200, h100, .*did you mean 'h100'"
+    with pytest.raises(ConfigError, match=known):
+        hardware(compose([*named[:2], "parallel.auto.gpu=h1000"]), CPU)
+    with pytest.raises(ConfigError, match="parallel.auto.gpu=h100 plans GPUs, parallel.auto.dev"):
+        hardware(compose([*named, "parallel.auto.device=cpu"]), CPU)
+    with pytest.raises(ConfigError, match="parallel.auto.gpu=v100 has no dense bf16 peak"):
+        hardware(compose([*named[:2], "parallel.auto.gpu=v100"]), CPU)
+    # The plan's header, for a model that plans in a moment.
+    cfg, plan = _plan([*GPT, *AUTO_FSDP[:1], "parallel.auto.gpu=h200"], 8)
+    header = table(plan, cfg).splitlines()[1]
+    assert "(h200, parallel.auto.gpu)" in header and "peak of h200 (parallel.auto.gpu)" in header
+    assert "between nodes (intra_node_gbps from h200 (parallel.auto.gpu)" in header

@@ -18,6 +18,7 @@ from sdnet_trainer.config.schema import DataConfig
 from sdnet_trainer.data.hf.load import TRAIN_SPLIT, require_column, require_datasets
 from sdnet_trainer.data.tokenizer import TextTokenizer, load_tokenizer
 from sdnet_trainer.data.tokens import _TEXT_VAL_FRACTION, BYTE_VOCAB, TextBytes, TokenWindows
+from sdnet_trainer.data.windows import random_windows
 from sdnet_trainer.errors import ConfigError
 
 if TYPE_CHECKING:
@@ -69,10 +70,10 @@ def _check_text_column(cfg: DataConfig, ds: hf_datasets.Dataset, split: str) -> 
     return column
 
 
-def _windows(data: torch.Tensor, seq_len: int) -> TextBytes | TokenWindows:
+def _windows(data: torch.Tensor, seq_len: int, *, random: bool) -> TextBytes | TokenWindows:
     if data.dtype == torch.uint8:
-        return TextBytes(data, seq_len=seq_len)
-    return TokenWindows(data, seq_len=seq_len)
+        return TextBytes(data, seq_len=seq_len, random=random)
+    return TokenWindows(data, seq_len=seq_len, random=random)
 
 
 def build_hf_text(
@@ -118,7 +119,9 @@ def build_hf_text(
                 f"data.text_column={column!r}; data.seq_len={cfg.seq_len} needs at least {window} "
                 f"(one window of seq_len + 1)"
             )
-    train_set, val_set = _windows(train_ids, cfg.seq_len), _windows(val_ids, cfg.seq_len)
+    # data.windows=random for training alone: validation compares the same windows every time.
+    train_set = _windows(train_ids, cfg.seq_len, random=random_windows(cfg))
+    val_set = _windows(val_ids, cfg.seq_len, random=False)
     logger.info(
         "hf text %s: %d train / %d val windows of %d %s (val: %s)",
         cfg.root,

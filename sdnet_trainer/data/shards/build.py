@@ -30,6 +30,7 @@ from sdnet_trainer.data.shards.reading import _ShardSet
 from sdnet_trainer.data.shards.text import ShardText
 from sdnet_trainer.data.tokens import BYTE_VOCAB
 from sdnet_trainer.data.transforms import build_transforms
+from sdnet_trainer.data.windows import random_windows, refuse_random_windows
 from sdnet_trainer.errors import ConfigError
 
 logger = logging.getLogger(__name__)
@@ -110,14 +111,20 @@ def _images(
     return dataset
 
 
-def _text(indexes: list[ShardIndex], sizes: list[int], cfg: DataConfig) -> ShardText:
+def _text(
+    indexes: list[ShardIndex], sizes: list[int], cfg: DataConfig, *, random: bool
+) -> ShardText:
     if cfg.vocab_size != BYTE_VOCAB:
         raise ConfigError(
             f"data.vocab_size={cfg.vocab_size}: text shards are read as bytes, so it must be "
             f"{BYTE_VOCAB} (set model.gpt.vocab_size={BYTE_VOCAB})"
         )
     return ShardText(
-        indexes, seq_len=cfg.seq_len, on_bad_sample=cfg.on_bad_sample, shard_bytes=sizes
+        indexes,
+        seq_len=cfg.seq_len,
+        on_bad_sample=cfg.on_bad_sample,
+        shard_bytes=sizes,
+        random=random,
     )
 
 
@@ -130,6 +137,7 @@ def build_shards(cfg: DataConfig) -> tuple[_ShardSet, _ShardSet | None]:
     if cfg.root is None:
         raise ConfigError("data.root is required for data.name='shards'; it is null")
     check_choice("data.on_bad_sample", cfg.on_bad_sample, ON_BAD_SAMPLE)
+    random = random_windows(cfg)
     root = str(cfg.root)
     pattern = _is_pattern(root)
     splits = (
@@ -144,8 +152,12 @@ def build_shards(cfg: DataConfig) -> tuple[_ShardSet, _ShardSet | None]:
             f"data.root={root!r}: one of train/ and val/ holds text, the other images"
         )
     if text["train"]:
-        built: dict[str, _ShardSet] = {s: _text(*loaded[s], cfg) for s in loaded}
+        # Training windows as data.windows says; validation's at stride (data/windows.py).
+        built: dict[str, _ShardSet] = {
+            s: _text(*loaded[s], cfg, random=random and s == "train") for s in loaded
+        }
     else:
+        refuse_random_windows(cfg, "image shards")
         if cfg.channels != 3:
             raise ConfigError(
                 f"data.channels={cfg.channels}, but image shards yield RGB images (3 channels)"

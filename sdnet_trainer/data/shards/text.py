@@ -12,6 +12,7 @@ import torch
 
 from sdnet_trainer.data.shards.index import _BLOCK, ShardIndex
 from sdnet_trainer.data.shards.reading import _BadMember, _check_header, _ShardSet
+from sdnet_trainer.data.windows import window_start
 from sdnet_trainer.errors import ConfigError
 
 
@@ -24,6 +25,10 @@ class ShardText(_ShardSet):
 
     A window that cannot be read (a truncated shard) follows ``on_bad_sample``; under skip the
     next readable window takes its place.
+
+    With ``random`` each window starts at a random byte instead, as many windows per epoch
+    (data/windows.py); under skip the replacement is the next index's window, drawn next from
+    the same per-sample seeding, so it too depends on (seed, epoch, index) only.
     """
 
     draws_random = False  # each sample is a pure function of its index
@@ -35,6 +40,7 @@ class ShardText(_ShardSet):
         seq_len: int,
         on_bad_sample: str = "error",
         shard_bytes: Sequence[int] | None = None,
+        random: bool = False,
     ) -> None:
         super().__init__(shards, on_bad_sample=on_bad_sample, shard_bytes=shard_bytes)
         if seq_len < 1:
@@ -44,6 +50,9 @@ class ShardText(_ShardSet):
         self._starts = list(itertools.accumulate(self._size.tolist(), initial=0))
         self.total_bytes = self._starts[-1]
         self.size = max(0, (self.total_bytes - 1) // seq_len)
+        self.random = random
+        # Random starts draw from the generator the loader seeds per sample (data/seeding.py).
+        self.draws_random = random
         self.skipped = self._skip_counter()
         self._verified: tuple[int, set[int]] = (os.getpid(), set())
 
@@ -51,9 +60,10 @@ class ShardText(_ShardSet):
         return self.size
 
     def __repr__(self) -> str:
+        windows = ", random windows" if self.random else ""
         return (
             f"ShardText(shards={len(self.urls)}, bytes={self.total_bytes}, "
-            f"seq_len={self.seq_len}, samples={self.size})"
+            f"seq_len={self.seq_len}, samples={self.size}{windows})"
         )
 
     def __getitem__(self, index: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -61,8 +71,12 @@ class ShardText(_ShardSet):
         return window[:-1], window[1:]
 
     def window(self, index: int) -> bytes:
-        """The ``seq_len + 1`` bytes of window ``index``."""
-        start, end = index * self.seq_len, index * self.seq_len + self.seq_len + 1
+        """The ``seq_len + 1`` bytes of the stride window ``index``."""
+        return self._read(index * self.seq_len)
+
+    def _read(self, start: int) -> bytes:
+        """The ``seq_len + 1`` bytes from ``start`` of the concatenated text."""
+        end = start + self.seq_len + 1
         pid, verified = self._verified
         if pid != os.getpid():
             verified = set()
@@ -87,11 +101,16 @@ class ShardText(_ShardSet):
 
     def _load(self, index: int) -> torch.Tensor | None:
         skipped = self.skipped
-        if skipped is not None and skipped.is_bad(index):
+        # A random window moves every epoch: that its index once hit a bad member says nothing.
+        if skipped is not None and not self.random and skipped.is_bad(index):
             return None
+        start = window_start(
+            index, seq_len=self.seq_len, tokens=self.total_bytes, random=self.random
+        )
         try:
-            data = self.window(index)
+            data = self._read(start)
         except _BadMember as err:
-            self._bad(index, f"text window {index}", "read", str(err), err)
+            where = f"text window {index}" + (f" (from byte {start})" if self.random else "")
+            self._bad(index, where, "read", str(err), err)
             return None
         return torch.frombuffer(bytearray(data), dtype=torch.uint8).to(torch.int64)
