@@ -343,8 +343,9 @@ class PrecisionConfig:
     growth_interval: int = 2000
     # Float8 training through torchao (the float8 extra): null | rowwise | tensorwise, the scaling
     # recipe of convert_to_float8_training for the Linear layers whose sizes are multiples of 16,
-    # except the output head. Weights, optimizer state and checkpoints stay in high precision;
-    # only the matmuls run in float8 (GPUs of compute capability 8.9 and later; the CPU emulates).
+    # except the output head and a mixture of experts' routers. Weights, optimizer state and
+    # checkpoints stay in high precision; only the matmuls run in float8 (GPUs of compute
+    # capability 8.9 and later; the CPU emulates).
     float8: Optional[str] = None
 
 
