@@ -10,12 +10,16 @@ from __future__ import annotations
 
 import logging
 from contextlib import AbstractContextManager
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 from torch import nn
 
+from sdnet_trainer.checkpoint.parts import Part
+from sdnet_trainer.config.schema import Config
 from sdnet_trainer.data.loader import RunData
+from sdnet_trainer.distributed.env import DistEnv
+from sdnet_trainer.distributed.mesh import ParallelDims
 from sdnet_trainer.ft.data import ShareBatches
 from sdnet_trainer.ft.room import FaultTolerance
 from sdnet_trainer.observability.writers import MetricsWriter
@@ -23,39 +27,46 @@ from sdnet_trainer.training.hooks import HookBase
 from sdnet_trainer.training.state import RunState, StepResult
 from sdnet_trainer.training.step import StepPeers
 
-if TYPE_CHECKING:
-    from sdnet_trainer.training.trainer import Trainer
-
 logger = logging.getLogger(__name__)
 
 
-def attach(trainer: Trainer) -> tuple[FaultTolerantPeers, FaultToleranceHook]:
-    """``fault_tolerance.enabled``: the room over the trainer's checkpoint parts (what a joining
-    group receives), the step's peers (this rank's share of each step's batch, the quorum's
-    agreement), and the metrics hook."""
-    cfg, env, dims = trainer.cfg, trainer.env, trainer.dims
+def attach(
+    cfg: Config,
+    env: DistEnv,
+    dims: ParallelDims,
+    *,
+    data: RunData,
+    state: RunState,
+    writer: MetricsWriter,
+    parts: dict[str, Part],
+    global_batch_size: int,
+) -> tuple[FaultTolerantPeers, FaultToleranceHook]:
+    """``fault_tolerance.enabled``: the room over the run's checkpoint ``parts`` (what a joining
+    group receives; their ``rng`` part re-derives the random state after a load), the step's
+    peers (this rank's share of each step's batch of ``data``, the quorum's agreement), and the
+    metrics hook."""
     batches = ShareBatches(
-        trainer.data.train_loader.dataset,
-        trainer.data.train_sampler,
-        global_batch_size=trainer.layout.global_batch_size,
+        data.train_loader.dataset,
+        data.train_sampler,
+        global_batch_size=global_batch_size,
         group_size=dims.dp,
         group_rank=dims.dp_rank(env.rank),
     )
-    rederive_rng = trainer.checkpointer.parts["rng"].reset
+    rederive_rng = parts["rng"].reset
     assert rederive_rng is not None
     room = FaultTolerance(
         cfg.fault_tolerance,
         group_rank=env.rank,
         group_size=env.world_size,
         distributed=env.distributed,
-        parts=trainer.checkpointer.parts,
+        parts=parts,
         after_load=rederive_rng,
-        step=trainer.state.step,
+        step=state.step,
         device=env.device,
     )
-    peers = FaultTolerantPeers(room, batches, data=trainer.data, state=trainer.state)
+    peers = FaultTolerantPeers(room, batches, data=data, state=state)
     every = cfg.logging.log_every_n_steps
-    return peers, FaultToleranceHook(room, writer=trainer.writer, every_n_steps=every)
+    return peers, FaultToleranceHook(room, writer=writer, every_n_steps=every)
 
 
 class FaultTolerantPeers(StepPeers):

@@ -25,20 +25,19 @@ dropped), so there is no dropped-token count to report.
 from __future__ import annotations
 
 import re
-from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
+from sdnet_trainer.config.schema import Config
+from sdnet_trainer.distributed.mesh import ParallelDims
 from sdnet_trainer.models.moe import MoE, moe_sizes
 from sdnet_trainer.models.registry import model_family
 from sdnet_trainer.observability import MetricsWriter
 from sdnet_trainer.training.hooks import HookBase
 from sdnet_trainer.training.state import RunState, StepResult
-
-if TYPE_CHECKING:
-    from sdnet_trainer.training.trainer import Trainer
+from sdnet_trainer.training.step import StepPeers
 
 _LAYER = re.compile(r"(?:^|\.)blocks\.(\d+)\.")
 
@@ -125,18 +124,29 @@ def moe_layers(model: nn.Module) -> dict[int, MoE]:
     return layers
 
 
-def expert_balance(trainer: Trainer) -> ExpertBalance | None:
-    """The hook for ``trainer``'s model (None unless its family has experts); sets every layer's
-    auxiliary loss weight (module docstring)."""
-    cfg = trainer.cfg
+def expert_balance(
+    cfg: Config,
+    model: nn.Module,
+    dims: ParallelDims,
+    *,
+    rank: int,
+    global_batch_size: int,
+    peers: StepPeers,
+    writer: MetricsWriter,
+    total_steps: int,
+    device: torch.device,
+) -> ExpertBalance | None:
+    """The hook for ``model`` (None unless its family has experts); sets every layer's auxiliary
+    loss weight (module docstring) from the gradient ranks, the replica groups ``peers`` counts
+    and the global batch."""
     family = model_family(cfg.model.name)
     if family is None or family.num_experts is None:
         return None
-    layers, moe = moe_layers(trainer.model), moe_sizes(cfg.model)
-    ranks, batch, peers = trainer.dims.gradient_ranks, trainer.layout.global_batch_size, trainer.ft
+    layers, moe = moe_layers(model), moe_sizes(cfg.model)
+    ranks = dims.gradient_ranks
 
     def weight() -> float:
-        return ranks * peers.groups / batch
+        return ranks * peers.groups / global_batch_size
 
     for layer in layers.values():
         layer.aux_loss_weight = weight
@@ -144,12 +154,12 @@ def expert_balance(trainer: Trainer) -> ExpertBalance | None:
         layers,
         n_layers=int(moe["n_layers"]),
         num_experts=int(moe["num_experts"]),
-        contributes=trainer.dims.coordinates(trainer.env.rank)["tp"] == 0,
+        contributes=dims.coordinates(rank)["tp"] == 0,
         bias_update_rate=moe["bias_update_rate"] if moe["load_balance"] == "bias" else None,
-        writer=trainer.writer,
+        writer=writer,
         every_n_steps=cfg.logging.log_every_n_steps,
-        total_steps=trainer.total_steps,
-        device=trainer.device,
+        total_steps=total_steps,
+        device=device,
     )
 
 

@@ -222,13 +222,9 @@ class Trainer:
             cfg.profile, output_dir=self.output_dir, rank=rank, device=self.device
         )
         evaluation = EvalHook(
-            self.evaluate,
-            cfg.loop,
-            writer=self.writer,
-            total_steps=self.total_steps,
-            phase=self.phase,
-            swap_average=self.ema.swapped_in if self.ema is not None else None,
-        )
+            self.evaluate, cfg.loop, writer=self.writer, total_steps=self.total_steps,
+            phase=self.phase, swap_average=self.ema.swapped_in if self.ema is not None else None,
+        )  # fmt: skip
         metrics = MetricsHook(
             cfg.logging,
             self.figures,
@@ -241,9 +237,13 @@ class Trainer:
             rank=self.env.rank,
             bad_samples=skipped_samples(self.data.train_loader.dataset),
         )
+        balance = expert_balance(  # a MoE's routing bias moved before it is averaged or saved
+            cfg, self.model, self.dims, rank=rank, global_batch_size=self.layout.global_batch_size,
+            peers=self.ft, writer=self.writer, total_steps=self.total_steps, device=self.device,
+        )  # fmt: skip
         hooks = [
             ProfilerHook(profiler) if profiler.enabled else None,
-            expert_balance(self),  # a MoE's routing bias moved before it is averaged or saved
+            balance,
             self.ema,  # updated before it is evaluated or saved
             evaluation,
             self.checkpointer,
@@ -481,14 +481,16 @@ class Trainer:
             self.state.next_epoch()
 
     def _setup_fault_tolerance(self) -> None:
-        """The step's peers (``fault_tolerance.enabled``: the ft room's share of each batch and
-        the quorum's agreement, with its metrics hook; ``training.fault_tolerance.attach``), and
-        the loss weights, whose count the replica groups average."""
+        """The step's peers (the ft room's under ``fault_tolerance.enabled``) and the loss
+        weights, whose count the replica groups average."""
         self.ft, self.ft_hook = StepPeers(self.data), None
         if self.cfg.fault_tolerance.enabled:
             from sdnet_trainer.training.fault_tolerance import attach
 
-            self.ft, self.ft_hook = attach(self)
+            self.ft, self.ft_hook = attach(
+                self.cfg, self.env, self.dims, data=self.data, state=self.state, writer=self.writer,
+                parts=self.checkpointer.parts, global_batch_size=self.layout.global_batch_size,
+            )  # fmt: skip
         dims, pipe = self.dims, self.cfg.parallel.pipeline.microbatches if self.pipeline else 1
         losses = self.layout.grad_accum_steps * pipe  # a step's loss terms on one rank
         self.loss_weights = LossWeights(

@@ -8,6 +8,7 @@ import ast
 import importlib
 import importlib.util
 import re
+import sys
 from pathlib import Path
 
 import pytest
@@ -89,6 +90,75 @@ def test_no_two_folders_import_each_other_in_a_circle():
 
     for folder in sorted(graph):
         visit(folder, [])
+
+
+def _module_name(path: Path) -> str:
+    parts = list(path.relative_to(REPO).with_suffix("").parts)
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def _module_imports() -> dict[str, set[str]]:
+    """Each module of the package -> the package's modules it imports (any import: at the top,
+    inside a function, under TYPE_CHECKING): ``from package import module`` imports that module,
+    ``from module import name`` the module that defines the name."""
+    modules = {_module_name(path): path for path in PACKAGE.rglob("*.py")}
+
+    def owner(name: str) -> str | None:
+        while name and name not in modules:
+            name = name.rpartition(".")[0]
+        return name or None
+
+    graph: dict[str, set[str]] = {}
+    for module, path in modules.items():
+        found: set[str | None] = set()
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ImportFrom) and node.module:
+                for alias in node.names:
+                    whole = f"{node.module}.{alias.name}"
+                    found.add(whole if whole in modules else owner(node.module))
+            elif isinstance(node, ast.Import):
+                found.update(owner(alias.name) for alias in node.names)
+        graph[module] = {other for other in found if other is not None and other != module}
+    return graph
+
+
+def _folder(module: str) -> str:
+    """A module's top-level folder of the package (``models`` for models/moe/model.py and for
+    models/__init__.py; ``.`` for the package's own files)."""
+    path = REPO.joinpath(*module.split("."))
+    relative = (path if path.is_dir() else path.parent).relative_to(PACKAGE)
+    return relative.parts[0] if relative.parts else "."
+
+
+def test_no_two_files_of_a_folder_import_each_other_in_a_circle():
+    """Inside each folder too, the files' imports form no cycle: a registry that imports the
+    families which import it back works by import order alone (issue 55)."""
+    graph = _module_imports()
+    folder = {module: _folder(module) for module in graph}
+    done: set[str] = set()
+
+    def visit(module: str, path: list[str]) -> None:
+        if module in path:
+            cycle = path[path.index(module) :] + [module]
+            raise AssertionError(f"an import circle in {folder[module]}/: {' -> '.join(cycle)}")
+        if module in done:
+            return
+        for other in sorted(graph[module]):
+            if folder[other] == folder[module]:
+                visit(other, [*path, module])
+        done.add(module)
+
+    for module in sorted(graph):
+        visit(module, [])
+
+
+def test_the_circle_check_finds_a_circle(monkeypatch):
+    """The check above fails on a circle (a test that cannot fail is none)."""
+    graph = _module_imports()
+    graph["sdnet_trainer.models.registry"].add("sdnet_trainer.models.build")
+    monkeypatch.setattr(sys.modules[__name__], "_module_imports", lambda: graph)
+    with pytest.raises(AssertionError, match="an import circle in models/"):
+        test_no_two_files_of_a_folder_import_each_other_in_a_circle()
 
 
 def test_runtime_imports_only_config_and_errors():
