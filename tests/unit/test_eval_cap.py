@@ -15,9 +15,7 @@ import torch
 from torch import nn
 
 from sdnet_trainer import Trainer, compose
-from sdnet_trainer.config.schema import DataConfig
 from sdnet_trainer.data import SyntheticImages
-from sdnet_trainer.data.loader import counted_eval_batches, eval_loader
 from sdnet_trainer.errors import ConfigError
 from sdnet_trainer.preflight import validate
 from sdnet_trainer.training import evaluation
@@ -25,6 +23,7 @@ from sdnet_trainer.training.evaluation import evaluate_batches, metric_sums
 from sdnet_trainer.training.hooks import EvalHook
 from sdnet_trainer.training.state import EpochShape, RunState
 from tests.support import TINY
+from tests.unit.test_eval_padding import _evaluate, _model
 
 CPU = torch.device("cpu")
 # TINY without its loop.eval_at_epoch_end=false: the runs here keep the shipped default (null).
@@ -141,8 +140,7 @@ def test_uneven_shares_under_a_cap_stop_together_and_count_each_sample_once(
     monkeypatch, cap, forwards, counted
 ):
     dataset = SyntheticImages(25, image_size=4, channels=3, num_classes=5, seed=0, split="val")
-    torch.manual_seed(0)
-    model = nn.Sequential(nn.Flatten(), nn.Linear(3 * 4 * 4, 5))
+    model = _model()
     reduced: list[torch.Tensor] = []
 
     def record(local: torch.Tensor) -> torch.Tensor:  # the all-reduce, one rank at a time
@@ -150,32 +148,10 @@ def test_uneven_shares_under_a_cap_stop_together_and_count_each_sample_once(
         return local
 
     monkeypatch.setattr(evaluation, "all_reduce_sum", record)
-    runs = []
-    for rank in range(3):
-        loader = eval_loader(
-            dataset, cfg=DataConfig(num_workers=0), device_type="cpu", batch_size=4,
-            dp_size=3, dp_rank=rank,
-        )  # fmt: skip
-        ran: list[int] = []
-
-        def eval_step(batch, ran=ran):
-            ran.append(len(batch[1]))
-            return metric_sums(model(batch[0]), batch[1])
-
-        evaluate_batches(
-            loader,
-            eval_step,
-            model=model,
-            autocast=nullcontext,
-            after_batch=lambda: None,
-            weight=1.0,
-            device=CPU,
-            agree_on_keys=False,
-            counted_batches=counted_eval_batches(loader),
-            max_batches=cap,
-        )
-        runs.append(ran)
-    assert [len(ran) for ran in runs] == [forwards] * 3  # every rank stops at the same batch
+    runs = [
+        _evaluate(dataset, world=3, rank=rank, model=model, max_batches=cap) for rank in range(3)
+    ]
+    assert runs == [forwards] * 3  # every rank stops at the same batch
     total = dict(zip(["count", "loss"], torch.stack(reduced).sum(0).tolist()[:2], strict=True))
     assert total["count"] == counted
     # Rank r holds samples r, r+3, ...: the first `counted` samples of the split, each once.

@@ -80,9 +80,11 @@ def _model() -> nn.Module:
     return nn.Sequential(nn.Flatten(), nn.Linear(3 * 4 * 4, 5))
 
 
-def _evaluate(dataset, *, world: int, rank: int, model: nn.Module) -> int:
-    """One simulated rank's evaluation (the all-reduce patched by the caller); the number of
-    forwards it ran."""
+def _evaluate(
+    dataset, *, world: int, rank: int, model: nn.Module, max_batches: int | None = None
+) -> int:
+    """One simulated rank's evaluation (the all-reduce patched by the caller), of at most
+    ``max_batches`` batches (loop.eval_max_batches); the number of forwards it ran."""
     loader = eval_loader(
         dataset, cfg=DataConfig(num_workers=0), device_type="cpu", batch_size=4,
         dp_size=world, dp_rank=rank,
@@ -105,8 +107,9 @@ def _evaluate(dataset, *, world: int, rank: int, model: nn.Module) -> int:
         device=CPU,
         agree_on_keys=False,
         counted_batches=counted_eval_batches(loader),
+        max_batches=max_batches,
     )
-    assert forwards == len(loader)
+    assert forwards == (len(loader) if max_batches is None else min(len(loader), max_batches))
     return forwards
 
 
