@@ -259,7 +259,6 @@ class PackedTokens(Dataset):
         self.cache, self.start, self.end = cache, start, end
         self.seq_len, self.mask_eos = seq_len, mask_eos
         self.size = max(0, (end - start - 1) // seq_len)
-        self.random = random
         # Random starts draw from the generator the loader seeds per sample (data/seeding.py).
         self.draws_random = random
 
@@ -270,7 +269,7 @@ class PackedTokens(Dataset):
         index = check_index(index, self.size, type(self).__name__)
         tokens = self.end - self.start
         begin = self.start + window_start(
-            index, seq_len=self.seq_len, tokens=tokens, random=self.random
+            index, seq_len=self.seq_len, tokens=tokens, random=self.draws_random
         )
         window = torch.from_numpy(
             self.cache.tokens[begin : begin + self.seq_len + 1].astype(np.int64)
@@ -284,7 +283,7 @@ class PackedTokens(Dataset):
         return inputs, targets
 
     def __repr__(self) -> str:
-        windows = ", random windows" if self.random else ""
+        windows = ", random windows" if self.draws_random else ""
         return (
             f"PackedTokens({self.cache.name}, tokens={self.end - self.start}, "
             f"seq_len={self.seq_len}, samples={self.size}{windows})"

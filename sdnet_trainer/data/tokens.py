@@ -136,7 +136,6 @@ class TokenWindows(Dataset):
         self.data = data
         self.seq_len = seq_len
         self.size = max(0, (len(data) - 1) // seq_len)
-        self.random = random
         # Random starts draw from the generator the loader seeds per sample (data/seeding.py).
         self.draws_random = random
 
@@ -151,13 +150,15 @@ class TokenWindows(Dataset):
 
     def __getitem__(self, index: int) -> tuple[torch.Tensor, torch.Tensor]:
         index = check_index(index, self.size, type(self).__name__)
-        start = window_start(index, seq_len=self.seq_len, tokens=len(self.data), random=self.random)
+        start = window_start(
+            index, seq_len=self.seq_len, tokens=len(self.data), random=self.draws_random
+        )
         window = self.data[start : start + self.seq_len + 1].to(torch.int64)
         return window[:-1], window[1:]
 
     def __repr__(self) -> str:
         name, tokens = type(self).__name__, len(self.data)
-        windows = ", random windows" if self.random else ""
+        windows = ", random windows" if self.draws_random else ""
         return f"{name}(tokens={tokens}, seq_len={self.seq_len}, samples={self.size}{windows})"
 
 

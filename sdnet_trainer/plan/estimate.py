@@ -230,17 +230,20 @@ def _stage_bytes(cfg: Config, stats: ModelStats, layout: Layout, stage: int) -> 
     loss = _loss(cfg, stats, layout) if stage == layout.pp - 1 else 0
     first_block, root = _unsharded_grads(cfg, stats, layout, elements)
     accumulated = grads_bytes if layout.micro_steps > 1 else 0
-    begins = activations + max(loss, first_block) + accumulated
-    ends = grads_bytes + root
+    if activations + max(loss, first_block) + accumulated >= grads_bytes + root:  # the start
+        grads_bytes, root = accumulated, 0
+        loss, first_block = (loss, 0) if loss >= first_block else (0, first_block)
+    else:  # the end
+        activations = loss = first_block = 0
     return {
         "params": int(local * stats.bytes_per_param),
-        "grads": accumulated if begins >= ends else grads_bytes,
+        "grads": grads_bytes,
         "optim": int(optim),
         # The weights' moving average, in the weights' layout (sharded under FSDP).
         "ema": int(local * stats.bytes_per_param) if cfg.model.ema.enabled else 0,
         "gathered": _gathered(cfg, stats, layout, elements),
         # Gradients on their way to a reduction: the first block's, or at the end the root's.
-        "reduced": (first_block if first_block > loss else 0) if begins >= ends else root,
+        "reduced": first_block + root,
         # DDP's gradient buckets: a second copy of the gradients unless they are views of them.
         "buckets": int(whole * stats.bytes_per_param)
         if layout.strategy != "fsdp"
@@ -248,8 +251,8 @@ def _stage_bytes(cfg: Config, stats: ModelStats, layout: Layout, stage: int) -> 
         and layout.pp == 1
         and not cfg.parallel.ddp.gradient_as_bucket_view
         else 0,
-        "activations": activations if begins >= ends else 0,
-        "loss": (loss if loss >= first_block else 0) if begins >= ends else 0,
+        "activations": activations,
+        "loss": loss,
     }
 
 
@@ -265,10 +268,14 @@ def _unsharded_grads(
     if sharded:
         width += dtype_bytes(cfg.parallel.fsdp.reduce_dtype)
     block = (max(stats.blocks) - _block_experts(stats, layout)) if stats.blocks else 0
-    if not sharded:
-        return int(block / layout.tp * width), 0
-    root = elements - sum(stats.blocks[: _blocks_per_rank(stats, layout)])
+    root = _root_elements(stats, layout, elements) if sharded else 0
     return int(block / layout.tp * width), int(root / layout.tp * width)
+
+
+def _root_elements(stats: ModelStats, layout: Layout, elements: int) -> int:
+    """Of a stage's ``elements``, those outside its blocks (embeddings, final norm, output
+    layer): FSDP's root unit."""
+    return elements - sum(stats.blocks[: _blocks_per_rank(stats, layout)])
 
 
 def _loss(cfg: Config, stats: ModelStats, layout: Layout) -> int:
@@ -284,17 +291,23 @@ def _saved(cfg: Config, stats: ModelStats, layout: Layout) -> Activations:
     measure on a rank's ``seq_len / cp`` tokens with the ring's local attention; the all-gather
     attention keeps each block's gathered keys and values on top, unless full checkpointing
     recomputes them (``plan/model_stats.py``)."""
-    mode = "full" if layout.checkpointing else "none"
     if layout.cp == 1:
         saved = stats.checkpointed if layout.checkpointing else stats.activations
         assert saved is not None  # no checkpointing candidates without blocks (plan/auto.py)
         return saved
-    saved = saved_activations(cfg, mode, context=ContextShare(layout.cp, "ring"))
+    saved = _rank_share(cfg, layout)
     if cp_attention(cfg) == "ring" or layout.checkpointing:
         return saved
     gathered = sum(k + v for k, v in saved.attention) * (layout.cp - 1) // layout.cp
     width = dtype_bytes(saved.dtype)
     return replace(saved, per_sample=saved.per_sample + gathered * width)
+
+
+def _rank_share(cfg: Config, layout: Layout) -> Activations:
+    """The measure on a rank's ``seq_len / cp`` tokens of each sequence, attention as the ring's
+    local kernel (measured once per setting: ``model_stats.saved_activations``)."""
+    mode = "full" if layout.checkpointing else "none"
+    return saved_activations(cfg, mode, context=ContextShare(layout.cp, "ring"))
 
 
 def _gathered(cfg: Config, stats: ModelStats, layout: Layout, elements: int) -> int:
@@ -304,9 +317,8 @@ def _gathered(cfg: Config, stats: ModelStats, layout: Layout, elements: int) -> 
     if layout.strategy != "fsdp" or layout.shards == 1:
         return 0
     width = dtype_bytes(fsdp_param_dtype(cfg))
-    per_rank = _blocks_per_rank(stats, layout)
-    blocks = sum(stats.blocks[:per_rank]) - _block_experts(stats, layout) * per_rank
-    root = elements - sum(stats.blocks[:per_rank])
+    root = _root_elements(stats, layout, elements)
+    blocks = elements - root - _block_experts(stats, layout) * _blocks_per_rank(stats, layout)
     if stats.blocks and cfg.parallel.fsdp.reshard_after_forward:
         blocks = 2 * (max(stats.blocks) - _block_experts(stats, layout))
     return int((root + blocks) / layout.tp * width)
@@ -378,12 +390,10 @@ def _context_exchanges(cfg: Config, layout: Layout, hw: Hardware) -> float:
     (``context_parallel_collectives``), each a ring over the ``cp`` ranks."""
     if layout.cp == 1:
         return 0.0
-    mode = "full" if layout.checkpointing else "none"
-    saved = saved_activations(cfg, mode, context=ContextShare(layout.cp, "ring"))
     bandwidth = _bandwidth(layout, "cp", hw)
     return sum(
         c.count * _ring(c.bytes_each, layout.cp, bandwidth, hw)
-        for c in context_parallel_collectives(cfg, layout.dims, saved)
+        for c in context_parallel_collectives(cfg, layout.dims, _rank_share(cfg, layout))
     )
 
 

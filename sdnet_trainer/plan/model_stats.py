@@ -33,7 +33,7 @@ Two things of the GPUs are stood in for, since the meta device runs neither:
 
 The bytes are those of the meta model's dtype (fp32: the parameters' and the optimizer's, as the
 run keeps them); a run computing in bf16 keeps about half. The loss's own peak over the logits
-(:func:`loss_peak_bytes`) is measured apart, by torch's ``MemTracker``: at a large vocabulary it
+(:func:`loss_per_sample`) is measured apart, by torch's ``MemTracker``: at a large vocabulary it
 is the largest part of a step's memory. Still an estimate: the allocator's caching is not
 counted, nor the collectives' buffers (``plan/estimate.py`` adds FSDP's).
 """
@@ -108,7 +108,7 @@ class ModelStats:
     optim_per_param: float  # optimizer state bytes per trainable element
     activations: Activations  # without activation checkpointing
     checkpointed: Activations | None  # with full checkpointing (None: no blocks to checkpoint)
-    loss_per_sample: int  # the loss's peak over a sample's logits (:func:`loss_peak_bytes`)
+    loss_per_sample: int  # the loss's peak over a sample's logits (:func:`loss_per_sample`)
     train_flops: float  # forward + backward of one sample
     forward_flops: float  # forward of one sample (what checkpointing recomputes)
     width: int | None  # a decoder's hidden size (the tensor- and pipeline-parallel stream)
@@ -191,7 +191,7 @@ def _measure(cfg: Config) -> ModelStats:
         optim_per_param=optimizer_bytes_per_element(cfg),
         activations=saved_activations(cfg, "none"),
         checkpointed=saved_activations(cfg, "full") if blocks else None,
-        loss_per_sample=loss_peak_bytes(cfg, model, 2) - loss_peak_bytes(cfg, model, 1),
+        loss_per_sample=loss_per_sample(cfg, model),
         train_flops=train,
         forward_flops=forward,
         width=sizes[0] if sizes is not None else None,
@@ -219,29 +219,34 @@ def _measure_saved(cfg: Config, model: nn.Module, cp: int) -> Activations:
     )
 
 
-def loss_peak_bytes(cfg: Config, model: nn.Module, batch: int) -> int:
-    """The most bytes the trainer's loss (``Trainer.loss_fn``) holds at once over ``batch``
-    samples' logits, from the logits' creation to their gradient, counted by torch's
-    ``MemTracker`` on the meta device. The model's forward keeps the logits alive only until the
-    loss has read them: a cross-entropy keeps its log-softmax for backward, which then holds that,
-    its gradient and the logits' at once (three copies of the logits in fp32). Activations kept
-    for backward (:func:`saved_activations`) leave the model's output out: this is its part.
-    A classifier's (a few classes per sample, not a vocabulary per token) is left out."""
+def loss_per_sample(cfg: Config, model: nn.Module) -> int:
+    """The most bytes the trainer's loss (``Trainer.loss_fn``) holds at once over a sample's
+    logits, from the logits' creation to their gradient, counted by torch's ``MemTracker`` on the
+    meta device (at one and two samples: what grows with the batch). The model's forward keeps
+    the logits alive only until the loss has read them: a cross-entropy keeps its log-softmax for
+    backward, which then holds that, its gradient and the logits' at once (three copies of the
+    logits in fp32). Activations kept for backward (:func:`saved_activations`) leave the model's
+    output out: this is its part. A classifier's (a few classes per sample, not a vocabulary per
+    token) is left out."""
     if not is_language_model_data(cfg.data):
         return 0
     with torch.no_grad():
-        logits_shape = model(sample_input(cfg, batch)).shape
+        per_sample = model(sample_input(cfg, 1)).shape[1:]
     trainer = _meta_trainer(cfg)
-    targets = torch.zeros(logits_shape[:-1], dtype=torch.long, device="meta")
-    seed = torch.zeros((), device="meta", requires_grad=True)
-    tracker = MemTracker()
-    with tracker:
-        # The logits as the model hands them over: produced by an op that saves nothing, so the
-        # loss's own references alone keep them (as in a step, where the forward's frame is gone).
-        loss = trainer.loss_fn(seed.expand(logits_shape) + 0, targets)
-        loss.backward()
-    peak = tracker.get_tracker_snapshot("peak")
-    return max((snap["Total"] for snap in peak.values()), default=0)
+
+    def peak(batch: int) -> int:
+        shape = (batch, *per_sample)
+        targets = torch.zeros(shape[:-1], dtype=torch.long, device="meta")
+        seed = torch.zeros((), device="meta", requires_grad=True)
+        tracker = MemTracker()
+        with tracker:
+            # The logits as the model hands them over: produced by an op that saves nothing, so
+            # the loss's own references alone keep them (as in a step, the forward's frame gone).
+            trainer.loss_fn(seed.expand(shape) + 0, targets).backward()
+        snapshot = tracker.get_tracker_snapshot("peak")
+        return max((device["Total"] for device in snapshot.values()), default=0)
+
+    return peak(2) - peak(1)
 
 
 def sample_input(cfg: Config, batch: int, *, cp: int = 1) -> torch.Tensor:
@@ -404,7 +409,7 @@ __all__ = [
     "ContextShare",
     "ModelStats",
     "kept_bytes",
-    "loss_peak_bytes",
+    "loss_per_sample",
     "model_stats",
     "sample_input",
     "saved_activations",

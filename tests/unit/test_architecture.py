@@ -72,24 +72,30 @@ def _folder_imports() -> dict[str, set[str]]:
     return graph
 
 
+def _circle(graph: dict[str, set[str]]) -> list[str] | None:
+    """A cycle of ``graph`` (each node -> the nodes it imports), as the path around it; None."""
+    done: set[str] = set()
+
+    def visit(node: str, path: list[str]) -> list[str] | None:
+        if node in path:
+            return path[path.index(node) :] + [node]
+        if node in done:
+            return None
+        for other in sorted(graph[node]):
+            cycle = visit(other, [*path, node])
+            if cycle is not None:
+                return cycle
+        done.add(node)
+        return None
+
+    return next((c for c in (visit(node, []) for node in sorted(graph)) if c is not None), None)
+
+
 def test_no_two_folders_import_each_other_in_a_circle():
     """The folders' imports form no cycle: each room is built on the ones below it (the ft room
     takes what it needs as arguments; its place in the loop is training/fault_tolerance.py)."""
-    graph = _folder_imports()
-    done: set[str] = set()
-
-    def visit(folder: str, path: list[str]) -> None:
-        if folder in path:
-            cycle = path[path.index(folder) :] + [folder]
-            raise AssertionError(f"an import circle: {' -> '.join(cycle)}")
-        if folder in done:
-            return
-        for other in sorted(graph[folder]):
-            visit(other, [*path, folder])
-        done.add(folder)
-
-    for folder in sorted(graph):
-        visit(folder, [])
+    cycle = _circle(_folder_imports())
+    assert cycle is None, f"an import circle: {' -> '.join(cycle)}"
 
 
 def _module_name(path: Path) -> str:
@@ -135,21 +141,9 @@ def test_no_two_files_of_a_folder_import_each_other_in_a_circle():
     families which import it back works by import order alone (issue 55)."""
     graph = _module_imports()
     folder = {module: _folder(module) for module in graph}
-    done: set[str] = set()
-
-    def visit(module: str, path: list[str]) -> None:
-        if module in path:
-            cycle = path[path.index(module) :] + [module]
-            raise AssertionError(f"an import circle in {folder[module]}/: {' -> '.join(cycle)}")
-        if module in done:
-            return
-        for other in sorted(graph[module]):
-            if folder[other] == folder[module]:
-                visit(other, [*path, module])
-        done.add(module)
-
-    for module in sorted(graph):
-        visit(module, [])
+    within = {m: {o for o in imported if folder[o] == folder[m]} for m, imported in graph.items()}
+    cycle = _circle(within)
+    assert cycle is None, f"an import circle in {folder[cycle[0]]}/: {' -> '.join(cycle)}"
 
 
 def test_the_circle_check_finds_a_circle(monkeypatch):

@@ -80,7 +80,7 @@ def test_random_windows_are_reproducible_and_differ_from_stride(corpus):
     # An epoch holds as many windows as the stride cut: loop.max_epochs keeps its meaning.
     assert len(train) == len(stride) == (360 - 1) // SEQ
     # Validation stays at stride: every held-out byte is evaluated once.
-    assert not val.random and len(val) == len(stride_val)
+    assert not val.draws_random and len(val) == len(stride_val)
     assert all(torch.equal(val[i][0], stride_val[i][0]) for i in range(len(val)))
 
     first = _epoch(train)
@@ -168,14 +168,14 @@ def test_packed_tokens_and_text_shards_draw_the_same_random_windows(corpus, tmp_
         encode=lambda: [(list(raw), None, len(raw))],
     )
     packed, packed_val = split_windows(cfg, cache, mask_eos=None)
-    assert packed.draws_random and not packed_val.random
+    assert packed.draws_random and not packed_val.draws_random
     src = tmp_path / "src"
     for split, data in (("train", raw[:360]), ("val", raw[360:])):
         (src / split).mkdir(parents=True)
         (src / split / "a.txt").write_bytes(data)
     convert(src, tmp_path / "shards", shard_size=1)
     shards, shards_val = build_shards(_cfg(tmp_path / "shards", windows="random"))
-    assert shards.draws_random and not shards_val.random
+    assert shards.draws_random and not shards_val.draws_random
     text, _ = build_datasets(cfg)
     assert len(packed) == len(shards) == len(text)
     for epoch, index in ((0, 0), (0, 5), (1, 5), (2, len(text) - 1)):

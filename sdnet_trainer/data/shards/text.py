@@ -50,7 +50,6 @@ class ShardText(_ShardSet):
         self._starts = list(itertools.accumulate(self._size.tolist(), initial=0))
         self.total_bytes = self._starts[-1]
         self.size = max(0, (self.total_bytes - 1) // seq_len)
-        self.random = random
         # Random starts draw from the generator the loader seeds per sample (data/seeding.py).
         self.draws_random = random
         self.skipped = self._skip_counter()
@@ -60,7 +59,7 @@ class ShardText(_ShardSet):
         return self.size
 
     def __repr__(self) -> str:
-        windows = ", random windows" if self.random else ""
+        windows = ", random windows" if self.draws_random else ""
         return (
             f"ShardText(shards={len(self.urls)}, bytes={self.total_bytes}, "
             f"seq_len={self.seq_len}, samples={self.size}{windows})"
@@ -102,15 +101,15 @@ class ShardText(_ShardSet):
     def _load(self, index: int) -> torch.Tensor | None:
         skipped = self.skipped
         # A random window moves every epoch: that its index once hit a bad member says nothing.
-        if skipped is not None and not self.random and skipped.is_bad(index):
+        if skipped is not None and not self.draws_random and skipped.is_bad(index):
             return None
         start = window_start(
-            index, seq_len=self.seq_len, tokens=self.total_bytes, random=self.random
+            index, seq_len=self.seq_len, tokens=self.total_bytes, random=self.draws_random
         )
         try:
             data = self._read(start)
         except _BadMember as err:
-            where = f"text window {index}" + (f" (from byte {start})" if self.random else "")
+            where = f"text window {index}" + (f" (from byte {start})" if self.draws_random else "")
             self._bad(index, where, "read", str(err), err)
             return None
         return torch.frombuffer(bytearray(data), dtype=torch.uint8).to(torch.int64)
