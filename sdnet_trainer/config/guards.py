@@ -130,6 +130,14 @@ GUARDS: tuple[Guard, ...] = (
         _keys("precision", "init_scale", "growth_interval"),
         fix="set precision=fp16",
     ),
+    # Which tensors weight decay leaves out: none are decayed at weight_decay 0.
+    Guard(
+        "optim.weight_decay",
+        lambda decay: decay > 0,
+        "optim.weight_decay > 0",
+        _keys("optim", "no_decay_norm_and_bias", "no_decay_embeddings"),
+        fix="set optim.weight_decay (optim=adamw sets 0.05)",
+    ),
     Guard(
         "sched.name",
         _one_of("cosine", "wsd"),

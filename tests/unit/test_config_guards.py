@@ -48,6 +48,7 @@ SWITCH_ON: dict[str, tuple[list[str], int]] = {
     "profile.enabled=true": (["profile=on"], 1),
     "elastic.enabled=true": (["elastic=on", "loop.micro_batch_size=8"], 1),
     "precision.dtype=fp16": (["precision=fp16"], 1),
+    "optim.weight_decay > 0": (["optim.weight_decay=0.1"], 1),
     "sched.name=cosine or wsd": (["sched=wsd"], 1),
     "sched.name=wsd": (["sched=wsd"], 1),
     "sched.name=step": (["sched=step"], 1),
@@ -65,6 +66,7 @@ SWITCH_ON: dict[str, tuple[list[str], int]] = {
 # What the switch-off case needs besides the default config: the outer switch of a nested one,
 # and logging.flops, on by default.
 SWITCH_OFF = {
+    "optim.weight_decay > 0": ["optim.weight_decay=0"],  # the sgd group's default decays
     "fault_tolerance.mode=local_sgd or diloco": FT,
     "fault_tolerance.mode=diloco": FT,
     "logging.flops=true": ["logging.flops=false"],
