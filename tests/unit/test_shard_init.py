@@ -254,14 +254,29 @@ SCALED = {
 _ALLOCATE, _MATERIALIZE = trainer_module.allocate, trainer_module.materialize
 
 
+# glibc's mallopt parameter: allocations from this size on get pages of their own (mmap).
+_M_MMAP_THRESHOLD = -3
+
+
 def _peak_rss_reset() -> int:
     """Return the heap's free memory to the system (glibc keeps what earlier tests freed, which
     the allocation would reuse unseen), reset the kernel's peak resident set size of this
-    process to its current size; the current size."""
+    process to its current size; the current size. The shards are then allocated with pages of
+    their own (:func:`_mapped_afresh`): glibc's threshold for that otherwise rises to the largest
+    block earlier tests freed (up to 32 MiB), and a shard's tensors below it could come from heap
+    pages still resident, which no peak counter sees grow."""
     ctypes.CDLL("libc.so.6").malloc_trim(0)
     with open("/proc/self/clear_refs", "w") as f:
         f.write("5")
     return _status("VmRSS")
+
+
+def _mapped_afresh(size: int) -> None:
+    """Allocations of ``size`` bytes and more get pages of their own. The shards: 64 KiB, so
+    that they show in the peak (see :func:`_peak_rss_reset`). The initialisation's temporaries:
+    32 MiB, the heap again, as glibc's risen threshold would have them (mapped afresh, their page
+    faults would be the initialisation's time)."""
+    ctypes.CDLL("libc.so.6").mallopt(_M_MMAP_THRESHOLD, size)
 
 
 def _status(field: str) -> int:
@@ -280,7 +295,9 @@ def _measured_init(overrides: list[str], env: DistEnv, monkeypatch) -> dict[str,
 
     def measured_allocate(*args, **kwargs):
         record.setdefault("rss_before", _peak_rss_reset())
+        _mapped_afresh(64 * 1024)  # the shards (see _peak_rss_reset)
         allocate(*args, **kwargs)
+        _mapped_afresh(32 * 1024 * 1024)  # the initialisation's temporaries
 
     def measured_materialize(steps):
         start = time.process_time()
