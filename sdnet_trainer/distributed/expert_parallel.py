@@ -21,7 +21,7 @@ expert over the ``dp_shard / ep`` ranks that hold the same experts.
 **Gradients.** An expert's gradient on its rank already sums the contributions of every token its
 group sent it, from ``ep`` data-parallel ranks; FSDP then averages it over the ``dp_shard / ep``
 (and ``dp_replicate``) ranks holding that expert. Each rank's loss carries the factor
-``gradient_ranks`` that a full data-parallel average takes back out (``training/step.py``), so the
+``gradient_ranks`` that a full data-parallel average takes back out (``training/reduction.py``), so the
 experts' reduction divides by ``gradient_ranks`` too (``expert_gradient_divide_factor``), not by
 its own mesh's size.
 """

@@ -52,7 +52,7 @@ class Checkpointer(HookBase):
     another run saving there is refused with a ConfigError on every rank (see CheckpointManager).
     ``before_save`` runs at the start of every save, before any state is read: the Trainer settles
     a step verdict still in flight there, so that no checkpoint holds a step that is to be
-    rejected (see ``stepping.OptimizerStep.settle``).
+    rejected (see ``optimizer_step.OptimizerStep.settle``).
     """
 
     def __init__(

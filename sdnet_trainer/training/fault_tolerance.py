@@ -1,4 +1,4 @@
-"""The ft room in a Trainer (:func:`attach`): the step's peers under fault tolerance, and the
+"""The ft room in a Trainer (:func:`attach`): the step's source under fault tolerance, and the
 room's figures at each log point: one log line, and ``ft/*`` keys for the metrics writer
 (TensorBoard, JSONL, the trackers and, through its sink, Prometheus as ``sdnet_ft_*``).
 
@@ -25,7 +25,7 @@ from sdnet_trainer.ft.room import FaultTolerance
 from sdnet_trainer.observability.writers import MetricsWriter
 from sdnet_trainer.training.hooks import HookBase
 from sdnet_trainer.training.state import RunState, StepResult
-from sdnet_trainer.training.step import StepPeers
+from sdnet_trainer.training.step_source import StepSource
 
 logger = logging.getLogger(__name__)
 
@@ -40,10 +40,10 @@ def attach(
     writer: MetricsWriter,
     parts: dict[str, Part],
     global_batch_size: int,
-) -> tuple[FaultTolerantPeers, FaultToleranceHook]:
+) -> tuple[FaultTolerantSource, FaultToleranceHook]:
     """``fault_tolerance.enabled``: the room over the run's checkpoint ``parts`` (what a joining
     group receives; their ``rng`` part re-derives the random state after a load), the step's
-    peers (this rank's share of each step's batch of ``data``, the quorum's agreement), and the
+    source (this rank's share of each step's batch of ``data``, the quorum's agreement), and the
     metrics hook."""
     batches = ShareBatches(
         data.train_loader.dataset,
@@ -64,13 +64,13 @@ def attach(
         step=state.step,
         device=env.device,
     )
-    peers = FaultTolerantPeers(room, batches, data=data, state=state)
+    source = FaultTolerantSource(room, batches, data=data, state=state)
     every = cfg.logging.log_every_n_steps
-    return peers, FaultToleranceHook(room, writer=writer, every_n_steps=every)
+    return source, FaultToleranceHook(room, writer=writer, every_n_steps=every)
 
 
-class FaultTolerantPeers(StepPeers):
-    """A step under fault tolerance (training/step.py's ``StepPeers``): the quorum first (a
+class FaultTolerantSource(StepSource):
+    """A step under fault tolerance (training/step_source.py's ``StepSource``): the quorum first (a
     joining group receives the state there), then this rank's share of the step's global batch,
     divided among the quorum's groups; in sync mode the groups' mean count of targets, and after
     backward the gradients averaged over the groups and the groups' vote."""
@@ -145,4 +145,4 @@ class FaultToleranceHook(HookBase):
         self.room.close()
 
 
-__all__ = ["FaultToleranceHook", "FaultTolerantPeers", "attach"]
+__all__ = ["FaultToleranceHook", "FaultTolerantSource", "attach"]

@@ -2,7 +2,7 @@
 summed over the ranks after every step, DeepSeek-V3's bias update from it, and the load metrics.
 
 **The auxiliary loss** (``model.moe.load_balance=aux_loss``) is per sequence, so it adds up over
-micro-batches and ranks as the token losses do (``training/step.py``): each MoE layer adds the
+micro-batches and ranks as the token losses do (``training/reduction.py``): each MoE layer adds the
 gradient of ``weight x (sum of its sequences' auxiliary losses)`` in its own backward, with
 ``weight = gradient_ranks x groups / global batch`` (the data-parallel average takes
 ``gradient_ranks`` back out, and the fault-tolerant replica groups' average the number of groups
@@ -37,7 +37,7 @@ from sdnet_trainer.models.registry import model_family
 from sdnet_trainer.observability import MetricsWriter
 from sdnet_trainer.training.hooks import HookBase
 from sdnet_trainer.training.state import RunState, StepResult
-from sdnet_trainer.training.step import StepPeers
+from sdnet_trainer.training.step_source import StepSource
 
 _LAYER = re.compile(r"(?:^|\.)blocks\.(\d+)\.")
 
@@ -131,13 +131,13 @@ def expert_balance(
     *,
     rank: int,
     global_batch_size: int,
-    peers: StepPeers,
+    source: StepSource,
     writer: MetricsWriter,
     total_steps: int,
     device: torch.device,
 ) -> ExpertBalance | None:
     """The hook for ``model`` (None unless its family has experts); sets every layer's auxiliary
-    loss weight (module docstring) from the gradient ranks, the replica groups ``peers`` counts
+    loss weight (module docstring) from the gradient ranks, the replica groups ``source`` counts
     and the global batch."""
     family = model_family(cfg.model.name)
     if family is None or family.num_experts is None:
@@ -146,7 +146,7 @@ def expert_balance(
     ranks = dims.gradient_ranks
 
     def weight() -> float:
-        return ranks * peers.groups / global_batch_size
+        return ranks * source.groups / global_batch_size
 
     for layer in layers.values():
         layer.aux_loss_weight = weight

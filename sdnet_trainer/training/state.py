@@ -82,7 +82,7 @@ class StepResult:
     """One optimizer step as the hooks see it. ``loss`` and ``grad_norm`` stay on the device
     (reading them is a host synchronisation: hooks do it at log points only)."""
 
-    # This rank's part of the step's loss, times dp (training/step.py): its mean over the ranks
+    # This rank's part of the step's loss, times dp (training/reduction.py): its mean over the ranks
     # whose loss counts is the step's loss, the mean over the global batch's counted targets.
     loss: torch.Tensor
     grad_norm: torch.Tensor  # global, unscaled
@@ -91,6 +91,10 @@ class StepResult:
     nonfinite: bool  # all ranks agreed the step held a NaN/Inf and it was skipped or aborted
     stop_requested: bool  # a rank received a stop signal: save and leave after this step
     save_due: bool  # rank 0's clock says a timed checkpoint is due (checkpoint.every_n_minutes)
+    # On the device, 1.0 where the update was applied, 0.0 where it was skipped (a non-finite
+    # step, perhaps not yet known on the host): the hooks that move state (the weight average,
+    # a MoE's routing bias) scale their update by it, so a skipped step moves nothing.
+    applied: torch.Tensor | None = None
     # False: fault tolerance's vote discarded the step (a peer group failed during it); the run's
     # counters do not move and the same samples are trained again (sdnet_trainer/ft/data.py).
     committed: bool = True

@@ -81,9 +81,10 @@ from sdnet_trainer.training.hooks import (
 )
 from sdnet_trainer.training.moe import expert_balance
 from sdnet_trainer.training.optim import build_optimizer, build_scheduler
+from sdnet_trainer.training.optimizer_step import OptimizerStep
+from sdnet_trainer.training.reduction import LossWeights, counted_targets
 from sdnet_trainer.training.state import EpochShape, RunState, StepResult
-from sdnet_trainer.training.step import LossWeights, StepPeers, counted_targets
-from sdnet_trainer.training.stepping import OptimizerStep
+from sdnet_trainer.training.step_source import StepSource
 
 logger = logging.getLogger(__name__)
 
@@ -113,8 +114,10 @@ class Trainer:
     watchdog: Watchdog | None  # when health.hang_timeout_s is set
     stepper: OptimizerStep  # norm, agreement and update after backward
     checkpointer: Checkpointer
-    ft: StepPeers  # the step's batches and replica groups (fault_tolerance.enabled: the room's)
-    loss_weights: LossWeights  # each micro-batch's share of the step's loss (training/step.py)
+    source: (
+        StepSource  # the step's batches and replica groups (fault_tolerance.enabled: the room's)
+    )
+    loss_weights: LossWeights  # each micro-batch's share of the step's loss (training/reduction.py)
     ft_hook: HookBase | None  # the ft room's figures at each log point
     hooks: list[HookBase]
 
@@ -165,7 +168,7 @@ class Trainer:
 
     def count_targets(self, batch: Any) -> torch.Tensor | None:
         """How many targets ``compute_loss``'s mean averages over (not -100): its weight in the
-        step's loss, the mean over the global batch's counted targets (training/step.py). None:
+        step's loss, the mean over the global batch's counted targets (training/reduction.py). None:
         every micro-batch of the step weighs the same."""
         pair = isinstance(batch, (tuple, list)) and len(batch) == 2 and torch.is_tensor(batch[1])
         return counted_targets(batch[1]) if pair else None
@@ -239,7 +242,8 @@ class Trainer:
         )
         balance = expert_balance(  # a MoE's routing bias moved before it is averaged or saved
             cfg, self.model, self.dims, rank=rank, global_batch_size=self.layout.global_batch_size,
-            peers=self.ft, writer=self.writer, total_steps=self.total_steps, device=self.device,
+            source=self.source, writer=self.writer, total_steps=self.total_steps,
+            device=self.device,
         )  # fmt: skip
         hooks = [
             ProfilerHook(profiler) if profiler.enabled else None,
@@ -481,13 +485,13 @@ class Trainer:
             self.state.next_epoch()
 
     def _setup_fault_tolerance(self) -> None:
-        """The step's peers (the ft room's under ``fault_tolerance.enabled``) and the loss
+        """The step's source (the ft room's under ``fault_tolerance.enabled``) and the loss
         weights, whose count the replica groups average."""
-        self.ft, self.ft_hook = StepPeers(self.data), None
+        self.source, self.ft_hook = StepSource(self.data), None
         if self.cfg.fault_tolerance.enabled:
             from sdnet_trainer.training.fault_tolerance import attach
 
-            self.ft, self.ft_hook = attach(
+            self.source, self.ft_hook = attach(
                 self.cfg, self.env, self.dims, data=self.data, state=self.state, writer=self.writer,
                 parts=self.checkpointer.parts, global_batch_size=self.layout.global_batch_size,
             )  # fmt: skip
@@ -495,7 +499,7 @@ class Trainer:
         losses = self.layout.grad_accum_steps * pipe  # a step's loss terms on one rank
         self.loss_weights = LossWeights(
             dp=dims.gradient_ranks, peers=dims.tp * dims.pp, losses=losses,
-            across_groups=self.ft.average_count,
+            across_groups=self.source.average_count,
         )  # fmt: skip
 
     # ------------------------------------------------------------------ the loop
@@ -504,7 +508,7 @@ class Trainer:
         """Train to ``loop.max_steps`` (or ``max_epochs``); returns the final metrics."""
         self.setup()
         first_step = self.state.step + 1  # after a resume too
-        with self._running(), self.ft.running(self.model, self.optimizer):
+        with self._running(), self.source.running(self.model, self.optimizer):
             while not self._finished():
                 result = self.train_step()
                 if not result.committed:
@@ -561,19 +565,19 @@ class Trainer:
             # Closed by fit on every path; here when set-up failed after it was built (its
             # Prometheus port, threads and files would outlive this Trainer).
             writer.close()
-        ft = getattr(self, "ft", None)
-        if ft is not None:
-            ft.close()  # closed by its hook on every path through fit; here when set-up failed
+        source = getattr(self, "source", None)
+        if source is not None:
+            source.close()  # closed by its hook on every path through fit; here when set-up failed
         held = "model pipeline optimizer comm scheduler stepper data checkpointer hooks ema writer"
-        for name in [*held.split(), "ft", "ft_hook", "loss_weights"]:
+        for name in [*held.split(), "source", "ft_hook", "loss_weights"]:
             setattr(self, name, None)
 
     def train_step(self) -> StepResult:
         """One optimizer step: the step's micro-batches, the sum of their counted targets over the
         data-parallel ranks (``loss_weights``), ``forward_backward`` on each, the replica groups'
-        agreement (``self.ft``), then the update (``OptimizerStep``)."""
+        agreement (``self.source``), then the update (``OptimizerStep``)."""
         step_started = time.perf_counter()
-        self.ft.begin_step()  # fault tolerance: the quorum (a joining group receives the state)
+        self.source.begin_step()  # fault tolerance: the quorum (a joining group receives the state)
         clock = self.meter.clock  # the phases, and under CUDA the step times: the GPU's timeline
         clock.start()
         if not unwrap(self.model).training:  # evaluation restores the unwrapped model only
@@ -581,7 +585,7 @@ class Trainer:
         step, started = self.state.step + 1, time.perf_counter()
         self.phase.enter("data", step=step)
         # All of the step's batches first: each one's weight needs the count of all of them.
-        batches = [self.ft.next_batch() for _ in range(self.layout.grad_accum_steps)]
+        batches = [self.source.next_batch() for _ in range(self.layout.grad_accum_steps)]
         self.loss_weights.start([self.count_targets(batch) for batch in batches])
         data_wait = time.perf_counter() - started  # fetch and copy to the device
         clock.mark("data_wait")
@@ -594,18 +598,18 @@ class Trainer:
             self.phase.enter(phase, step=step)
             loss += self.forward_backward(batch, sync=sync)
             clock.mark("fwd_bwd")
-        if not self.ft.commit(self.model):  # a peer group failed during the step: discard it
+        if not self.source.commit(self.model):  # a peer group failed during the step: discard it
             self.optimizer.zero_grad(set_to_none=True)
             return StepResult(
                 loss=loss, grad_norm=torch.zeros_like(loss), data_wait_s=data_wait,
                 seconds=time.perf_counter() - step_started, nonfinite=False,
                 stop_requested=False, save_due=False, committed=False,
             )  # fmt: skip
-        grad_norm, verdict = self.stepper.apply(loss)
+        grad_norm, verdict, applied = self.stepper.apply(loss)
         clock.mark("optimizer")
         done = time.perf_counter()
         # This rank's samples: tensor/pipeline peers share them; ft groups share the global batch.
-        samples = self.layout.global_batch_size / self.env.world_size / self.ft.groups
+        samples = self.layout.global_batch_size / self.env.world_size / self.source.groups
         # Host time: under CUDA the meter takes the GPU's instead (the host runs a step ahead).
         self.meter.step_done(samples=samples, seconds=done - step_started)
         return StepResult(
@@ -616,6 +620,7 @@ class Trainer:
             nonfinite=verdict.nonfinite,
             stop_requested=verdict.stop,
             save_due=verdict.save_due,
+            applied=applied,
         )
 
     def forward_backward(self, batch: Any, *, sync: bool) -> torch.Tensor:

@@ -125,10 +125,10 @@ class FTRecorder(Trainer):
         super()._setup_fault_tolerance()
         ft = self.cfg.fault_tolerance
         if ft.enabled and ft.mode == "sync":
-            room = self.ft.room  # type: ignore[attr-defined]  # FaultTolerantPeers
+            room = self.source.room  # type: ignore[attr-defined]  # FaultTolerantSource
             room.reduce_gradients = self._against_flat(room)
         if self.kill_at:
-            room = self.ft.room  # type: ignore[attr-defined]  # FaultTolerantPeers
+            room = self.source.room  # type: ignore[attr-defined]  # FaultTolerantSource
             reduce_gradients = room.reduce_gradients
 
             def dying(model):

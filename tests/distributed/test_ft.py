@@ -477,11 +477,11 @@ def test_a_closed_trainer_lets_go_of_the_room_its_gloo_group_and_the_model(tmp_p
         cfg = compose([*TINY, "loop.max_steps=2", *_ft(address, groups=1, min_groups=1, group=0)])
         trainer = Trainer(cfg, output_dir=tmp_path)
         trainer.fit()  # its end closes the room (through the room's hook)
-        room, model = trainer.ft.room, weakref.ref(trainer.model)
+        room, model = trainer.source.room, weakref.ref(trainer.model)
         assert room.quorum_groups() == [0]  # the steps configured the quorum's gloo group
         assert room.pg._pg is None and room.parts == {}
         trainer.close()
-    assert trainer.ft is None and trainer.ft_hook is None
+    assert trainer.source is None and trainer.ft_hook is None
     gc.collect()
     assert model() is None, gc.get_referrers(model())
     room.close()  # a second close is a no-op

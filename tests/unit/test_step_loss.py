@@ -1,4 +1,4 @@
-"""The step's loss weights (sdnet_trainer/training/step.py) in one process; every layout against
+"""The step's loss weights (sdnet_trainer/training/reduction.py) in one process; every layout against
 transformers' own loss is tests/distributed/test_layouts.py's
 ``test_the_step_loss_over_masked_targets_is_transformers_loss``."""
 
@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from sdnet_trainer.training.step import LossWeights, counted_targets
+from sdnet_trainer.training.reduction import LossWeights, counted_targets
 from sdnet_trainer.training.trainer import Trainer
 
 

@@ -20,24 +20,15 @@ way). Where a micro-batch has no count (``Trainer.count_targets`` returns None: 
 sample, as for images, or a batch that is not an ``(inputs, targets)`` pair), every loss of the step
 weighs the same, ``1 / losses``, with no count and no collective: an image model's step is the
 mean of its micro-batches' means, which is its mean over the global batch.
-
-**The step's data and peers.** ``Trainer.ft`` is a :class:`StepPeers`: this class without fault
-tolerance (the loader's batches, nothing to agree on), ``training/fault_tolerance.py``'s
-``FaultTolerantPeers`` with it (the quorum, this group's share of the batch, the groups' gradient
-average and vote), so the step calls the same four methods either way.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from contextlib import AbstractContextManager, nullcontext
-from typing import Any
 
 import torch
 import torch.distributed as dist
-from torch import nn
 
-from sdnet_trainer.data.loader import RunData
 from sdnet_trainer.data.token_cache import IGNORE_INDEX
 from sdnet_trainer.distributed.ops import is_distributed
 
@@ -111,41 +102,4 @@ class LossWeights:
         return (count.double() * self.dp / self.total()).float()
 
 
-class StepPeers:
-    """A step's batches and its agreement with other replica groups, without fault tolerance:
-    the loader's next batch, nothing to agree on. ``FaultTolerantPeers`` (fault_tolerance.py)
-    has the same methods."""
-
-    def __init__(self, data: RunData) -> None:
-        self.data = data
-
-    @property
-    def groups(self) -> int:
-        """The replica groups that share this step's global batch."""
-        return 1
-
-    def begin_step(self) -> None:
-        """Before the step's first batch (fault tolerance: the quorum)."""
-
-    def next_batch(self) -> Any:
-        """This rank's next micro-batch, on the device."""
-        return self.data.next_batch()
-
-    def average_count(self, count: torch.Tensor) -> torch.Tensor:
-        """The group's count of targets averaged over the replica groups that share the step."""
-        return count
-
-    def commit(self, model: nn.Module) -> bool:
-        """After backward: the gradients averaged over the replica groups, and whether the step
-        counts (False: discard it and train the same samples again)."""
-        return True
-
-    def running(self, model: nn.Module, optimizer: torch.optim.Optimizer) -> AbstractContextManager:
-        """Around the training loop (fault tolerance's semi-synchronous modes wrap it)."""
-        return nullcontext()
-
-    def close(self) -> None:
-        """Release what the peers hold (the fault-tolerance manager)."""
-
-
-__all__ = ["LossWeights", "StepPeers", "counted_targets"]
+__all__ = ["LossWeights", "counted_targets"]
