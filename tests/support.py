@@ -1021,3 +1021,35 @@ def gpu_image_python(root: Path, *, lacking: frozenset[str] = GPU_IMAGE_LACKS) -
     ).stdout.strip()
     (Path(own_site) / "_gpu_image.pth").write_text(f"import site; site.addsitedir({str(site)!r})\n")
     return python
+
+
+CHAT_VOCAB = 320  # chat_data's tokenizer's vocabulary
+
+
+def chat_data(folder: Path, *, conversations: int) -> list[str]:
+    """Chat data whose windows count very different numbers of targets (the prompts' are -100):
+    ``conversations`` of a long prompt and a one-word answer or the reverse, a BPE tokenizer with
+    ChatML's template (written once into ``folder``); the overrides that train on them in windows
+    of 32 tokens."""
+    from sdnet_trainer.data.chat import TEMPLATES
+
+    tokenizer, chats = folder / "chat_tokenizer", folder / "chat.jsonl"
+    if not chats.exists():
+        write_bpe_tokenizer(tokenizer, template=TEMPLATES["chatml"])
+        with chats.open("w") as f:
+            for i in range(conversations):
+                long = " ".join(corpus_line(i + k) for k in range(4))
+                short = corpus_line(i).split()[0]
+                user, assistant = (long, short) if i % 2 else (short, long)
+                messages = [
+                    {"role": "user", "content": user},
+                    {"role": "assistant", "content": assistant},
+                ]
+                f.write(json.dumps({"messages": messages}) + "\n")
+    return [
+        "data=chat",
+        f"data.root={chats}",
+        f"data.tokenizer={tokenizer}",
+        f"data.vocab_size={CHAT_VOCAB}",
+        "data.seq_len=32",
+    ]

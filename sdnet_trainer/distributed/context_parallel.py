@@ -30,8 +30,8 @@ a ``transformers`` model is given (``models/hf_causal_lm.py``):
 **Gradients.** Context-parallel peers hold the same parameters and partial gradients; FSDP
 shards over ``dp_shard x cp`` and DDP reduces over ``dp_replicate x cp`` (distributed/mesh.py),
 and the step weighs each rank's loss by its share of the global batch's counted targets
-(training/reduction.py), so the step equals one process's over the whole sequences. Parameters are
-untouched: checkpoints move between layouts with and without context parallel.
+(distributed/reduction.py), so the step equals one process's over the whole sequences.
+Parameters are untouched: checkpoints move between layouts with and without context parallel.
 """
 
 from __future__ import annotations

@@ -19,11 +19,10 @@ the ranks of an expert group see different tokens, as data-parallel ranks do, an
 expert over the ``dp_shard / ep`` ranks that hold the same experts.
 
 **Gradients.** An expert's gradient on its rank already sums the contributions of every token its
-group sent it, from ``ep`` data-parallel ranks; FSDP then averages it over the ``dp_shard / ep``
-(and ``dp_replicate``) ranks holding that expert. Each rank's loss carries the factor
-``gradient_ranks`` that a full data-parallel average takes back out (``training/reduction.py``), so the
-experts' reduction divides by ``gradient_ranks`` too (``expert_gradient_divide_factor``), not by
-its own mesh's size.
+group sent it, from ``ep`` data-parallel ranks; FSDP then reduces it over the ``dp_shard / ep``
+(and ``dp_replicate``) ranks holding that expert, and divides the sum by the step's reduction
+contract's divisor, as every other gradient (``distributed/reduction.py``), not by its own mesh's
+size.
 """
 
 from __future__ import annotations
@@ -148,14 +147,8 @@ def apply_expert_parallel(
     return experts if dims.ep > 1 else []
 
 
-def expert_gradient_divide_factor(dims: ParallelDims) -> float:
-    """What FSDP divides the experts' reduced gradients by (module docstring: Gradients)."""
-    return float(dims.gradient_ranks)
-
-
 __all__ = [
     "ExpertParallel",
     "apply_expert_parallel",
-    "expert_gradient_divide_factor",
     "validate_expert_parallel",
 ]

@@ -29,6 +29,11 @@ from sdnet_trainer.config.schema import ParallelConfig
 from sdnet_trainer.errors import ConfigError
 
 MESH_DIMS = ("pp", "dp_replicate", "dp_shard", "cp", "tp")
+# The dimensions whose ranks see different targets of a step: data-parallel replicas and shards
+# load different samples, context-parallel ranks different positions of the same sequences. The
+# others hold copies of the same targets. The step's reduction contract counts targets and divides
+# gradients over these (distributed/reduction.py): a new dimension is named here, or not.
+BATCH_DIMS = ("dp_replicate", "dp_shard", "cp")
 
 
 @dataclass(frozen=True)
@@ -47,10 +52,10 @@ class ParallelDims:
         return self.dp_replicate * self.dp_shard
 
     @property
-    def gradient_ranks(self) -> int:
-        """The ranks whose gradients are reduced together (averaged by DDP and FSDP):
-        data-parallel ranks and context-parallel peers."""
-        return self.dp * self.cp
+    def batch_ranks(self) -> int:
+        """The ranks that see different targets of a step (``BATCH_DIMS``), over which the
+        gradients are reduced."""
+        return math.prod(getattr(self, name) for name in BATCH_DIMS)
 
     @property
     def sizes(self) -> tuple[int, ...]:
@@ -155,6 +160,7 @@ def replica_mesh(mesh: DeviceMesh, dims: ParallelDims) -> DeviceMesh:
 
 
 __all__ = [
+    "BATCH_DIMS",
     "MESH_DIMS",
     "ParallelDims",
     "build_mesh",

@@ -46,7 +46,6 @@ from sdnet_trainer.distributed.ddp import wrap_data_parallel
 from sdnet_trainer.distributed.env import DistEnv, resolve_device
 from sdnet_trainer.distributed.expert_parallel import (
     apply_expert_parallel,
-    expert_gradient_divide_factor,
 )
 from sdnet_trainer.distributed.float8 import convert_float8
 from sdnet_trainer.distributed.mesh import (
@@ -57,6 +56,7 @@ from sdnet_trainer.distributed.mesh import (
     replica_mesh,
 )
 from sdnet_trainer.distributed.pipeline import Pipeline, build_pipeline, split_model
+from sdnet_trainer.distributed.reduction import StepReduction
 from sdnet_trainer.errors import ConfigError
 from sdnet_trainer.models.parallel_spec import parallel_blocks, supports_tensor_parallel
 from sdnet_trainer.runtime.precision import DTYPES, resolve_precision_dtype
@@ -190,11 +190,13 @@ def parallelize(
     mesh: DeviceMesh | None,
     dims: ParallelDims,
     *,
+    reduction: StepReduction,
     loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None,
     materialize: Callable[[list[nn.Module]], None] | None = None,
 ) -> ParallelModel:
     """Apply the layout of ``cfg.parallel`` to ``model``; under pipeline parallelism the last
-    stage computes ``loss_fn(outputs, targets)``.
+    stage computes ``loss_fn(outputs, targets)``. Every gradient reducer divides as
+    ``reduction`` (the step's contract) says.
 
     ``model`` is on ``env.device``, or on the meta device with ``materialize``: that is called
     with this rank's parts of the model once they are sharded (tensor parallel, FSDP) and
@@ -240,8 +242,7 @@ def parallelize(
     if dims.ep > 1 or dims.tp > 1:
         assert mesh is not None  # more than one rank: the caller built the mesh
         if modules := apply_expert_parallel(model, mesh, dims):
-            mesh_dp, factor = expert_dp_mesh(mesh, dims), expert_gradient_divide_factor(dims)
-            experts = _Experts(modules, mesh_dp, factor)
+            experts = _Experts(modules, expert_dp_mesh(mesh, dims))
     # FSDP2 all-gathers parameters into flat contiguous buffers and refuses channels_last ones.
     # The inputs alone carry the layout there: the loader hands over channels_last images, and
     # convolutions (cuDNN, oneDNN) follow a channels_last input with contiguous weights, so every
@@ -272,13 +273,15 @@ def parallelize(
             block.compile(**kwargs)
     if fsdp_wrapped and parallel.strategy == "fsdp":
         assert mesh is not None  # more than one rank: the caller built the mesh
-        _fully_shard(parts, blocks, cfg, dp_mesh(mesh, dims), env.device, experts=experts)
+        _fully_shard(
+            parts, blocks, cfg, dp_mesh(mesh, dims), env.device, reduction, experts=experts
+        )
     elif dims.dp_replicate > 1 and dims.pp > 1:
         # DDP x PP: torch's pipeline stages drive FSDP2's gradient sync over micro-batches, while a
         # DDP-wrapped stage fails DDP's bucket rebuild (torch 2.14). FSDP2 on a (replicate, shard=1)
         # mesh is plain replication: gradients all-reduced once per step, parameters whole.
         assert mesh is not None  # more than one rank: the caller built the mesh
-        _fully_shard(parts, [], cfg, mesh["dp_replicate", "dp_shard"], env.device)
+        _fully_shard(parts, [], cfg, mesh["dp_replicate", "dp_shard"], env.device, reduction)
     if materialize is not None:
         materialize(parts)
     replicas = dims.dp_replicate * dims.cp  # the ranks DDP averages gradients over
@@ -287,7 +290,10 @@ def parallelize(
         if replicas < env.world_size:
             assert mesh is not None  # more than one rank: the caller built the mesh
             group = replica_mesh(mesh, dims).get_group()
+        reduction.check_average("DDP", replicas)
         parts = [wrap_data_parallel(part, parallel, env, process_group=group) for part in parts]
+    elif not fsdp_wrapped:
+        reduction.check_average("a layout without a gradient reducer", 1)
     if stages is None:
         return ParallelModel(parts[0], context=context)
     assert mesh is not None and loss_fn is not None, "a pipeline needs its group and its loss"
@@ -308,19 +314,17 @@ def _uses_fsdp(strategy: str, dims: ParallelDims) -> bool:
     """Whether :func:`parallelize` wraps the model with FSDP2 (given a mesh): sharding, FSDP2 on a
     one-rank world, or replication under pipeline parallelism (see the DDP x PP branch there)."""
     one_rank = dims.sizes == (1,) * len(dims.sizes)
-    return (strategy == "fsdp" and (dims.gradient_ranks > 1 or one_rank)) or (
+    return (strategy == "fsdp" and (dims.batch_ranks > 1 or one_rank)) or (
         dims.dp_replicate > 1 and dims.pp > 1
     )
 
 
 @dataclass(frozen=True)
 class _Experts:
-    """The expert modules of an expert-parallel model, the mesh FSDP shards them over and what
-    their reduced gradients are divided by (``distributed/expert_parallel.py``)."""
+    """The expert modules of an expert-parallel model and the mesh FSDP shards them over."""
 
     modules: list[nn.Module]
     mesh: DeviceMesh
-    divide_factor: float
 
 
 def _fully_shard(
@@ -329,13 +333,14 @@ def _fully_shard(
     cfg: Config,
     mesh: DeviceMesh,
     device: torch.device,
+    reduction: StepReduction,
     *,
     experts: _Experts | None = None,
 ) -> None:
     """FSDP2: each block is its own all-gather/reduce-scatter unit, then each part's root gathers
     the rest (stem, embeddings, head). A 2-D data mesh (dp_replicate x dp_shard) makes it HSDP.
     Expert-parallel experts are units of their own first, sharded over the ranks that hold the
-    same experts."""
+    same experts. Every unit divides its reduced gradients as ``reduction`` says."""
     fsdp = cfg.parallel.fsdp
     param_dtype = _param_dtype(parts, cfg, device)
     policy = MixedPrecisionPolicy(
@@ -346,53 +351,24 @@ def _fully_shard(
     offload = (
         CPUOffloadPolicy(pin_memory=device.type == "cuda") if fsdp.cpu_offload else OffloadPolicy()
     )
+
+    def shard(unit: nn.Module, over: DeviceMesh, *, reshard: bool) -> None:
+        fully_shard(
+            unit, mesh=over, reshard_after_forward=reshard, mp_policy=policy, offload_policy=offload
+        )
+        reduction.divide_fsdp(unit, over)
+
+    expert_units, expert_mesh = (experts.modules, experts.mesh) if experts else ([], mesh)
     for part in parts:
         inside = {id(m) for m in part.modules()}
-        if experts is not None:
-            units = [m for m in experts.modules if id(m) in inside]
-            reshard = fsdp.reshard_after_forward
-            _shard_experts(units, experts, device, reshard=reshard, policies=(policy, offload))
+        for module in expert_units:
+            if id(module) in inside:
+                shard(module, expert_mesh, reshard=fsdp.reshard_after_forward)
         for block in blocks:
             if id(block) in inside:
-                fully_shard(
-                    block,
-                    mesh=mesh,
-                    reshard_after_forward=fsdp.reshard_after_forward,
-                    mp_policy=policy,
-                    offload_policy=offload,
-                )
+                shard(block, mesh, reshard=fsdp.reshard_after_forward)
         # The root's parameters are needed again right at the start of backward: keep them.
-        fully_shard(
-            part, mesh=mesh, reshard_after_forward=False, mp_policy=policy, offload_policy=offload
-        )
-
-
-def _shard_experts(
-    units: list[nn.Module],
-    experts: _Experts,
-    device: torch.device,
-    *,
-    reshard: bool,
-    policies: tuple[MixedPrecisionPolicy, OffloadPolicy],
-) -> None:
-    """The expert-parallel experts as FSDP units of their own, over the ranks holding the same
-    experts, their gradients divided as the others' (``distributed/expert_parallel.py``)."""
-    precision, offload = policies
-    for module in units:
-        fully_shard(
-            module,
-            mesh=experts.mesh,
-            reshard_after_forward=reshard,
-            mp_policy=precision,
-            offload_policy=offload,
-        )
-        unit = cast(FSDPModule, module)
-        unit.set_gradient_divide_factor(experts.divide_factor)
-        if device.type != "cuda" and experts.mesh.size() > 1:
-            # A divide factor other than the group's size is NCCL's PREMUL_SUM, which gloo
-            # lacks: sum, then divide. (Not on a group of one, which needs no collective and
-            # where torch 2.14 would then divide twice.)
-            unit.set_force_sum_reduction_for_comms(True)
+        shard(part, mesh, reshard=False)
 
 
 def _param_dtype(parts: list[nn.Module], cfg: Config, device: torch.device) -> str:

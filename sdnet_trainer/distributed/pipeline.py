@@ -275,9 +275,10 @@ class Pipeline:
     def train_step(self, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         """Forward and backward over ``microbatches`` micro-batches; the sum of their losses on
         the rank holding the last stage, zero elsewhere. The loss function weighs each pipeline
-        micro-batch (the Trainer's: by its share of the step's counted targets), so the gradients
-        are those of that sum: torch's ``scale_grads`` (dividing by the micro-batch count, a mean
-        of means) is off."""
+        micro-batch (the Trainer's: by its share of the step's counted targets, the step's
+        reduction contract in ``distributed/reduction.py``), so the gradients are those of that
+        sum: torch's ``scale_grads`` (dividing by the micro-batch count, a mean of means) is
+        off."""
         losses: list[torch.Tensor] = []
         args = (inputs,) if self.has_first else ()
         self.schedule.step(*args, target=targets if self.has_last else None, losses=losses)

@@ -3,7 +3,7 @@
     begin_step      the quorum (sync mode): blocks until the lighthouse has this step's groups;
                     a group behind the others receives the live state from a healthy peer here
     average         before the first backward (sync): the group's count of counted targets
-                    averaged over the quorum's groups (the step's loss weights, training/reduction.py)
+                    averaged over the quorum's groups (distributed/reduction.py)
     reduce_gradients  after backward (sync): every gradient averaged over the quorum's groups, in
                     buckets, through torchft's managed process group (NCCL in a subprocess on
                     CUDA, gloo on the CPU), reconfigured at each new quorum

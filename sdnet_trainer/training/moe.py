@@ -1,14 +1,13 @@
 """A mixture-of-experts model around the step: the auxiliary loss's weight, the experts' load
 summed over the ranks after every step, DeepSeek-V3's bias update from it, and the load metrics.
 
-**The auxiliary loss** (``model.moe.load_balance=aux_loss``) is per sequence, so it adds up over
-micro-batches and ranks as the token losses do (``training/reduction.py``): each MoE layer adds the
-gradient of ``weight x (sum of its sequences' auxiliary losses)`` in its own backward, with
-``weight = gradient_ranks x groups / global batch`` (the data-parallel average takes
-``gradient_ranks`` back out, and the fault-tolerant replica groups' average the number of groups
-that share the step, read at each forward: the quorum may change), so a step's auxiliary loss is
-the mean over the global batch's sequences on every layout. It is not part of ``train/loss``;
-it is logged as ``moe/aux_loss``.
+**The auxiliary loss** (``model.moe.load_balance=aux_loss``) is per sequence: each MoE layer adds
+the gradient of ``weight x (sum of its sequences' auxiliary losses)`` in its own backward, with
+the weight the step's reduction contract gives a term per sequence
+(``StepReduction.mean_weight`` of the global batch, in ``distributed/reduction.py``, read at
+each forward: fault tolerance's quorum may change), so a step's auxiliary loss is the mean over
+the global batch's sequences on every layout. It is not part of ``train/loss``; it is logged as
+``moe/aux_loss``.
 
 **The load** of every layer, the tokens each expert received in the step, is summed over the
 ranks that saw different tokens (every rank but a tensor-parallel peer's copy) in one all-reduce
@@ -32,12 +31,12 @@ from torch import nn
 
 from sdnet_trainer.config.schema import Config
 from sdnet_trainer.distributed.mesh import ParallelDims
+from sdnet_trainer.distributed.reduction import StepReduction
 from sdnet_trainer.models.moe import MoE, moe_sizes
 from sdnet_trainer.models.registry import model_family
 from sdnet_trainer.observability import MetricsWriter
 from sdnet_trainer.training.hooks import HookBase
 from sdnet_trainer.training.state import RunState, StepResult
-from sdnet_trainer.training.step_source import StepSource
 
 _LAYER = re.compile(r"(?:^|\.)blocks\.(\d+)\.")
 
@@ -131,22 +130,20 @@ def expert_balance(
     *,
     rank: int,
     global_batch_size: int,
-    source: StepSource,
+    reduction: StepReduction,
     writer: MetricsWriter,
     total_steps: int,
     device: torch.device,
 ) -> ExpertBalance | None:
     """The hook for ``model`` (None unless its family has experts); sets every layer's auxiliary
-    loss weight (module docstring) from the gradient ranks, the replica groups ``source`` counts
-    and the global batch."""
+    loss weight (module docstring) from ``reduction``, the step's contract."""
     family = model_family(cfg.model.name)
     if family is None or family.num_experts is None:
         return None
     layers, moe = moe_layers(model), moe_sizes(cfg.model)
-    ranks = dims.gradient_ranks
 
     def weight() -> float:
-        return ranks * source.groups / global_batch_size
+        return reduction.mean_weight(global_batch_size)
 
     for layer in layers.values():
         layer.aux_loss_weight = weight

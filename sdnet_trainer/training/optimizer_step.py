@@ -164,9 +164,10 @@ class OptimizerStep:
             [torch.empty(3, pin_memory=True) for _ in range(2)] if device.type == "cuda" else None
         )
 
-    def apply(self, loss: torch.Tensor) -> tuple[torch.Tensor, Verdict]:
-        """Norm, agreement, update or skip, zero_grad; returns the gradient norm and the verdict
-        to act on: this step's, or the previous step's when deferred."""
+    def apply(self, loss: torch.Tensor) -> tuple[torch.Tensor, Verdict, torch.Tensor]:
+        """Norm, agreement, update or skip, zero_grad; returns the gradient norm, the verdict
+        to act on (this step's, or the previous step's when deferred) and, on the device, 1.0
+        where this step's update was applied, 0.0 where it was skipped."""
         # One pass over the parameters per step, shared by the norm and clipping.
         params = [p for p in self.model.parameters() if p.grad is not None]
         replicate_partial_grads(params)
@@ -185,7 +186,8 @@ class OptimizerStep:
             else:
                 self._update(grad_norm, params)
         self.optimizer.zero_grad(set_to_none=True)
-        return grad_norm, verdict
+        applied = torch.full((), 0.0 if verdict.nonfinite and not self.deferred else 1.0)
+        return grad_norm, verdict, applied.to(self.device)
 
     def settle(self, *, saving: bool = False) -> None:
         """Read a deferred verdict still in flight: a non-finite step ends the run here, before

@@ -82,8 +82,9 @@ class StepResult:
     """One optimizer step as the hooks see it. ``loss`` and ``grad_norm`` stay on the device
     (reading them is a host synchronisation: hooks do it at log points only)."""
 
-    # This rank's part of the step's loss, times dp (training/reduction.py): its mean over the ranks
-    # whose loss counts is the step's loss, the mean over the global batch's counted targets.
+    # This rank's part of the step's loss, times the gradient divisor (distributed/reduction.py):
+    # its mean over the ranks whose loss counts is the step's loss, the mean over the global
+    # batch's counted targets.
     loss: torch.Tensor
     grad_norm: torch.Tensor  # global, unscaled
     data_wait_s: float  # host time spent fetching and copying the step's batches

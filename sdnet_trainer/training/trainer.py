@@ -29,7 +29,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from torch import nn
+from torch import Tensor, nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.parallel import loss_parallel
@@ -54,6 +54,7 @@ from sdnet_trainer.distributed.env import shorten_timeout
 from sdnet_trainer.distributed.mesh import ParallelDims, build_mesh, parallel_dims
 from sdnet_trainer.distributed.parallelize import gradient_sync, parallelize
 from sdnet_trainer.distributed.pipeline import Pipeline
+from sdnet_trainer.distributed.reduction import StepReduction, counted_targets
 from sdnet_trainer.ft.checks import check_lighthouse, lighthouse_address
 from sdnet_trainer.models import build_model, init_adapters
 from sdnet_trainer.models.init import allocate, build_deferred, materialize, without_parameters
@@ -82,7 +83,6 @@ from sdnet_trainer.training.hooks import (
 from sdnet_trainer.training.moe import expert_balance
 from sdnet_trainer.training.optim import build_optimizer, build_scheduler
 from sdnet_trainer.training.optimizer_step import OptimizerStep
-from sdnet_trainer.training.reduction import LossWeights, counted_targets
 from sdnet_trainer.training.state import EpochShape, RunState, StepResult
 from sdnet_trainer.training.step_source import StepSource
 
@@ -114,10 +114,8 @@ class Trainer:
     watchdog: Watchdog | None  # when health.hang_timeout_s is set
     stepper: OptimizerStep  # norm, agreement and update after backward
     checkpointer: Checkpointer
-    source: (
-        StepSource  # the step's batches and replica groups (fault_tolerance.enabled: the room's)
-    )
-    loss_weights: LossWeights  # each micro-batch's share of the step's loss (training/reduction.py)
+    source: StepSource  # the step's batches and replica groups (training/step_source.py)
+    reduction: StepReduction  # the loss terms' and the reducers' one contract (distributed/)
     ft_hook: HookBase | None  # the ft room's figures at each log point
     hooks: list[HookBase]
 
@@ -168,8 +166,8 @@ class Trainer:
 
     def count_targets(self, batch: Any) -> torch.Tensor | None:
         """How many targets ``compute_loss``'s mean averages over (not -100): its weight in the
-        step's loss, the mean over the global batch's counted targets (training/reduction.py). None:
-        every micro-batch of the step weighs the same."""
+        step's loss, the mean over the global batch's counted targets (distributed/reduction.py).
+        None: every micro-batch of the step weighs the same."""
         pair = isinstance(batch, (tuple, list)) and len(batch) == 2 and torch.is_tensor(batch[1])
         return counted_targets(batch[1]) if pair else None
 
@@ -242,7 +240,7 @@ class Trainer:
         )
         balance = expert_balance(  # a MoE's routing bias moved before it is averaged or saved
             cfg, self.model, self.dims, rank=rank, global_batch_size=self.layout.global_batch_size,
-            source=self.source, writer=self.writer, total_steps=self.total_steps,
+            reduction=self.reduction, writer=self.writer, total_steps=self.total_steps,
             device=self.device,
         )  # fmt: skip
         hooks = [
@@ -328,9 +326,13 @@ class Trainer:
                 init_adapters(model)  # model.lora's: after the base's values (models/lora.py)
 
         self.num_parameters = sum(p.numel() for p in model.parameters())  # of the whole model
+        pipe = cfg.parallel.pipeline.microbatches if self.dims.pp > 1 else 1
+        losses = self.layout.grad_accum_steps * pipe  # a step's loss terms on one rank
+        self.reduction = StepReduction(self.dims, world_size=env.world_size, losses=losses)
         parallel = parallelize(
-            model, cfg, env, self.mesh, self.dims, loss_fn=self._weighted_loss, materialize=fill
-        )
+            model, cfg, env, self.mesh, self.dims, reduction=self.reduction,
+            loss_fn=self._weighted_loss, materialize=fill,
+        )  # fmt: skip
         self.model, self.pipeline = parallel.model, parallel.pipeline
         self.context = parallel.context
         # This rank's metrics count once: last pipeline stage, first tensor-parallel peer.
@@ -485,8 +487,8 @@ class Trainer:
             self.state.next_epoch()
 
     def _setup_fault_tolerance(self) -> None:
-        """The step's source (the ft room's under ``fault_tolerance.enabled``) and the loss
-        weights, whose count the replica groups average."""
+        """The step's source (the ft room's under ``fault_tolerance.enabled``), whose replica
+        groups share the step's reduction."""
         self.source, self.ft_hook = StepSource(self.data), None
         if self.cfg.fault_tolerance.enabled:
             from sdnet_trainer.training.fault_tolerance import attach
@@ -495,12 +497,8 @@ class Trainer:
                 self.cfg, self.env, self.dims, data=self.data, state=self.state, writer=self.writer,
                 parts=self.checkpointer.parts, global_batch_size=self.layout.global_batch_size,
             )  # fmt: skip
-        dims, pipe = self.dims, self.cfg.parallel.pipeline.microbatches if self.pipeline else 1
-        losses = self.layout.grad_accum_steps * pipe  # a step's loss terms on one rank
-        self.loss_weights = LossWeights(
-            dp=dims.gradient_ranks, peers=dims.tp * dims.pp, losses=losses,
-            across_groups=self.source.average_count,
-        )  # fmt: skip
+        source = self.source
+        self.reduction.share_with(lambda: source.groups, source.average_count)
 
     # ------------------------------------------------------------------ the loop
 
@@ -569,12 +567,12 @@ class Trainer:
         if source is not None:
             source.close()  # closed by its hook on every path through fit; here when set-up failed
         held = "model pipeline optimizer comm scheduler stepper data checkpointer hooks ema writer"
-        for name in [*held.split(), "source", "ft_hook", "loss_weights"]:
+        for name in [*held.split(), "source", "ft_hook", "reduction"]:
             setattr(self, name, None)
 
     def train_step(self) -> StepResult:
         """One optimizer step: the step's micro-batches, the sum of their counted targets over the
-        data-parallel ranks (``loss_weights``), ``forward_backward`` on each, the replica groups'
+        batch mesh (``reduction``), ``forward_backward`` on each, the replica groups'
         agreement (``self.source``), then the update (``OptimizerStep``)."""
         step_started = time.perf_counter()
         self.source.begin_step()  # fault tolerance: the quorum (a joining group receives the state)
@@ -586,17 +584,18 @@ class Trainer:
         self.phase.enter("data", step=step)
         # All of the step's batches first: each one's weight needs the count of all of them.
         batches = [self.source.next_batch() for _ in range(self.layout.grad_accum_steps)]
-        self.loss_weights.start([self.count_targets(batch) for batch in batches])
+        counts = [self.count_targets(batch) for batch in batches]
+        self.reduction.start(counts)
         data_wait = time.perf_counter() - started  # fetch and copy to the device
         clock.mark("data_wait")
         loss = torch.zeros((), device=self.device)
-        for index, batch in enumerate(batches):
+        for index, (batch, count) in enumerate(zip(batches, counts)):
             # DDP reduces gradients in backward on the last micro-step only; FSDP2 reduce-scatters
             # on every micro-step unless parallel.fsdp.grad_sync=last_microstep (gradient_sync).
             sync = index == len(batches) - 1
             phase = "forward/backward (gradient reduction)" if sync else "forward/backward"
             self.phase.enter(phase, step=step)
-            loss += self.forward_backward(batch, sync=sync)
+            loss += self.forward_backward(batch, count=count, sync=sync)
             clock.mark("fwd_bwd")
         if not self.source.commit(self.model):  # a peer group failed during the step: discard it
             self.optimizer.zero_grad(set_to_none=True)
@@ -613,19 +612,15 @@ class Trainer:
         # Host time: under CUDA the meter takes the GPU's instead (the host runs a step ahead).
         self.meter.step_done(samples=samples, seconds=done - step_started)
         return StepResult(
-            loss=loss,
-            grad_norm=grad_norm,
-            data_wait_s=data_wait,
-            seconds=done - step_started,
-            nonfinite=verdict.nonfinite,
-            stop_requested=verdict.stop,
-            save_due=verdict.save_due,
+            loss=loss, grad_norm=grad_norm, data_wait_s=data_wait, seconds=done - step_started,
+            nonfinite=verdict.nonfinite, stop_requested=verdict.stop, save_due=verdict.save_due,
             applied=applied,
-        )
+        )  # fmt: skip
 
-    def forward_backward(self, batch: Any, *, sync: bool) -> torch.Tensor:
+    def forward_backward(self, batch: Any, *, count: Tensor | None, sync: bool) -> Tensor:
         """Forward and backward of one micro-batch (or the pipeline schedule over it); returns its
-        share of the step's loss, detached. ``sync``: the last, whose backward reduces gradients."""
+        share of the step's loss, detached. ``count``: its ``count_targets``; ``sync``: the last,
+        whose backward reduces gradients."""
         with (
             gradient_sync(self.model, sync, fsdp_grad_sync=self.cfg.parallel.fsdp.grad_sync),
             # The loss and its backward on vocabulary-sharded logits (tensor parallel).
@@ -638,7 +633,7 @@ class Trainer:
                 with self.precision.autocast():
                     loss = self.compute_loss(batch)
                     # After the forward: the count's all-reduce ran meanwhile.
-                    loss = loss * self.loss_weights.weight(self.count_targets(batch))
+                    loss = loss * self.reduction.weight(count)
                 self.precision.scaler.scale(loss).backward()
         if isinstance(loss, DTensor):  # loss_parallel: the replicated loss of vocab shards
             loss = loss.full_tensor()
@@ -647,7 +642,7 @@ class Trainer:
     def _weighted_loss(self, outputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         """The pipeline's loss on its last stage, per pipeline micro-batch: ``loss_fn`` weighted
         by the micro-batch's share of the step's counted targets."""
-        return self.loss_fn(outputs, targets) * self.loss_weights.weight(counted_targets(targets))
+        return self.loss_fn(outputs, targets) * self.reduction.weight(counted_targets(targets))
 
     def to_device(self, batch: Any) -> Any:
         """Move every tensor in a (nested) batch to the training device."""

@@ -20,6 +20,8 @@ import json
 import os
 import re
 import sys
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -33,6 +35,7 @@ from sdnet_trainer.config import compose
 from sdnet_trainer.config.schema import Config, DistConfig
 from sdnet_trainer.distributed import DistEnv, all_reduce_sum, distributed_session
 from sdnet_trainer.distributed.ops import all_gather_objects
+from sdnet_trainer.distributed.reduction import StepReduction
 from sdnet_trainer.lazy import freeze_imports
 from sdnet_trainer.models.hf_folder import hf_weights_folder, weight_files
 from sdnet_trainer.models.llama.hf import to_hf_name
@@ -177,6 +180,24 @@ class LayoutRecorder(Trainer):
         }
 
 
+# Cases named so train with the step's reduction contract's gradient divisor doubled: a reducer
+# that reads it (FSDP2, HSDP, expert parallel) divides by it as the loss weights multiply by it,
+# so the step is unchanged; one whose divisor torch fixes (DDP's group size; none without a
+# reducer) is refused by the contract's check before training.
+DIVISOR_TWICE = "_divisor2"
+
+
+@contextmanager
+def divisor_scaled(factor: int) -> Iterator[None]:
+    original = StepReduction.gradient_divisor
+    if factor != 1:
+        StepReduction.gradient_divisor = property(lambda self: factor * self.batch_ranks)  # type: ignore[method-assign,assignment]
+    try:
+        yield
+    finally:
+        StepReduction.gradient_divisor = original  # type: ignore[method-assign]
+
+
 def run_cases(out: Path, cases: dict[str, list[str]], recorder: type[Trainer]) -> None:
     """Train every case in one process group, each with a Trainer of class ``recorder`` (whose
     ``record(fit_result)`` says what to keep); rank 0 saves each record as ``out/<case>.pt``.
@@ -193,7 +214,12 @@ def run_cases(out: Path, cases: dict[str, list[str]], recorder: type[Trainer]) -
             validate(cfg, world_size=env.world_size)
             trainer = recorder(cfg, output_dir=out / name, env=env)
             try:
-                record = trainer.record(trainer.fit())  # type: ignore[attr-defined]
+                with divisor_scaled(2 if name.endswith(DIVISOR_TWICE) else 1):
+                    record = trainer.record(trainer.fit())  # type: ignore[attr-defined]
+            except RuntimeError as refusal:
+                if not name.endswith(DIVISOR_TWICE):
+                    raise
+                record = {"refused": str(refusal)}  # a reducer that checks the divisor
             finally:
                 trainer.close()
             if env.is_main:

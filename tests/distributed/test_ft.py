@@ -23,7 +23,7 @@ import torch
 
 from tests.distributed._ft_trainer import FINAL, RECORD
 from tests.forked import ForkedLaunch
-from tests.support import CPU, TINY, run_cli, start_command, wait_until
+from tests.support import CHAT_VOCAB, CPU, TINY, chat_data, run_cli, start_command, wait_until
 
 pytestmark = pytest.mark.full
 
@@ -189,11 +189,7 @@ MOE = [
     "trainer._target_=tests.distributed._ft_trainer.FTRecorder",
     "model=moe_debug",
     "model.moe.aux_loss_coeff=1.0",
-    "data=tokens",
-    "data.seq_len=16",
-    "data.vocab_size=256",
-    "data.train_size=64",
-    "data.val_size=16",
+    f"model.moe.vocab_size={CHAT_VOCAB}",
     "optim=sgd",
     "optim.lr=0.2",
     "optim.momentum=0.9",
@@ -206,14 +202,17 @@ MOE = [
 
 
 def test_a_mixture_of_experts_in_two_groups_matches_one_process(tmp_path):
-    """Two groups of one process against one process over the same global batch: the same
-    weights after every step, the routers' included, whose auxiliary-loss gradient is weighted
-    for the groups that share the step (each group's share of the batch is half of it)."""
+    """Two groups of one process against one process over the same global batch of chat windows
+    (each counting a different number of targets): the same weights after every step. The
+    groups' token losses are weighted by the groups' mean count, and the routers'
+    auxiliary-loss gradient for the groups that share the step (each group's share of the batch
+    is half of it): the step's reduction contract (distributed/reduction.py) across groups."""
     runs = [tmp_path / f"g{g}" for g in range(2)]
+    moe = [*MOE, *chat_data(tmp_path, conversations=25)]
     with _lighthouse(2) as address, _launches() as procs:
-        reference = _start(procs, tmp_path / "ref", MOE)  # alongside the groups
+        reference = _start(procs, tmp_path / "ref", moe)  # alongside the groups
         for g, run_dir in enumerate(runs):
-            _start(procs, run_dir, [*MOE, *_ft(address, groups=2, min_groups=2, group=g)])
+            _start(procs, run_dir, [*moe, *_ft(address, groups=2, min_groups=2, group=g)])
         for proc, run_dir in zip(procs, [tmp_path / "ref", *runs], strict=True):
             _finish(proc, run_dir)
     assert reference.returncode == 0

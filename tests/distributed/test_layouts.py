@@ -23,8 +23,9 @@ import torch
 from sdnet_trainer.config import compose
 from sdnet_trainer.export.cli import main as export_main
 from sdnet_trainer.plan import dry_run as plan_main
+from tests.distributed._layout_worker import DIVISOR_TWICE
 from tests.float8_cpu import float8_cpu_refusal
-from tests.support import REPO, corpus_line, run_cli, tiny_llama_config, write_bpe_tokenizer
+from tests.support import CHAT_VOCAB, REPO, chat_data, run_cli, tiny_llama_config
 
 WORKER = REPO / "tests" / "distributed" / "_layout_worker.py"
 COMMON = [
@@ -279,12 +280,16 @@ LORA_REFS = {"llama_lora_ref": LLAMA_LORA, "llama_dora_ref": LLAMA_DORA}
 # one per rank of the 4-process layouts): the global batch is the whole training split, so the one
 # step covers the same windows whatever the sampler's order.
 CHAT_CONVERSATIONS, CHAT_BATCH, CHAT_LR = 25, 40, 1.0
+CHAT_SCHEDULES = ("Interleaved1F1B", "InterleavedZeroBubble", "ZBVZeroBubble")
 CHAT_LAYOUTS = {
     1: {"chat_1micro": [], "chat_4micro": ["loop.grad_accum_steps=4"]},
     2: {
         "chat_ddp": [],
         "chat_fsdp": ["parallel=fsdp"],
         "chat_pp": _pipeline("1F1B", 2),
+        # The pipeline's other schedule families: several stages per rank, the backward split
+        # into input and weight gradients, stages in a V.
+        **{f"chat_pp_{s}": _pipeline(s, 4) for s in CHAT_SCHEDULES},
         "chat_tp_loss_parallel": ["parallel.tp=2", "parallel.tensor_parallel.loss_parallel=true"],
         # Each window's halves count different numbers of targets on the two ranks.
         "chat_cp": ["parallel.cp=2"],
@@ -297,36 +302,37 @@ CHAT_LAYOUTS = {
 }
 
 
+# The mixture of experts on the same chat data, its experts split over two ranks, against one
+# process (transformers has no model of its exact architecture to compare with).
+CHAT_MOE = ["model=moe_debug", "model.moe.num_experts=4", f"model.moe.vocab_size={CHAT_VOCAB}"]
+CHAT_MOE_LAYOUTS = {1: {"chat_moe_ref": []}, 2: {"chat_moe_ep": ["parallel=fsdp", "parallel.ep=2"]}}
+# Every reducer against the contract's divisor (tests/distributed/_layout_worker.py's
+# DIVISOR_TWICE): those that read it train as before, those whose divisor torch fixes refuse.
+DIVISOR_READ = ("chat_fsdp", "chat_hsdp", "chat_moe_ep")
+DIVISOR_CHECKED = {
+    "chat_ddp": "DDP",
+    "chat_cp": "DDP",
+    "chat_pp": "without a gradient reducer",
+    "chat_tp_loss_parallel": "without a gradient reducer",
+}
+
+
 def _chat_run(out) -> list[str]:
     """A tiny Hugging Face Llama, a BPE tokenizer and the conversations (written once), and the
     overrides of one plain SGD step from them."""
-    from sdnet_trainer.data.chat import TEMPLATES
-
     transformers = pytest.importorskip("transformers", reason="the llm extra is not installed")
-    folder, tokenizer, chats = out / "chat_hf", out / "chat_tokenizer", out / "chat.jsonl"
+    folder = out / "chat_hf"
     if not folder.exists():
         torch.manual_seed(0)
-        config = tiny_llama_config(vocab_size=320, intermediate_size=48, eos_token_id=0)
+        # 4 layers: 2 stages on each of 2 ranks.
+        config = tiny_llama_config(
+            vocab_size=CHAT_VOCAB, intermediate_size=48, eos_token_id=0, num_hidden_layers=4
+        )
         transformers.LlamaForCausalLM(config).save_pretrained(folder)
-        write_bpe_tokenizer(tokenizer, template=TEMPLATES["chatml"])
-        with chats.open("w") as f:
-            for i in range(CHAT_CONVERSATIONS):
-                long = " ".join(corpus_line(i + k) for k in range(4))
-                short = corpus_line(i).split()[0]
-                user, assistant = (long, short) if i % 2 else (short, long)
-                messages = [
-                    {"role": "user", "content": user},
-                    {"role": "assistant", "content": assistant},
-                ]
-                f.write(json.dumps({"messages": messages}) + "\n")
     return [
         "model=llama3_debug",
         f"model.weights=hf:{folder}",
-        "data=chat",
-        f"data.root={chats}",
-        f"data.tokenizer={tokenizer}",
-        "data.vocab_size=320",
-        "data.seq_len=32",
+        *chat_data(out, conversations=CHAT_CONVERSATIONS),
         "precision=fp32",
         "optim=sgd",
         f"optim.lr={CHAT_LR}",
@@ -344,7 +350,12 @@ def _chat_run(out) -> list[str]:
 
 
 def _chat_cases(out, nproc: int) -> dict[str, list[str]]:
-    return {name: _chat_run(out) + extra for name, extra in CHAT_LAYOUTS[nproc].items()}
+    cases = {name: _chat_run(out) + extra for name, extra in CHAT_LAYOUTS[nproc].items()}
+    for name, extra in CHAT_MOE_LAYOUTS.get(nproc, {}).items():
+        run = [o for o in _chat_run(out) if not o.startswith(("model=", "model.weights="))]
+        cases[name] = run + CHAT_MOE + extra
+    doubled = [*DIVISOR_READ, *DIVISOR_CHECKED]
+    return {**cases, **{f"{n}{DIVISOR_TWICE}": cases[n] for n in doubled if n in cases}}
 
 
 def _single(out) -> dict[str, list[str]]:
@@ -858,3 +869,32 @@ def test_the_step_loss_over_masked_targets_is_transformers_loss(runs, chat_refer
     assert params.keys() == reference.keys()
     for key, value in reference.items():
         torch.testing.assert_close(params[key], value, rtol=0, atol=1e-6, msg=key)
+
+
+@pytest.mark.parametrize("name", list(CHAT_MOE_LAYOUTS[2]))
+def test_expert_parallel_step_over_masked_targets_matches_one_process(runs, name):
+    """Expert parallel's reducer (FSDP over the ranks holding the same experts, divided by the
+    contract's divisor) and the auxiliary loss's weight (the contract's per-sequence weight): one
+    SGD step on the chat data equals one process's."""
+    run, reference = runs[name], runs["chat_moe_ref"]
+    assert run["losses"] == [pytest.approx(reference["losses"][0], rel=1e-6)]
+    assert run["params"].keys() == reference["params"].keys()
+    for key, value in reference["params"].items():
+        torch.testing.assert_close(run["params"][key], value, rtol=0, atol=1e-6, msg=key)
+
+
+@pytest.mark.parametrize("name", [*DIVISOR_READ, *DIVISOR_CHECKED])
+def test_every_reducer_divides_by_the_contracts_divisor(runs, chat_reference, name):
+    """The step's reduction contract (distributed/reduction.py) doubled: the loss weights carry
+    twice the divisor. A reducer that reads it (FSDP2, HSDP, FSDP x TP, expert parallel) divides
+    by twice as much and the step's weights are unchanged; a reducer whose divisor torch fixes
+    (DDP, also over context-parallel peers) or a layout without one (pipeline, tensor parallel)
+    is refused, naming it, before a step could train with the wrong factor."""
+    run = runs[f"{name}{DIVISOR_TWICE}"]
+    if name in DIVISOR_CHECKED:
+        assert DIVISOR_CHECKED[name] in run["refused"] and "divides by" in run["refused"]
+        return
+    assert "refused" not in run, run.get("refused")
+    reference = runs[name]["params"]  # the same layout with the contract as it is
+    for key, value in reference.items():
+        torch.testing.assert_close(run["params"][key], value, rtol=0, atol=1e-6, msg=key)

@@ -60,7 +60,7 @@ def test_expert_parallel_on_a_model_without_experts_names_the_model():
 def test_the_mesh_lays_dp_shard_out_as_its_expert_groups():
     cfg = compose([*MOE, "parallel=fsdp", "parallel.dp_shard=8", "parallel.ep=4"])
     dims = parallel_dims(cfg.parallel, 8)
-    assert (dims.dp_shard, dims.ep, dims.gradient_ranks) == (8, 4, 8)
+    assert (dims.dp_shard, dims.ep, dims.batch_ranks) == (8, 4, 8)
     assert dims.describe().endswith("experts over ep 4")
 
 

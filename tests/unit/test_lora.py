@@ -78,8 +78,8 @@ def _run(base: Path, *extra: str) -> list[str]:
 class GradRecorder(Trainer):
     """Notes which parameters hold a gradient after each backward."""
 
-    def forward_backward(self, batch, *, sync):
-        loss = super().forward_backward(batch, sync=sync)
+    def forward_backward(self, batch, *, count, sync):
+        loss = super().forward_backward(batch, count=count, sync=sync)
         self.with_grad = {n for n, p in self.model.named_parameters() if p.grad is not None}
         return loss
 

@@ -142,7 +142,7 @@ def test_degrees_fill_the_world_and_name_every_rank():
     assert sorted(dims.dp_rank(r) for r in range(16)) == sorted(list(range(4)) * 4)
     # Context-parallel peers load the same samples (each cuts its part of the sequences).
     cp = parallel_dims(compose(["parallel=fsdp", "parallel.cp=2", "parallel.tp=2"]).parallel, 16)
-    assert cp == ParallelDims(dp_replicate=1, dp_shard=4, cp=2, tp=2) and cp.gradient_ranks == 8
+    assert cp == ParallelDims(dp_replicate=1, dp_shard=4, cp=2, tp=2) and cp.batch_ranks == 8
     assert cp.coordinates(6) == {"pp": 0, "dp_replicate": 0, "dp_shard": 1, "cp": 1, "tp": 0}
     assert cp.dp_rank(6) == cp.dp_rank(4) == 1
 
