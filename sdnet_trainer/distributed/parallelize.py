@@ -190,19 +190,20 @@ def parallelize(
     mesh: DeviceMesh | None,
     dims: ParallelDims,
     *,
-    reduction: StepReduction,
+    reduction: StepReduction | None = None,
     loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None,
     materialize: Callable[[list[nn.Module]], None] | None = None,
 ) -> ParallelModel:
     """Apply the layout of ``cfg.parallel`` to ``model``; under pipeline parallelism the last
     stage computes ``loss_fn(outputs, targets)``. Every gradient reducer divides as
-    ``reduction`` (the step's contract) says.
+    ``reduction`` (the step's contract, by default the one of ``dims``) says.
 
     ``model`` is on ``env.device``, or on the meta device with ``materialize``: that is called
     with this rank's parts of the model once they are sharded (tensor parallel, FSDP) and
     before anything reads their values (DDP's broadcast, the pipeline's stages), so a rank only
     ever allocates its own share."""
     parallel = cfg.parallel
+    reduction = reduction or StepReduction(dims, world_size=env.world_size)
     if cfg.precision.float8 is not None:
         convert_float8(model, cfg, fsdp=_uses_fsdp(parallel.strategy, dims) and mesh is not None)
     parts: list[nn.Module] = [model]

@@ -62,7 +62,6 @@ from sdnet_trainer.distributed.context_parallel import ContextParallel
 from sdnet_trainer.distributed.env import DistEnv
 from sdnet_trainer.distributed.mesh import ParallelDims, build_mesh, parallel_dims
 from sdnet_trainer.distributed.parallelize import _uses_fsdp, parallelize
-from sdnet_trainer.distributed.reduction import StepReduction
 from sdnet_trainer.lazy import loaded_types
 from sdnet_trainer.models.init import init_steps
 from sdnet_trainer.models.moe import GroupedExperts
@@ -169,9 +168,8 @@ def plan_rank(cfg: Config, rank: int, world_size: int) -> RankPlan:
         replicated = not _uses_fsdp(cfg.parallel.strategy, dims) and dims.dp_replicate * dims.cp > 1
         try:
             parallel = parallelize(
-                model, build, env, mesh, dims, loss_fn=trainer.loss_fn, materialize=keep_meta,
-                reduction=StepReduction(dims, world_size=env.world_size),
-            )  # fmt: skip
+                model, build, env, mesh, dims, loss_fn=trainer.loss_fn, materialize=keep_meta
+            )
             trained, roots = (
                 parallel.model,
                 (parallel.pipeline.modules if parallel.pipeline is not None else [parallel.model]),
