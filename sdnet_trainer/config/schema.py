@@ -381,9 +381,10 @@ class CheckpointConfig:
 
 @dataclass
 class HealthConfig:
-    # Non-finite loss or gradients: abort (exit naming the step and rank; the verdict is read during
-    # the next step, so no per-step host sync, and no checkpoint holds the bad step) or skip the
-    # step (read at once, before the update: one host sync per step).
+    # Non-finite loss or gradients, never applied: abort (exit naming the step and rank, with the
+    # last good step's weights) or skip the step (weights, optimizer state and average untouched).
+    # Fused optimizers skip on the device and the verdict is read during the next step (no
+    # per-step host sync); others read it before the update.
     nonfinite: str = "abort"
     # No step completed for this long: every rank dumps its stacks and exits non-zero; null: off.
     # The default covers a first step that compiles a large model; null: off.

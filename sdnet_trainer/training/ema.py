@@ -55,6 +55,7 @@ class WeightAverage(HookBase):
         self.stages = list(stages)
         self.every_n_steps = cfg.every_n_steps
         self.warmup_steps = cfg.warmup_steps
+        self.decay = cfg.decay
         self._update = get_ema_multi_avg_fn(cfg.decay)
         self.average: dict[str, torch.Tensor] = {}
         self.restart()
@@ -108,19 +109,28 @@ class WeightAverage(HookBase):
         return live
 
     @torch.no_grad()
-    def update(self, step: int) -> None:
+    def update(self, step: int, applied: torch.Tensor | None = None) -> None:
+        """The average moved towards the weights; ``applied``: 0 on the device where the step was
+        skipped (non-finite): the weights did not move, and the average does not either."""
         if self._followers:
             torch._foreach_copy_(self._followers, self._followed)
         if not self._averaged:
             return
         if step <= self.warmup_steps:
-            torch._foreach_copy_(self._averaged, self._current)
-        else:
+            torch._foreach_copy_(self._averaged, self._current)  # unchanged weights: a no-op
+        elif applied is None:
             self._update(self._averaged, self._current, None)
+        else:
+            # torch's lerp by 1 - decay, by 0 where skipped: a weight tensor per tensor keeps the
+            # flag on the device (a Scalar weight would read it on the host).
+            weight = (1.0 - self.decay) * applied.float()
+            by_dtype = {t.dtype: weight.to(t.dtype) for t in self._averaged}
+            weights = [by_dtype[t.dtype] for t in self._averaged]
+            torch._foreach_lerp_(self._averaged, self._current, weights)
 
     def after_step(self, state: RunState, result: StepResult) -> None:
         if state.step % self.every_n_steps == 0:
-            self.update(state.step)
+            self.update(state.step, result.applied)
 
     # ------------------------------------------------------------------ evaluation
 

@@ -173,8 +173,9 @@ class MetricsHook(HookBase):
         self.bad_samples = bad_samples
         self.progress_bar = progress_enabled(cfg.progress_bar, is_main=rank == 0)
         self.memory = MemoryWindow(device)
+        # The window's loss and applied steps, on the device: a skipped step's NaN stays out.
         self._loss_sum: torch.Tensor | None = None
-        self._loss_steps = 0
+        self._loss_steps: torch.Tensor | None = None
         self._started = time.perf_counter()
         self._bar: ProgressBar | None = None
 
@@ -189,9 +190,12 @@ class MetricsHook(HookBase):
         )
 
     def after_step(self, state: RunState, result: StepResult) -> None:
-        if not result.nonfinite:  # a skipped step's NaN would poison the window
-            self._loss_sum = result.loss if self._loss_sum is None else self._loss_sum + result.loss
-            self._loss_steps += 1
+        applied = result.applied
+        if applied is None:
+            applied = torch.tensor(0.0 if result.nonfinite else 1.0, device=result.loss.device)
+        loss = torch.where(applied > 0, result.loss, torch.zeros_like(result.loss))
+        self._loss_sum = loss if self._loss_sum is None else self._loss_sum + loss
+        self._loss_steps = applied if self._loss_steps is None else self._loss_steps + applied
         if self.is_log_step(state.step):
             self._log(state, result)
         elif self._bar is not None:
@@ -200,9 +204,11 @@ class MetricsHook(HookBase):
     def _log(self, state: RunState, result: StepResult) -> None:
         window = self.meter.flush()
         local_loss = (
-            (self._loss_sum / self._loss_steps).item() if self._loss_sum is not None else math.nan
+            (self._loss_sum / self._loss_steps).item()  # 0/0 where every step was skipped: nan
+            if self._loss_sum is not None and self._loss_steps is not None
+            else math.nan
         )
-        self._loss_sum, self._loss_steps = None, 0
+        self._loss_sum, self._loss_steps = None, None
         weight = self.figures.metric_weight
         memory = self.memory.read()
         local = {

@@ -73,10 +73,12 @@ class ExpertBalance(HookBase):
         log = state.step % self.every_n_steps == 0 or state.step == self.total_steps
         if self.rate is not None or log:  # no collective on other steps
             self._stats = self._reduced()
-            # A skipped (non-finite) step left the weights as they were: the bias too.
-            if self.rate is not None and not result.nonfinite:
+            # A skipped (non-finite) step left the weights as they were: the bias too (masked on
+            # the device: the verdict may not have reached the host yet).
+            if self.rate is not None:
                 for index, layer in self.layers.items():
-                    layer.update_bias(self._stats[index, : self.experts], self.rate)
+                    counts = self._stats[index, : self.experts]
+                    layer.update_bias(counts, self.rate, applied=result.applied)
         for layer in self.layers.values():
             layer.reset_counts()
         if log:

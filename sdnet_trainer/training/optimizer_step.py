@@ -6,19 +6,25 @@
    serves the non-finite check, clipping and logging, for one pass over the gradients;
 2. one small all-reduce so every rank takes the same branch (``Agreement``): a NaN/Inf seen by
    any rank, a stop signal received by any rank, a timed checkpoint due by rank 0's clock;
-3. the update (clip, GradScaler step, comm hook's after-step, schedule), or, for a non-finite
-   step, ``health.nonfinite``: abort naming the tensors, or skip the update;
+3. the update (clip, optimizer step, comm hook's after-step, schedule), never applied for a
+   non-finite step: ``health.nonfinite=abort`` ends the run with the weights of the last good
+   step, ``skip`` leaves the parameters and the optimizer state as they were;
 4. ``zero_grad``.
 
 Reading the verdict is a host synchronisation: on a GPU it drains the queue every step. So where
-acting one step late is harmless, the verdict is *deferred*: the all-reduce starts asynchronously,
-and the step's verdict is read during the next step, after that step's backward is queued (every
-rank at the same step, so the ranks still agree). That is the default, ``health.nonfinite=abort``:
-a non-finite step has been applied when the verdict arrives, but the run ends there, and
-``settle()`` runs before every checkpoint save and after the last step, so no checkpoint ever holds
-it. A stop signal or a timed checkpoint is acted on one step later. The verdict stays synchronous
-where the update itself depends on it: ``nonfinite=skip`` (the step must not be applied) and fp16
-(the GradScaler reads its overflow flag every step anyway).
+the optimizer can skip on the device (:func:`skips_on_device`: torch's fused Adam, AdamW and SGD
+kernels skip their update where the optimizer's ``found_inf`` is nonzero, the mechanism
+``GradScaler`` uses), the agreed flag is handed to the kernel without the host reading it, and
+the verdict is *deferred*: read during the next step, after that step's backward is queued (every
+rank at the same step, so the ranks still agree). The step's ``applied`` flag (1 - the agreed
+non-finite flag, on the device) goes to the hooks, which scale what they move by it (the weight
+average, a mixture of experts' routing bias), so a skipped step moves nothing there either.
+Under ``abort`` the run ends when the verdict arrives, before the next update; ``settle()`` runs
+before every checkpoint save and after the last step, so no checkpoint ever follows a non-finite
+step. A stop signal or a timed checkpoint is acted on one step later. Elsewhere the verdict is
+read at once, before the update (fp16, whose GradScaler reads its own overflow flag every step,
+optimizers without a fused kernel, ZeRO-1's wrapper, PowerSGD's error feedback, which the host
+discards).
 """
 
 from __future__ import annotations
@@ -88,7 +94,7 @@ class Agreement:
         self.step = step
         # Kept to say what was non-finite when the verdict arrives a step late.
         self.loss, self.grad_norm = loss, grad_norm
-        self._flags = flags
+        self._flags, self._device_flags = flags, flags
         self._event: torch.cuda.Event | None = None
         self._work = (
             dist.all_reduce(flags, op=dist.ReduceOp.MAX, async_op=True)
@@ -104,6 +110,15 @@ class Agreement:
             self._event = torch.cuda.Event()
             self._event.record()
             self._flags = host_buffer
+
+    def nonfinite_flag(self) -> torch.Tensor:
+        """The agreed non-finite flag on the device (0-dim float: 1.0 where some rank saw a NaN
+        or an Inf), for the update to skip on; the host does not read it (gloo's all-reduce on
+        the CPU is waited for: its result is written by the host)."""
+        if self._work is not None and self._event is None:
+            self._work.wait()
+            self._work = None
+        return self._device_flags[0]
 
     def read(self) -> Verdict:
         """The agreed verdict (a host synchronisation on this step's flags only)."""
@@ -155,10 +170,10 @@ class OptimizerStep:
         self.phase = phase
         self.rank = rank
         self.host_flags = host_flags
-        # Deferred verdicts (module docstring): everywhere the update does not depend on them.
-        self.deferred = nonfinite == "abort" and not precision.scaling
+        # Deferred verdicts (module docstring): where the update skips on the device.
+        self.on_device = skips_on_device(optimizer, precision, comm)
         self._pending: Agreement | None = None  # the last step's agreement, not read yet
-        self._settled = NO_VERDICT  # read but not yet acted on (stop, save due)
+        self._settled = NO_VERDICT  # read but not yet acted on (stop, save due, skipped)
         # Two pinned buffers on CUDA: one for the step in flight, one for the step being read.
         self._host_buffers = (
             [torch.empty(3, pin_memory=True) for _ in range(2)] if device.type == "cuda" else None
@@ -173,35 +188,44 @@ class OptimizerStep:
         replicate_partial_grads(params)
         grad_norm = self.grad_norm(params)
         agreement = self.agree(loss, grad_norm)
-        if self.deferred:
-            self.settle()  # the previous step's, now that this step's backward is queued
-            verdict, self._settled = self._settled, NO_VERDICT
+        self.settle()  # the previous step's, now that this step's backward is queued
+        verdict, self._settled = self._settled, NO_VERDICT
+        if self.on_device and _has_state(self.optimizer, params):
             self._pending = agreement
-            self._update(grad_norm, params)
+            flag = agreement.nonfinite_flag()
+            self._update(grad_norm, params, found_inf=flag)
+            applied = 1.0 - flag
         else:
             self.phase.enter("step agreement all-reduce", step=agreement.step)
-            verdict = agreement.read()
-            if verdict.nonfinite:
+            now = agreement.read()
+            verdict |= now
+            if now.nonfinite:
                 self._skip(loss)
             else:
                 self._update(grad_norm, params)
+            applied = torch.full((), 0.0 if now.nonfinite else 1.0, device=self.device)
         self.optimizer.zero_grad(set_to_none=True)
-        applied = torch.full((), 0.0 if verdict.nonfinite and not self.deferred else 1.0)
-        return grad_norm, verdict, applied.to(self.device)
+        return grad_norm, verdict, applied
 
     def settle(self, *, saving: bool = False) -> None:
-        """Read a deferred verdict still in flight: a non-finite step ends the run here, before
-        a checkpoint (``saving``: a save is about to run, so a timed save due is served by it) or
-        the end of the run builds on it. Stop and save-due flags wait for the next ``apply``."""
+        """Read a deferred verdict still in flight (its update was skipped on the device if it
+        was non-finite): ``abort`` ends the run here, before a checkpoint (``saving``: a save is
+        about to run, so a timed save due is served by it) or the next update builds on it;
+        ``skip`` counts it. Stop and save-due flags wait for the next ``apply``."""
         if self._pending is not None:
             pending, self._pending = self._pending, None
             self.phase.enter("step agreement all-reduce (previous step)", step=pending.step)
             verdict = pending.read()
             if verdict.nonfinite:
-                raise NonFiniteError(pending.step, rank=self.rank, names=pending.nonfinite_names())
+                names = pending.nonfinite_names()
+                if self.nonfinite == "abort":
+                    raise NonFiniteError(pending.step, rank=self.rank, names=names)
+                self._skipped(pending.step, names)
             self._settled |= verdict
         if saving:
-            self._settled = Verdict(nonfinite=False, stop=self._settled.stop, save_due=False)
+            self._settled = Verdict(
+                nonfinite=self._settled.nonfinite, stop=self._settled.stop, save_due=False
+            )
 
     def grad_norm(self, params: list[nn.Parameter]) -> torch.Tensor:
         """The total gradient norm of ``params`` (those with gradients) in true units (unscaled
@@ -233,12 +257,25 @@ class OptimizerStep:
             host_buffer=buffers[step % 2] if buffers is not None else None,
         )
 
-    def _update(self, grad_norm: torch.Tensor, params: list[nn.Parameter]) -> None:
+    def _update(
+        self,
+        grad_norm: torch.Tensor,
+        params: list[nn.Parameter],
+        *,
+        found_inf: torch.Tensor | None = None,
+    ) -> None:
+        """The update; ``found_inf`` (the device skip): the fused kernels skip it where nonzero."""
         self.phase.enter("optimizer", step=self.state.step + 1)
         self._clip(grad_norm, params)
         scaler = self.precision.scaler
         scale_before = scaler.get_scale() if scaler.is_enabled() else None
-        scaler.step(self.optimizer)  # skips optimizer.step when fp16 gradients overflowed
+        if found_inf is not None:
+            self.optimizer.found_inf = found_inf  # type: ignore[attr-defined]  # torch reads it
+        try:
+            scaler.step(self.optimizer)  # skips optimizer.step when fp16 gradients overflowed
+        finally:
+            if found_inf is not None:
+                del self.optimizer.found_inf  # type: ignore[attr-defined]
         scaler.update()
         refresh_float8_scales(self.model)  # FSDP's float8 all-gather: the new weights' scales
         if scale_before is not None and scaler.get_scale() < scale_before:
@@ -268,15 +305,55 @@ class OptimizerStep:
         step = self.state.step + 1
         if self.nonfinite == "abort":
             raise NonFiniteError(step=step, rank=self.rank, names=names)
-        self.state.nonfinite_steps += 1
-        if self.comm is not None:
-            self.comm.discard_error_feedback()
         if self.precision.scaling:
             self.precision.scaler.update()  # closes this step's unscale_; lowers the scale
         self.scheduler.step()
+        self._skipped(step, names)
+
+    def _skipped(self, step: int, names: list[str]) -> None:
+        """A skipped step counted, and PowerSGD's memory of its gradients dropped."""
+        self.state.nonfinite_steps += 1
+        if self.comm is not None:
+            self.comm.discard_error_feedback()
         logger.warning(
             "non-finite values at step %d (%s): step skipped (%d so far)",
             step,
             ", ".join(names) or "on another rank",
             self.state.nonfinite_steps,
         )
+
+
+def skips_on_device(
+    optimizer: torch.optim.Optimizer, precision: Precision, comm: GradientComm | None
+) -> bool:
+    """Whether a non-finite step can be skipped by the optimizer on the device, the host not
+    reading the verdict first: torch's optimizers that take ``GradScaler``'s ``found_inf``
+    (``_step_supports_amp_scaling``: Adam, AdamW, SGD, ...) skip on the device only in their
+    fused kernels (the others refuse it). Not under fp16, whose GradScaler sets ``found_inf``
+    itself; not with PowerSGD, whose error feedback the host must discard after such a step."""
+    fused = all(group.get("fused") for group in optimizer.param_groups)
+    supported = getattr(optimizer, "_step_supports_amp_scaling", False)
+    powersgd = comm is not None and comm.cfg.hook == "powersgd"
+    return fused and supported and not precision.scaling and not powersgd
+
+
+def _has_state(optimizer: torch.optim.Optimizer, params: list[nn.Parameter]) -> bool:
+    """Whether a fused kernel's skipped step leaves the optimizer state as it was. Adam's and
+    AdamW's state starts as zeros (their step count is restored). SGD's first step with momentum
+    creates its buffers with ``empty_like`` for the kernel to fill with the gradient, which a
+    skip leaves unwritten: where ``dampening`` is 0 the buffers are created here as zeros
+    instead, which the kernel's ``momentum x 0 + gradient`` fills with the same gradient; with
+    dampening the first step is checked on the host. Host-side dictionary work: no
+    synchronisation."""
+    if not isinstance(optimizer, torch.optim.SGD):
+        return True
+    stepped = {id(p) for p in params}
+    for group in optimizer.param_groups:
+        if group["momentum"] == 0:
+            continue
+        missing = [p for p in group["params"] if id(p) in stepped and not optimizer.state.get(p)]
+        if missing and group["dampening"] != 0:
+            return False
+        for p in missing:
+            optimizer.state[p]["momentum_buffer"] = torch.zeros_like(p)
+    return True

@@ -80,7 +80,7 @@ class NoSyncOnNonLogSteps(_OnDevice):
 
 def test_non_log_steps_do_not_synchronise_with_the_gpu(tmp_path):
     trainer = _fit(NoSyncOnNonLogSteps, "verdict_sync_check", tmp_path)
-    assert trainer.stepper.deferred and trainer.state.step == 11
+    assert trainer.stepper.on_device and trainer.state.step == 11
     assert_on_cuda(trainer.model, trainer.batch_devices)
 
 

@@ -167,9 +167,33 @@ def test_nonfinite_on_one_rank_aborts_every_rank_naming_the_step(tmp_path):
     assert "non-finite loss or gradients at step 3 on rank 1: loss" in run.output
 
 
+def _saved_tensors(step_dir, tmp_path) -> dict[str, torch.Tensor]:
+    """A checkpoint's tensors by their path (DCP's own converter)."""
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+    out = tmp_path / f"{step_dir.name}.pt"
+    dcp_to_torch_save(step_dir, out)
+    flat: dict[str, torch.Tensor] = {}
+
+    def walk(prefix: str, value: object) -> None:
+        if isinstance(value, torch.Tensor):
+            flat[prefix] = value
+        elif isinstance(value, dict):
+            for key, item in value.items():
+                walk(f"{prefix}/{key}", item)
+
+    walk("", torch.load(out, weights_only=False))
+    return flat
+
+
 def test_nonfinite_skip_on_one_rank_skips_on_every_rank(tmp_path):
+    """Rank 1's loss is NaN at step 3: both ranks skip the update on the device (the fused
+    optimizer's found_inf), so the weights, the optimizer state and the weights' average saved
+    after step 3 are bitwise those saved after step 2; step 4 trains on."""
+    args = ["health.nonfinite=skip", "checkpoint.every_n_steps=1", "checkpoint.keep_last=10"]
+    ema = ["model.ema.enabled=true", "model.ema.warmup_steps=1"]
     run = run_cli(
-        COMMON + ["loop.max_steps=6", "health.nonfinite=skip", f"hydra.run.dir={tmp_path / 'run'}"],
+        COMMON + ["loop.max_steps=6", *args, *ema, f"hydra.run.dir={tmp_path / 'run'}"],
         cwd=tmp_path,
         nproc=2,
         env={"SDNET_TEST_NAN": "1:3"},
@@ -179,6 +203,14 @@ def test_nonfinite_skip_on_one_rank_skips_on_every_rank(tmp_path):
     assert [r["train/nonfinite_steps"] for r in rows if r["step"] == 6 and "train/loss" in r] == [
         1.0
     ]
+    saved = {
+        step: _saved_tensors(tmp_path / "run" / "checkpoints" / f"step_{step:08d}", tmp_path)
+        for step in (2, 3, 4)
+    }
+    moved = [k for k in saved[2] if k.startswith(("/model", "/optim", "/ema"))]
+    assert {k.split("/")[1] for k in moved} == {"model", "optim", "ema"}, sorted(saved[2])
+    assert all(torch.equal(saved[2][k], saved[3][k]) for k in moved)
+    assert not all(torch.equal(saved[3][k], saved[4][k]) for k in moved)  # step 4 trained
 
 
 def test_hung_rank_ends_every_rank_with_stack_dumps(tmp_path):

@@ -273,17 +273,23 @@ class MoE(nn.Module):
         return self.aux_loss_coeff * experts * (share * mean_probs).sum(1)
 
     @torch.no_grad()
-    def update_bias(self, global_counts: torch.Tensor, rate: float) -> None:
+    def update_bias(
+        self, global_counts: torch.Tensor, rate: float, *, applied: torch.Tensor | None = None
+    ) -> None:
         """DeepSeek-V3's update after an optimizer step: each expert's bias moves by ``rate``
         towards balance, ``bias += rate * sign(mean load - load)``; ``global_counts``: the tokens
-        per expert of the step, summed over every rank."""
+        per expert of the step, summed over every rank; ``applied``: 0 on the device where the
+        step was skipped (non-finite), and the bias then stays as it was."""
         if self.load_balance != "bias":
             raise RuntimeError(
                 f"update_bias on a layer with load_balance={self.load_balance!r}: only "
                 f"model.moe.load_balance=bias has a routing bias"
             )
         load = global_counts.to(self.expert_bias)
-        self.expert_bias += rate * torch.sign(load.mean() - load)
+        move = rate * torch.sign(load.mean() - load)
+        if applied is not None:
+            move = torch.where(applied > 0, move, torch.zeros_like(move))
+        self.expert_bias += move
 
     @torch.no_grad()
     def reset_counts(self) -> None:

@@ -1,0 +1,110 @@
+"""A non-finite step is never applied (training/optimizer_step.py): under
+``health.nonfinite=skip`` the weights, the optimizer state, the weights' average and a mixture of
+experts' routing bias after the step are bitwise those before it; under ``abort`` the run ends
+with the weights of the last good step. The fused optimizers skip on the device (the verdict
+read a step late); the others read it before the update. Two processes:
+tests/distributed/test_faults.py's ``test_nonfinite_skip_on_one_rank_skips_on_every_rank``."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from sdnet_trainer import compose
+from sdnet_trainer.training.health import NonFiniteError
+from tests.support import TINY, FaultTrainer
+
+BASE = [*TINY, "loop.max_steps=4", "loop.global_batch_size=32", "loop.eval_at_end=false"]
+EMA = ["model.ema.enabled=true", "model.ema.decay=0.5", "model.ema.warmup_steps=1"]
+# Fused kernels skip on the device; foreach ones cannot take the flag, and are checked at once.
+OPTIMIZERS = {
+    "sgd_fused": (["optim=sgd", "optim.momentum=0.9"], True),
+    "adamw_fused": (["optim=adamw", "optim.lr=0.01"], True),
+    "adamw_foreach": (["optim=adamw", "optim.lr=0.01", "optim.implementation=foreach"], False),
+}
+MOE_BIAS = [
+    "model=moe_debug",
+    "data=tokens",
+    "data.seq_len=16",
+    "data.vocab_size=256",
+    "data.train_size=128",
+    "model.moe.load_balance=bias",
+    "model.moe.bias_update_rate=0.01",
+]
+
+
+def _tensors(tree: object, prefix: str = "") -> dict[str, torch.Tensor]:
+    if isinstance(tree, torch.Tensor):
+        return {prefix: tree.detach().clone()}
+    if isinstance(tree, dict):
+        return {
+            k: v for key, item in tree.items() for k, v in _tensors(item, f"{prefix}/{key}").items()
+        }
+    if isinstance(tree, (list, tuple)):
+        return {
+            k: v for i, item in enumerate(tree) for k, v in _tensors(item, f"{prefix}/{i}").items()
+        }
+    return {}
+
+
+class Snapshots(FaultTrainer):
+    """The weights (buffers included: a MoE's routing bias), the optimizer state and the
+    weights' average at the start of every step, after the previous step's hooks."""
+
+    def train_step(self):
+        if not hasattr(self, "at_start"):
+            self.at_start: dict[int, dict[str, torch.Tensor]] = {}
+        self.at_start[self.state.step + 1] = self.snapshot()
+        return super().train_step()
+
+    def snapshot(self) -> dict[str, torch.Tensor]:
+        return {
+            **_tensors(self.model.state_dict(), "model"),
+            **_tensors(self.optimizer.state_dict()["state"], "optimizer"),
+            **_tensors(self.ema.state_dict() if self.ema is not None else {}, "ema"),
+        }
+
+
+def _fit(overrides: list[str], tmp_path, monkeypatch, *, nan_at: int) -> Snapshots:
+    monkeypatch.setenv("SDNET_TEST_NAN", f"0:{nan_at}")
+    monkeypatch.setenv("SDNET_TEST_DROPOUT", "0")
+    return Snapshots(compose(BASE + overrides), output_dir=tmp_path)
+
+
+def _same(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> list[str]:
+    assert a.keys() == b.keys()
+    return [k for k in a if not torch.equal(a[k], b[k])]
+
+
+@pytest.mark.parametrize("name", [*OPTIMIZERS, "moe_bias"])
+def test_a_skipped_step_leaves_weights_optimizer_state_and_average_bitwise(
+    tmp_path, monkeypatch, name
+):
+    optim, on_device = OPTIMIZERS.get(name, OPTIMIZERS["adamw_fused"])
+    overrides = [*optim, *EMA, "health.nonfinite=skip", *(MOE_BIAS if name == "moe_bias" else [])]
+    trainer = _fit(overrides, tmp_path, monkeypatch, nan_at=3)
+    trainer.fit()
+    assert trainer.stepper.on_device == on_device
+    after = trainer.snapshot()
+    # Step 3's NaN: everything as it was after step 2's hooks; step 2 and step 4 moved it all.
+    assert _same(trainer.at_start[3], trainer.at_start[4]) == []
+    moved = set(_same(trainer.at_start[2], trainer.at_start[3]))
+    assert moved and set(_same(trainer.at_start[4], after)) >= moved
+    assert any(k.startswith("ema/") for k in moved)
+    if name == "moe_bias":
+        assert any(k.endswith("expert_bias") for k in moved)  # moved by steps 2 and 4, not 3
+    assert trainer.state.nonfinite_steps == 1 and trainer.state.step == 4
+    assert trainer.scheduler.last_epoch == 4  # the schedule follows the step count
+
+
+@pytest.mark.parametrize("name", ["sgd_fused", "adamw_foreach"])
+def test_abort_ends_the_run_with_the_weights_of_the_last_good_step(tmp_path, monkeypatch, name):
+    optim, on_device = OPTIMIZERS[name]
+    trainer = _fit([*optim, *EMA], tmp_path, monkeypatch, nan_at=3)
+    with pytest.raises(NonFiniteError, match="at step 3 on rank 0"):
+        trainer.fit()
+    assert trainer.stepper.on_device == on_device
+    # Deferred (fused): step 4's forward and backward ran, its update did not; at once: step 3's
+    # check stopped it. Either way the weights, state and average are those after step 2.
+    assert max(trainer.at_start) == (4 if on_device else 3)
+    assert _same(trainer.at_start[3], trainer.snapshot()) == []
