@@ -41,6 +41,14 @@ def _local(tensor: torch.Tensor) -> torch.Tensor:
     return tensor.to_local() if isinstance(tensor, DTensor) else tensor
 
 
+def _no_negative_zeros(tensors: list[torch.Tensor]) -> None:
+    """-0.0 made +0.0 (``x + 0.0``), every other value, NaN included, left as it is: a value
+    that is not -0.0 stays bitwise the same when a zero of either sign is added to it, which a
+    skipped step's masked update does (``WeightAverage.update``)."""
+    if tensors:
+        torch._foreach_add_(tensors, 0.0)
+
+
 class WeightAverage(HookBase):
     """The EMA of ``model``'s parameters and floating buffers. A hook: ``after_step`` updates it
     every ``cfg.every_n_steps`` steps (a copy of the weights until ``cfg.warmup_steps``); a
@@ -67,6 +75,7 @@ class WeightAverage(HookBase):
         live = self._live()
         self.average = {name: tensor.detach().clone() for name, tensor in live.items()}
         self._pair_up(live)
+        _no_negative_zeros(self._averaged)
 
     def _pair_up(self, live: dict[str, torch.Tensor]) -> None:
         """The local tensors the update and the swap work on, found once: building the model's
@@ -110,23 +119,30 @@ class WeightAverage(HookBase):
 
     @torch.no_grad()
     def update(self, step: int, applied: torch.Tensor | None = None) -> None:
-        """The average moved towards the weights; ``applied``: 0 on the device where the step was
-        skipped (non-finite): the weights did not move, and the average does not either."""
+        """The average moved towards the weights: a copy of them up to ``warmup_steps``, then
+        torch's EMA, a ``lerp`` by ``1 - decay``. ``applied`` (``StepResult.applied``, on the
+        device; None: applied) scales the lerp's weight, so a skipped step (0.0) leaves the
+        average bitwise as it was without the host reading the flag: the weights did not move,
+        so ``weights - average`` is finite and the lerp adds a zero to each value. A zero added
+        to -0.0 can give +0.0: the average never holds a -0.0 (``_no_negative_zeros`` after
+        every write), so adding a zero changes nothing."""
         if self._followers:
             torch._foreach_copy_(self._followers, self._followed)
         if not self._averaged:
             return
         if step <= self.warmup_steps:
-            torch._foreach_copy_(self._averaged, self._current)  # unchanged weights: a no-op
+            torch._foreach_copy_(self._averaged, self._current)
         elif applied is None:
             self._update(self._averaged, self._current, None)
         else:
-            # torch's lerp by 1 - decay, by 0 where skipped: a weight tensor per tensor keeps the
-            # flag on the device (a Scalar weight would read it on the host).
+            # A weight tensor per tensor keeps the flag on the device (a Scalar weight would read
+            # it on the host); on CUDA this is one lerp kernel per tensor (the multi-tensor
+            # kernel needs the weights' shapes to match the tensors').
             weight = (1.0 - self.decay) * applied.float()
             by_dtype = {t.dtype: weight.to(t.dtype) for t in self._averaged}
             weights = [by_dtype[t.dtype] for t in self._averaged]
             torch._foreach_lerp_(self._averaged, self._current, weights)
+        _no_negative_zeros(self._averaged)
 
     def after_step(self, state: RunState, result: StepResult) -> None:
         if state.step % self.every_n_steps == 0:
@@ -159,6 +175,7 @@ class WeightAverage(HookBase):
         # The weights were loaded just before (checkpoint order): pair with them as they are now.
         self._reshard()
         self._pair_up(self._live())
+        _no_negative_zeros(self._averaged)
 
 
 def validate_ema(cfg: Config) -> None:

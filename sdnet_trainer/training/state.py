@@ -89,7 +89,9 @@ class StepResult:
     grad_norm: torch.Tensor  # global, unscaled
     data_wait_s: float  # host time spent fetching and copying the step's batches
     seconds: float  # the whole step, host time
-    nonfinite: bool  # all ranks agreed the step held a NaN/Inf and it was skipped or aborted
+    # All ranks agreed a step held a NaN/Inf and skipped it: this step's where the verdict is read
+    # at once, the previous step's where the fused optimizer skipped it on the device (applied).
+    nonfinite: bool
     stop_requested: bool  # a rank received a stop signal: save and leave after this step
     save_due: bool  # rank 0's clock says a timed checkpoint is due (checkpoint.every_n_minutes)
     # On the device, 1.0 where the update was applied, 0.0 where it was skipped (a non-finite

@@ -5,11 +5,14 @@ from __future__ import annotations
 
 import pytest
 import torch
+from torch import nn
 
 from sdnet_trainer import Trainer, compose
+from sdnet_trainer.config.schema import EMAConfig
 from sdnet_trainer.errors import ConfigError
 from sdnet_trainer.export.cli import main as export_main
 from sdnet_trainer.preflight import validate
+from sdnet_trainer.training.ema import WeightAverage
 from tests.support import TINY
 
 DECAY, EVERY, WARMUP = 0.7, 2, 2
@@ -128,3 +131,31 @@ def test_export_writes_the_average_or_names_its_absence(tmp_path):
 def test_bad_settings_name_the_key(override, key):
     with pytest.raises(ConfigError, match=key):
         validate(compose(EMA + [override]), world_size=1)
+
+
+def _bits(ema: WeightAverage) -> dict[str, bytes]:
+    """The average's bytes: torch.equal holds -0.0 equal to +0.0."""
+    return {k: v.detach().numpy().tobytes() for k, v in ema.state_dict().items()}
+
+
+@pytest.mark.parametrize("decay", [0.9, 0.5, 0.0])  # lerp's two formulas (weight < 0.5 or not)
+def test_a_skipped_step_leaves_the_average_bitwise_as_it_was(decay):
+    """``applied`` 0.0 on the device (a skipped step): every bit of the average stays, zeros of
+    either sign included (a masked lerp adds a zero, and -0.0 + 0.0 is +0.0); 1.0 moves it."""
+    model = nn.Linear(3, 2)
+    with torch.no_grad():
+        model.weight.copy_(torch.tensor([[-0.0, 0.0, 1.5], [-2.0, -0.0, 3.0]]))
+        model.bias.copy_(torch.tensor([-0.0, 5.0]))
+    ema = WeightAverage(model, EMAConfig(enabled=True, decay=decay, warmup_steps=1))
+    copied = [[-0.0, -1.0, 2.0], [-0.0, 4.0, -0.0]]
+    averaged = [[1.0, -0.0, -3.0], [0.5, -7.0, 1.0]]
+    # Step 1 applied (the warmup's copy), step 2 skipped, step 3 applied (a lerp), 4 skipped.
+    for step, weights in [(1, copied), (3, averaged)]:
+        with torch.no_grad():
+            model.weight.copy_(torch.tensor(weights))
+        ema.update(step, torch.tensor(1.0))
+        before = _bits(ema)
+        ema.update(step + 1, torch.tensor(0.0))  # the weights as they were, and the average
+        assert _bits(ema) == before, f"step {step + 1}"
+    expected = decay * torch.tensor(copied) + (1 - decay) * torch.tensor(averaged)
+    torch.testing.assert_close(ema.state_dict()["weight"], expected)

@@ -7,11 +7,17 @@ tests/distributed/test_faults.py's ``test_nonfinite_skip_on_one_rank_skips_on_ev
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import pytest
 import torch
+from torch import nn
+from torch.distributed.optim import ZeroRedundancyOptimizer
 
 from sdnet_trainer import compose
+from sdnet_trainer.models.moe import MoE
 from sdnet_trainer.training.health import NonFiniteError
+from sdnet_trainer.training.optimizer_step import skips_on_device
 from tests.support import TINY, FaultTrainer
 
 BASE = [*TINY, "loop.max_steps=4", "loop.global_batch_size=32", "loop.eval_at_end=false"]
@@ -71,9 +77,17 @@ def _fit(overrides: list[str], tmp_path, monkeypatch, *, nan_at: int) -> Snapsho
     return Snapshots(compose(BASE + overrides), output_dir=tmp_path)
 
 
+def _bits(tensor: torch.Tensor) -> tuple[torch.dtype, bytes]:
+    """A tensor's dtype and bytes: torch.equal holds -0.0 equal to +0.0."""
+    return tensor.dtype, tensor.detach().reshape(-1).contiguous().view(
+        torch.uint8
+    ).numpy().tobytes()
+
+
 def _same(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> list[str]:
+    """The names whose tensors differ, bit for bit."""
     assert a.keys() == b.keys()
-    return [k for k in a if not torch.equal(a[k], b[k])]
+    return [k for k in a if _bits(a[k]) != _bits(b[k])]
 
 
 @pytest.mark.parametrize("name", [*OPTIMIZERS, "moe_bias"])
@@ -108,3 +122,43 @@ def test_abort_ends_the_run_with_the_weights_of_the_last_good_step(tmp_path, mon
     # check stopped it. Either way the weights, state and average are those after step 2.
     assert max(trainer.at_start) == (4 if on_device else 3)
     assert _same(trainer.at_start[3], trainer.snapshot()) == []
+
+
+def test_a_skipped_step_leaves_the_routing_bias_bitwise_as_it_was():
+    """``MoE.update_bias`` under ``applied`` 0.0 (on the device): every bit stays, a -0.0
+    included (a masked move adds a zero, and -0.0 + 0.0 is +0.0); 1.0 moves it."""
+    layer = MoE(8, 4, 2, 16, load_balance="bias", aux_loss_coeff=0.1)
+    bias = torch.tensor([-0.0, 0.25, -0.5, 0.0])
+    layer.expert_bias.copy_(bias)
+    counts = torch.tensor([10.0, 0.0, 5.0, 5.0])  # mean 5: moves -, +, 0, 0
+    layer.update_bias(counts, 0.25, applied=torch.tensor(0.0))
+    assert _bits(layer.expert_bias) == _bits(bias)
+    layer.update_bias(counts, 0.25, applied=torch.tensor(1.0))
+    assert _bits(layer.expert_bias) == _bits(torch.tensor([-0.25, 0.5, -0.5, 0.0]))
+
+
+def _rule(optimizer: torch.optim.Optimizer, *, scaling: bool = False, hook: str = "none") -> bool:
+    precision = SimpleNamespace(scaling=scaling)
+    comm = SimpleNamespace(cfg=SimpleNamespace(hook=hook))
+    return skips_on_device(optimizer, precision, comm)  # type: ignore[arg-type]
+
+
+def test_the_update_skips_on_the_device_only_where_nothing_else_reads_the_verdict():
+    """Fused SGD/Adam/AdamW take the agreed flag as ``found_inf``; everything else reads the
+    verdict before the update: foreach and for-loop kernels (torch refuses ``found_inf``
+    there), fp16 (the GradScaler owns ``found_inf``), PowerSGD (its error feedback is dropped
+    on the host), a wrapper that does not take ``found_inf`` (ZeRO-1's)."""
+    params = [nn.Parameter(torch.ones(2))]
+    for cls in (torch.optim.SGD, torch.optim.Adam, torch.optim.AdamW):
+        assert _rule(cls(params, lr=0.1, fused=True))
+        assert not _rule(cls(params, lr=0.1, foreach=True))
+        assert not _rule(cls(params, lr=0.1, foreach=False))
+        assert not _rule(cls(params, lr=0.1, fused=True), scaling=True)
+        assert not _rule(cls(params, lr=0.1, fused=True), hook="powersgd")
+        for hook in ("fp16", "bf16", "local_sgd"):  # no memory of the gradients
+            assert _rule(cls(params, lr=0.1, fused=True), hook=hook)
+    # One group fused, another not: the flag would reach half of the update.
+    mixed = torch.optim.AdamW([{"params": params}], lr=0.1, fused=True)
+    mixed.add_param_group({"params": [nn.Parameter(torch.ones(2))], "fused": False})
+    assert not _rule(mixed)
+    assert not getattr(ZeroRedundancyOptimizer, "_step_supports_amp_scaling", False)

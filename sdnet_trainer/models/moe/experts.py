@@ -278,18 +278,20 @@ class MoE(nn.Module):
     ) -> None:
         """DeepSeek-V3's update after an optimizer step: each expert's bias moves by ``rate``
         towards balance, ``bias += rate * sign(mean load - load)``; ``global_counts``: the tokens
-        per expert of the step, summed over every rank; ``applied``: 0 on the device where the
-        step was skipped (non-finite), and the bias then stays as it was."""
+        per expert of the step, summed over every rank; ``applied`` (``StepResult.applied``, on
+        the device; None: applied): 0.0 where the step's update was skipped (non-finite), and the
+        bias then stays bitwise as it was, the host not reading the flag (a select, not a
+        multiplication: ``bias + 0.0`` would turn a -0.0 into +0.0)."""
         if self.load_balance != "bias":
             raise RuntimeError(
                 f"update_bias on a layer with load_balance={self.load_balance!r}: only "
                 f"model.moe.load_balance=bias has a routing bias"
             )
         load = global_counts.to(self.expert_bias)
-        move = rate * torch.sign(load.mean() - load)
+        moved = self.expert_bias + rate * torch.sign(load.mean() - load)
         if applied is not None:
-            move = torch.where(applied > 0, move, torch.zeros_like(move))
-        self.expert_bias += move
+            moved = torch.where(applied.to(moved.device) > 0, moved, self.expert_bias)
+        self.expert_bias.copy_(moved)
 
     @torch.no_grad()
     def reset_counts(self) -> None:
