@@ -156,11 +156,15 @@ class GradientComm:
         )
 
     def discard_error_feedback(self) -> None:
-        """Forget PowerSGD's error-feedback memory, e.g. after a step whose gradients were
-        non-finite (a skipped fp16 step, ``health.nonfinite=skip``): the memory would carry the
-        inf/NaN into every later step. No-op for the other hooks."""
+        """Forget PowerSGD's memories of the step's gradients, e.g. after a step whose gradients
+        were non-finite (a skipped fp16 step, ``health.nonfinite=skip``): the error feedback and
+        the warm-started factors P and Q would carry the inf/NaN into every later step (the
+        factors start again from PowerSGD's own seeded random ones, the same on every rank).
+        No-op for the other hooks."""
         if self._powersgd is not None:
             self._powersgd.error_dict.clear()
+            self._powersgd.p_memory_dict.clear()
+            self._powersgd.q_memory_dict.clear()
             self._pending_error = None
 
     def release(self) -> None:

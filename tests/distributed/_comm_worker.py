@@ -18,6 +18,7 @@ the slow part) and rank 0 saves what the test checks to OUT_DIR/results.pt:
    DDP wrapper and GradientComm load the checkpoint and train the same steps. DDP's bucket order
    differs between a fresh wrapper and a trained one for this model, so the memories must follow
    the parameters, not the bucket index.
+4. nonfinite: PowerSGD skips a step whose gradients are NaN (one rank's loss) and trains on.
 """
 
 from __future__ import annotations
@@ -270,6 +271,30 @@ def resume_from(
     return flat_params(model), layouts
 
 
+NAN_AT, NAN_STEPS = 4, 10
+
+
+def nonfinite(x, y) -> list[float]:
+    """Scenario 4: PowerSGD (error feedback and warm start) past its start, rank 1's loss NaN at
+    step NAN_AT: the step is skipped as the Trainer skips it (no update, the hook's memories of
+    that step discarded); the losses of every step, whose later ones must stay finite."""
+    model, comm, optimizer = build(VARIANTS["powersgd"])
+    losses = []
+    for step in range(NAN_STEPS):
+        start = (step * BATCH) % SAMPLES
+        loss = F.cross_entropy(model(x[start : start + BATCH]), y[start : start + BATCH])
+        if step == NAN_AT and dist.get_rank() == 1:
+            loss = loss * float("nan")
+        loss.backward()
+        if step == NAN_AT:
+            comm.discard_error_feedback()
+        else:
+            optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        losses.append(loss.item())
+    return losses
+
+
 def main() -> None:
     out_dir = Path(sys.argv[1])
     dist.init_process_group("gloo")
@@ -279,6 +304,7 @@ def main() -> None:
             "gradients": gradients(x, y),
             "training": training(x, y, x_val, y_val),
             "resume": resume(x, y, out_dir),
+            "nonfinite": nonfinite(x, y),
         }
         if dist.get_rank() == 0:
             torch.save(results, out_dir / "results.pt")

@@ -181,6 +181,16 @@ def _config(hook: str, **parallel) -> Config:
     return Config(comm=CommConfig(hook=hook), parallel=ParallelConfig(**parallel))
 
 
+def test_powersgd_trains_on_after_a_skipped_non_finite_step(results):
+    """A NaN step's compressed gradients reach PowerSGD's memories (the error feedback and the
+    warm-started factors); ``discard_error_feedback`` drops them all, so the steps after the
+    skipped one train on finite values."""
+    losses = results["nonfinite"]
+    nan_at = worker.NAN_AT
+    assert all(torch.isfinite(torch.tensor(losses[:nan_at]))), losses
+    assert all(torch.isfinite(torch.tensor(losses[nan_at + 1 :]))), losses
+
+
 @pytest.mark.parametrize("hook", ["fp16", "bf16", "powersgd", "local_sgd"])
 def test_hooks_need_ddp(hook):
     with pytest.raises(
