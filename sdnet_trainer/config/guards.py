@@ -145,7 +145,8 @@ GUARDS: tuple[Guard, ...] = (
         _keys("sched", "min_lr_ratio", "decay_steps"),
         fix="choose sched=cosine or sched=wsd",
     ),
-    # The same switch: apart from min_lr_ratio, which it excludes (training/optim.py refuses both).
+    # The same switch, a Guard of its own: a Guard's keys are valid set all at once (the test
+    # sets them so), and min_lr excludes min_lr_ratio (training/optim.py refuses both).
     Guard(
         "sched.name",
         _one_of("cosine", "wsd"),

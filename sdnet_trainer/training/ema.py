@@ -86,6 +86,7 @@ class WeightAverage(HookBase):
         floating = [t.is_floating_point() for t in self._averages]
         pairs = list(zip(self._averages, self._weights, floating))
         self._averaged = [average for average, _, f in pairs if f]
+        self._dtypes = [average.dtype for average in self._averaged]  # of the masked lerp's weights
         self._current = [weight for _, weight, f in pairs if f]
         # Integer buffers (BatchNorm's counters) follow the weights: one fused copy, not a
         # Python loop over the layers every step.
@@ -139,8 +140,8 @@ class WeightAverage(HookBase):
             # it on the host); on CUDA this is one lerp kernel per tensor (the multi-tensor
             # kernel needs the weights' shapes to match the tensors').
             weight = (1.0 - self.decay) * applied.float()
-            by_dtype = {t.dtype: weight.to(t.dtype) for t in self._averaged}
-            weights = [by_dtype[t.dtype] for t in self._averaged]
+            by_dtype = {dtype: weight.to(dtype) for dtype in set(self._dtypes)}
+            weights = [by_dtype[dtype] for dtype in self._dtypes]
             torch._foreach_lerp_(self._averaged, self._current, weights)
         _no_negative_zeros(self._averaged)
 

@@ -190,7 +190,7 @@ class OptimizerStep:
         agreement = self.agree(loss, grad_norm)
         self.settle()  # the previous step's, now that this step's backward is queued
         verdict, self._settled = self._settled, NO_VERDICT
-        if self.on_device and _has_state(self.optimizer, params):
+        if self.on_device and _skip_keeps_state(self.optimizer, params):
             self._pending = agreement
             flag = agreement.nonfinite_flag()
             self._update(grad_norm, params, found_inf=flag)
@@ -337,15 +337,17 @@ def skips_on_device(
     return fused and supported and not precision.scaling and not powersgd
 
 
-def _has_state(optimizer: torch.optim.Optimizer, params: list[nn.Parameter]) -> bool:
+def _skip_keeps_state(optimizer: torch.optim.Optimizer, params: list[nn.Parameter]) -> bool:
     """Whether a fused kernel's skipped step leaves the optimizer state as it was. Adam's and
     AdamW's state starts as zeros (their step count is restored). SGD's first step with momentum
     creates its buffers with ``empty_like`` for the kernel to fill with the gradient, which a
     skip leaves unwritten: where ``dampening`` is 0 the buffers are created here as zeros
     instead, which the kernel's ``momentum x 0 + gradient`` fills with the same gradient; with
     dampening the first step is checked on the host. Host-side dictionary work: no
-    synchronisation."""
+    synchronisation, and once every parameter has its state no loop over them."""
     if not isinstance(optimizer, torch.optim.SGD):
+        return True
+    if len(optimizer.state) == sum(len(group["params"]) for group in optimizer.param_groups):
         return True
     stepped = {id(p) for p in params}
     for group in optimizer.param_groups:
